@@ -1,0 +1,26 @@
+"""fp8pass: FP8 training of Llama-style models as a one-line change, ``torch.compile(model, backend="fp8")``.
+
+This module holds the public API only; see DESIGN.md for the layout.
+"""
+
+from .config import CurrentScaling, DelayedScaling
+from .numerics import (
+    E2M1,
+    E4M3,
+    E4M3_GAUDI,
+    E5M2,
+    E8M0,
+    DelayedScalingState,
+    Format,
+    Quantized,
+    get_format,
+    quantize,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CurrentScaling", "DelayedScaling",
+    "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
+    "Quantized", "quantize", "DelayedScalingState",
+]

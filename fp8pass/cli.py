@@ -1,0 +1,63 @@
+"""Command line: ``python -m fp8pass {selfcheck, ...}``.
+
+Subcommands are added by the parts that own them (train, inspect, bench); ``selfcheck`` verifies the
+numerics core on this machine in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _selfcheck(args) -> int:
+    import numpy as np
+    import torch
+
+    from . import E2M1, E4M3, E5M2, quantize
+    from .numerics import decode, saturating_cast
+    from .numerics.kernels import family_name
+
+    torch.manual_seed(0)
+    print(f"fp8pass selfcheck: torch {torch.__version__}, kernels={family_name('cpu')}")
+    # Every finite fp16 bit pattern through each format, against the integer reference cast.
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    x = x[torch.isfinite(x)]
+    failures = 0
+    try:
+        import ml_dtypes
+    except ImportError:
+        ml_dtypes = None
+    for fmt, name in ((E4M3, "float8_e4m3fn"), (E5M2, "float8_e5m2"), (E2M1, "float4_e2m1fn")):
+        got = decode(saturating_cast(x, fmt), fmt).numpy()
+        if ml_dtypes is not None:
+            ref = np.clip(x.numpy(), -fmt.max, fmt.max).astype(getattr(ml_dtypes, name)).astype(np.float32)
+            bad = int((got != ref).sum())
+            failures += bad
+            print(f"  {fmt.name:5s} all {x.numel()} finite fp16 values vs ml_dtypes: {bad} mismatches")
+        else:
+            print(f"  {fmt.name:5s} cast ok (install ml_dtypes for the independent check)")
+    big = torch.randn(4096, 4096)
+    for gran in ("tensor", "row", "block"):
+        t0 = time.perf_counter()
+        q = quantize(big, E4M3, granularity=gran)
+        dt = time.perf_counter() - t0
+        err = ((q.dequantize() - big).norm() / big.norm()).item()
+        print(f"  quantize e4m3 {gran:6s} 16M values: {dt * 1e3:7.1f} ms, relative error {err:.4f}")
+        failures += not (err < 0.05)
+    print("selfcheck", "passed" if failures == 0 else f"FAILED ({failures})")
+    return 0 if failures == 0 else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fp8pass", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("selfcheck", help="check the numerics core on this machine")
+    p.set_defaults(func=_selfcheck)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Saturating casts onto a format's grid: round-to-nearest-even and stochastic rounding (torch family).
+
+The cast is defined on integers so that it is exact in any arithmetic: a finite input
+``v = sig * 2**(e - P)`` (``sig`` its significand with the implicit one, ``P`` the source mantissa
+width) is counted in units of the target's quantum ``2**(max(e, emin) - mbits)``::
+
+    s = P - mbits + max(0, emin - e)          # bits of sig that the target cannot hold
+    n = sig >> s                               # whole quanta
+    r = sig & (2**s - 1)                       # the dropped remainder
+    nearest:    n += r > 2**(s-1) or (r == 2**(s-1) and n odd)
+    stochastic: n += (r + u) >= 2**s,  u uniform in [0, 2**s)   -> E[n * quantum] == v exactly
+
+The result is encoded as sign | exponent field | mantissa and clamped to the format's largest code,
+which saturates (Inf and values beyond ``max`` become +-max). NaN becomes the format's NaN code; E2M1
+has none and encodes NaN as 0 (the caller marks the group's scale NaN instead, see quantize.py).
+
+``saturating_cast`` uses torch's native fp32 -> float8 conversion for round-to-nearest-even where the
+format has a dtype (it is the fast path on CPU and is checked bit-exact against this algorithm and
+ml_dtypes in the tests); every other case runs the integer algorithm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import E2M1, Format, get_format
+
+__all__ = ["ROUNDINGS", "check_rounding", "encode", "decode", "saturating_cast", "pack_e2m1", "unpack_e2m1"]
+
+ROUNDINGS = ("nearest", "stochastic")
+
+# (int dtype, mantissa bits, exponent bias, exponent field mask) of the float dtypes cast exactly.
+_SOURCE = {
+    torch.float32: (torch.int32, 23, 127, 0xFF),
+    torch.float64: (torch.int64, 52, 1023, 0x7FF),
+}
+
+
+def check_rounding(rounding: str) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; valid roundings: {', '.join(ROUNDINGS)}")
+    return rounding
+
+
+def _source_float(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 widen exactly to fp32; fp32/fp64 are taken as they are."""
+    if x.dtype in _SOURCE:
+        return x
+    if x.dtype in (torch.float16, torch.bfloat16) or x.dtype.is_floating_point:
+        return x.float()
+    raise TypeError(f"expected a floating-point tensor, got dtype {x.dtype}")
+
+
+def encode(
+    x: torch.Tensor,
+    fmt: Format | str,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Round ``x`` onto ``fmt``'s grid (saturating) and return the codes as int16 (sign in bit ``bits-1``).
+
+    Args:
+        x: floating-point tensor; fp16/bf16 are widened to fp32 first (exact), fp64 is cast exactly.
+        fmt: target format (Format or name).
+        rounding: "nearest" (ties to even) or "stochastic".
+        generator: torch.Generator for the stochastic bits (reproducible), on ``x``'s device.
+    """
+    fmt = get_format(fmt)
+    check_rounding(rounding)
+    v = _source_float(x)
+    idt, pbits, pbias, emask = _SOURCE[v.dtype]
+    bits = v.contiguous().view(idt)
+    negative = bits < 0
+    mag = bits & ((1 << (pbits + (emask.bit_length()))) - 1)  # drop the sign bit
+    efield = mag >> pbits
+    mant = mag & ((1 << pbits) - 1)
+    is_normal = efield > 0
+    sig = torch.where(is_normal, mant | (1 << pbits), mant)
+    e = torch.where(is_normal, efield - pbias, torch.full_like(efield, 1 - pbias))
+    # Bits to drop; beyond pbits + 2 the value is below half the smallest subnormal and rounds to 0
+    # (or to the smallest subnormal under stochastic rounding, with the right probability).
+    shift = (pbits - fmt.mbits) + torch.clamp(fmt.emin - e, min=0)
+    if rounding == "nearest":
+        shift = torch.clamp(shift, max=pbits + 2)
+        n = sig >> shift
+        rem = sig - (n << shift)
+        half = 1 << (shift - 1)
+        n = n + ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(n.dtype)
+    else:
+        # Keep shifts inside the integer width: for tiny inputs drop low bits of sig first, which
+        # changes the round-up probability by less than 2**-(width - pbits - 3) of one quantum.
+        cap = (31 if idt == torch.int32 else 63) - 1
+        pre = torch.clamp(shift - cap, min=0)
+        sig = sig >> pre
+        shift = shift - pre
+        n = sig >> shift
+        rem = sig - (n << shift)
+        u = torch.randint(0, 1 << cap, v.shape, generator=generator, device=v.device, dtype=idt)
+        n = n + ((rem + (u & ((1 << shift) - 1))) >> shift)
+    # Normalise a carry out of the mantissa, then assemble exponent field and mantissa.
+    eb = torch.clamp(e, min=fmt.emin)
+    carry = n >> (fmt.mbits + 1)
+    n = n >> carry
+    eb = eb + carry
+    subnormal = n < (1 << fmt.mbits)
+    code = torch.where(
+        subnormal, n, ((eb + fmt.bias) << fmt.mbits) | (n - (1 << fmt.mbits))
+    )
+    # Inf (and anything beyond max) saturates; codes are monotone in magnitude.
+    code = torch.clamp(code, max=fmt.max_code)
+    code = torch.where(efield == emask, torch.full_like(code, fmt.max_code), code)
+    nan = torch.isnan(v)
+    if fmt.nan_code is not None:
+        code = torch.where(nan, torch.full_like(code, fmt.nan_code), code)
+    else:
+        code = torch.where(nan, torch.zeros_like(code), code)
+    if fmt.signed:
+        code = code | (negative.to(code.dtype) << (fmt.bits - 1))
+    return code.to(torch.int16)
+
+
+def _codes_to_storage(code: torch.Tensor, fmt: Format) -> torch.Tensor:
+    if fmt.torch_dtype is not None:
+        return code.to(torch.uint8).view(fmt.torch_dtype)
+    if fmt.packed:
+        return pack_e2m1(code.to(torch.uint8))
+    return code.to(torch.uint8)
+
+
+def saturating_cast(
+    x: torch.Tensor,
+    fmt: Format | str,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Cast ``x`` (already scaled) to ``fmt``: fp8 dtype codes, or packed uint8 for E2M1.
+
+    Values beyond ``fmt.max`` clamp to +-max, NaN stays NaN (E2M1: becomes 0), -0 stays -0.
+    """
+    fmt = get_format(fmt)
+    check_rounding(rounding)
+    if rounding == "nearest" and fmt.torch_dtype is not None and x.dtype != torch.float64:
+        # Native RNE conversion from fp32 (exact widening first for fp16/bf16); it overflows to NaN,
+        # so clamp first. clamp keeps NaN and -0.
+        v = _source_float(x)
+        return torch.clamp(v, -fmt.max, fmt.max).to(fmt.torch_dtype)
+    return _codes_to_storage(encode(x, fmt, rounding, generator), fmt)
+
+
+def _e2m1_values(device: torch.device) -> torch.Tensor:
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=device)
+    return torch.cat([mags, -mags])
+
+
+def decode(data: torch.Tensor, fmt: Format | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Exact values of stored codes (fp8 dtype tensor, or packed uint8 for E2M1) in ``dtype``."""
+    fmt = get_format(fmt)
+    if fmt.torch_dtype is not None:
+        return data.view(fmt.torch_dtype).to(dtype)
+    if fmt is E2M1 or fmt.packed:
+        codes = unpack_e2m1(data)
+        return _e2m1_values(data.device)[codes.long()].to(dtype)
+    if fmt.name == "e8m0":
+        out = torch.exp2(data.to(torch.float32) - fmt.bias)
+        return torch.where(data == fmt.nan_code, torch.nan, out).to(dtype)
+    raise ValueError(f"cannot decode format {fmt}")
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes (uint8, last dim even) two per byte: element 2k low nibble, 2k+1 high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"E2M1 packing needs an even last dimension, got shape {tuple(codes.shape)}")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_e2m1: uint8 [..., n/2] -> uint8 codes [..., n]."""
+    p = packed.view(torch.uint8)
+    return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)

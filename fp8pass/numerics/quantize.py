@@ -1,0 +1,204 @@
+"""``quantize(x, fmt, ...)`` and the ``Quantized`` result.
+
+Convention: ``data = saturating_cast(x * scale)`` and ``dequantize() = data / scale``, the scale
+broadcast over its group. Granularities, on the matrix view ``[rows, cols]`` of ``x`` (all leading
+dims folded into rows, a 1-D tensor is one row):
+
+==========  ===========================================================================  ==============
+granularity  groups                                                                      ``scale`` shape
+==========  ===========================================================================  ==============
+"tensor"    the whole tensor                                                              ``[]``
+"row"       each row (per token for activations, per output channel for weights)          ``[..., 1]``
+"block"     tiles ``block=(br, bc)``: ``(1, B)`` for activations, ``(B, B)`` for weights  ``[nr, nc]``
+==========  ===========================================================================  ==============
+
+``block=None`` means ``(1, 128)`` for FP8 formats and ``(1, 16)`` for E2M1; an int ``B`` means
+``(1, B)``. A shape the tile does not divide gets partial tiles at its edges (as if zero-padded).
+
+E2M1 with "block" granularity is NVFP4: per-tile decode scales stored in E4M3 (``block_scale``) under
+one fp32 tensor encode scale (``scale``); ``dequantize() = data * block_scale / scale``. E2M1 codes are
+packed two per byte along the last dim, which must then be even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import GRANULARITIES
+from .casts import check_rounding, decode
+from .formats import E2M1, Format, get_format
+from .kernels import kernel_family, torch_family
+from .scaling import scale_from_amax
+
+__all__ = ["Quantized", "quantize", "normalize_block"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class Quantized:
+    """A quantized tensor: codes, scales and what is needed to read them back.
+
+    Attributes:
+        data: codes; an fp8 dtype tensor of ``shape``, or packed E2M1 uint8 ``[..., cols // 2]``.
+        scale: fp32 encode scale(s) (see the module table); for NVFP4 the tensor scale.
+        format: the element Format.
+        granularity: "tensor", "row" or "block".
+        block: the tile for "block" granularity, else None.
+        shape: the logical shape of the quantized tensor.
+        dtype: the dtype of the tensor that was quantized.
+        block_scale: NVFP4 only: E4M3 per-tile decode scales ``[nr, nc]``.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    format: Format
+    granularity: str
+    block: tuple[int, int] | None
+    shape: torch.Size
+    dtype: torch.dtype
+    block_scale: torch.Tensor | None = None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The represented values ``data / scale`` in ``dtype`` (computed in fp32)."""
+        vals = decode(self.data, self.format, torch.float32)
+        rows, cols = _matrix_shape(self.shape)
+        vals = vals.reshape(rows, cols)
+        if self.granularity == "tensor":
+            out = vals / self.scale
+        elif self.granularity == "row":
+            out = vals / self.scale.reshape(rows, 1)
+        elif self.block_scale is not None:
+            d = torch_family.expand_groups(self.block_scale.to(torch.float32), self.block, vals.shape)
+            out = vals * d / self.scale
+        else:
+            out = vals / torch_family.expand_groups(self.scale, self.block, vals.shape)
+        return out.reshape(self.shape).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and scales together."""
+        total = self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+        if self.block_scale is not None:
+            total += self.block_scale.numel()
+        return total
+
+
+def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    cols = shape[-1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows, cols
+
+
+def normalize_block(block, fmt: Format) -> tuple[int, int]:
+    """``None`` -> the format's default tile, ``B`` -> ``(1, B)``, ``(br, bc)`` checked."""
+    if block is None:
+        return (1, 16) if fmt is E2M1 else (1, 128)
+    if isinstance(block, int) and not isinstance(block, bool):
+        block = (1, block)
+    if (
+        not isinstance(block, (tuple, list))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)
+    ):
+        raise ValueError(f"block must be None, a positive int B (1 x B tiles) or (rows, cols); got {block!r}")
+    return tuple(block)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Format | str,
+    scale: torch.Tensor | float | None = None,
+    granularity: str = "tensor",
+    block=None,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    power_of_two: bool = False,
+) -> Quantized:
+    """Quantize ``x`` to ``fmt`` with saturating round-to-nearest-even or stochastic rounding.
+
+    Args:
+        x: fp16, bf16, fp32 or fp64 tensor of any shape (non-contiguous is fine).
+        fmt: E4M3, E4M3_GAUDI, E5M2, E2M1 (or a name such as "e4m3").
+        scale: the encode scale to use (delayed scaling): a scalar for "tensor", ``[rows]`` or
+            ``[..., 1]`` for "row", ``[nr, nc]`` for "block" (for NVFP4: the fp32 tensor scale).
+            None: current scaling, ``fmt.max / amax`` per group.
+        granularity: "tensor", "row" or "block".
+        block: tile for "block" granularity (see the module docs).
+        rounding: "nearest" (ties to even) or "stochastic" (unbiased; use ``generator`` to reproduce).
+        generator: torch.Generator for stochastic rounding.
+        power_of_two: round computed scales down to a power of two, ``2**floor(log2(max / amax))``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"quantize expects a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
+    fmt = get_format(fmt)
+    if fmt.name == "e8m0":
+        raise ValueError("E8M0 is a block-scale format, not an element format; quantize to e4m3, e5m2 or e2m1")
+    check_rounding(rounding)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
+    if fmt.packed and (x.dim() == 0 or x.shape[-1] % 2):
+        raise ValueError(
+            f"E2M1 packs two codes per byte along the last dim, which must be even; got shape {tuple(x.shape)}"
+        )
+    kernels = kernel_family(x.device)
+    rows, cols = _matrix_shape(x.shape)
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+    if scale is not None:
+        scale = scale.to(device=x.device, dtype=torch.float32)
+
+    if granularity == "tensor":
+        if scale is None:
+            scale = scale_from_amax(kernels.tensor_amax(x), fmt, power_of_two=power_of_two)
+        elif scale.numel() != 1:
+            raise ValueError(f"a 'tensor' scale must have one element, got shape {tuple(scale.shape)}")
+        scale = scale.reshape(())
+        data, _ = kernels.cast_scaled(x, scale, fmt, rounding, generator)
+        return Quantized(_shape_data(data, x.shape, fmt), scale, fmt, "tensor", None, x.shape, x.dtype)
+
+    x2d = x.reshape(rows, cols)
+    if granularity == "row":
+        tile = (1, cols if cols else 1)
+        given = None
+        if scale is not None:
+            if scale.numel() != rows:
+                raise ValueError(f"a 'row' scale needs {rows} elements (one per row), got shape {tuple(scale.shape)}")
+            given = scale.reshape(rows, 1)
+        data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator)
+        out_scale = scales.reshape(*x.shape[:-1], 1) if x.dim() >= 1 else scales.reshape(())
+        return Quantized(_shape_data(data, x.shape, fmt), out_scale, fmt, "row", None, x.shape, x.dtype)
+
+    tile = normalize_block(block, fmt)
+    n_tiles = (-(-rows // tile[0]), -(-cols // tile[1]))
+    if fmt is E2M1:
+        g = scale
+        if g is None:
+            g = torch_family.global_nvfp4_scale(kernels.tensor_amax(x), fmt)
+        elif g.numel() != 1:
+            raise ValueError("for NVFP4 (E2M1 blocks) `scale` is the one fp32 tensor scale")
+        g = g.reshape(())
+        d_q, enc = torch_family.nvfp4_block_scales(kernels.group_amax(x2d, tile), g, fmt)
+        data, _ = kernels.quantize_groups(x2d, tile, fmt, enc, False, rounding, generator)
+        return Quantized(_shape_data(data, x.shape, fmt), g, fmt, "block", tile, x.shape, x.dtype, d_q)
+    given = None
+    if scale is not None:
+        if tuple(scale.shape) != n_tiles:
+            raise ValueError(f"a 'block' scale for tiles {tile} of a {rows}x{cols} matrix must have shape {n_tiles}")
+        given = scale
+    data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator)
+    return Quantized(_shape_data(data, x.shape, fmt), scales, fmt, "block", tile, x.shape, x.dtype)
+
+
+def _shape_data(data: torch.Tensor, shape: torch.Size, fmt: Format) -> torch.Tensor:
+    if fmt.packed:
+        return data.reshape(*shape[:-1], shape[-1] // 2)
+    return data.reshape(shape)
