@@ -145,9 +145,10 @@ def quantize(
     check_rounding(rounding)
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
-    if fmt.packed and (x.dim() == 0 or x.shape[-1] % 2):
+    if fmt.packed and (x.dim() == 0 or x.shape[-1] % 2 or (granularity == "block" and normalize_block(block, fmt)[1] % 2)):
         raise ValueError(
-            f"E2M1 packs two codes per byte along the last dim, which must be even; got shape {tuple(x.shape)}"
+            f"E2M1 packs two codes per byte along the last dim, so it and the block width must be even; "
+            f"got shape {tuple(x.shape)}, block {block!r}"
         )
     kernels = kernel_family(x.device)
     rows, cols = _matrix_shape(x.shape)

@@ -19,7 +19,7 @@ import torch
 from ..config import DelayedScaling
 from .formats import Format, get_format
 
-__all__ = ["MAX_SCALE", "scale_from_amax", "DelayedScalingState", "delayed_scaling_update"]
+__all__ = ["MAX_SCALE", "scale_from_amax", "power_of_two_floor", "DelayedScalingState", "delayed_scaling_update"]
 
 MAX_SCALE = 2.0**126
 
@@ -38,14 +38,21 @@ def scale_from_amax(
     fmt = get_format(fmt)
     amax = amax.to(torch.float32)
     target = fmt.max / (2.0**margin) if margin else fmt.max
-    scale = torch.clamp(target / amax, max=MAX_SCALE)
+    # Tensor / tensor: torch computes `python_float / tensor` as a reciprocal times the float, which
+    # is not correctly rounded; the Triton kernels use the correctly rounded division too.
+    scale = torch.clamp(torch.full_like(amax, target) / amax, max=MAX_SCALE)
     if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = power_of_two_floor(scale)
     ok = (amax > 0) & torch.isfinite(amax)
     fallback = torch.ones_like(scale)
     if fmt.nan_code is None:
         fallback = torch.where(torch.isnan(amax), torch.nan, fallback)
     return torch.where(ok, scale, fallback)
+
+
+def power_of_two_floor(scale: torch.Tensor) -> torch.Tensor:
+    """``2**floor(log2(scale))`` for positive normal fp32 scales, exactly: keep only the exponent bits."""
+    return (scale.to(torch.float32).view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
 def delayed_scaling_update(

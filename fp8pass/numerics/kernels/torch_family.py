@@ -139,7 +139,7 @@ def global_nvfp4_scale(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
     """fp32 tensor encode scale ``fmt.max * 448 / amax`` (1 for a zero or non-finite amax)."""
     amax = amax.to(torch.float32)
     ok = (amax > 0) & torch.isfinite(amax)
-    scale = torch.clamp((fmt.max * E4M3.max) / amax, max=MAX_SCALE)
+    scale = torch.clamp(torch.full_like(amax, fmt.max * E4M3.max) / amax, max=MAX_SCALE)
     return torch.where(ok, scale, torch.ones_like(amax))
 
 

@@ -1,0 +1,316 @@
+"""Triton kernel family: fused amax + cast kernels, bit-identical to ``torch_family``.
+
+The cast never uses Triton's fp32 -> fp8 conversion: Triton 3.9's interpreter drops the mantissa
+carry and rounds ties away from zero, and GPUs have had double-rounding bugs in the same cast
+(REFERENCES.md §5). ``_encode`` computes the codes with the integer algorithm documented in
+``fp8pass/numerics/casts.py`` (``encode`` there is its torch reference), so the result is exact on
+the interpreter and on every GPU. Scales use the correctly rounded ``div_rn`` as torch does.
+
+Kernels:
+    ``_amax_kernel``          partial max |x| per program (NaN-propagating, like torch.aminmax).
+    ``_cast_tensor_kernel``   codes of ``x * scale`` for one scale, optionally the partial amaxes of
+                              x in the same read (delayed scaling records the amax while casting);
+                              E2M1 codes are packed two per byte in the kernel.
+    ``_quantize_tiles_kernel`` one program per tile: amax over the tile, scale, cast (current
+                              scaling, rows or blocks), or the cast alone with given per-tile scales.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import Format
+from ..scaling import MAX_SCALE
+from . import torch_family
+
+__all__ = ["tensor_amax", "cast_scaled", "group_amax", "quantize_groups"]
+
+# The interpreter runs each program as numpy calls: large blocks amortise its per-program overhead.
+_BLOCK = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+
+
+@triton.jit
+def _encode(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+            NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Saturating RNE / stochastic codes of fp32 ``v`` (see casts.encode for the math)."""
+    bits = v.to(tl.int32, bitcast=True)
+    negative = bits < 0
+    mag = bits & 0x7FFFFFFF
+    efield = mag >> 23
+    mant = mag & 0x7FFFFF
+    is_normal = efield > 0
+    sig = tl.where(is_normal, mant | 0x800000, mant)
+    e = tl.where(is_normal, efield - 127, -126)
+    emin = 1 - BIAS
+    shift = (23 - MBITS) + tl.maximum(emin - e, 0)
+    one = tl.full(v.shape, 1, tl.int32)
+    if STOCHASTIC:
+        pre = tl.maximum(shift - 30, 0)
+        sig = sig >> pre
+        shift = shift - pre
+        n = sig >> shift
+        rem = sig - (n << shift)
+        u = rbits & ((one << shift) - 1)
+        n = n + ((rem + u) >> shift)
+    else:
+        shift = tl.minimum(shift, 25)
+        n = sig >> shift
+        rem = sig - (n << shift)
+        half = one << (shift - 1)
+        up = (rem > half) | ((rem == half) & ((n & 1) == 1))
+        n = n + up.to(tl.int32)
+    eb = tl.maximum(e, emin)
+    carry = n >> (MBITS + 1)
+    n = n >> carry
+    eb = eb + carry
+    code = tl.where(n < (1 << MBITS), n, ((eb + BIAS) << MBITS) | (n - (1 << MBITS)))
+    code = tl.minimum(code, MAX_CODE)
+    code = tl.where(efield == 255, MAX_CODE, code)
+    code = tl.where(v != v, NAN_CODE, code)
+    return code | (negative.to(tl.int32) << SIGN_SHIFT)
+
+
+@triton.jit
+def _abs_max(x):
+    """max |x| that propagates NaN (tl.max alone would drop it on GPUs)."""
+    m = tl.max(tl.abs(x))
+    has_nan = tl.max((x != x).to(tl.int32))
+    return tl.where(has_nan > 0, float("nan"), m)
+
+
+@triton.jit
+def _nan_max(a, b):
+    """maximum(a, b) that propagates NaN from either side."""
+    return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
+
+
+@triton.jit
+def _amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, _abs_max(x))
+
+
+@triton.jit
+def _random_bits(seed, offs):
+    return (tl.randint(seed, offs) & 0x3FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _cast_tensor_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, n, seed,
+                        MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+                        NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr,
+                        PACKED: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    scale = tl.load(scale_ptr)
+    if PACKED:
+        # BLOCK output bytes, each holding elements 2i (low nibble) and 2i+1 (high nibble).
+        pairs = pid * BLOCK + tl.arange(0, BLOCK)
+        lo_offs = 2 * pairs
+        mask = lo_offs < n
+        lo = tl.load(x_ptr + lo_offs, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + lo_offs + 1, mask=mask, other=0.0).to(tl.float32)
+        if WANT_AMAX:
+            tl.store(partial_ptr + pid, _nan_max(_abs_max(lo), _abs_max(hi)))
+        r_lo = _random_bits(seed, lo_offs)
+        r_hi = _random_bits(seed, lo_offs + 1)
+        c_lo = _encode(lo * scale, r_lo, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
+        c_hi = _encode(hi * scale, r_hi, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
+        tl.store(out_ptr + pairs, (c_lo | (c_hi << 4)).to(tl.uint8), mask=mask)
+    else:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if WANT_AMAX:
+            tl.store(partial_ptr + pid, _abs_max(x))
+        rbits = _random_bits(seed, offs)
+        code = _encode(x * scale, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
+        tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _tile_scale(amax, FMAX: tl.constexpr, MAX_SCALE_C: tl.constexpr, POW2: tl.constexpr,
+                NAN_SCALE: tl.constexpr):
+    """scale_from_amax for one tile: FMAX / amax, capped; 1 (or NaN) for zero/non-finite amax."""
+    scale = tl.minimum(tl.math.div_rn(FMAX + amax * 0.0, amax), MAX_SCALE_C)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    ok = (amax > 0) & (amax < float("inf"))
+    fallback = 1.0
+    if NAN_SCALE:
+        fallback = tl.where(amax != amax, float("nan"), 1.0)
+    return tl.where(ok, scale, fallback)
+
+
+@triton.jit
+def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, rows, cols, n_row_tiles, n_col_tiles,
+                           seed, TR: tl.constexpr, TC: tl.constexpr, TRP: tl.constexpr,
+                           TCP: tl.constexpr, GR: tl.constexpr, GC: tl.constexpr,
+                           MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+                           NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+                           STOCHASTIC: tl.constexpr, PACKED: tl.constexpr, FMAX: tl.constexpr,
+                           MAX_SCALE_C: tl.constexpr, POW2: tl.constexpr, NAN_SCALE: tl.constexpr,
+                           MODE: tl.constexpr):
+    """GR x GC tiles of TR x TC elements of a contiguous [rows, cols] matrix, as one 4-D block.
+
+    The block is [GR, TRP, GC, TCP] (TRP, TCP: TR, TC rounded up to powers of two, masked); the
+    per-tile amax is a max over axes 3 and 1. MODE 0: amax -> scale -> cast (current scaling);
+    1: cast with the given per-tile scales; 2: per-tile amax only. For PACKED (E2M1) formats TCP
+    counts byte columns, each holding elements 2b (low nibble) and 2b+1 (high nibble) of the tile.
+    """
+    gr = tl.program_id(0) * GR + tl.arange(0, GR)[:, None, None, None]
+    gc = tl.program_id(1) * GC + tl.arange(0, GC)[None, None, :, None]
+    i = tl.arange(0, TRP)[None, :, None, None]
+    j = tl.arange(0, TCP)[None, None, None, :]
+    r = gr * TR + i
+    if PACKED:
+        c = gc * TC + 2 * j
+        m = (i < TR) & (2 * j < TC) & (r < rows) & (c < cols) & (gr < n_row_tiles) & (gc < n_col_tiles)
+        lo = tl.load(x_ptr + r * cols + c, mask=m, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + r * cols + c + 1, mask=m, other=0.0).to(tl.float32)
+        a = _nan_max(tl.abs(lo), tl.abs(hi))
+    else:
+        c = gc * TC + j
+        m = (i < TR) & (j < TC) & (r < rows) & (c < cols) & (gr < n_row_tiles) & (gc < n_col_tiles)
+        x = tl.load(x_ptr + r * cols + c, mask=m, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+    tiles_r = tl.program_id(0) * GR + tl.arange(0, GR)[:, None]
+    tiles_c = tl.program_id(1) * GC + tl.arange(0, GC)[None, :]
+    tile = tiles_r * n_col_tiles + tiles_c
+    tile_ok = (tiles_r < n_row_tiles) & (tiles_c < n_col_tiles)
+    if MODE != 1:
+        has_nan = tl.max(tl.max((a != a).to(tl.int32), axis=3), axis=1)
+        amax = tl.max(tl.max(a, axis=3), axis=1)
+        amax = tl.where(has_nan > 0, float("nan"), amax)
+        if MODE == 2:
+            tl.store(amax_ptr + tile, amax, mask=tile_ok)
+            return
+        scale = _tile_scale(amax, FMAX, MAX_SCALE_C, POW2, NAN_SCALE)
+        tl.store(scales_ptr + tile, scale, mask=tile_ok)
+    else:
+        scale = tl.load(scales_ptr + tile, mask=tile_ok, other=1.0)
+    s = scale[:, None, :, None]
+    if PACKED:
+        c_lo = _encode(lo * s, _random_bits(seed, r * cols + c), MBITS, BIAS, MAX_CODE, NAN_CODE,
+                       SIGN_SHIFT, STOCHASTIC)
+        c_hi = _encode(hi * s, _random_bits(seed, r * cols + c + 1), MBITS, BIAS, MAX_CODE, NAN_CODE,
+                       SIGN_SHIFT, STOCHASTIC)
+        tl.store(out_ptr + r * (cols // 2) + c // 2, (c_lo | (c_hi << 4)).to(tl.uint8), mask=m)
+    else:
+        code = _encode(x * s, _random_bits(seed, r * cols + c), MBITS, BIAS, MAX_CODE, NAN_CODE,
+                       SIGN_SHIFT, STOCHASTIC)
+        tl.store(out_ptr + r * cols + c, code.to(tl.uint8), mask=m)
+
+
+def _fmt_args(fmt: Format) -> dict:
+    return dict(
+        MBITS=fmt.mbits,
+        BIAS=fmt.bias,
+        MAX_CODE=fmt.max_code,
+        NAN_CODE=fmt.nan_code if fmt.nan_code is not None else 0,
+        SIGN_SHIFT=fmt.bits - 1,
+    )
+
+
+def _seed(rounding: str, generator: torch.Generator | None, device) -> int:
+    if rounding != "stochastic":
+        return 0
+    return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu"))
+
+
+def _storage(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+    return codes.view(fmt.torch_dtype) if fmt.torch_dtype is not None else codes
+
+
+def _supported(x: torch.Tensor) -> bool:
+    # fp64 keeps its exact fp64 arithmetic in the torch family (the kernels compute in fp32).
+    return x.dtype != torch.float64 and x.numel() > 0
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as an fp32 scalar: per-program partial maxima, then one small torch reduction."""
+    if not _supported(x):
+        return torch_family.tensor_amax(x)
+    flat = x.contiguous().view(-1)
+    grid = triton.cdiv(flat.numel(), _BLOCK)
+    partial = torch.empty(grid, dtype=torch.float32, device=x.device)
+    _amax_kernel[(grid,)](flat, partial, flat.numel(), BLOCK=_BLOCK)
+    return partial.max()
+
+
+def cast_scaled(x, scale, fmt: Format, rounding="nearest", generator=None, want_amax=False):
+    """Codes of ``x * scale`` (one scale); with ``want_amax``, the amax of x from the same read."""
+    if not _supported(x):
+        return torch_family.cast_scaled(x, scale, fmt, rounding, generator, want_amax)
+    flat = x.contiguous().view(-1)
+    n = flat.numel()
+    nout = n // 2 if fmt.packed else n
+    grid = triton.cdiv(nout, _BLOCK)
+    out = torch.empty(nout, dtype=torch.uint8, device=x.device)
+    partial = torch.empty(grid if want_amax else 1, dtype=torch.float32, device=x.device)
+    s = scale.to(device=x.device, dtype=torch.float32).reshape(1)
+    _cast_tensor_kernel[(grid,)](
+        flat, out, s, partial, n, _seed(rounding, generator, x.device),
+        STOCHASTIC=rounding == "stochastic", PACKED=fmt.packed, WANT_AMAX=want_amax, BLOCK=_BLOCK,
+        **_fmt_args(fmt),
+    )
+    shape = (*x.shape[:-1], x.shape[-1] // 2) if fmt.packed else x.shape
+    return _storage(out, fmt).view(shape), (partial.max() if want_amax else None)
+
+
+def _tiles_per_program(tile: tuple[int, int], packed: bool) -> tuple[int, int, int, int]:
+    """(TRP, TCP, GR, GC): padded tile block and how many tiles one program takes (~_BLOCK elements)."""
+    tr, tc = tile
+    trp = triton.next_power_of_2(tr)
+    tcp = triton.next_power_of_2(max(tc // 2 if packed else tc, 1))
+    per_tile = trp * tcp
+    budget = max(1, _BLOCK // per_tile)
+    gc = min(budget, 16)
+    gr = max(1, budget // gc)
+    return trp, tcp, gr, gc
+
+
+def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, rounding="nearest", generator=None):
+    rows, cols = x2d.shape
+    nr, nc = -(-rows // tile[0]), -(-cols // tile[1])
+    x2d = x2d.contiguous()
+    out = torch.empty((rows, cols // 2 if fmt.packed else cols), dtype=torch.uint8, device=x2d.device)
+    if scales is None:
+        scales = torch.empty((nr, nc), dtype=torch.float32, device=x2d.device)
+    else:
+        scales = scales.to(torch.float32).contiguous()
+    amax = torch.empty((nr, nc), dtype=torch.float32, device=x2d.device)
+    trp, tcp, gr, gc = _tiles_per_program(tile, fmt.packed)
+    grid = (triton.cdiv(nr, gr), triton.cdiv(nc, gc))
+    _quantize_tiles_kernel[grid](
+        x2d, out, scales, amax, rows, cols, nr, nc, _seed(rounding, generator, x2d.device),
+        TR=tile[0], TC=tile[1], TRP=trp, TCP=tcp, GR=gr, GC=gc, STOCHASTIC=rounding == "stochastic",
+        PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=power_of_two,
+        NAN_SCALE=fmt.nan_code is None, MODE=mode, **_fmt_args(fmt),
+    )
+    return out, scales, amax
+
+
+def group_amax(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Per-tile max |x| [nr, nc] (NaN where a tile holds NaN)."""
+    if not _supported(x2d):
+        return torch_family.group_amax(x2d, block)
+    from ..formats import E4M3
+
+    return _launch_tiles(x2d, block, E4M3, mode=2)[2]
+
+
+def quantize_groups(x2d, block, fmt: Format, scales=None, power_of_two=False, rounding="nearest", generator=None):
+    """Fused per-tile amax -> scale -> cast, or the cast with given per-tile scales."""
+    if not _supported(x2d):
+        return torch_family.quantize_groups(x2d, block, fmt, scales, power_of_two, rounding, generator)
+    if fmt.packed and block[1] % 2:
+        raise ValueError(f"E2M1 tiles need an even column count to pack two codes per byte, got {block}")
+    out, scales, _ = _launch_tiles(x2d, block, fmt, 1 if scales is not None else 0, scales, power_of_two,
+                                   rounding, generator)
+    return _storage(out, fmt), scales
