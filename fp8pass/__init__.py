@@ -15,6 +15,7 @@ from .numerics import (
     Quantized,
     get_format,
     quantize,
+    quantize_delayed,
 )
 
 __version__ = "0.1.0"
@@ -22,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CurrentScaling", "DelayedScaling",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
-    "Quantized", "quantize", "DelayedScalingState",
+    "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
 ]

@@ -101,3 +101,17 @@ def test_delayed_scale_used_in_quantize():
     q = fp8pass.quantize(spike, E4M3, scale=st.scale_for())
     assert q.dequantize()[0] == 1.0  # 100 * 448 clamps to 448 -> 448 / 448
     assert q.dequantize()[1] == 0.5
+
+
+def test_quantize_delayed_records_amax_and_uses_previous_scale(kernels):
+    st = DelayedScalingState(DelayedScaling(history_len=4), E4M3)
+    x1 = torch.randn(64, 64)
+    q1 = fp8pass.quantize_delayed(x1, st)  # empty history: scales from its own amax
+    assert torch.equal(q1.scale, scale_from_amax(x1.abs().max(), E4M3))
+    assert st.amax_history[0] == x1.abs().max()
+    x2 = torch.randn(64, 64) * 10
+    q2 = fp8pass.quantize_delayed(x2, st)  # uses the scale from x1's amax, records x2's
+    assert torch.equal(q2.scale, scale_from_amax(x1.abs().max(), E4M3))
+    assert torch.equal(q2.data.view(torch.uint8), fp8pass.quantize(x2, E4M3, scale=q2.scale).data.view(torch.uint8))
+    assert st.amax_history[:2].tolist() == [x2.abs().max().item(), x1.abs().max().item()]
+    assert float(st.scale) == float(scale_from_amax(x2.abs().max(), E4M3))

@@ -30,9 +30,9 @@ from ..config import GRANULARITIES
 from .casts import check_rounding, decode
 from .formats import E2M1, Format, get_format
 from .kernels import kernel_family, torch_family
-from .scaling import scale_from_amax
+from .scaling import DelayedScalingState, scale_from_amax
 
-__all__ = ["Quantized", "quantize", "normalize_block"]
+__all__ = ["Quantized", "quantize", "quantize_delayed", "normalize_block"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -203,3 +203,37 @@ def _shape_data(data: torch.Tensor, shape: torch.Size, fmt: Format) -> torch.Ten
     if fmt.packed:
         return data.reshape(*shape[:-1], shape[-1] // 2)
     return data.reshape(shape)
+
+
+def quantize_delayed(
+    x: torch.Tensor,
+    state: DelayedScalingState,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> Quantized:
+    """Cast ``x`` with the scale held in ``state`` and record ``x``'s amax in the same pass.
+
+    This is the delayed-scaling cast: one read of ``x`` yields both the codes and the amax that
+    updates the history (``state.record``). With an empty history the cast scales from ``x``'s own
+    amax instead (one extra amax pass, on the first step only).
+
+    Args:
+        x: floating-point tensor.
+        state: the tensor's DelayedScalingState (its format is used).
+        rounding: "nearest" or "stochastic".
+        generator: torch.Generator for stochastic rounding.
+    """
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"quantize_delayed expects a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
+    check_rounding(rounding)
+    fmt = state.fmt
+    if fmt.packed and (x.dim() == 0 or x.shape[-1] % 2):
+        raise ValueError(f"E2M1 packs two codes per byte along the last dim, which must be even; got {tuple(x.shape)}")
+    kernels = kernel_family(x.device)
+    if bool(state.has_history):
+        scale = state.scale.clone()
+    else:
+        scale = state.scale_for(kernels.tensor_amax(x))
+    data, amax = kernels.cast_scaled(x, scale, fmt, rounding, generator, want_amax=True)
+    state.record(amax)
+    return Quantized(_shape_data(data, x.shape, fmt), scale, fmt, "tensor", None, x.shape, x.dtype)

@@ -112,10 +112,23 @@ def cast_groups(
 ) -> torch.Tensor:
     """``saturating_cast(x * scale_of_its_tile)`` for per-tile fp32 scales [nr, nc]."""
     rows, cols = x2d.shape
-    wide = x2d if x2d.dtype == torch.float64 else x2d.float()
-    t = _tiles(wide, block) * scales.to(wide.dtype)[:, None, :, None]
-    t = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])[:rows, :cols]
-    return saturating_cast(t, fmt, rounding, generator)
+    fast = rounding == "nearest" and fmt.torch_dtype is not None and x2d.dtype != torch.float64
+    if not fast:
+        wide = x2d if x2d.dtype == torch.float64 else x2d.float()
+        t = _tiles(wide, block) * scales.to(wide.dtype)[:, None, :, None]
+        t = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])[:rows, :cols]
+        return saturating_cast(t, fmt, rounding, generator)
+    # Chunks of whole tile rows, so the fp32 temporary stays in cache; clamp in place, cast once.
+    out = torch.empty((rows, cols), dtype=fmt.torch_dtype, device=x2d.device)
+    br = block[0]
+    step = max(br, (CHUNK // max(cols, 1)) // br * br)
+    scales = scales.to(torch.float32)
+    for r0 in range(0, rows, step):
+        part = x2d[r0 : r0 + step]
+        t = _tiles(part.float(), block) * scales[r0 // br : r0 // br + -(-part.shape[0] // br), None, :, None]
+        t = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])[: part.shape[0], :cols]
+        out[r0 : r0 + step] = t.clamp_(-fmt.max, fmt.max)
+    return out
 
 
 def nvfp4_block_scales(amax_blocks: torch.Tensor, global_scale: torch.Tensor, fmt: Format):
