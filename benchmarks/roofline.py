@@ -1,0 +1,62 @@
+"""Roofline context measured in the same run: bf16 matmul FLOP/s and copy bandwidth of this machine.
+
+On a GPU the card's datasheet peaks are reported beside the measurements, so every kernel can be shown
+as a fraction of its limit.
+
+    python benchmarks/roofline.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine, time_fn  # noqa: E402
+
+# Dense datasheet peaks (TFLOP/s, TB/s) for the GPUs we are lent.
+GPU_PEAKS = {"H200": {"bf16_tflops": 989.0, "fp8_tflops": 1979.0, "hbm_tbs": 4.8},
+             "H100": {"bf16_tflops": 989.0, "fp8_tflops": 1979.0, "hbm_tbs": 3.35}}
+
+
+def measure(device: str = "cpu", n: int | None = None, copy_mib: int = 256) -> dict:
+    n = n or (8192 if device == "cuda" else 2048)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    t = time_fn(lambda: a @ b, warmup=2, repeat=5)["median"]
+    gflops = 2 * n**3 / t / 1e9
+    x = torch.empty(copy_mib * 2**20 // 4, device=device)
+    y = torch.empty_like(x)
+    tc = time_fn(lambda: y.copy_(x), warmup=2, repeat=5)["median"]
+    gbs = 2 * x.numel() * 4 / tc / 1e9  # read + write
+    out = {"device": device, "matmul_n": n, "bf16_matmul_gflops": gflops, "copy_gbs": gbs}
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, peaks in GPU_PEAKS.items():
+            if key in name:
+                out.update(peaks)
+                out["bf16_fraction_of_peak"] = gflops / 1e3 / peaks["bf16_tflops"]
+                out["copy_fraction_of_peak"] = gbs / 1e3 / peaks["hbm_tbs"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    res = {"machine": machine(), "roofline": measure(args.device)}
+    for k, v in res["roofline"].items():
+        print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""The benchmark suite: every benchmark script in one command, one table of ratios.
+
+    python -m fp8pass bench [--suite quantize,linear,optim,compile,train] [--quick]
+                            [--json out.json] [--md out.md] [--plot out.png]
+
+Each suite is a script in ``benchmarks/`` that measures fp8pass and its baselines (bf16 eager and
+Inductor, torchao when installed) in the same process and writes JSON; this runner starts each in its
+own process (so one suite's memory or threads never colour another's), adds the roofline of the
+machine measured in the same run, and prints every ratio with the goal it is judged against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    script: str
+    quick: tuple[str, ...] = ()
+    full: tuple[str, ...] = ()
+    what: str = ""
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A ratio goal: ``key`` is found anywhere in the suite's JSON; ``op`` is "<=" or ">="."""
+
+    suite: str
+    key: str
+    op: str
+    target: float
+    what: str
+    select: dict = field(default_factory=dict)  # only rows whose fields equal these values
+
+
+SUITES = {s.name: s for s in (
+    Suite("roofline", "roofline.py", what="bf16 matmul FLOP/s and copy bandwidth of this machine"),
+    Suite("quantize", "quantize.py", ("--numel", str(16 * 2**20), "--repeat", "3"), (),
+          "quantize throughput / clone throughput"),
+    Suite("linear", "linear.py", ("--tokens", "1024", "--repeat", "3"), (),
+          "fp8 linear and Smooth-SwiGLU MLP fwd+bwd vs bf16"),
+    Suite("optim", "optim.py", ("--params", str(10_000_000), "--repeat", "3"), (),
+          "FP8 AdamW step vs torch AdamW(foreach), state bytes/param"),
+    Suite("compile", "backend_compile.py", ("--max-layers", "8"), (),
+          "compile time fp8 / inductor, pass time vs layers"),
+    Suite("train", "train_step.py", ("--steps", "3"), (),
+          "tiny Llama training step fp8 / bf16, saved-activation and optimizer bytes"),
+)}
+DEFAULT = ("roofline", "quantize", "linear", "optim", "compile", "train")
+
+GOALS = (
+    Goal("quantize", "ratio_vs_clone", ">=", 0.5, "CPU quantize / clone bandwidth"),
+    Goal("linear", "ratio_fp8_over_bf16", "<=", 1.25, "CPU fp8 linear fwd+bwd / bf16"),
+    Goal("optim", "ratio_step_vs_torch", "<=", 1.5, "FP8 AdamW step / torch AdamW"),
+    Goal("optim", "state_bytes_per_param", "<=", 2.1, "FP8 AdamW state bytes per parameter"),
+    Goal("compile", "ratio_compile_fp8_over_inductor", "<=", 1.3, "compile time fp8 / inductor"),
+)
+
+
+def find_values(obj, key: str, select: dict | None = None) -> list[float]:
+    """Every numeric value stored under ``key`` anywhere in a JSON tree (rows filtered by ``select``)."""
+    found = []
+    if isinstance(obj, dict):
+        if key in obj and isinstance(obj[key], (int, float)) and all(obj.get(k) == v for k, v in (select or {}).items()):
+            found.append(float(obj[key]))
+        for v in obj.values():
+            found += find_values(v, key, select)
+    elif isinstance(obj, list):
+        for v in obj:
+            found += find_values(v, key, select)
+    return found
+
+
+def ratio_rows(obj, prefix: str = "") -> list[tuple[str, float]]:
+    """(label, value) for every field whose name says it is a ratio or a per-parameter byte count."""
+    rows = []
+    if isinstance(obj, dict):
+        label = " ".join(str(obj[k]) for k in ("case", "name", "dtype", "format", "op", "recipe", "shape", "layers")
+                         if k in obj and not isinstance(obj[k], (dict, list)))
+        for k, v in obj.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and ("ratio" in k or "per_param" in k
+                                                                            or "fraction" in k or k.endswith("_x")):
+                rows.append((f"{prefix}{label + ' ' if label else ''}{k}", float(v)))
+            elif isinstance(v, (dict, list)):
+                rows += ratio_rows(v, f"{prefix}{k}." if isinstance(v, dict) else prefix)
+    elif isinstance(obj, list):
+        for v in obj:
+            rows += ratio_rows(v, prefix)
+    return rows
+
+
+def run_suite(suite: Suite, quick: bool, timeout: float) -> dict:
+    script = ROOT / "benchmarks" / suite.script
+    if not script.exists():
+        return {"status": "missing", "note": f"{script.relative_to(ROOT)} is not in this checkout"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [sys.executable, str(script), "--json", str(out), *(suite.quick if quick else suite.full)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "note": f"over {timeout:.0f} s", "cmd": " ".join(cmd)}
+        res = {"status": "ok" if proc.returncode == 0 else "failed", "seconds": time.perf_counter() - t0,
+               "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""), "stdout": proc.stdout[-4000:]}
+        if proc.returncode != 0:
+            res["note"] = proc.stderr[-2000:]
+        if out.exists():
+            res["result"] = json.loads(out.read_text())
+        return res
+
+
+def check_goals(results: dict) -> list[dict]:
+    rows = []
+    for g in GOALS:
+        res = results.get(g.suite, {}).get("result")
+        vals = find_values(res, g.key, g.select) if res is not None else []
+        if not vals:
+            rows.append({"goal": g.what, "target": f"{g.op} {g.target}", "measured": None, "met": None})
+            continue
+        worst = max(vals) if g.op == "<=" else min(vals)
+        met = worst <= g.target if g.op == "<=" else worst >= g.target
+        rows.append({"goal": g.what, "target": f"{g.op} {g.target}", "measured": worst, "met": met})
+    return rows
+
+
+def to_markdown(results: dict, goals: list[dict], machine: dict) -> str:
+    lines = ["# fp8pass benchmark suite", "", f"Machine: `{json.dumps(machine)}`", "",
+             "## Goals (worst case over the suite's rows)", "", "| goal | target | measured | met |",
+             "|---|---|---|---|"]
+    for g in goals:
+        m = "n/a" if g["measured"] is None else f"{g['measured']:.3g}"
+        met = "n/a" if g["met"] is None else ("yes" if g["met"] else "**no**")
+        lines.append(f"| {g['goal']} | {g['target']} | {m} | {met} |")
+    for name, res in results.items():
+        lines += ["", f"## {name}: {SUITES[name].what}", ""]
+        if res.get("status") != "ok":
+            lines.append(f"status: {res.get('status')} {res.get('note', '')[:500]}")
+            if "result" not in res:
+                continue
+        if res.get("cmd"):
+            lines.append(f"command: `python {res['cmd']}` ({res.get('seconds', 0):.0f} s)")
+            lines.append("")
+        rows = ratio_rows(res.get("result", {}))
+        if name == "roofline":
+            rows = [(k, v) for k, v in res["result"]["roofline"].items() if isinstance(v, (int, float))]
+        lines += ["| metric | value |", "|---|---|"] + [f"| {k} | {v:.4g} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot(goals: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [g for g in goals if g["measured"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.5 * len(measured)))
+    labels = [g["goal"] for g in measured]
+    vals = [g["measured"] / float(g["target"].split()[1]) for g in measured]
+    colors = ["tab:green" if g["met"] else "tab:red" for g in measured]
+    ax.barh(labels, vals, color=colors)
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set_xlabel("measured / goal (green: goal met)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fp8pass bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default=",".join(DEFAULT),
+                   help=f"comma-separated suites, from: {', '.join(SUITES)}")
+    p.add_argument("--quick", action="store_true", help="smaller shapes (minutes instead of tens of minutes)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per suite")
+    p.add_argument("--json")
+    p.add_argument("--md")
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    names = [s.strip() for s in args.suite.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        p.error(f"unknown suite(s) {', '.join(unknown)}; valid: {', '.join(SUITES)}")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import machine
+
+    results = {}
+    for name in names:
+        print(f"== {name}: {SUITES[name].what}", flush=True)
+        results[name] = run_suite(SUITES[name], args.quick, args.timeout)
+        print(f"   {results[name]['status']} {results[name].get('note', '')[:300]}", flush=True)
+    goals = check_goals(results)
+    md = to_markdown(results, goals, machine())
+    print(md)
+    if args.md:
+        Path(args.md).write_text(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "results": results, "goals": goals}, indent=1))
+    if args.plot:
+        plot(goals, args.plot)
+    return 0 if all(r["status"] in ("ok", "missing") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
