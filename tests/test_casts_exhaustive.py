@@ -135,3 +135,18 @@ def test_gaudi_clamps_to_240():
     vals = decode(saturating_cast(x, E4M3_GAUDI), E4M3_GAUDI)
     assert vals.tolist() == [240.0, 240.0, 240.0, 240.0, -240.0]
     assert E4M3_GAUDI.max_code == 0x77 and E4M3.max_code == 0x7E and E5M2.max_code == 0x7B
+
+
+def test_e8m0_scales_against_ml_dtypes():
+    from fp8pass.numerics import E8M0
+
+    # Every power of two E8M0 holds, and values between them (rounded down), against ml_dtypes.
+    p = torch.exp2(torch.arange(-127, 128, dtype=torch.float64)).float()
+    codes = saturating_cast(p, E8M0)
+    ref = p.numpy().astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+    np.testing.assert_array_equal(codes.numpy(), ref)
+    assert torch.equal(decode(codes, E8M0), p)
+    between = p[:-1] * 1.75
+    assert torch.equal(decode(saturating_cast(between, E8M0), E8M0), p[:-1])
+    special = saturating_cast(torch.tensor([0.0, float("nan"), -1.0, float("inf")]), E8M0)
+    assert special.tolist() == [0, 255, 255, 255]

@@ -25,7 +25,9 @@ import torch
 
 from .formats import E2M1, Format, get_format
 
-__all__ = ["ROUNDINGS", "check_rounding", "encode", "decode", "saturating_cast", "pack_e2m1", "unpack_e2m1"]
+__all__ = [
+    "ROUNDINGS", "check_rounding", "encode", "decode", "saturating_cast", "e8m0_encode", "pack_e2m1", "unpack_e2m1",
+]
 
 ROUNDINGS = ("nearest", "stochastic")
 
@@ -139,12 +141,29 @@ def saturating_cast(
     """
     fmt = get_format(fmt)
     check_rounding(rounding)
+    if fmt.name == "e8m0":
+        return e8m0_encode(x)
     if rounding == "nearest" and fmt.torch_dtype is not None and x.dtype != torch.float64:
         # Native RNE conversion from fp32 (exact widening first for fp16/bf16); it overflows to NaN,
         # so clamp first. clamp keeps NaN and -0.
         v = _source_float(x)
         return torch.clamp(v, -fmt.max, fmt.max).to(fmt.torch_dtype)
     return _codes_to_storage(encode(x, fmt, rounding, generator), fmt)
+
+
+def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 codes (uint8) of positive scales, rounded down to a power of two: ``floor(log2(s)) + 127``.
+
+    MX block scales are powers of two by construction (``2**floor(log2(amax)) / 2**emax_elem``), so
+    rounding down is exact for them and, for any other scale, never makes ``x * scale`` overflow.
+    Values below 2**-127 (zero and fp32 subnormals included) take code 0 (2**-127); NaN, negative
+    values and Inf take 255 (NaN) - a scale must be positive and finite.
+    """
+    v = scale.to(torch.float32)
+    code = (v.view(torch.int32) >> 23) & 0xFF
+    bad = torch.isnan(v) | (v < 0) | torch.isinf(v)
+    code = torch.where(bad, torch.full_like(code, 0xFF), code)
+    return code.to(torch.uint8)
 
 
 def _e2m1_values(device: torch.device) -> torch.Tensor:
