@@ -22,7 +22,7 @@ from ..numerics.kernels import kernel_family, torch_family
 from . import kernels
 
 __all__ = ["IDENTITY", "Operand", "resolve_format", "cast_operand", "state_scale", "tile_for", "dequantize",
-           "gemm"]
+           "gemm", "as_bytes", "from_bytes"]
 
 IDENTITY = "identity"
 
@@ -153,3 +153,17 @@ def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: t
     else:
         out = torch.addmm(bias.to(torch.float32), av, bv.t())
     return out.to(out_dtype)
+
+
+def as_bytes(data: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as uint8 bytes (how the ops hand saved codes to their backward); others unchanged.
+
+    Plain uint8 keeps the saved operands usable by every tool that inspects op outputs (opcheck
+    multiplies them, which float8 dtypes do not implement on CPU).
+    """
+    return data.view(torch.uint8) if data.element_size() == 1 and data.dtype.is_floating_point else data
+
+
+def from_bytes(data: torch.Tensor, fmt: Format | None) -> torch.Tensor:
+    """Inverse of :func:`as_bytes` for the operand's format."""
+    return data.view(fmt.torch_dtype) if fmt is not None and data.dtype == torch.uint8 else data

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..config import GRANULARITIES
-from .casting import Operand, cast_operand, gemm, resolve_format, tile_for
+from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
 from .linear import _scale_shape, _up
 
 __all__ = ["SMOOTH_MODES", "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
@@ -117,8 +117,8 @@ def swiglu_down_op(
         y = (gemm(ao, at, bo, bt, gate.dtype).float() * s).to(gate.dtype)
     else:
         y = gemm(ao, at, bo, bt, gate.dtype)
-    return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, ao.data, ao.scale.clone(),
-            bo.data, bo.scale.clone(), s.clone())
+    return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
+            ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(), s.clone())
 
 
 @swiglu_down_op.register_fake
@@ -136,9 +136,9 @@ def _(gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_forma
         gate.new_empty(*gate.shape[:-1], n),
         torch.empty((), **f32),
         torch.empty((), **f32),
-        gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else fmt.torch_dtype),
+        gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8),
         torch.empty(_scale_shape(granularity, block, rows, f, False), **f32),
-        w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else fmt.torch_dtype),
+        w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else torch.uint8),
         torch.empty(_scale_shape(granularity, block, n, f, True), **f32),
         torch.empty(s_shape, **f32),
     )
@@ -157,6 +157,7 @@ def swiglu_down_backward_op(
     g_state: list[torch.Tensor],
     w_dtype: torch.dtype,
     smooth: str,
+    fwd_format: str,
     bwd_format: str,
     granularity: str,
     block: int,
@@ -166,6 +167,8 @@ def swiglu_down_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dgate, dup, dW_down, dy_amax)`` (no state mutation)."""
     fmt = resolve_format(bwd_format)
+    a_data = from_bytes(a_data, resolve_format(fwd_format))
+    b_data = from_bytes(b_data, resolve_format(fwd_format))
     dy2 = dy.reshape(-1, dy.shape[-1])
     s = smooth_scales
     if smooth == "token":
@@ -196,7 +199,7 @@ def swiglu_down_backward_op(
 
 
 @swiglu_down_backward_op.register_fake
-def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, smooth, bwd_format,
+def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, smooth, fwd_format, bwd_format,
       granularity, block, power_of_two, grad_rounding, margin):
     rows, f = a_data.shape
     return (gate.new_empty(rows, f), up.new_empty(rows, f), dy.new_empty(b_data.shape, dtype=w_dtype),
@@ -211,15 +214,15 @@ def _setup_context(ctx, inputs, output):
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.shape, ctx.w_dtype = gate.shape, w_down.dtype
-    ctx.args = (smooth, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
+    ctx.args = (smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
     ctx.recipe = (margin, interval, algo, power_of_two)
 
 
 def _backward(ctx, dy, *unused):
     gate, up, a_data, a_scale, b_data, b_scale, s = ctx.saved_tensors
-    smooth, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
+    smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
     dgate, dup, dw, g_amax = torch.ops.fp8pass.swiglu_down_backward(
-        dy, gate, up, a_data, a_scale, b_data, b_scale, s, ctx.g_state, ctx.w_dtype, smooth, bwd_format,
+        dy, gate, up, a_data, a_scale, b_data, b_scale, s, ctx.g_state, ctx.w_dtype, smooth, fwd_format, bwd_format,
         granularity, block, power_of_two, grad_rounding, margin)
     if ctx.g_state and resolve_format(bwd_format) is not None:
         m, interval, algo, p2 = ctx.recipe

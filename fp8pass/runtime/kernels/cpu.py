@@ -48,8 +48,12 @@ def _eager_cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype, up):
     return codes, amax, (codes.to(up) if up is not None else None)
 
 
+# Below this many elements a compiled kernel is not worth its launch; eager computes the same bits.
+MIN_COMPILED = 1 << 14
+
+
 @functools.cache
-def _compiled_cast(fmax: float, dtype: torch.dtype, up: torch.dtype | None):
+def _compiled_cast(fmax: float, dtype: torch.dtype, up: torch.dtype | None, src: torch.dtype):
     def cast_kernel(x, scale):
         xf = x.float()
         amax = xf.abs().amax()
@@ -62,7 +66,7 @@ def _compiled_cast(fmax: float, dtype: torch.dtype, up: torch.dtype | None):
 
 
 @functools.cache
-def _compiled_upcast(dtype: torch.dtype):
+def _compiled_upcast(dtype: torch.dtype, src: torch.dtype):
     return torch.compile(lambda c: c.to(dtype), dynamic=True, fullgraph=True)
 
 
@@ -98,13 +102,13 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
     if x.dtype == torch.float64:
         codes, amax = torch_family.cast_scaled(x, scale, fmt, want_amax=True)
         return codes, amax.float(), (codes.to(up) if up is not None else None)
-    out = _run_compiled(
-        _compiled_cast(fmt.max, fmt.torch_dtype, up),
-        lambda a, s: _eager_cast(a, s, fmt.max, fmt.torch_dtype, up),
-        x, scale,
-    )
-    codes, amax = out[0], out[1]
-    return codes, amax.float(), (out[2] if up is not None else None)
+    eager = lambda a, s: _eager_cast(a, s, fmt.max, fmt.torch_dtype, up)  # noqa: E731
+    if x.numel() < MIN_COMPILED:
+        out = eager(x, scale)
+    else:  # 1-D, so that no shape ever recompiles
+        out = _run_compiled(_compiled_cast(fmt.max, fmt.torch_dtype, up, x.dtype), eager, x.reshape(-1), scale)
+    codes, amax = out[0].view(x.shape), out[1]
+    return codes, amax.float(), (out[2].view(x.shape) if up is not None else None)
 
 
 def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +122,10 @@ def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     codes = codes.contiguous()
     if codes.numel() == 0:
         return codes.to(dtype)
-    return _run_compiled(_compiled_upcast(dtype), lambda c: c.to(dtype), codes)
+    if codes.numel() < MIN_COMPILED:
+        return codes.to(dtype)
+    out = _run_compiled(_compiled_upcast(dtype, codes.dtype), lambda c: c.to(dtype), codes.reshape(-1))
+    return out.view(codes.shape)
 
 
 def gemm_tensor_scaled(
