@@ -16,7 +16,7 @@ cast below is therefore one Inductor-compiled loop (``dynamic=True``, so shapes 
 =====================  ==================================================================
 
 Inductor converts fp32 -> fp8 with c10's round-to-nearest-even, bit-identical to
-``fp8pass.numerics.saturating_cast`` (tested). ``FP8PASS_CPU_FUSED=0`` (or a machine where Inductor
+``fp8pass.numerics.saturating_cast`` (tested; NaN stays NaN, its sign bit may differ). ``FP8PASS_CPU_FUSED=0`` (or a machine where Inductor
 cannot compile) selects the eager twins, which compute the same bits more slowly.
 """
 
