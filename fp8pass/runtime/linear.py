@@ -17,7 +17,7 @@ import torch
 from ..numerics import ROUNDINGS
 from ..config import GRANULARITIES, ALGOS
 from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
-from .state import record
+from .kernels import uses_triton
 
 __all__ = ["fp8_linear_op", "check_linear_args"]
 
@@ -52,7 +52,7 @@ def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype | None:
 
 
 def _up(device, out_dtype):
-    return _gemm_dtype(out_dtype) if device.type == "cpu" else None
+    return None if uses_triton(device) else _gemm_dtype(out_dtype)
 
 
 def _scale_shape(granularity, block, rows, cols, weight):
@@ -143,7 +143,8 @@ def fp8_linear_backward_op(
     dy2d = dy.reshape(-1, dy.shape[-1])
     up = _up(dy.device, x_dtype)
     gt = tile_for(granularity, block, dy2d.shape, weight=False)
-    go = cast_operand(dy2d, fmt, granularity, gt, g_state, margin, power_of_two, grad_rounding, up=up)
+    go = cast_operand(dy2d, fmt, granularity, gt, g_state, margin, power_of_two, grad_rounding, up=up,
+                      transpose=up is None)
     xt = tile_for(granularity, block, x_data.shape, weight=False)
     wt = tile_for(granularity, block, w_data.shape, weight=True)
     xo = Operand(x_data, x_scale, x_scale)

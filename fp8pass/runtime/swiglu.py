@@ -27,6 +27,7 @@ import torch
 
 from ..config import GRANULARITIES
 from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .kernels import uses_triton
 from .linear import _scale_shape, _up
 
 __all__ = ["SMOOTH_MODES", "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
@@ -69,6 +70,29 @@ def swiglu_operand(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str):
     return h, torch.ones((), dtype=torch.float32, device=h.device)
 
 
+def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
+    """GPU: smoothing scales, then one Triton pass for A's amax and one fused silu*up*scale+cast."""
+    from ..numerics import scale_from_amax
+    from .casting import state_scale
+    from .kernels import triton_kernels as tk
+
+    g2, u2 = g2.contiguous(), u2.contiguous()
+    if smooth == "channel":
+        s = channel_scales(tk.swiglu_colamax(g2, u2))
+    elif smooth == "token":
+        s = token_scales(u2)
+    else:
+        s = torch.ones((), dtype=torch.float32, device=g2.device)
+    ss = None if smooth == "none" else s
+    amax_now = tk.swiglu_amax(g2, u2, smooth, ss)
+    if a_state:
+        scale = state_scale(a_state, amax_now, fmt, margin, power_of_two)
+    else:
+        scale = scale_from_amax(amax_now, fmt, margin, power_of_two)
+    codes, amax, scale = tk.swiglu_cast(g2, u2, smooth, fmt, scale, ss)
+    return Operand(codes, scale, amax), s
+
+
 def _check(gate, up, w_down, smooth, granularity):
     if smooth not in SMOOTH_MODES:
         raise ValueError(f"unknown smooth mode {smooth!r}; valid: 'channel', 'token', None/'none'")
@@ -105,12 +129,15 @@ def swiglu_down_op(
     fmt = resolve_format(fwd_format)
     g2 = gate.reshape(-1, gate.shape[-1])
     u2 = up.reshape(-1, up.shape[-1])
-    a, s = swiglu_operand(g2, u2, smooth)
-    b = w_down / s.to(w_down.dtype) if smooth == "channel" else w_down
     up_dtype = _up(gate.device, gate.dtype)
-    at = tile_for(granularity, block, a.shape, weight=False)
+    at = tile_for(granularity, block, g2.shape, weight=False)
+    if uses_triton(gate.device) and fmt is not None and granularity == "tensor":
+        ao, s = _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two)
+    else:
+        a, s = swiglu_operand(g2, u2, smooth)
+        ao = cast_operand(a, fmt, granularity, at, a_state, margin, power_of_two, up=up_dtype)
+    b = w_down / s.to(w_down.dtype) if smooth == "channel" else w_down
     bt = tile_for(granularity, block, b.shape, weight=True)
-    ao = cast_operand(a, fmt, granularity, at, a_state, margin, power_of_two, up=up_dtype)
     bo = cast_operand(b, fmt, granularity, bt, [] if smooth == "channel" else b_state, margin, power_of_two,
                       up=up_dtype)
     if smooth == "token":
