@@ -230,3 +230,14 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="already has delayed-scaling state"):
         ops.fp8_linear(x, w, recipe=fp8pass.DelayedScaling(history_len=4))
         ops.fp8_linear(x, w, recipe=fp8pass.DelayedScaling(history_len=8))
+
+
+def test_compiled_upcast_every_code():
+    """The integer bit assembly fp8 -> bf16 gives every code's exact value (NaN for NaN codes)."""
+    n = cpu.MIN_COMPILED
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.uint8).repeat(n // 256).view(dtype)
+        got, ref = cpu.upcast(codes, torch.bfloat16), codes.to(torch.bfloat16)
+        nan = ref.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])

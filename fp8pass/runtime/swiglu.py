@@ -56,6 +56,10 @@ def token_scales(up2d: torch.Tensor) -> torch.Tensor:
 
 def swiglu_operand(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str):
     """The down GEMM's left operand ``A`` (fp32) and the smoothing scales (``c`` [F], ``r`` [T, 1] or [])."""
+    return _on_cpu(_swiglu_operand, gate2d, up2d, smooth)
+
+
+def _swiglu_operand(gate2d, up2d, smooth: str):
     g = gate2d.float()
     u = up2d.float()
     silu = torch.nn.functional.silu(g)
@@ -207,12 +211,20 @@ def swiglu_down_backward_op(
     bt = tile_for(granularity, block, b_data.shape, weight=True)
     ao = Operand(a_data, a_scale, a_scale)
     bo = Operand(b_data, b_scale, b_scale)
-    da = gemm(go, gt, bo, bt, gate.dtype, b_t=True).float()   # dA = G @ B      [T, F]
+    da = gemm(go, gt, bo, bt, gate.dtype, b_t=True)           # dA = G @ B      [T, F]
     db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True)     # dB = G^T @ A    [O, F]
     if smooth == "channel":
         db = db / s.to(db.dtype)       # B = W / c  =>  dW = dB / c (exact: powers of two)
-    g = gate.reshape(-1, gate.shape[-1]).float()
-    u = up.reshape(-1, up.shape[-1]).float()
+    dgate, dup = _on_cpu(_swiglu_backward_math, da, gate.reshape(-1, gate.shape[-1]),
+                         up.reshape(-1, up.shape[-1]), s, smooth)
+    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+
+
+def _swiglu_backward_math(da, gate2d, up2d, s, smooth: str):
+    """dgate, dup (fp32) from dA, following the mode's definition of A (see the module doc)."""
+    da = da.float()
+    g = gate2d.float()
+    u = up2d.float()
     sig = torch.sigmoid(g)
     silu = g * sig
     dsilu = sig * (1 + g * (1 - sig))
@@ -222,7 +234,23 @@ def swiglu_down_backward_op(
     else:
         dh = da * s if smooth == "channel" else da
         dgate, dup = dh * u * dsilu, dh * silu
-    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+    return dgate, dup
+
+
+_COMPILED: dict = {}
+
+
+def _on_cpu(fn, *args):
+    """Large CPU inputs: run ``fn`` as one Inductor-compiled loop nest (eager: many fp32 passes)."""
+    from .kernels import cpu
+
+    first = args[0]
+    if first.device.type != "cpu" or first.numel() < cpu.MIN_COMPILED or not cpu.fused_enabled():
+        return fn(*args)
+    key = (fn, args[-1])
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return cpu._run_compiled(_COMPILED[key], fn, *args)
 
 
 @swiglu_down_backward_op.register_fake
