@@ -5,7 +5,8 @@
 Cases: an FP8 linear (tokens x 2048 -> 2048) and a Llama-like MLP (2048 -> 5632 -> 2048) with
 Smooth-SwiGLU, each against the same math in bf16 (``F.linear``); recipes: current per-tensor and
 delayed scaling. When torchao is installed, also ``torchao.float8.Float8Linear`` (compiled), reported
-as fp8pass / torchao. Timings are the median of ``--repeat`` runs after warm-up; on a shared CPU they
+as fp8pass / torchao (on CUDA only by default: torchao's CPU path is ``_scaled_mm``, ~10,000x slower
+than a bf16 matmul there). Timings are the median of ``--repeat`` runs after warm-up; on a shared CPU they
 are noisy, so compare the ratios of one run, not absolute times across runs.
 """
 
@@ -88,7 +89,9 @@ def mlp_cases(t, d, f, device, dtype, smooth="channel"):
     }, (x, wg, wu, wd, g)
 
 
-def torchao_case(kind, tensors, device):
+def torchao_case(kind, tensors, device, force=False):
+    if device.type == "cpu" and not force:
+        return None  # torchao's CPU path is torch._scaled_mm, ~10,000x slower (REFERENCES.md §5)
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError:
@@ -119,6 +122,27 @@ def torchao_case(kind, tensors, device):
     return step
 
 
+def cpu_breakdown(t, d_in, d_out, repeat):
+    """Where the fp8 linear's CPU time goes: each piece timed alone (ms)."""
+    from fp8pass import E4M3
+    from fp8pass.runtime.kernels import cpu
+
+    x = torch.randn(t, d_in, dtype=torch.bfloat16)
+    w = torch.randn(d_out, d_in, dtype=torch.bfloat16) / d_in**0.5
+    s = torch.tensor(100.0)
+    codes, _, _ = cpu.cast(x, s, E4M3)
+    dev = torch.device("cpu")
+    pieces = {
+        "amax x (torch.aminmax)": lambda: torch.aminmax(x),
+        "cast x -> e4m3 + amax": lambda: cpu.cast(x, s, E4M3),
+        "upcast x e4m3 -> bf16": lambda: cpu.upcast(codes, torch.bfloat16),
+        "bf16 GEMM x W^T": lambda: torch.mm(x, w.t()),
+        "bf16 GEMM, alpha (addmm)": lambda: torch.addmm(x.new_zeros(()).expand(t, d_out), x, w.t(), beta=0,
+                                                        alpha=0.5),
+    }
+    return {k: timeit(f, dev, repeat) * 1e3 for k, f in pieces.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -127,6 +151,8 @@ def main(argv=None):
     p.add_argument("--ffn", type=int, default=5632)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", type=Path)
+    p.add_argument("--torchao-on-cpu", action="store_true",
+                   help="also time torchao on CPU (its _scaled_mm CPU path takes minutes per step)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     dtype = torch.bfloat16
@@ -138,7 +164,7 @@ def main(argv=None):
         "mlp_smooth_swiglu": mlp_cases(a.tokens, a.dim, a.ffn, device, dtype),
     }.items():
         times = {name: timeit(fn, device, a.repeat) for name, fn in cases.items()}
-        ao = torchao_case(kind, tensors, device)
+        ao = torchao_case(kind, tensors, device, a.torchao_on_cpu)
         if ao is not None:
             times["torchao_float8_compiled"] = timeit(ao, device, a.repeat)
         row = {"seconds": times}
@@ -149,6 +175,9 @@ def main(argv=None):
         result["cases"][kind] = row
         print(f"{kind}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
         print("   " + ", ".join(f"{k} = {v:.3f}" for k, v in row.items() if k != "seconds"))
+    if device.type == "cpu":
+        result["cpu_breakdown_ms"] = cpu_breakdown(a.tokens, a.dim, a.dim, a.repeat)
+        print("breakdown (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in result["cpu_breakdown_ms"].items()))
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return result
