@@ -233,7 +233,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_compiled_upcast_every_code():
-    """The integer bit assembly fp8 -> bf16 gives every code's exact value (NaN for NaN codes)."""
+    """The compiled fp8 -> bf16 upcast gives every code's exact value (NaN for NaN codes)."""
     n = cpu.MIN_COMPILED
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = torch.arange(256, dtype=torch.uint8).repeat(n // 256).view(dtype)
