@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 import warnings
 
 import torch
@@ -49,24 +50,38 @@ def _eager_cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype):
 MIN_COMPILED = 1 << 14
 
 
+def compile_variant(fn, tag: str):
+    """``torch.compile`` a fresh copy of ``fn`` (its own code object).
+
+    Dynamo keeps compiled entries, and its recompile limit, per code object: closures of one function
+    for many formats/dtypes would share one limit (8) and hit it. A copy per variant never does.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    fresh = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return torch.compile(fresh, dynamic=True, fullgraph=True)
+
+
+def _tag(*parts) -> str:
+    return "_".join(str(p).replace("torch.", "").replace(".", "_") for p in parts)
+
+
 @functools.cache
 def _compiled_cast(fmax: float, dtype: torch.dtype, src: torch.dtype):
     def cast_kernel(x, scale):
         xf = x.float()
         return (xf * scale).clamp(-fmax, fmax).to(dtype), xf.abs().amax()
 
-    return torch.compile(cast_kernel, dynamic=True, fullgraph=True)
-
-
-def _upcast_kernel(codes, dtype):
-    # Through fp32 (exact both ways): Inductor vectorises float8 -> fp32 but emits scalar code for
-    # float8 -> bf16, which measured ~20x slower.
-    return codes.to(torch.float32).to(dtype)
+    return compile_variant(cast_kernel, _tag(fmax, dtype, src))
 
 
 @functools.cache
 def _compiled_upcast(dtype: torch.dtype, src: torch.dtype):
-    return torch.compile(functools.partial(_upcast_kernel, dtype=dtype), dynamic=True, fullgraph=True)
+    def upcast_kernel(codes):
+        # Through fp32 (exact both ways): Inductor vectorises float8 -> fp32 but emits scalar code
+        # for float8 -> bf16, measured ~3x slower.
+        return codes.to(torch.float32).to(dtype)
+
+    return compile_variant(upcast_kernel, _tag(dtype, src))
 
 
 def _run_compiled(fn, eager, *args):
