@@ -18,10 +18,12 @@ from .numerics import (
     quantize_delayed,
 )
 
+from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "CurrentScaling", "DelayedScaling",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
-    "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
+    "Quantized", "quantize", "quantize_delayed", "DelayedScalingState", "ops",
 ]
