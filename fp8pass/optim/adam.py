@@ -224,7 +224,7 @@ class Adam(torch.optim.Optimizer):
             kind = family_name(p.device)
         opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                     stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
-        if kind == "triton":
+        if kind == "triton" and p.is_contiguous():  # the kernel wants flat memory; others take the torch path
             from .triton_step import adam_step_triton
 
             adam_step_triton(p, grad.contiguous(), state, m_spec, v_spec, hp, **opts)
