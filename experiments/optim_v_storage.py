@@ -4,7 +4,8 @@ A tensor of 32768 elements (256 blocks of 128) gets a stream of gradients whose 
 log-uniform over ``spread`` decades inside every block (embedding rows, rare features, and layer
 outliers all produce such spreads). Adam runs with fp32 moments and with each storage variant on the
 same stream (lr = 0, so only the moments evolve); after ``steps`` steps we compare the update
-direction u = m_hat / (sqrt(v_hat) + eps) element by element with the fp32 one.
+u = m_hat / (sqrt(v_hat) + eps) element by element with the fp32 one, using fp32 Adam's m in both so
+that only the storage of v differs (m's own E4M3 error is the same for every variant).
 
 Reported per variant: median and 99th percentile of |u - u_fp32| / |u_fp32|, the largest ratio
 |u| / |u_fp32| (a blow-up: v flushed to 0 while m survives gives m / eps), and the share of elements
@@ -40,7 +41,8 @@ def run(spread: float, beta2: float, steps: int, decay_after: int | None, varian
     for t in range(steps):
         grad = torch.randn(n, generator=g) * scales * 1e-2
         if decay_after is not None and t >= decay_after:
-            grad[n // 2 :] *= 0.0  # half the elements stop receiving gradient: their v must decay
+            grad[1::2] = 0.0  # every other element stops receiving gradient: its v must decay while
+            # its block's amax (set by the active neighbours) does not, so the scale cannot do it
         ref_p.grad = grad
         p.grad = grad.clone()
         ref.step()
@@ -49,7 +51,7 @@ def run(spread: float, beta2: float, steps: int, decay_after: int | None, varian
     m0, v0 = ref.moments(ref_p)
     m1, v1 = opt.moments(p)
     u0 = (m0 / bc1) / ((v0 / bc2).sqrt() + 1e-8)
-    u1 = (m1 / bc1) / ((v1 / bc2).sqrt() + 1e-8)
+    u1 = (m0 / bc1) / ((v1 / bc2).sqrt() + 1e-8)
     keep = u0.abs() > 1e-3  # updates that matter
     rel = ((u1 - u0).abs() / u0.abs())[keep]
     ratio = (u1.abs() / u0.abs().clamp_min(1e-12))[keep]
@@ -59,13 +61,13 @@ def run(spread: float, beta2: float, steps: int, decay_after: int | None, varian
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     print("| gradient spread in a block | beta2 | case | storage | median rel. err | p99 rel. err | max |u|/|u32| | share > 2x |")
     print("|---|---|---|---|---|---|---|---|")
-    for spread in (2, 4, 6):
+    for spread in (2, 6):
         for beta2, case, decay in ((0.95, "steady", None), (0.999, "steady", None),
-                                   (0.95, "half stop at step 50", 50)):
+                                   (0.95, "every other element stops at step 30", 30)):
             for name, variant in VARIANTS.items():
                 r = run(spread, beta2, args.steps, decay, variant)
                 print(f"| 1e{spread} | {beta2} | {case} | {name} | {r['median']:.4f} | {r['p99']:.3f} | "

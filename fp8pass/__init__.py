@@ -3,6 +3,7 @@
 This module holds the public API only; see DESIGN.md for the layout.
 """
 
+from . import optim
 from .config import CurrentScaling, DelayedScaling
 from .numerics import (
     E2M1,
@@ -23,4 +24,5 @@ __all__ = [
     "CurrentScaling", "DelayedScaling",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "DelayedScalingState",
+    "optim",
 ]

@@ -11,6 +11,17 @@ triton = pytest.importorskip("triton")
 
 import fp8pass.optim as fo  # noqa: E402
 
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN injection
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 SHAPES = [(3, 100), (5,)]  # three blocks with a partial tail, and a tensor below one block
 
 
