@@ -60,6 +60,7 @@ def optimizers(params):
         "torch AdamW(foreach=True)": lambda: torch.optim.AdamW(params, foreach=True, **kw),
         "fp8pass AdamW (e4m3 m, e5m2 sqrt v)": lambda: fo.AdamW(params, **kw),
         "fp8pass AdamW (e4m3 m, e5m2 v)": lambda: fo.AdamW(params, v_sqrt=False, **kw),
+        "fp8pass AdamW compiled (e4m3 m, e5m2 sqrt v)": lambda: fo.AdamW(params, kernels="compiled", **kw),
     }
     try:
         from torchao.optim import AdamW8bit, AdamWFp8

@@ -27,7 +27,7 @@ from .torch_step import _Workspace, adam_step_torch, hyper_params
 
 __all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
 
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "compiled", "triton")
 # Keys fp8pass adds to a torch Adam(W) param group.
 FP8_GROUP_KEYS = ("m_format", "v_format", "block_size", "v_sqrt", "rounding", "stochastic_flush", "kernels")
 
@@ -83,8 +83,9 @@ class Adam(torch.optim.Optimizer):
         rounding: "nearest" (default) or "stochastic" for the FP8 moments.
         stochastic_flush: round values below the format's smallest subnormal stochastically to 0 or
             the smallest subnormal (unbiased underflow) while everything else rounds to nearest.
-        kernels: "auto" (Triton on CUDA, torch elsewhere; honours ``FP8PASS_KERNELS``), "torch"
-            or "triton".
+        kernels: "auto" (Triton on CUDA, torch elsewhere; honours ``FP8PASS_KERNELS``), "torch",
+            "compiled" (the torch path's chunk update through ``torch.compile``: fastest on CPU, about
+            a minute of compilation at the first step) or "triton".
         generator: torch.Generator for stochastic rounding (reproducible runs).
         foreach, fused: accepted for signature compatibility and ignored (this optimizer always runs
             its own chunked torch path or its fused Triton kernel).
@@ -229,8 +230,11 @@ class Adam(torch.optim.Optimizer):
 
             adam_step_triton(p, grad.contiguous(), state, m_spec, v_spec, hp, **opts)
         else:
+            step_fn = adam_step_torch
+            if kind == "compiled":
+                from .compiled_step import adam_step_compiled as step_fn
             ws = self._workspaces.get(p.device)
-            ws = adam_step_torch(p, grad, state, m_spec, v_spec, hp, workspace=ws, **opts)
+            ws = step_fn(p, grad, state, m_spec, v_spec, hp, workspace=ws, **opts)
             self._workspaces[p.device] = ws
 
     # -- inspection ----------------------------------------------------------------------------
