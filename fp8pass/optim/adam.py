@@ -23,7 +23,7 @@ import torch
 from ..numerics import ROUNDINGS
 from ..numerics.kernels import family_name
 from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
-from .torch_step import _Workspace, adam_step_torch, hyper_params
+from .torch_step import adam_step_torch, hyper_params
 
 __all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
 

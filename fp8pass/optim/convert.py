@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from .adam import FP8_GROUP_KEYS, Adam, AdamW, _check_options, _check_param, moment_specs
-from .moments import MomentSpec, read_moment, write_moment
+from .moments import read_moment, write_moment
 
 __all__ = ["to_fp8", "to_torch_state_dict", "from_torch_state_dict", "is_torch_state_dict"]
 
