@@ -448,3 +448,33 @@ def test_compiled_path_is_bit_identical_to_eager():
             assert ((a.view(torch.uint8) == b.view(torch.uint8)) | nan).all(), k
         else:
             assert torch.equal(a, b), k
+
+
+def test_auto_compiles_large_cpu_tensors_and_falls_back_to_eager_if_compiling_fails(monkeypatch):
+    from fp8pass.optim import adam as adam_mod
+    from fp8pass.optim import compiled_step
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled_step, "_compiled", broken)
+    monkeypatch.setattr(compiled_step, "_BROKEN", [])
+    monkeypatch.delenv("FP8PASS_KERNELS", raising=False)
+    n = adam_mod.AUTO_COMPILE_NUMEL
+
+    def run(kernels):
+        p = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+        opt = fo.AdamW([p], lr=1e-2, kernels=kernels)
+        for t in range(2):
+            p.grad = torch.randn(n, generator=torch.Generator().manual_seed(t + 1))
+            opt.step()
+        return p
+
+    ref = run("torch")
+    with pytest.warns(RuntimeWarning, match="torch.compile of the Adam chunk update failed"):
+        out = run("auto")
+    assert len(calls) == 1  # tried once, then eager for good
+    assert torch.equal(out, ref)

@@ -17,6 +17,7 @@ reads a checkpoint. bf16/fp32 moment formats store ``exp_avg`` / ``exp_avg_sq`` 
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -28,6 +29,9 @@ from .torch_step import adam_step_torch, hyper_params
 __all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
 
 KERNELS = ("auto", "torch", "compiled", "triton")
+# kernels="auto" on CPU compiles the chunk update for tensors this large (4 chunks); smaller ones,
+# where a minute of compilation would not pay off, stay eager.
+AUTO_COMPILE_NUMEL = 1 << 20
 # Keys fp8pass adds to a torch Adam(W) param group.
 FP8_GROUP_KEYS = ("m_format", "v_format", "block_size", "v_sqrt", "rounding", "stochastic_flush", "kernels")
 
@@ -83,9 +87,10 @@ class Adam(torch.optim.Optimizer):
         rounding: "nearest" (default) or "stochastic" for the FP8 moments.
         stochastic_flush: round values below the format's smallest subnormal stochastically to 0 or
             the smallest subnormal (unbiased underflow) while everything else rounds to nearest.
-        kernels: "auto" (Triton on CUDA, torch elsewhere; honours ``FP8PASS_KERNELS``), "torch",
-            "compiled" (the torch path's chunk update through ``torch.compile``: fastest on CPU, about
-            a minute of compilation at the first step) or "triton".
+        kernels: "auto" (Triton on CUDA; on CPU "compiled" for tensors of >= 2**20 elements and
+            "torch" for smaller ones; ``FP8PASS_KERNELS=torch|triton`` forces a family), "torch" (eager
+            chunks), "compiled" (the torch path's chunk update through ``torch.compile``: fastest on
+            CPU, about a minute of compilation at the first step) or "triton".
         generator: torch.Generator for stochastic rounding (reproducible runs).
         foreach, fused: accepted for signature compatibility and ignored (this optimizer always runs
             its own chunked torch path or its fused Triton kernel).
@@ -223,6 +228,9 @@ class Adam(torch.optim.Optimizer):
         kind = group["kernels"]
         if kind == "auto":
             kind = family_name(p.device)
+            forced = os.environ.get("FP8PASS_KERNELS", "auto").lower() != "auto"
+            if kind == "torch" and not forced and p.device.type == "cpu" and p.numel() >= AUTO_COMPILE_NUMEL:
+                kind = "compiled"
         opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                     stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
         if kind == "triton" and p.is_contiguous():  # the kernel wants flat memory; others take the torch path
@@ -233,6 +241,10 @@ class Adam(torch.optim.Optimizer):
             step_fn = adam_step_torch
             if kind == "compiled":
                 from .compiled_step import adam_step_compiled as step_fn
+                if group["kernels"] == "auto":
+                    from .compiled_step import guarded
+
+                    step_fn = guarded(step_fn)
             ws = self._workspaces.get(p.device)
             ws = step_fn(p, grad, state, m_spec, v_spec, hp, workspace=ws, **opts)
             self._workspaces[p.device] = ws

@@ -5,12 +5,15 @@ eager torch makes ~35 passes over it. Full chunks of ``CHUNK`` elements go throu
 per (formats, flags, dtypes); the partial last chunk of a tensor takes the eager path. The math is
 the same single-rounding sequence as ``torch_step`` (IEEE sqrt and division), the casts are
 ``fp8pass.numerics`` ones, and the tests check the result bit for bit against the eager path.
-Compiling takes about a minute per configuration on a loaded CPU, hence opt-in: ``kernels="compiled"``.
+Compiling takes about a minute per configuration on a loaded CPU: ``kernels="auto"`` uses it on CPU for
+tensors of >= 2**20 elements only, and falls back to the eager path (one warning) if compiling fails,
+for example without a C++ compiler.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -18,7 +21,9 @@ from ..numerics import saturating_cast, scale_from_amax
 from .moments import MomentSpec, finite_block_amax
 from .torch_step import CHUNK, _Workspace, adam_step_torch
 
-__all__ = ["adam_step_compiled"]
+__all__ = ["adam_step_compiled", "guarded"]
+
+_BROKEN: list[str] = []  # the first compile error, if torch.compile failed in this process
 
 
 def _chunk(p, g, m_st, m_sc, v_st, v_sc, hp, *, m_spec, v_spec, maximize, coupled_wd):
@@ -100,3 +105,21 @@ def _tail_state(state, m_spec, v_spec, start, n):
         else:
             out[spec.name] = state[spec.name].view(-1)[start:n]
     return out
+
+
+def guarded(step_fn):
+    """``step_fn`` that falls back to the eager path for good (with one warning) if compiling fails."""
+
+    @functools.wraps(step_fn)
+    def run(*args, **kwargs):
+        if _BROKEN:
+            return adam_step_torch(*args, **kwargs)
+        try:
+            return step_fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager path is always correct
+            _BROKEN.append(repr(e))
+            warnings.warn(f"fp8pass.optim: torch.compile of the Adam chunk update failed ({e!r:.200}); "
+                          f"using the eager torch path (kernels='torch') from now on", RuntimeWarning, stacklevel=3)
+            return adam_step_torch(*args, **kwargs)
+
+    return run
