@@ -1,0 +1,125 @@
+"""Compiled torch path: the chunk update of ``torch_step`` as one ``torch.compile``d function.
+
+Inductor fuses dequantize -> update -> block amax -> requantize into a few loops over a chunk, where
+eager torch makes ~35 passes over it. Full chunks of ``CHUNK`` elements go through one compiled graph
+per (formats, flags, dtypes); the partial last chunk of a tensor takes the eager path. The math is
+the same single-rounding sequence as ``torch_step`` (IEEE sqrt and division), the casts are
+``fp8pass.numerics`` ones, and the tests check the result bit for bit against the eager path.
+Compiling takes about a minute per configuration on a loaded CPU: ``kernels="auto"`` uses it on CPU for
+tensors of >= 2**20 elements only, and falls back to the eager path (one warning) if compiling fails,
+for example without a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ..numerics import saturating_cast, scale_from_amax
+from .moments import MomentSpec, finite_block_amax
+from .torch_step import CHUNK, _Workspace, adam_step_torch
+
+__all__ = ["adam_step_compiled", "guarded"]
+
+_BROKEN: list[str] = []  # the first compile error, if torch.compile failed in this process
+
+
+def _chunk(p, g, m_st, m_sc, v_st, v_sc, hp, *, m_spec, v_spec, maximize, coupled_wd):
+    """One full chunk; moments are codes [nb, B] + scales [nb] (FP8) or dense [nb, B]. In place."""
+    b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = hp.unbind()
+    p32 = p.float()
+    g = g.float()
+    if maximize:
+        g = -g
+    if coupled_wd:
+        g = g + p32 * l2
+    m = m_st.float() / m_sc[:, None] if m_spec.fp8 else m_st.float()
+    v = v_st.float() / v_sc[:, None] if v_spec.fp8 else v_st.float()
+    if v_spec.stores_sqrt:
+        v = v * v
+    m = m * b1 + g * omb1
+    v = v * b2 + (g * g) * omb2
+    r = torch.sqrt(v)
+    p32 = p32 * decay
+    p32 = p32 - (m / (r * inv_bc2s + eps)) * step_size
+    p.copy_(p32)
+    for x, st, sc, spec in ((m, m_st, m_sc, m_spec), (r if v_spec.stores_sqrt else v, v_st, v_sc, v_spec)):
+        if spec.fp8:
+            scale = scale_from_amax(finite_block_amax(x), spec.format)
+            st.copy_(saturating_cast(x * scale[:, None], spec.format))
+            sc.copy_(scale)
+        else:
+            st.copy_(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(m_spec: MomentSpec, v_spec: MomentSpec, maximize: bool, coupled_wd: bool):
+    fn = functools.partial(_chunk, m_spec=m_spec, v_spec=v_spec, maximize=maximize, coupled_wd=coupled_wd)
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, hp, maximize=False,
+                       coupled_wd=False, rounding="nearest", stochastic_flush=False, generator=None,
+                       workspace: _Workspace | None = None):
+    """Same contract as ``torch_step.adam_step_torch`` (nearest rounding; stochastic options and
+    non-contiguous tensors fall back to it)."""
+    block = m_spec.block
+    chunk = (CHUNK // block) * block
+    n = p.numel()
+    if rounding != "nearest" or stochastic_flush or not (p.is_contiguous() and grad.is_contiguous()) or n < chunk:
+        return adam_step_torch(p, grad, state, m_spec, v_spec, hp, maximize, coupled_wd, rounding,
+                               stochastic_flush, generator, workspace)
+    fn = _compiled(m_spec, v_spec, maximize, coupled_wd)
+    nb = chunk // block
+    pf, gf = p.detach().view(-1), grad.view(-1)
+
+    def parts(spec):
+        if spec.fp8:
+            return state[spec.codes_key].view(-1), state[spec.scale_key]
+        return state[spec.name].view(-1), None
+
+    mc, ms = parts(m_spec)
+    vc, vs = parts(v_spec)
+    full = (n // chunk) * chunk
+    for s in range(0, full, chunk):
+        b0 = s // block
+        fn(pf[s : s + chunk].view(nb, block), gf[s : s + chunk].view(nb, block),
+           mc[s : s + chunk].view(nb, block), ms[b0 : b0 + nb] if ms is not None else hp,
+           vc[s : s + chunk].view(nb, block), vs[b0 : b0 + nb] if vs is not None else hp, hp)
+    if full < n:
+        tail = _tail_state(state, m_spec, v_spec, full, n)
+        workspace = adam_step_torch(pf[full:], gf[full:], tail, m_spec, v_spec, hp, maximize, coupled_wd,
+                                    rounding, stochastic_flush, generator, workspace)
+    return workspace
+
+
+def _tail_state(state, m_spec, v_spec, start, n):
+    """Views of the state for elements [start, n) (start is a multiple of the block)."""
+    out = {}
+    for spec in (m_spec, v_spec):
+        if spec.fp8:
+            out[spec.codes_key] = state[spec.codes_key].view(-1)[start:n]
+            out[spec.scale_key] = state[spec.scale_key][start // spec.block :]
+        else:
+            out[spec.name] = state[spec.name].view(-1)[start:n]
+    return out
+
+
+def guarded(step_fn):
+    """``step_fn`` that falls back to the eager path for good (with one warning) if compiling fails."""
+
+    @functools.wraps(step_fn)
+    def run(*args, **kwargs):
+        if _BROKEN:
+            return adam_step_torch(*args, **kwargs)
+        try:
+            return step_fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager path is always correct
+            _BROKEN.append(repr(e))
+            warnings.warn(f"fp8pass.optim: torch.compile of the Adam chunk update failed ({e!r:.200}); "
+                          f"using the eager torch path (kernels='torch') from now on", RuntimeWarning, stacklevel=3)
+            return adam_step_torch(*args, **kwargs)
+
+    return run
