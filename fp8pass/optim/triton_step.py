@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics.kernels.triton_family import _encode  # the one exact in-kernel cast
 from ..numerics.scaling import MAX_SCALE
 from .moments import MomentSpec
 
@@ -42,45 +43,6 @@ def _decode(c, MBITS: tl.constexpr, BIAS: tl.constexpr, IEEE_SPECIALS: tl.conste
     else:  # E4M3FN: only S.1111.111 is NaN
         val = tl.where(mag == 0x7F, float("nan"), val)
     return tl.where((c & 0x80) != 0, -val, val)
-
-
-@triton.jit
-def _encode(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
-            NAN_CODE: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Saturating RNE / stochastic 8-bit codes of fp32 ``v`` (casts.encode's integer algorithm)."""
-    bits = v.to(tl.int32, bitcast=True)
-    negative = bits < 0
-    mag = bits & 0x7FFFFFFF
-    efield = mag >> 23
-    mant = mag & 0x7FFFFF
-    is_normal = efield > 0
-    sig = tl.where(is_normal, mant | 0x800000, mant)
-    e = tl.where(is_normal, efield - 127, -126)
-    emin = 1 - BIAS
-    shift = (23 - MBITS) + tl.maximum(emin - e, 0)
-    one = tl.full(v.shape, 1, tl.int32)
-    if STOCHASTIC:
-        pre = tl.maximum(shift - 30, 0)  # rbits has 30 random bits
-        sig = sig >> pre
-        shift = shift - pre
-        n = sig >> shift
-        rem = sig - (n << shift)
-        n = n + ((rem + (rbits & ((one << shift) - 1))) >> shift)
-    else:
-        shift = tl.minimum(shift, 25)
-        n = sig >> shift
-        rem = sig - (n << shift)
-        half = one << (shift - 1)
-        n = n + ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
-    eb = tl.maximum(e, emin)
-    carry = n >> (MBITS + 1)
-    n = n >> carry
-    eb = eb + carry
-    code = tl.where(n < (1 << MBITS), n, ((eb + BIAS) << MBITS) | (n - (1 << MBITS)))
-    code = tl.minimum(code, MAX_CODE)
-    code = tl.where(efield == 255, MAX_CODE, code)
-    code = tl.where(v != v, NAN_CODE, code)
-    return code | (negative.to(tl.int32) << 7)
 
 
 @triton.jit
@@ -122,10 +84,10 @@ def _store_moment(x, ptr, scale_ptr, offs, mask, pid, rbits, KIND: tl.constexpr,
         scale = tl.minimum(tl.math.div_rn(FMAX + amax * 0.0, amax), SCALE_CAP)
         scale = tl.where(amax > 0, scale, 1.0)
         y = x * scale
-        code = _encode(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, STOCHASTIC)
+        code = _encode(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC)
         if SFLUSH:
             if not STOCHASTIC:
-                sr = _encode(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, True)
+                sr = _encode(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, True)
                 code = tl.where(tl.abs(y) < MIN_SUB, sr, code)
         tl.store(ptr + offs, code.to(tl.uint8), mask=mask)
         tl.store(scale_ptr + pid, scale)

@@ -30,32 +30,11 @@ import triton.language as tl
 
 from ...numerics import Format
 from ...numerics.kernels import torch_family
+from ...numerics.kernels.triton_family import _encode  # the one exact in-kernel cast
 
 __all__ = ["swiglu_colamax", "swiglu_amax", "swiglu_cast", "transpose_cast", "MODES"]
 
 MODES = {"none": 0, "channel": 1, "token": 2}
-
-
-@triton.jit
-def _encode(v, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
-            NAN_CODE: tl.constexpr):
-    """Saturating RNE codes (int32, sign in bit 7) of fp32 ``v``: round on the grid, then encode."""
-    vbits = v.to(tl.int32, bitcast=True)
-    a = tl.minimum(tl.abs(v), FMAX)
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
-    q = e - MBITS
-    down = ((127 - q) << 23).to(tl.float32, bitcast=True)
-    up = ((127 + q) << 23).to(tl.float32, bitcast=True)
-    t = a * down
-    t = (t + 12582912.0) - 12582912.0        # rint, ties to even
-    r = t * up                                # on the grid, exact
-    rbits = r.to(tl.int32, bitcast=True)
-    re = ((rbits >> 23) & 0xFF) - 127
-    normal = ((re + BIAS) << MBITS) | ((rbits & 0x7FFFFF) >> (23 - MBITS))
-    sub = (r * (2.0 ** (MBITS - EMIN))).to(tl.int32)   # whole subnormal steps, exact
-    code = tl.where(re >= EMIN, normal, sub)
-    code = tl.where(v != v, NAN_CODE, code)
-    return code | ((vbits >> 24) & 0x80)
 
 
 @triton.jit
@@ -91,7 +70,7 @@ def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, T, F, BT: tl.constexpr, BF: tl
 @triton.jit
 def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr, T, F,
                         MODE: tl.constexpr, STORE: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr,
-                        MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
+                        MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
                         NAN_CODE: tl.constexpr):
     """A tile of the down GEMM operand: A, max |A| (per program) and, if STORE, codes of A * scale."""
     pid_t, pid_f = tl.program_id(0), tl.program_id(1)
@@ -112,14 +91,14 @@ def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr
     tl.store(amax_ptr + pid_t * tl.num_programs(1) + pid_f, _abs_max(a))
     if STORE:
         s = tl.load(scale_ptr)
-        code = _encode(a * s, MBITS, EMIN, BIAS, FMAX, NAN_CODE)
+        code = _encode(a * s, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False)
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
 
 
 @triton.jit
 def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, R, C, BR: tl.constexpr,
-                           BC: tl.constexpr, TRANSPOSE: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
-                           FMAX: tl.constexpr, NAN_CODE: tl.constexpr):
+                           BC: tl.constexpr, TRANSPOSE: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                           MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
     """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r * BR + tl.arange(0, BR)
@@ -127,14 +106,14 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, R, C,
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, _abs_max(x))
-    v = _encode(x * tl.load(scale_ptr), MBITS, EMIN, BIAS, FMAX, NAN_CODE).to(tl.uint8)
+    v = _encode(x * tl.load(scale_ptr), 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False).to(tl.uint8)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], v, mask=mask)
     if TRANSPOSE:
         tl.store(out_t_ptr + cols[None, :] * R + rows[:, None], v, mask=mask)
 
 
 def _fmt_kw(fmt: Format) -> dict:
-    return dict(MBITS=fmt.mbits, EMIN=fmt.emin, BIAS=fmt.bias, FMAX=float(fmt.max), NAN_CODE=fmt.nan_code)
+    return dict(MBITS=fmt.mbits, BIAS=fmt.bias, MAX_CODE=fmt.max_code, NAN_CODE=fmt.nan_code)
 
 
 def _reduce_amax(partial: torch.Tensor) -> torch.Tensor:
