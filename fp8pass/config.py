@@ -99,6 +99,10 @@ class Config:
         dim_multiple: FP8 GEMMs need both feature dims divisible by this (16 for ``_scaled_mm``);
             other linears stay high precision. 1 disables the check.
         grad_stochastic_rounding: round gradients (E5M2) stochastically instead of to nearest even.
+        fwd_format, bwd_format: formats of the forward operands (input, weight) and of the gradient
+            (``"e4m3"`` / ``"e5m2"``; ``"e4m3_gaudi"`` for Gaudi2's range). ``"identity"`` turns
+            quantization off inside the same ops (a testing hook: the rewritten model then computes
+            the original math).
         compiler: what compiles the rewritten graph: "inductor" (default), "aot_eager" (AOT autograd
             without code generation, quick; useful for debugging) or "eager" (run the rewritten FX
             graph as is).
@@ -113,6 +117,8 @@ class Config:
     min_dim: int = 16
     dim_multiple: int = 16
     grad_stochastic_rounding: bool = True
+    fwd_format: str = "e4m3"
+    bwd_format: str = "e5m2"
     compiler: str = "inductor"
     on_graph_break: str = "warn"
 
@@ -132,6 +138,17 @@ class Config:
         if not all(isinstance(k, str) for k in keep):
             raise TypeError(f"keep_high_precision must be FQN glob strings, got {keep!r}")
         object.__setattr__(self, "keep_high_precision", keep)
+        for name in ("fwd_format", "bwd_format"):
+            v = getattr(self, name)
+            if not isinstance(v, str):
+                v = getattr(v, "name", v)  # a numerics Format object
+                object.__setattr__(self, name, v)
+            if v != "identity":
+                from .numerics.formats import get_format  # formats import nothing from config
+
+                if get_format(v).torch_dtype is None:
+                    raise ValueError(f"{name} must be an FP8 format (e4m3, e4m3_gaudi, e5m2) or "
+                                     f"'identity', got {v!r}")
         for name in ("min_dim", "dim_multiple"):
             v = getattr(self, name)
             if int(v) != v or v < 1:
