@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import DelayedScaling
 from ..numerics import E4M3, E5M2, DelayedScalingState, Format, delayed_scaling_update, get_format
@@ -121,7 +122,8 @@ class LinearScalingState:
             s.load_state_dict({k.split(".", 1)[1]: v for k, v in sd.items() if k.startswith(role + ".")})
 
 
-_REGISTRY: "weakref.WeakKeyDictionary[torch.Tensor, LinearScalingState]" = weakref.WeakKeyDictionary()
+# keyed by identity: a WeakKeyDictionary compares tensors with ==, which fails for tensors
+_REGISTRY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 def state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E4M3, bwd_format=E5M2) -> LinearScalingState:
