@@ -32,7 +32,7 @@ from .passes.explain import Report, SwiGLUEntry
 from .passes.plan import plan_graph
 from .passes.rewrite import StateInput, apply_plan, copy_graph_module, runtime_ops
 
-__all__ = ["Backend", "backend", "fp8_backend", "GraphBreakError"]
+__all__ = ["Backend", "backend", "fp8_backend", "explain", "GraphBreakError"]
 
 log = logging.getLogger(__name__)
 
@@ -218,3 +218,35 @@ def fp8_backend(gm: fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
 def backend(config: Config | None = None) -> Backend:
     """A backend for ``torch.compile(model, backend=fp8pass.backend(cfg))``."""
     return Backend(config)
+
+
+def explain(model: Callable, *example_inputs, config: Config | None = None, **example_kwargs) -> Report:
+    """What ``torch.compile(model, backend=fp8pass.backend(config))`` would do, without doing it.
+
+    Runs ``model(*example_inputs, **example_kwargs)`` once through Dynamo (the original model code
+    executes; no FP8 op runs and no scaling state changes), plans and rewrites a copy of every graph.
+
+    Returns:
+        a :class:`~fp8pass.passes.explain.Report`: ``swiglus``, ``linears``, ``skipped``,
+        ``graph_breaks`` (Dynamo's break reasons plus GLUs a break split), ``graph_before`` /
+        ``graph_after``; ``print(report)`` shows a table.
+    """
+    be = Backend(config)
+    out = torch._dynamo.explain(model)(*example_inputs, **example_kwargs)
+    records = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # breaks are in the report itself
+        for gm in out.graphs:
+            _, rec = be.transform(gm)
+            be.records.append(rec)
+            records.append(rec.report)
+    report = merge_reports(records, be.config)
+    reasons = []
+    for br in out.break_reasons:
+        where = ""
+        if getattr(br, "user_stack", None):
+            fr = br.user_stack[-1]
+            where = f" at {fr.filename}:{fr.lineno}"
+        reasons.append(f"Dynamo graph break{where}: {str(br.reason).splitlines()[0]}")
+    report.graph_breaks = reasons + report.graph_breaks
+    return report

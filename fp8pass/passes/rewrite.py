@@ -14,10 +14,9 @@ the records into copies onto those inputs, so the state survives recompiles and
 ``torch._dynamo.reset()`` (it belongs to the weight, not to the graph). The backward of
 ``fp8_linear`` records the grad_output amax itself.
 
-A GLU site (``down(act(gate(x)) * up(x))``) becomes one ``swiglu_mlp`` call when the runtime offers
-it (see ``_glu_op``); until then its gate and up projections are FP8 linears and its down projection
-stays high precision (the paper's "FP8 + SwiGLU output in BF16" baseline), never an unsmoothed FP8
-cast of the GLU output.
+A GLU site ``down(act(gate(x)) * up(x))`` becomes FP8 linears for gate and up (one for a fused
+projection) and, for SwiGLU, one ``fp8pass::swiglu_down`` (product, Smooth-SwiGLU scaling and the
+FP8 down GEMM; see ``_Rewriter.replace_glu``).
 """
 
 from __future__ import annotations
@@ -142,14 +141,19 @@ class _Rewriter:
         y = self.linear(site.x, site.w, site.b, site.node)
         site.node.replace_all_uses_with(y)
 
-    def replace_glu(self, site: GLUSite) -> list[str]:
-        """Rewrite a GLU; returns the FQNs of the weights whose linears became FP8."""
+    def replace_glu(self, site: GLUSite) -> tuple[list[str], str | None]:
+        """Rewrite a GLU; returns (FQNs of weights made FP8, reason the down GEMM stayed high precision).
+
+        gate and up become FP8 linears (one for a fused projection; its original slicing then
+        yields the pieces). A SwiGLU's product and down projection become one ``swiglu_down``
+        (Smooth-SwiGLU per ``Config.smooth_swiglu``). The runtime's ``swiglu_down`` computes
+        ``silu(gate) * up`` only, so for other GLUs (GeGLU, ReGLU) the activation and product stay
+        as they are and the down projection stays high precision (never an unsmoothed FP8 cast).
+        """
         m = site.match
         if site.fused:
             fused_call = m["gate_up"]
-            gu_w, gu_b = m["gate_up_w"], m.get("gate_up_b")
-            # one FP8 GEMM for the fused projection; gate/up pieces keep their original slicing
-            y = self.linear(m["x"], gu_w, gu_b, fused_call)
+            y = self.linear(m["x"], m["gate_up_w"], m.get("gate_up_b"), fused_call)
             fused_call.replace_all_uses_with(y)
             done = [site.gate]
         else:
@@ -157,7 +161,29 @@ class _Rewriter:
                 y = self.linear(m["x"], m[f"{p}_w"], m.get(f"{p}_b"), m[p])
                 m[p].replace_all_uses_with(y)
             done = [site.gate, site.up]
-        return done
+        if site.act != "silu":
+            return done, (f"{site.variant} down projection kept in high precision: the runtime's "
+                          f"swiglu_down op implements silu gates only")
+        down, w = m["down"], m["down_w"]
+        a_s, b_s, g_s = (self.state(w, r) for r in ROLES)
+        k = self.kw
+        smooth = self.cfg.smooth_swiglu or "none"
+        with self.graph.inserting_before(down):
+            out = self.graph.call_function(
+                self.ops.swiglu_down.default,
+                (m["gate"], m["up"], w, a_s, b_s, g_s, smooth, k["fwd_format"], k["bwd_format"],
+                 k["granularity"], k["block"], k["power_of_two"], k["grad_rounding"], k["margin"],
+                 k["interval"], k["algo"]))
+            y = self.graph.call_function(operator.getitem, (out, 0))
+            if self.delayed:
+                self._record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])
+                if smooth != "channel":  # channel mode casts W_down / c with current scaling
+                    self._record(b_s, self.graph.call_function(operator.getitem, (out, 2)), k["fwd_format"])
+            if m.get("down_b") is not None:
+                y = self.graph.call_function(operator.add, (y, m["down_b"]))
+        y.meta.update({kk: v for kk, v in down.meta.items() if kk in ("nn_module_stack", "stack_trace")})
+        down.replace_all_uses_with(y)
+        return done + [site.down], None
 
 
 def apply_plan(gm: fx.GraphModule, plan: Plan, cfg: Config) -> tuple[fx.GraphModule, list[StateInput], list[str], list[tuple[str, str]]]:
@@ -171,9 +197,10 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, cfg: Config) -> tuple[fx.GraphMod
     fp8: list[str] = []
     kept: list[tuple[str, str]] = []
     for site in plan.glus:
-        fp8 += rw.replace_glu(site)
-        kept.append((site.down, "GLU down projection kept in high precision: the runtime has no "
-                                "swiglu_mlp op to smooth its input (FP8 + SwiGLU output in high precision)"))
+        done, why_not = rw.replace_glu(site)
+        fp8 += done
+        if why_not:
+            kept.append((site.down, why_not))
     for site in plan.linears:
         rw.replace_linear(site)
         fp8.append(site.fqn)
