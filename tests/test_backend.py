@@ -111,6 +111,22 @@ def test_titan_llama_three_steps_state_evolves_and_survives_reset():
     assert int(fp8pass.scaling_state_dict(model)[f"{w}.input.steps"]) == 4
 
 
+def test_state_survives_dynamic_shapes_and_grad_mode_recompiles():
+    m = SiluMul()
+    be = fp8pass.backend(_cfg())
+    cm = torch.compile(m, backend=be, dynamic=True)
+    for n in (4, 7):
+        cm(torch.randn(n, D)).sum().backward()
+    with torch.no_grad():  # grad-mode change: a recompile, forward records only
+        cm(torch.randn(5, D))
+    cm(torch.randn(9, D)).sum().backward()
+    sd = fp8pass.scaling_state_dict(m)
+    assert int(sd["gate_proj.weight.input.steps"]) == 4
+    assert int(sd["gate_proj.weight.grad_output.steps"]) == 3
+    assert int(sd["down_proj.weight.grad_output.steps"]) == 3
+    assert len(be.records) <= 3  # one dynamic graph per grad mode (+ at most one re-specialization)
+
+
 def test_checkpoint_resume_gives_same_next_step():
     def make():
         torch.manual_seed(0)
