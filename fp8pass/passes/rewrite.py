@@ -30,7 +30,7 @@ from torch import fx
 from ..config import Config, DelayedScaling
 from .plan import GLUSite, LinearSite, Plan
 
-__all__ = ["StateInput", "copy_graph_module", "apply_plan", "runtime_ops"]
+__all__ = ["StateInput", "copy_graph_module", "apply_plan"]
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -59,16 +59,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
-def runtime_ops():
-    """The runtime's ops (import registers ``torch.ops.fp8pass``); None when the runtime is absent."""
-    try:
-        from .. import runtime  # noqa: F401
-    except ImportError:
-        return None
-    ns = getattr(torch.ops, "fp8pass", None)
-    return ns if ns is not None and hasattr(ns, "fp8_linear") else None
-
-
 def _recipe_kwargs(cfg: Config) -> dict:
     r = cfg.recipe
     delayed = isinstance(r, DelayedScaling)
@@ -93,6 +83,8 @@ class _Rewriter:
         self.last_ph = self.placeholders[-1] if self.placeholders else None
         self.extra: list[StateInput] = []
         self._state_nodes: dict[tuple[int, str], list[fx.Node]] = {}
+        # the runtime's ops by name: passes never import the runtime (numerics -> passes ->
+        # runtime -> backend); the backend imports it, which registers them
         self.ops = torch.ops.fp8pass
         self.replaced: dict[fx.Node, fx.Node] = {}  # planned nodes replaced earlier in this rewrite
 
