@@ -147,7 +147,10 @@ def test_checkpoint_resume_gives_same_next_step():
     b = make()
     b.load_state_dict(ck["model"])
     fp8pass.load_scaling_state_dict(b, ck["fp8"], config=cfg)
-    out_b = torch.compile(b, backend=fp8pass.backend(cfg), fullgraph=True)(x)
+    assert fp8pass.scaling_state_dict(ca).keys() == ck["fp8"].keys()  # compiled wrapper: same keys
+    cb = torch.compile(b, backend=fp8pass.backend(cfg), fullgraph=True)
+    fp8pass.load_scaling_state_dict(cb, ck["fp8"], config=cfg)  # into the live state, via the wrapper
+    out_b = cb(x)
     assert torch.equal(out_a, out_b)
     # without the scaling state the first step scales differently
     c = make()
