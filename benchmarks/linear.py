@@ -6,8 +6,9 @@ Cases: an FP8 linear (tokens x 2048 -> 2048) and a Llama-like MLP (2048 -> 5632 
 Smooth-SwiGLU, each against the same math in bf16 (``F.linear``); recipes: current per-tensor and
 delayed scaling. When torchao is installed, also ``torchao.float8.Float8Linear`` (compiled), reported
 as fp8pass / torchao (on CUDA only by default: torchao's CPU path is ``_scaled_mm``, ~10,000x slower
-than a bf16 matmul there). Timings are the median of ``--repeat`` runs after warm-up; on a shared CPU they
-are noisy, so compare the ratios of one run, not absolute times across runs.
+than a bf16 matmul there). Timings are the median of ``--repeat`` rounds after warm-up, the cases interleaved
+within each round; on a shared CPU they are noisy, so compare the ratios of one run, not absolute times
+across runs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ def timeit(fn, device, repeat: int, warmup: int = 2) -> float:
         _sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def time_interleaved(cases: dict, device, repeat: int, warmup: int = 2) -> dict:
+    """Median seconds per case, the cases run in turn each round so that load changes on a shared
+    machine hit all of them alike (the ratios are what this benchmark reports)."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in cases}
+    for _ in range(repeat):
+        for k, fn in cases.items():
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def linear_cases(t, d_in, d_out, device, dtype):
@@ -163,10 +181,10 @@ def main(argv=None):
         "linear": linear_cases(a.tokens, a.dim, a.dim, device, dtype),
         "mlp_smooth_swiglu": mlp_cases(a.tokens, a.dim, a.ffn, device, dtype),
     }.items():
-        times = {name: timeit(fn, device, a.repeat) for name, fn in cases.items()}
         ao = torchao_case(kind, tensors, device, a.torchao_on_cpu)
         if ao is not None:
-            times["torchao_float8_compiled"] = timeit(ao, device, a.repeat)
+            cases["torchao_float8_compiled"] = ao
+        times = time_interleaved(cases, device, a.repeat)
         row = {"seconds": times}
         for name in ("fp8_current", "fp8_delayed"):
             row[f"{name}/bf16"] = times[name] / times["bf16"]

@@ -71,8 +71,9 @@ def test_delayed_state_updates_identically_when_compiled(backend):
     assert cs["input.amax_history"][0] == (x * 3).float().abs().max()
 
 
-@pytest.mark.parametrize("smooth", ["channel", "token", None])
-def test_swiglu_inductor_matches_eager(smooth):
+@pytest.mark.parametrize("backend,smooth", [("inductor", "channel"), ("inductor", "token"),
+                                            ("inductor", None), ("aot_eager", "channel")])
+def test_swiglu_compiled_matches_eager(backend, smooth):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(20, 16, generator=g, dtype=torch.bfloat16)
     ws = [(torch.randn(*s, generator=g) / 4).to(torch.bfloat16) for s in ((40, 16), (40, 16), (16, 40))]
@@ -86,7 +87,7 @@ def test_swiglu_inductor_matches_eager(smooth):
         return [y.detach(), xx.grad] + [p.grad for p in ps]
 
     f = lambda a, wg, wu, wd: ops.swiglu_mlp(a, wg, wu, wd, smooth=smooth)  # noqa: E731
-    for e, c in zip(run(f), run(torch.compile(f, backend="inductor", fullgraph=True))):
+    for e, c in zip(run(f), run(torch.compile(f, backend=backend, fullgraph=True))):
         assert torch.equal(e, c)
 
 
@@ -111,3 +112,19 @@ def test_opcheck_swiglu_down_and_record():
     st = LinearScalingState(fp8pass.DelayedScaling(history_len=3))
     torch.library.opcheck(torch.ops.fp8pass.delayed_record_.default,
                           (*st.op_args()[0], torch.tensor(2.0), "e4m3", 0.0, 1, "max", False))
+
+
+def test_opcheck_backward_ops():
+    x, w, _, dy = _inputs(dtype=torch.float32)
+    out = torch.ops.fp8pass.fp8_linear(x, w, None, *_op_args(x, w, None)[3:])
+    torch.library.opcheck(torch.ops.fp8pass.fp8_linear_backward.default,
+                          (dy, out[3], out[4], out[5], out[6], [], torch.float32, torch.float32, True, "e4m3",
+                           "e5m2", "tensor", 128, False, "nearest", 0.0))
+    g = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(8, 24, generator=g), torch.randn(8, 24, generator=g)
+    wd = torch.randn(16, 24, generator=g)
+    o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], "token", "e4m3", "e5m2", "tensor", 128, False,
+                                      "nearest", 0.0, 1, "max")
+    torch.library.opcheck(torch.ops.fp8pass.swiglu_down_backward.default,
+                          (torch.randn(8, 16, generator=g), gate, up, o[3], o[4], o[5], o[6], o[7], [], torch.float32,
+                           "token", "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0))

@@ -233,7 +233,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_compiled_upcast_every_code():
-    """The integer bit assembly fp8 -> bf16 gives every code's exact value (NaN for NaN codes)."""
+    """The compiled fp8 -> bf16 upcast gives every code's exact value (NaN for NaN codes)."""
     n = cpu.MIN_COMPILED
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = torch.arange(256, dtype=torch.uint8).repeat(n // 256).view(dtype)
@@ -241,3 +241,14 @@ def test_compiled_upcast_every_code():
         nan = ref.isnan()
         assert torch.equal(got.isnan(), nan)
         assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
+def test_many_format_dtype_variants_stay_compiled():
+    """Each (format, dtype) kernel is its own compiled function: no shared recompile limit is hit
+    (which would silently switch every cast to the slow eager twins)."""
+    n = cpu.MIN_COMPILED
+    for fmt in (E4M3, E5M2, fp8pass.E4M3_GAUDI):
+        for src in (torch.bfloat16, torch.float32, torch.float16):  # 9 variants > Dynamo's limit of 8
+            codes, _, upc = cpu.cast(torch.randn(n).to(src), torch.tensor(1.0), fmt, torch.bfloat16)
+            assert torch.equal(upc, codes.to(torch.bfloat16))
+    assert cpu.fused_enabled()

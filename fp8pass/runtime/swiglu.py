@@ -247,9 +247,9 @@ def _on_cpu(fn, *args):
     first = args[0]
     if first.device.type != "cpu" or first.numel() < cpu.MIN_COMPILED or not cpu.fused_enabled():
         return fn(*args)
-    key = (fn, args[-1])
+    key = (fn, args[-1], *(a.dtype for a in args if isinstance(a, torch.Tensor)))
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, dynamic=True, fullgraph=True)
+        _COMPILED[key] = cpu.compile_variant(fn, cpu._tag(*key[1:]))
     return cpu._run_compiled(_COMPILED[key], fn, *args)
 
 
