@@ -15,6 +15,7 @@ import fp8pass
 from fp8pass.config import Config, CurrentScaling
 
 from _models import D, Fused, GeGLU, MatmulWT, SiluMul, tiny_titan_llama
+from test_patterns import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,6 +63,21 @@ def test_identity_format_matches_eager(model, glus):
     assert len(be.report().swiglus) == glus
     # GeGLU: the runtime's swiglu_down is silu-only, so its down projection stays high precision
     assert be.records[0].report.graph_after.count("torch._C._nn.linear(") == int(isinstance(model, GeGLU))
+    assert (y - y0).abs().max() <= 1e-6 * max(1.0, y0.abs().max())
+    for a, b in zip(g, g0):
+        assert (a - b).abs().max() <= 1e-6 * max(1.0, b.abs().max())
+
+
+@pytest.mark.parametrize("cls,kw", VARIANTS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_every_glu_form_rewritten_exactly(cls, kw):
+    """Identity format: the rewritten graph of every matched form computes eager's math (<= 1e-6)."""
+    torch.manual_seed(0)
+    model = cls(**kw)
+    x = torch.randn(3, 4, D)
+    y0, g0 = _ref(model, x)
+    y, g, be = _run(model, x, _cfg(fwd_format="identity", bwd_format="identity", compiler="eager"))
+    rep = be.report()
+    assert len(rep.swiglus) == 1 and rep.swiglus[0].variant == model.variant
     assert (y - y0).abs().max() <= 1e-6 * max(1.0, y0.abs().max())
     for a, b in zip(g, g0):
         assert (a - b).abs().max() <= 1e-6 * max(1.0, b.abs().max())
