@@ -91,15 +91,16 @@ def test_swiglu_compiled_matches_eager(backend, smooth):
         assert torch.equal(e, c)
 
 
-def _op_args(x, w, b, states=([], [], []), granularity="tensor"):
-    return (x, w, b, *states, "e4m3", "e5m2", granularity, 128, False, "nearest", 0.0, 1, "max")
+def _op_args(x, w, b, states=([], [], []), granularity="tensor", fmts=("e4m3", "e5m2")):
+    return (x, w, b, *states, *fmts, granularity, 128, False, "nearest", 0.0, 1, "max")
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "block"])
-def test_opcheck_fp8_linear(granularity):
+@pytest.mark.parametrize("granularity,fmts", [("tensor", ("e4m3", "e5m2")), ("block", ("e4m3", "e5m2")),
+                                              ("row", ("identity", "identity"))])
+def test_opcheck_fp8_linear(granularity, fmts):
     x, w, b, _ = _inputs(dtype=torch.float32)
     torch.library.opcheck(torch.ops.fp8pass.fp8_linear.default,
-                          _op_args(x.requires_grad_(), w.requires_grad_(), b, granularity=granularity))
+                          _op_args(x.requires_grad_(), w.requires_grad_(), b, granularity=granularity, fmts=fmts))
 
 
 def test_opcheck_swiglu_down_and_record():

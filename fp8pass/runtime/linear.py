@@ -111,9 +111,9 @@ def _(x, weight, bias, x_state, w_state, g_state, fwd_format, bwd_format, granul
         x.new_empty((), dtype=torch.float32),
         x.new_empty((), dtype=torch.float32),
         x.new_empty(rows, k, dtype=code),
-        torch.empty(_scale_shape(granularity, block, rows, k, False), **f32),
+        torch.empty(_scale_shape(granularity if fmt else "tensor", block, rows, k, False), **f32),
         x.new_empty(n, k, dtype=wcode),
-        torch.empty(_scale_shape(granularity, block, n, k, True), **f32),
+        torch.empty(_scale_shape(granularity if fmt else "tensor", block, n, k, True), **f32),
     )
 
 

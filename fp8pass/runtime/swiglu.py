@@ -168,9 +168,9 @@ def _(gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_forma
         torch.empty((), **f32),
         torch.empty((), **f32),
         gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8),
-        torch.empty(_scale_shape(granularity, block, rows, f, False), **f32),
+        torch.empty(_scale_shape(granularity if fmt else "tensor", block, rows, f, False), **f32),
         w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else torch.uint8),
-        torch.empty(_scale_shape(granularity, block, n, f, True), **f32),
+        torch.empty(_scale_shape(granularity if fmt else "tensor", block, n, f, True), **f32),
         torch.empty(s_shape, **f32),
     )
 
