@@ -3,8 +3,7 @@
 This module holds the public API only; see DESIGN.md for the layout.
 """
 
-from . import optim
-from .config import CurrentScaling, DelayedScaling
+from .config import Config, CurrentScaling, DelayedScaling
 from .numerics import (
     E2M1,
     E4M3,
@@ -21,11 +20,14 @@ from .numerics import (
 
 from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
 from . import optim  # noqa: E402
+from .backend import backend, explain  # noqa: E402
+from .scaling_state import load_scaling_state_dict, scaling_state_dict  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CurrentScaling", "DelayedScaling",
+    "Config", "CurrentScaling", "DelayedScaling", "backend", "explain", "ops", "optim",
+    "scaling_state_dict", "load_scaling_state_dict",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
-    "Quantized", "quantize", "quantize_delayed", "DelayedScalingState", "ops", "optim",
+    "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
 ]
