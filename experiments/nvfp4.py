@@ -1,6 +1,6 @@
 """NVFP4 recipe experiment: tiny Llama, byte-level, BF16-style high precision vs NVFP4 vs NVFP4+HCP, ablations.
 
-    python experiments/nvfp4.py --steps 60 --out docs/results/nvfp4
+    python experiments/nvfp4.py --steps 150 --out docs/results/nvfp4
 
 Every run: same seed, same data order, AdamW; the model compiled with ``fp8pass.backend`` and
 ``Config(recipe=NVFP4Scaling(...), compiler="eager")`` (the rewritten graph runs as is: compiling with
@@ -150,7 +150,7 @@ def run(name, recipe, args, train, val):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
