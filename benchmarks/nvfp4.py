@@ -6,7 +6,8 @@
    ``fp8pass.backend(Config(recipe=NVFP4Scaling(...), compiler="eager"))``: NVFP4 / fp32 eager,
    NVFP4+HCP / NVFP4.
 
-Medians of ``--repeat`` timings after one warm-up. The machine is shared: absolute times are noisy,
+Timings round-robin over the variants, ``--repeat`` rounds after one warm-up; a ratio is the
+median of the ratios measured within a round. The machine is shared: absolute times are noisy,
 the ratios (measured back to back in one process) less so.
 
 Usage: python benchmarks/nvfp4.py [--tokens 1024] [--dim 256] [--repeat 5] [--json out.json]
@@ -32,14 +33,25 @@ from fp8pass import Config, HotChannelPatching, NVFP4Scaling  # noqa: E402
 from fp8pass.runtime import HCPState  # noqa: E402
 
 
-def _time(fn, repeat):
-    fn()
-    ts = []
+def _interleaved(fns: dict, repeat: int) -> tuple[dict, list[dict]]:
+    """Round-robin timings (one warm-up each): per-name medians and the per-round timings, so a
+    ratio can be taken within a round (the shared CPU's load drifts between rounds)."""
+    for f in fns.values():
+        f()
+    rounds = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        r = {}
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            r[name] = time.perf_counter() - t0
+        rounds.append(r)
+    return {n: statistics.median(r[n] for r in rounds) for n in fns}, rounds
+
+
+def _ratio(rounds, a, b):
+    """Median over rounds of ``t_a / t_b`` measured in the same round."""
+    return statistics.median(r[a] / r[b] for r in rounds)
 
 
 def bench_linear(tokens, dim, repeat):
@@ -54,36 +66,33 @@ def bench_linear(tokens, dim, repeat):
             f().backward(dy)
         return run
 
-    out = {"bf16": _time(step(lambda: F.linear(x, w)), repeat)}
     plain = NVFP4Scaling()
-    out["nvfp4"] = _time(step(lambda: fp8pass.ops.nvfp4_linear(x, w, recipe=plain)), repeat)
+    fns = {"bf16": step(lambda: F.linear(x, w)),
+           "nvfp4": step(lambda: fp8pass.ops.nvfp4_linear(x, w, recipe=plain))}
     for mode in ("split", "concat"):
         hcp = HotChannelPatching(mode=mode)
-        st = HCPState(hcp, dim)
-        r = NVFP4Scaling(hcp=hcp)
-        out[f"nvfp4+hcp({mode})"] = _time(step(lambda: fp8pass.ops.nvfp4_linear(x, w, recipe=r, hcp_state=st)),
-                                          repeat)
-    return out
+        st, r = HCPState(hcp, dim), NVFP4Scaling(hcp=hcp)
+        fns[f"nvfp4+hcp({mode})"] = step(lambda r=r, st=st: fp8pass.ops.nvfp4_linear(x, w, recipe=r, hcp_state=st))
+    return _interleaved(fns, repeat)
 
 
 def bench_model(repeat):
     from nvfp4 import TinyLlama  # experiments/nvfp4.py
 
     x = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
-    out = {}
+    fns = {}
     for name, recipe in (("fp32", None), ("nvfp4", NVFP4Scaling()),
                          ("nvfp4+hcp", NVFP4Scaling(hcp=HotChannelPatching()))):
         torch.manual_seed(0)
         model = TinyLlama()
-        torch._dynamo.reset()
         f = model if recipe is None else torch.compile(model, backend=fp8pass.backend(
             Config(recipe=recipe, compiler="eager")))
 
-        def run():
+        def run(model=model, f=f):
             model.zero_grad(set_to_none=True)
             F.cross_entropy(f(x).reshape(-1, 256), x.reshape(-1)).backward()
-        out[name] = _time(run, repeat)
-    return out
+        fns[name] = run
+    return _interleaved(fns, repeat)
 
 
 def main():
@@ -93,14 +102,14 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    lin = bench_linear(args.tokens, args.dim, args.repeat)
-    mod = bench_model(args.repeat)
-    ratios = {
-        "linear nvfp4 / bf16": lin["nvfp4"] / lin["bf16"],
-        "linear hcp(split) / nvfp4": lin["nvfp4+hcp(split)"] / lin["nvfp4"],
-        "linear hcp(concat) / nvfp4": lin["nvfp4+hcp(concat)"] / lin["nvfp4"],
-        "model step nvfp4 / fp32": mod["nvfp4"] / mod["fp32"],
-        "model step hcp / nvfp4": mod["nvfp4+hcp"] / mod["nvfp4"],
+    lin, lin_rounds = bench_linear(args.tokens, args.dim, args.repeat)
+    mod, mod_rounds = bench_model(args.repeat)
+    ratios = {  # medians of same-round ratios
+        "linear nvfp4 / bf16": _ratio(lin_rounds, "nvfp4", "bf16"),
+        "linear hcp(split) / nvfp4": _ratio(lin_rounds, "nvfp4+hcp(split)", "nvfp4"),
+        "linear hcp(concat) / nvfp4": _ratio(lin_rounds, "nvfp4+hcp(concat)", "nvfp4"),
+        "model step nvfp4 / fp32": _ratio(mod_rounds, "nvfp4", "fp32"),
+        "model step hcp / nvfp4": _ratio(mod_rounds, "nvfp4+hcp", "nvfp4"),
     }
     print(f"linear {args.tokens}x{args.dim}->{args.dim}, fwd+bwd, median of {args.repeat} (s):")
     for k, v in lin.items():
@@ -114,7 +123,8 @@ def main():
         print(f"  {k:28s} {v:6.2f}{goal}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "linear_s": lin, "model_step_s": mod,
-                                               "ratios": ratios}, indent=1))
+                                               "ratios": ratios, "linear_rounds": lin_rounds,
+                                               "model_rounds": mod_rounds}, indent=1))
 
 
 if __name__ == "__main__":
