@@ -1,8 +1,9 @@
 """Compile-time and step-time cost of the fp8 backend (ratios measured in one run).
 
 1. compile time of ``backend="fp8"`` / ``backend="inductor"`` for a 4-layer tiny Llama in bf16
-   (forward + backward compile: the first training step minus a steady step, on a second fresh
-   instance so the runtime's process-wide cast kernels are already compiled), Inductor's caches off;
+   (forward + backward compile: the first training step minus a steady step), each in a fresh
+   process with Inductor's caches off; fp8 also with ``FP8PASS_CPU_FUSED=0``, which leaves out the
+   runtime's own compiled cast kernels (compiled on first use) and so isolates the graph compile;
 2. fp8pass pass time (copy + plan + rewrite, no compile) for 1, 2, 4, ..., 64 layers;
 3. steady step time (fwd + bwd, median of 3) of the compiled tiny Llama, fp8 / bf16, on this CPU.
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,27 +44,29 @@ def step(cm, ids):
     torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids.flatten()).backward()
 
 
-def compile_seconds(backend_factory, n_layers, ids, dtype):
-    """First-step time minus steady-step time, for a fresh model instance and a fresh backend.
-
-    The first call (a throw-away instance) also compiles the runtime's own cached CPU cast kernels,
-    which belong to the runtime, not to a model's compile; the measured call is the second.
-    """
-    results = []
-    for _ in range(2):
-        m = model(n_layers, dtype)
-        cm = torch.compile(m, backend=backend_factory(), fullgraph=True)
+def compile_seconds(which, n_layers, ids, dtype):
+    """(first-step time - steady-step time, steady-step time) of one fresh compile in this process."""
+    m = model(n_layers, dtype)
+    be = "inductor" if which == "inductor" else fp8pass.backend(Config())
+    cm = torch.compile(m, backend=be, fullgraph=True)
+    t0 = time.perf_counter()
+    step(cm, ids)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(3):
         t0 = time.perf_counter()
         step(cm, ids)
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            step(cm, ids)
-            times.append(time.perf_counter() - t0)
-        steady = statistics.median(times)
-        results.append((first - steady, steady))
-    return results[-1]
+        times.append(time.perf_counter() - t0)
+    steady = statistics.median(times)
+    return first - steady, steady
+
+
+def in_subprocess(which, n_layers, extra_env=None):
+    """Run one compile measurement in a fresh process (no in-memory caches), Inductor caches off."""
+    env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", **(extra_env or {}))
+    r = subprocess.run([sys.executable, __file__, "--one", which, "--steps-layers", str(n_layers)],
+                       env=env, capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def pass_seconds(n_layers, ids):
@@ -90,28 +94,33 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-layers", type=int, default=64)
     ap.add_argument("--steps-layers", type=int, default=4)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    torch._inductor.config.fx_graph_cache = False
-    torch._inductor.config.autotune_local_cache = False
-    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
-    torch._functorch.config.enable_autograd_cache = False
     ids = torch.randint(0, VOCAB, (4, 128))
-    res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dim": DIM, "hidden": HIDDEN,
-           "tokens_per_step": ids.numel()}
-
     n = args.steps_layers
-    dt = torch.bfloat16
-    inductor = lambda: "inductor"  # noqa: E731
-    fp8 = lambda: fp8pass.backend(Config())  # noqa: E731
-    c_ind, s_ind = compile_seconds(inductor, n, ids, dt)
-    c_fp8, s_fp8 = compile_seconds(fp8, n, ids, dt)
-    res["compile_s"] = {"inductor": c_ind, "fp8": c_fp8, "ratio_fp8_over_inductor": c_fp8 / c_ind}
-    res["step_s"] = {"bf16_inductor": s_ind, "fp8": s_fp8, "ratio_fp8_over_bf16": s_fp8 / s_ind}
-    print(f"compile time ({n} layers, bf16 model): inductor {c_ind:.1f} s, fp8 {c_fp8:.1f} s, "
-          f"ratio {c_fp8 / c_ind:.2f} (goal <= 1.3)")
-    print(f"step time ({n} layers, {ids.numel()} tokens, fwd+bwd): bf16 {s_ind * 1e3:.1f} ms, "
-          f"fp8 {s_fp8 * 1e3:.1f} ms, ratio {s_fp8 / s_ind:.2f}")
+    if args.one:
+        c, s_ = compile_seconds(args.one, n, ids, torch.bfloat16)
+        print(json.dumps({"compile_s": c, "step_s": s_}))
+        return None
+    res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dim": DIM, "hidden": HIDDEN,
+           "layers": n, "tokens_per_step": ids.numel(), "dtype": "bfloat16"}
+    ind = in_subprocess("inductor", n)
+    fp8 = in_subprocess("fp8", n)
+    fp8_eager_casts = in_subprocess("fp8", n, {"FP8PASS_CPU_FUSED": "0"})
+    res["inductor"], res["fp8"], res["fp8_eager_casts"] = ind, fp8, fp8_eager_casts
+    r_all = fp8["compile_s"] / ind["compile_s"]
+    r_graph = fp8_eager_casts["compile_s"] / ind["compile_s"]
+    res["compile_ratio"] = {"fp8_over_inductor": r_all, "fp8_eager_casts_over_inductor": r_graph}
+    print(f"compile time ({n} layers, bf16, first step - steady step, fresh process each):")
+    print(f"  inductor {ind['compile_s']:.1f} s | fp8 {fp8['compile_s']:.1f} s (ratio {r_all:.2f}) | "
+          f"fp8 with the runtime's eager casts {fp8_eager_casts['compile_s']:.1f} s (ratio {r_graph:.2f}); "
+          f"goal <= 1.3")
+    r_step = fp8["step_s"] / ind["step_s"]
+    res["step_ratio_fp8_over_bf16"] = r_step
+    print(f"step time ({ids.numel()} tokens, fwd+bwd): bf16 inductor {ind['step_s'] * 1e3:.0f} ms, "
+          f"fp8 {fp8['step_s'] * 1e3:.0f} ms (ratio {r_step:.2f}), fp8 eager casts "
+          f"{fp8_eager_casts['step_s'] * 1e3:.0f} ms")
 
     layers, passes = [], []
     k = 1

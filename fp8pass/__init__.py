@@ -17,9 +17,9 @@ from .numerics import (
     quantize,
 )
 
-from . import ops
-from .backend import backend, explain
-from .scaling_state import load_scaling_state_dict, scaling_state_dict
+from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
+from .backend import backend, explain  # noqa: E402
+from .scaling_state import load_scaling_state_dict, scaling_state_dict  # noqa: E402
 
 __version__ = "0.1.0"
 

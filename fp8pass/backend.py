@@ -216,6 +216,14 @@ def fp8_backend(gm: fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
     return _DEFAULT(gm, example_inputs, **kwargs)
 
 
+def _reset_default() -> None:
+    if _DEFAULT is not None:
+        _DEFAULT.reset()
+
+
+fp8_backend.reset = _reset_default  # torch._dynamo.reset() calls it through torch.compile's wrapper
+
+
 def backend(config: Config | None = None) -> Backend:
     """A backend for ``torch.compile(model, backend=fp8pass.backend(cfg))``."""
     return Backend(config)

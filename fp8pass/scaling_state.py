@@ -28,8 +28,19 @@ __all__ = ["scaling_state_dict", "load_scaling_state_dict"]
 _FIELDS = ("amax_history", "scale", "steps", "skipped")
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under ``torch.compile``'s wrapper, so keys never carry ``_orig_mod.``."""
+    while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
 def scaling_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """All delayed-scaling state of ``model``'s weights (cloned plain tensors; empty before step 1)."""
+    """All delayed-scaling state of ``model``'s weights (cloned plain tensors; empty before step 1).
+
+    ``model`` may be the compiled wrapper or the module itself (same keys).
+    """
+    model = _unwrap(model)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         st = _REGISTRY.get(p)
@@ -56,6 +67,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
             default ``Config()``). The history length is taken from the saved tensors.
         strict: raise on keys that name no parameter of ``model``.
     """
+    model = _unwrap(model)
     cfg = config or Config()
     if isinstance(cfg.recipe, NVFP4Scaling):
         _load_hcp(model, state_dict, cfg.recipe, strict)

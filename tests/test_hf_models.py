@@ -51,8 +51,10 @@ def _check_model(model, dtype=torch.float32):
         opt.step()
         opt.zero_grad()
         steps.append(fp8pass.scaling_state_dict(model))
+        if step == 1:
+            torch._dynamo.reset()  # the state belongs to the weights: the recompile continues it
     rep = be.report()
-    assert rep.num_graphs == 1 and len(rep.swiglus) == LAYERS
+    assert len(rep.swiglus) == LAYERS  # (the report of the graph compiled after the reset)
     # the state evolves: three records per role, scales changing with the weights
     key = next(k for k in steps[-1] if k.endswith("grad_output.steps"))
     assert [int(s[key]) for s in steps] == [1, 2, 3]
@@ -74,7 +76,12 @@ def test_hf_model_trains_in_fp8(name):
 
 
 def test_titan_llama_trains_in_fp8():
-    _check_model(tiny_titan_llama(n_layers=LAYERS))
+    model = tiny_titan_llama(n_layers=LAYERS)
+    _check_model(model)
+    sd = fp8pass.scaling_state_dict(model)
+    assert int(sd["layers.1.feed_forward.w2.weight.input.steps"]) == 3  # the smoothed GLU output
+    assert int(sd["layers.1.feed_forward.w2.weight.grad_output.steps"]) == 3
+    assert not any(k.startswith("output.") for k in sd)  # LM head kept high precision: no state
 
 
 @pytest.mark.slow

@@ -1,4 +1,66 @@
-"""Runtime ops (docstring written below)."""
+"""Runtime ops: FP8 linear and Smooth-SwiGLU as ``torch.library`` custom ops with autograd.
+
+These are the ops the compile backend rewrites graphs into; ``fp8pass.ops`` wraps them for direct use.
+Every op runs in eager mode and inside ``torch.compile`` (aot_eager, inductor) with identical results,
+has a fake (meta) implementation, and passes ``torch.library.opcheck``. Arguments are tensors, lists of
+tensors and plain scalars/strings only; no argument has a default (the dispatcher drops arguments
+equal to their defaults, which would change the backward's input structure), so pass all of them.
+
+Op-level API (``torch.ops.fp8pass.*``)
+-------------------------------------
+``fp8_linear(x, weight, bias, x_state, w_state, g_state, fwd_format, bwd_format, granularity, block,
+power_of_two, grad_rounding, margin, interval, algo) -> (y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
+    ``y = x W^T + b``; FP8 forward (``fwd_format``, "e4m3"), backward with ``dy`` in ``bwd_format``
+    ("e5m2") rounded by ``grad_rounding`` ("nearest" | "stochastic"). ``x`` [..., in], ``weight``
+    [out, in], ``bias`` [out] or None. ``y`` has ``x``'s dtype. ``x_amax``/``w_amax``: fp32 scalars
+    ``max|x|``, ``max|W|`` of this call (what delayed scaling records). The last four outputs are the
+    saved operands for backward (codes as uint8, 1 byte/element, and their fp32 scales): ignore them.
+``swiglu_down(gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_format, granularity,
+block, power_of_two, grad_rounding, margin, interval, algo) -> (y, a_amax, b_amax, a_data, a_scale,
+b_data, b_scale, smooth_scales)``
+    ``y = (silu(gate) * up) W_down^T`` with Smooth-SwiGLU ``smooth`` = "channel" | "token" | "none"
+    (see :mod:`fp8pass.runtime.swiglu`); ``gate``/``up`` [..., ffn] come from ``fp8_linear`` calls
+    (one fused gate/up linear + ``chunk(2, -1)`` is fine). ``a`` is the operand built from ``h``,
+    ``b`` the (column-scaled) ``W_down``; outputs 4-8 are for backward.
+``delayed_record_(history, scale, steps, skipped, amax, fmt, margin, interval, algo, power_of_two) -> None``
+    Records one amax into one delayed-scaling state in place (``mutates_args`` = the four state
+    tensors; no autograd). This is the only op that mutates state.
+``fp8_linear_backward`` / ``swiglu_down_backward``: the ops the backward formulas call; internal.
+
+Scalar arguments
+    ``fwd_format``/``bwd_format``: "e4m3" | "e4m3_gaudi" | "e5m2", or "identity" (testing hook: no
+    quantization, the ops compute the unquantized math; not a numerics Format). ``granularity``:
+    "tensor" | "row" | "block" with ``block`` the tile edge (1 x B tiles for x/dy/h, B x B for
+    weights); current scaling only, delayed scaling is per tensor. ``power_of_two``: round scales down
+    to powers of two. ``margin``, ``interval``, ``algo``: the DelayedScaling recipe's fields.
+
+Delayed-scaling state (how it enters and how it is updated)
+    A state is the four plain tensors of a :class:`fp8pass.numerics.DelayedScalingState`:
+    ``[amax_history, scale, steps, skipped]``; an empty list means current scaling for that role. The
+    ops only *read* ``x_state``/``w_state`` (cast with ``scale``, or with the current amax's scale
+    while the history is empty) and return the amaxes; the caller records them with
+    ``delayed_record_`` right after the op. ``g_state`` is read in backward, and the backward formula
+    itself calls ``delayed_record_`` on it with ``dy``'s amax (AOT autograd supports mutating a forward
+    input in the backward graph; the op with ``register_autograd`` cannot declare ``mutates_args``,
+    REFERENCES.md §6, so recording is a separate op). In a compiled graph, the state tensors are graph
+    inputs (not buffers of Dynamo's GraphModule); functionalization turns ``delayed_record_`` into
+    copies onto those inputs; the op is never dead-code-eliminated because it mutates its inputs.
+    :class:`LinearScalingState` holds the input/weight/grad_output states of one linear
+    (``op_args()`` gives the three lists, ``record_forward(x_amax, w_amax)`` records, and
+    ``state_dict()`` flattens to plain tensors); :func:`state_for` keeps one per weight tensor.
+    ``swiglu_down`` uses the same object for (h operand, W_down, grad_output). In ``channel`` mode
+    ``W_down / c`` changes every call, so it is always current-scaled (``b_state`` is not read).
+
+no_grad / inference_mode
+    No backward state is saved and no grad_output amax is recorded; ``fp8pass.ops`` also passes no
+    ``g_state`` when grad mode is off. Forward amaxes are still returned (and ``fp8pass.ops`` records
+    them: they are the scales in use).
+
+Kernels
+    Per device in :mod:`fp8pass.runtime.kernels`: CPU = Inductor-compiled casts + bf16 GEMMs of upcast
+    codes (never ``_scaled_mm``); CUDA = Triton casts/fused SwiGLU cast + ``torch._scaled_mm``.
+    ``FP8PASS_KERNELS=triton`` (with ``TRITON_INTERPRET=1``) runs the CUDA path on CPU for testing.
+"""
 
 from .casting import IDENTITY
 from .linear import fp8_linear_op

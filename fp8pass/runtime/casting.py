@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import Format, get_format, quantize, scale_from_amax
-from ..numerics.kernels import kernel_family, torch_family
+from ..numerics.kernels import torch_family
 from . import kernels
 
 __all__ = ["IDENTITY", "Operand", "resolve_format", "cast_operand", "state_scale", "tile_for", "dequantize",
-           "gemm"]
+           "gemm", "as_bytes", "from_bytes"]
 
 IDENTITY = "identity"
 
@@ -43,6 +43,7 @@ class Operand:
     scale: torch.Tensor
     amax: torch.Tensor
     up: torch.Tensor | None = None  # data already converted to the GEMM dtype, when asked for
+    data_t: torch.Tensor | None = None  # data transposed and contiguous (GPU GEMM operand), if made
 
 
 def tile_for(granularity: str, block: int, shape2d, weight: bool) -> tuple[int, int] | None:
@@ -78,6 +79,7 @@ def cast_operand(
     power_of_two: bool = False,
     rounding: str = "nearest",
     up: torch.dtype | None = None,
+    transpose: bool = False,
 ) -> Operand:
     """Cast a 2-D tensor for a GEMM.
 
@@ -90,6 +92,8 @@ def cast_operand(
         margin, power_of_two: scale options (recipe fields).
         rounding: "nearest" or "stochastic".
         up: also produce the codes in this dtype (CPU GEMM operand).
+        transpose: also produce the transposed codes in the same pass where the device's kernels can
+            (GPU: ``_scaled_mm`` wants the wgrad operands transposed).
     """
     kern = kernels.for_device(x2d.device)
     if fmt is None:
@@ -105,15 +109,18 @@ def cast_operand(
         if needs_now:
             amax_now = torch_family.tensor_amax(x2d)
         scale = state_scale(state, amax_now, fmt, margin, power_of_two)
-        return _cast_tensor(kern, x2d, scale, fmt, rounding, up)
+        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose)
     if granularity == "tensor":
-        scale = scale_from_amax(kernel_family(x2d.device).tensor_amax(x2d), fmt, margin, power_of_two)
-        return _cast_tensor(kern, x2d, scale, fmt, rounding, up)
+        scale = scale_from_amax(torch_family.tensor_amax(x2d), fmt, margin, power_of_two)
+        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose)
     q = quantize(x2d, fmt, granularity="block", block=tile, rounding=rounding, power_of_two=power_of_two)
     return Operand(q.data, q.scale, torch_family.tensor_amax(x2d))
 
 
-def _cast_tensor(kern, x2d, scale, fmt, rounding, up) -> Operand:
+def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False) -> Operand:
+    if rounding == "nearest" and transpose and hasattr(kern, "transpose_cast"):
+        data, data_t, amax = kern.transpose_cast(x2d, scale, fmt)
+        return Operand(data, scale, amax, None, data_t)
     if rounding == "nearest":
         data, amax, upc = kern.cast(x2d, scale, fmt, up)
         return Operand(data, scale, amax, upc)
@@ -138,8 +145,8 @@ def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: t
     """
     if a_tile is None and b_tile is None:
         kern = kernels.for_device(a.data.device)
-        ad = a.data.t() if a_t else a.data
-        bd = b.data.t() if b_t else b.data
+        ad = (a.data_t if a.data_t is not None else a.data.t()) if a_t else a.data
+        bd = (b.data_t if b.data_t is not None else b.data.t()) if b_t else b.data
         au = None if a.up is None else (a.up.t() if a_t else a.up)
         bu = None if b.up is None else (b.up.t() if b_t else b.up)
         return kern.gemm_tensor_scaled(au if au is not None else ad, a.scale,
@@ -153,3 +160,17 @@ def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: t
     else:
         out = torch.addmm(bias.to(torch.float32), av, bv.t())
     return out.to(out_dtype)
+
+
+def as_bytes(data: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as uint8 bytes (how the ops hand saved codes to their backward); others unchanged.
+
+    Plain uint8 keeps the saved operands usable by every tool that inspects op outputs (opcheck
+    multiplies them, which float8 dtypes do not implement on CPU).
+    """
+    return data.view(torch.uint8) if data.element_size() == 1 and data.dtype.is_floating_point else data
+
+
+def from_bytes(data: torch.Tensor, fmt: Format | None) -> torch.Tensor:
+    """Inverse of :func:`as_bytes` for the operand's format."""
+    return data.view(fmt.torch_dtype) if fmt is not None and data.dtype == torch.uint8 else data

@@ -16,8 +16,8 @@ import torch
 
 from ..numerics import ROUNDINGS
 from ..config import GRANULARITIES, ALGOS
-from .casting import Operand, cast_operand, gemm, resolve_format, tile_for
-from .state import record
+from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .kernels import uses_triton
 
 __all__ = ["fp8_linear_op", "check_linear_args"]
 
@@ -52,7 +52,7 @@ def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype | None:
 
 
 def _up(device, out_dtype):
-    return _gemm_dtype(out_dtype) if device.type == "cpu" else None
+    return None if uses_triton(device) else _gemm_dtype(out_dtype)
 
 
 def _scale_shape(granularity, block, rows, cols, weight):
@@ -91,7 +91,7 @@ def fp8_linear_op(
     wo = cast_operand(weight, fmt, granularity, wt, w_state, margin, power_of_two, up=up)
     y = gemm(xo, xt, wo, wt, x.dtype, bias)
     return (y.reshape(*x.shape[:-1], weight.shape[0]), xo.amax, wo.amax,
-            xo.data, xo.scale.clone(), wo.data, wo.scale.clone())
+            as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone())
 
 
 @fp8_linear_op.register_fake
@@ -103,8 +103,8 @@ def _(x, weight, bias, x_state, w_state, g_state, fwd_format, bwd_format, granul
     for d in x.shape[:-1]:
         rows = rows * d
     k, n = weight.shape[1], weight.shape[0]
-    code = x.dtype if fmt is None else fmt.torch_dtype
-    wcode = weight.dtype if fmt is None else fmt.torch_dtype
+    code = x.dtype if fmt is None else torch.uint8
+    wcode = weight.dtype if fmt is None else torch.uint8
     f32 = dict(dtype=torch.float32, device=x.device)
     return (
         x.new_empty(*x.shape[:-1], n),
@@ -127,6 +127,8 @@ def fp8_linear_backward_op(
     g_state: list[torch.Tensor],
     x_dtype: torch.dtype,
     w_dtype: torch.dtype,
+    want_bias_grad: bool,
+    fwd_format: str,
     bwd_format: str,
     granularity: str,
     block: int,
@@ -136,10 +138,13 @@ def fp8_linear_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx2d, dW, db_fp32, dy_amax)`` from ``dy`` and the saved FP8 operands (no state mutation)."""
     fmt = resolve_format(bwd_format)
+    x_data = from_bytes(x_data, resolve_format(fwd_format))
+    w_data = from_bytes(w_data, resolve_format(fwd_format))
     dy2d = dy.reshape(-1, dy.shape[-1])
     up = _up(dy.device, x_dtype)
     gt = tile_for(granularity, block, dy2d.shape, weight=False)
-    go = cast_operand(dy2d, fmt, granularity, gt, g_state, margin, power_of_two, grad_rounding, up=up)
+    go = cast_operand(dy2d, fmt, granularity, gt, g_state, margin, power_of_two, grad_rounding, up=up,
+                      transpose=up is None)
     xt = tile_for(granularity, block, x_data.shape, weight=False)
     wt = tile_for(granularity, block, w_data.shape, weight=True)
     xo = Operand(x_data, x_scale, x_scale)
@@ -148,12 +153,15 @@ def fp8_linear_backward_op(
     dx = gemm(go, gt, wo, wt, x_dtype, b_t=True)
     # dW = dy^T @ x: dy^T [out, tokens] and x^T [in, tokens].
     dw = gemm(go, gt, xo, xt, w_dtype, a_t=True, b_t=True)
-    db = dy2d.sum(0, dtype=torch.float32)
+    if want_bias_grad:
+        db = dy2d.sum(0, dtype=torch.float32)
+    else:  # a sum over all tokens is not free; skip it when there is no bias
+        db = dy2d.new_zeros(w_data.shape[0], dtype=torch.float32)
     return dx, dw, db, go.amax
 
 
 @fp8_linear_backward_op.register_fake
-def _(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, bwd_format, granularity, block,
+def _(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad, fwd_format, bwd_format, granularity, block,
       power_of_two, grad_rounding, margin):
     rows, k = x_data.shape
     n = w_data.shape[0]
@@ -171,15 +179,15 @@ def _setup_context(ctx, inputs, output):
     ctx.x_shape = x.shape
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
-    ctx.args = (bwd_format, granularity, block, power_of_two, grad_rounding, margin)
+    ctx.args = (fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
     ctx.recipe = (margin, interval, algo, power_of_two)
 
 
 def _backward(ctx, dy, *unused):
     x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-    bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
+    fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
     dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_backward(
-        dy, x_data, x_scale, w_data, w_scale, ctx.g_state, ctx.x_dtype, ctx.w_dtype, bwd_format, granularity,
+        dy, x_data, x_scale, w_data, w_scale, ctx.g_state, ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None, fwd_format, bwd_format, granularity,
         block, power_of_two, grad_rounding, margin)
     if ctx.g_state and resolve_format(bwd_format) is not None:
         m, interval, algo, p2 = ctx.recipe

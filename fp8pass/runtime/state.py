@@ -17,11 +17,10 @@ Under ``torch.no_grad`` / ``inference_mode`` no backward runs, so no grad_output
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..config import DelayedScaling
 from ..numerics import E4M3, E5M2, DelayedScalingState, Format, delayed_scaling_update, get_format
@@ -122,8 +121,7 @@ class LinearScalingState:
             s.load_state_dict({k.split(".", 1)[1]: v for k, v in sd.items() if k.startswith(role + ".")})
 
 
-# keyed by identity: a WeakKeyDictionary compares tensors with ==, which fails for tensors
-_REGISTRY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_REGISTRY = WeakTensorKeyDictionary()  # weight -> LinearScalingState; keyed by identity, not value
 
 
 def state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E4M3, bwd_format=E5M2) -> LinearScalingState:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..config import GRANULARITIES
-from .casting import Operand, cast_operand, gemm, resolve_format, tile_for
+from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .kernels import uses_triton
 from .linear import _scale_shape, _up
 
 __all__ = ["SMOOTH_MODES", "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
@@ -55,6 +56,10 @@ def token_scales(up2d: torch.Tensor) -> torch.Tensor:
 
 def swiglu_operand(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str):
     """The down GEMM's left operand ``A`` (fp32) and the smoothing scales (``c`` [F], ``r`` [T, 1] or [])."""
+    return _on_cpu(_swiglu_operand, gate2d, up2d, smooth)
+
+
+def _swiglu_operand(gate2d, up2d, smooth: str):
     g = gate2d.float()
     u = up2d.float()
     silu = torch.nn.functional.silu(g)
@@ -67,6 +72,29 @@ def swiglu_operand(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str):
         c = channel_scales(amax)
         return h * c, c
     return h, torch.ones((), dtype=torch.float32, device=h.device)
+
+
+def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
+    """GPU: smoothing scales, then one Triton pass for A's amax and one fused silu*up*scale+cast."""
+    from ..numerics import scale_from_amax
+    from .casting import state_scale
+    from .kernels import triton_kernels as tk
+
+    g2, u2 = g2.contiguous(), u2.contiguous()
+    if smooth == "channel":
+        s = channel_scales(tk.swiglu_colamax(g2, u2))
+    elif smooth == "token":
+        s = token_scales(u2)
+    else:
+        s = torch.ones((), dtype=torch.float32, device=g2.device)
+    ss = None if smooth == "none" else s
+    amax_now = tk.swiglu_amax(g2, u2, smooth, ss)
+    if a_state:
+        scale = state_scale(a_state, amax_now, fmt, margin, power_of_two)
+    else:
+        scale = scale_from_amax(amax_now, fmt, margin, power_of_two)
+    codes, amax, scale = tk.swiglu_cast(g2, u2, smooth, fmt, scale, ss)
+    return Operand(codes, scale, amax), s
 
 
 def _check(gate, up, w_down, smooth, granularity):
@@ -105,20 +133,23 @@ def swiglu_down_op(
     fmt = resolve_format(fwd_format)
     g2 = gate.reshape(-1, gate.shape[-1])
     u2 = up.reshape(-1, up.shape[-1])
-    a, s = swiglu_operand(g2, u2, smooth)
-    b = w_down / s.to(w_down.dtype) if smooth == "channel" else w_down
     up_dtype = _up(gate.device, gate.dtype)
-    at = tile_for(granularity, block, a.shape, weight=False)
+    at = tile_for(granularity, block, g2.shape, weight=False)
+    if uses_triton(gate.device) and fmt is not None and granularity == "tensor":
+        ao, s = _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two)
+    else:
+        a, s = swiglu_operand(g2, u2, smooth)
+        ao = cast_operand(a, fmt, granularity, at, a_state, margin, power_of_two, up=up_dtype)
+    b = w_down / s.to(w_down.dtype) if smooth == "channel" else w_down
     bt = tile_for(granularity, block, b.shape, weight=True)
-    ao = cast_operand(a, fmt, granularity, at, a_state, margin, power_of_two, up=up_dtype)
     bo = cast_operand(b, fmt, granularity, bt, [] if smooth == "channel" else b_state, margin, power_of_two,
                       up=up_dtype)
     if smooth == "token":
         y = (gemm(ao, at, bo, bt, gate.dtype).float() * s).to(gate.dtype)
     else:
         y = gemm(ao, at, bo, bt, gate.dtype)
-    return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, ao.data, ao.scale.clone(),
-            bo.data, bo.scale.clone(), s.clone())
+    return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
+            ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(), s.clone())
 
 
 @swiglu_down_op.register_fake
@@ -136,9 +167,9 @@ def _(gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_forma
         gate.new_empty(*gate.shape[:-1], n),
         torch.empty((), **f32),
         torch.empty((), **f32),
-        gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else fmt.torch_dtype),
+        gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8),
         torch.empty(_scale_shape(granularity, block, rows, f, False), **f32),
-        w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else fmt.torch_dtype),
+        w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else torch.uint8),
         torch.empty(_scale_shape(granularity, block, n, f, True), **f32),
         torch.empty(s_shape, **f32),
     )
@@ -157,6 +188,7 @@ def swiglu_down_backward_op(
     g_state: list[torch.Tensor],
     w_dtype: torch.dtype,
     smooth: str,
+    fwd_format: str,
     bwd_format: str,
     granularity: str,
     block: int,
@@ -166,6 +198,8 @@ def swiglu_down_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dgate, dup, dW_down, dy_amax)`` (no state mutation)."""
     fmt = resolve_format(bwd_format)
+    a_data = from_bytes(a_data, resolve_format(fwd_format))
+    b_data = from_bytes(b_data, resolve_format(fwd_format))
     dy2 = dy.reshape(-1, dy.shape[-1])
     s = smooth_scales
     if smooth == "token":
@@ -177,12 +211,20 @@ def swiglu_down_backward_op(
     bt = tile_for(granularity, block, b_data.shape, weight=True)
     ao = Operand(a_data, a_scale, a_scale)
     bo = Operand(b_data, b_scale, b_scale)
-    da = gemm(go, gt, bo, bt, gate.dtype, b_t=True).float()   # dA = G @ B      [T, F]
+    da = gemm(go, gt, bo, bt, gate.dtype, b_t=True)           # dA = G @ B      [T, F]
     db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True)     # dB = G^T @ A    [O, F]
     if smooth == "channel":
         db = db / s.to(db.dtype)       # B = W / c  =>  dW = dB / c (exact: powers of two)
-    g = gate.reshape(-1, gate.shape[-1]).float()
-    u = up.reshape(-1, up.shape[-1]).float()
+    dgate, dup = _on_cpu(_swiglu_backward_math, da, gate.reshape(-1, gate.shape[-1]),
+                         up.reshape(-1, up.shape[-1]), s, smooth)
+    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+
+
+def _swiglu_backward_math(da, gate2d, up2d, s, smooth: str):
+    """dgate, dup (fp32) from dA, following the mode's definition of A (see the module doc)."""
+    da = da.float()
+    g = gate2d.float()
+    u = up2d.float()
     sig = torch.sigmoid(g)
     silu = g * sig
     dsilu = sig * (1 + g * (1 - sig))
@@ -192,11 +234,27 @@ def swiglu_down_backward_op(
     else:
         dh = da * s if smooth == "channel" else da
         dgate, dup = dh * u * dsilu, dh * silu
-    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+    return dgate, dup
+
+
+_COMPILED: dict = {}
+
+
+def _on_cpu(fn, *args):
+    """Large CPU inputs: run ``fn`` as one Inductor-compiled loop nest (eager: many fp32 passes)."""
+    from .kernels import cpu
+
+    first = args[0]
+    if first.device.type != "cpu" or first.numel() < cpu.MIN_COMPILED or not cpu.fused_enabled():
+        return fn(*args)
+    key = (fn, args[-1], *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    if key not in _COMPILED:
+        _COMPILED[key] = cpu.compile_variant(fn, cpu._tag(*key[1:]))
+    return cpu._run_compiled(_COMPILED[key], fn, *args)
 
 
 @swiglu_down_backward_op.register_fake
-def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, smooth, bwd_format,
+def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, smooth, fwd_format, bwd_format,
       granularity, block, power_of_two, grad_rounding, margin):
     rows, f = a_data.shape
     return (gate.new_empty(rows, f), up.new_empty(rows, f), dy.new_empty(b_data.shape, dtype=w_dtype),
@@ -211,15 +269,15 @@ def _setup_context(ctx, inputs, output):
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.shape, ctx.w_dtype = gate.shape, w_down.dtype
-    ctx.args = (smooth, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
+    ctx.args = (smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
     ctx.recipe = (margin, interval, algo, power_of_two)
 
 
 def _backward(ctx, dy, *unused):
     gate, up, a_data, a_scale, b_data, b_scale, s = ctx.saved_tensors
-    smooth, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
+    smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
     dgate, dup, dw, g_amax = torch.ops.fp8pass.swiglu_down_backward(
-        dy, gate, up, a_data, a_scale, b_data, b_scale, s, ctx.g_state, ctx.w_dtype, smooth, bwd_format,
+        dy, gate, up, a_data, a_scale, b_data, b_scale, s, ctx.g_state, ctx.w_dtype, smooth, fwd_format, bwd_format,
         granularity, block, power_of_two, grad_rounding, margin)
     if ctx.g_state and resolve_format(bwd_format) is not None:
         m, interval, algo, p2 = ctx.recipe

@@ -10,13 +10,12 @@ fp8 -> bf16 conversion is scalar code in eager torch; they would decide the CPU 
 cast below is therefore one Inductor-compiled loop (``dynamic=True``, so shapes never recompile):
 
 =====================  ==================================================================
-``cast``               one read of ``x``: codes ``sat(x * s)``, ``max |x|`` and optionally the
-                       codes upcast to the GEMM dtype, written in the same loop
-``upcast``             codes -> bf16 / fp32
+``cast``               one read of ``x``: codes ``sat(x * s)`` and ``max |x|``
+``upcast``             codes -> fp32 -> bf16 in one loop (vectorised; the direct conversion is not)
 =====================  ==================================================================
 
 Inductor converts fp32 -> fp8 with c10's round-to-nearest-even, bit-identical to
-``fp8pass.numerics.saturating_cast`` (tested). ``FP8PASS_CPU_FUSED=0`` (or a machine where Inductor
+``fp8pass.numerics.saturating_cast`` (tested; NaN stays NaN, its sign bit may differ). ``FP8PASS_CPU_FUSED=0`` (or a machine where Inductor
 cannot compile) selects the eager twins, which compute the same bits more slowly.
 """
 
@@ -24,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 import warnings
 
 import torch
@@ -41,29 +41,47 @@ def fused_enabled() -> bool:
     return os.environ.get("FP8PASS_CPU_FUSED", "1") != "0" and not _BROKEN
 
 
-def _eager_cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype, up):
+def _eager_cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype):
     xf = x.float()
-    amax = xf.abs().amax()
-    codes = (xf * scale).clamp_(-fmax, fmax).to(dtype)
-    return codes, amax, (codes.to(up) if up is not None else None)
+    return (xf * scale).clamp_(-fmax, fmax).to(dtype), xf.abs().amax()
+
+
+# Below this many elements a compiled kernel is not worth its launch; eager computes the same bits.
+MIN_COMPILED = 1 << 14
+
+
+def compile_variant(fn, tag: str):
+    """``torch.compile`` a fresh copy of ``fn`` (its own code object).
+
+    Dynamo keeps compiled entries, and its recompile limit, per code object: closures of one function
+    for many formats/dtypes would share one limit (8) and hit it. A copy per variant never does.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    fresh = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return torch.compile(fresh, dynamic=True, fullgraph=True)
+
+
+def _tag(*parts) -> str:
+    return "_".join(str(p).replace("torch.", "").replace(".", "_") for p in parts)
 
 
 @functools.cache
-def _compiled_cast(fmax: float, dtype: torch.dtype, up: torch.dtype | None):
+def _compiled_cast(fmax: float, dtype: torch.dtype, src: torch.dtype):
     def cast_kernel(x, scale):
         xf = x.float()
-        amax = xf.abs().amax()
-        codes = (xf * scale).clamp(-fmax, fmax).to(dtype)
-        if up is None:
-            return codes, amax
-        return codes, amax, codes.to(up)
+        return (xf * scale).clamp(-fmax, fmax).to(dtype), xf.abs().amax()
 
-    return torch.compile(cast_kernel, dynamic=True, fullgraph=True)
+    return compile_variant(cast_kernel, _tag(fmax, dtype, src))
 
 
 @functools.cache
-def _compiled_upcast(dtype: torch.dtype):
-    return torch.compile(lambda c: c.to(dtype), dynamic=True, fullgraph=True)
+def _compiled_upcast(dtype: torch.dtype, src: torch.dtype):
+    def upcast_kernel(codes):
+        # Through fp32 (exact both ways): Inductor vectorises float8 -> fp32 but emits scalar code
+        # for float8 -> bf16, measured ~3x slower.
+        return codes.to(torch.float32).to(dtype)
+
+    return compile_variant(upcast_kernel, _tag(dtype, src))
 
 
 def _run_compiled(fn, eager, *args):
@@ -98,13 +116,14 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
     if x.dtype == torch.float64:
         codes, amax = torch_family.cast_scaled(x, scale, fmt, want_amax=True)
         return codes, amax.float(), (codes.to(up) if up is not None else None)
-    out = _run_compiled(
-        _compiled_cast(fmt.max, fmt.torch_dtype, up),
-        lambda a, s: _eager_cast(a, s, fmt.max, fmt.torch_dtype, up),
-        x, scale,
-    )
-    codes, amax = out[0], out[1]
-    return codes, amax.float(), (out[2] if up is not None else None)
+    eager = lambda a, s: _eager_cast(a, s, fmt.max, fmt.torch_dtype)  # noqa: E731
+    if x.numel() < MIN_COMPILED:
+        codes, amax = eager(x, scale)
+    else:  # 1-D, so that no shape ever recompiles
+        codes, amax = _run_compiled(_compiled_cast(fmt.max, fmt.torch_dtype, x.dtype), eager, x.reshape(-1), scale)
+    codes = codes.view(x.shape)
+    # A separate upcast loop is faster than writing both outputs from one loop (measured).
+    return codes, amax.float(), (upcast(codes, up) if up is not None else None)
 
 
 def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +137,10 @@ def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     codes = codes.contiguous()
     if codes.numel() == 0:
         return codes.to(dtype)
-    return _run_compiled(_compiled_upcast(dtype), lambda c: c.to(dtype), codes)
+    if codes.numel() < MIN_COMPILED:
+        return codes.to(dtype)
+    out = _run_compiled(_compiled_upcast(dtype, codes.dtype), lambda c: c.to(dtype), codes.reshape(-1))
+    return out.view(codes.shape)
 
 
 def gemm_tensor_scaled(

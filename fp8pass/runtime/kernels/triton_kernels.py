@@ -1,0 +1,227 @@
+"""Triton kernels of the runtime ops (GPU; on CPU tensors they run under ``TRITON_INTERPRET=1``).
+
+=============================  ===========================================================================
+``_swiglu_colamax_kernel``     per-tile column max of ``|silu(gate) * up|`` (channel smoothing's input)
+``_swiglu_cast_kernel``        one read of gate/up: ``A`` = ``silu(g)*u`` (``*c[col]`` channel,
+                               ``silu(g)*(u/r[row])`` token), per-tile max ``|A|``, E4M3 codes of
+                               ``A * s`` (one write, 1 byte/element)
+``_transpose_cast_kernel``     one read of ``x``: codes of ``x * s`` in both layouts (``[R, C]`` and
+                               ``[C, R]``; the transposed copy is the wgrad / dgrad GEMM operand that
+                               ``_scaled_mm`` wants column-major) and per-tile max ``|x|``
+=============================  ===========================================================================
+
+Codes never come from Triton's fp32 -> fp8 conversion (REFERENCES.md §5: the interpreter drops the
+mantissa carry, rounds ties away from zero, and loses NaN for E4M3). ``_encode`` rounds onto the
+format's grid in fp32 arithmetic, exactly, then writes the code bits of that representable value::
+
+    a = min(|v|, max);  e = max(floor(log2 a), emin);  q = 2**(e - mbits)     # the grid step at a
+    a' = rint(a / q) * q      rint = (t + 1.5*2**23) - 1.5*2**23 (ties to even; t < 2**22 here)
+    code = sign | exponent/mantissa bits of a' (normal) or a' / 2**(emin - mbits) (subnormal); NaN code
+
+Division and multiplication by ``q`` are exact (powers of two). References: ``fp8pass.numerics``'s
+``saturating_cast`` / ``quantize`` (bit-identical codes) and ``fp8pass.runtime.swiglu.swiglu_operand``; the tests compare.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...numerics import Format
+from ...numerics.kernels import torch_family
+
+__all__ = ["swiglu_colamax", "swiglu_amax", "swiglu_cast", "transpose_cast", "MODES"]
+
+MODES = {"none": 0, "channel": 1, "token": 2}
+
+
+@triton.jit
+def _encode(v, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
+            NAN_CODE: tl.constexpr):
+    """Saturating RNE codes (int32, sign in bit 7) of fp32 ``v``: round on the grid, then encode."""
+    vbits = v.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(v), FMAX)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+    q = e - MBITS
+    down = ((127 - q) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + q) << 23).to(tl.float32, bitcast=True)
+    t = a * down
+    t = (t + 12582912.0) - 12582912.0        # rint, ties to even
+    r = t * up                                # on the grid, exact
+    rbits = r.to(tl.int32, bitcast=True)
+    re = ((rbits >> 23) & 0xFF) - 127
+    normal = ((re + BIAS) << MBITS) | ((rbits & 0x7FFFFF) >> (23 - MBITS))
+    sub = (r * (2.0 ** (MBITS - EMIN))).to(tl.int32)   # whole subnormal steps, exact
+    code = tl.where(re >= EMIN, normal, sub)
+    code = tl.where(v != v, NAN_CODE, code)
+    return code | ((vbits >> 24) & 0x80)
+
+
+@triton.jit
+def _abs_max(x):
+    """max |x| that propagates NaN (tl.max alone may drop it on GPUs)."""
+    m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+    return tl.where(has_nan > 0, float("nan"), m)
+
+
+@triton.jit
+def _silu(g):
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, T, F, BT: tl.constexpr, BF: tl.constexpr):
+    """out[pid_t, col] = max over this tile's rows of |silu(g) * u| (NaN-propagating)."""
+    pid_t, pid_f = tl.program_id(0), tl.program_id(1)
+    rows = pid_t * BT + tl.arange(0, BT)
+    cols = pid_f * BF + tl.arange(0, BF)
+    mask = (rows[:, None] < T) & (cols[None, :] < F)
+    offs = rows[:, None] * F + cols[None, :]
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = _silu(g) * u
+    m = tl.max(tl.abs(h), axis=0)
+    nan = tl.max((h != h).to(tl.int32), axis=0)
+    m = tl.where(nan > 0, float("nan"), m)
+    tl.store(out_ptr + pid_t * F + cols, m, mask=cols < F)
+
+
+@triton.jit
+def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr, T, F,
+                        MODE: tl.constexpr, STORE: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr,
+                        MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
+                        NAN_CODE: tl.constexpr):
+    """A tile of the down GEMM operand: A, max |A| (per program) and, if STORE, codes of A * scale."""
+    pid_t, pid_f = tl.program_id(0), tl.program_id(1)
+    rows = pid_t * BT + tl.arange(0, BT)
+    cols = pid_f * BF + tl.arange(0, BF)
+    mask = (rows[:, None] < T) & (cols[None, :] < F)
+    offs = rows[:, None] * F + cols[None, :]
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MODE == 2:
+        r = tl.load(r_ptr + rows, mask=rows < T, other=1.0)
+        a = _silu(g) * (u / r[:, None])
+    else:
+        a = _silu(g) * u
+        if MODE == 1:
+            c = tl.load(c_ptr + cols, mask=cols < F, other=1.0)
+            a = a * c[None, :]
+    tl.store(amax_ptr + pid_t * tl.num_programs(1) + pid_f, _abs_max(a))
+    if STORE:
+        s = tl.load(scale_ptr)
+        code = _encode(a * s, MBITS, EMIN, BIAS, FMAX, NAN_CODE)
+        tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, R, C, BR: tl.constexpr,
+                           BC: tl.constexpr, TRANSPOSE: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
+                           FMAX: tl.constexpr, NAN_CODE: tl.constexpr):
+    """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BR + tl.arange(0, BR)
+    cols = pid_c * BC + tl.arange(0, BC)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, _abs_max(x))
+    v = _encode(x * tl.load(scale_ptr), MBITS, EMIN, BIAS, FMAX, NAN_CODE).to(tl.uint8)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], v, mask=mask)
+    if TRANSPOSE:
+        tl.store(out_t_ptr + cols[None, :] * R + rows[:, None], v, mask=mask)
+
+
+def _fmt_kw(fmt: Format) -> dict:
+    return dict(MBITS=fmt.mbits, EMIN=fmt.emin, BIAS=fmt.bias, FMAX=float(fmt.max), NAN_CODE=fmt.nan_code)
+
+
+def _reduce_amax(partial: torch.Tensor) -> torch.Tensor:
+    if partial.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=partial.device)
+    return torch_family.tensor_amax(partial)  # NaN-propagating max of the partials
+
+
+def swiglu_colamax(gate2d: torch.Tensor, up2d: torch.Tensor, bt: int = 32, bf: int = 64) -> torch.Tensor:
+    """fp32 [F]: max over tokens of ``|silu(gate) * up|`` per channel."""
+    t, f = gate2d.shape
+    nt = triton.cdiv(t, bt)
+    part = torch.empty(max(nt, 1), f, dtype=torch.float32, device=gate2d.device)
+    if t == 0:
+        return part.zero_()[0]
+    _swiglu_colamax_kernel[(nt, triton.cdiv(f, bf))](gate2d.contiguous(), up2d.contiguous(), part, t, f,
+                                                     BT=bt, BF=bf)
+    return part.amax(0) if not part.isnan().any() else torch.where(part.isnan().any(0), torch.nan, part.amax(0))
+
+
+def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None,
+                smooth_scales: torch.Tensor | None = None, bt: int = 32, bf: int = 64):
+    """Codes of the down GEMM's operand ``A`` (see the module doc) and ``max |A|``.
+
+    Args:
+        gate2d, up2d: [T, F] contiguous.
+        mode: "none", "channel" or "token".
+        fmt: the FP8 format of A.
+        scale: fp32 scalar encode scale, or None for current scaling (``fmt.max / max|A|``, one more
+            read of gate/up).
+        smooth_scales: ``c`` [F] (channel) or ``r`` [T, 1] (token), fp32.
+
+    Returns:
+        (codes [T, F], amax of A fp32 scalar, the scale used).
+    """
+    from ...numerics import scale_from_amax
+
+    t, f = gate2d.shape
+    g, u = gate2d.contiguous(), up2d.contiguous()
+    dummy = torch.ones(1, dtype=torch.float32, device=g.device)
+    c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
+    r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
+    grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
+    out = torch.empty(t, f, dtype=fmt.torch_dtype, device=g.device)
+    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)
+    if t == 0 or f == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=g.device)
+        return out, zero, scale if scale is not None else torch.ones_like(zero)
+    kw = dict(MODE=MODES[mode], BT=bt, BF=bf, **_fmt_kw(fmt))
+    if scale is None:
+        _swiglu_cast_kernel[grid](g, u, c, r, dummy, out.view(torch.uint8), part, t, f, STORE=False, **kw)
+        scale = scale_from_amax(_reduce_amax(part), fmt)
+    scale = scale.to(torch.float32).reshape(1).contiguous()
+    _swiglu_cast_kernel[grid](g, u, c, r, scale, out.view(torch.uint8), part, t, f, STORE=True, **kw)
+    return out, _reduce_amax(part), scale.reshape(())
+
+
+def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = None, bt: int = 32,
+                bf: int = 64) -> torch.Tensor:
+    """max |A| of the down GEMM operand (one read of gate/up, nothing written but partial maxima)."""
+    t, f = gate2d.shape
+    if t == 0 or f == 0:
+        return torch.zeros((), dtype=torch.float32, device=gate2d.device)
+    g, u = gate2d.contiguous(), up2d.contiguous()
+    dummy = torch.ones(1, dtype=torch.float32, device=g.device)
+    c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
+    r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
+    grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
+    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)
+    out = torch.empty(1, dtype=torch.uint8, device=g.device)
+    from ...numerics import E4M3
+    _swiglu_cast_kernel[grid](g, u, c, r, dummy, out, part, t, f, MODE=MODES[mode], STORE=False, BT=bt, BF=bf,
+                              **_fmt_kw(E4M3))
+    return _reduce_amax(part)
+
+
+def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, br: int = 32, bc: int = 32,
+                   transpose: bool = True):
+    """``(codes [R, C], codes [C, R] or None, max |x|)`` of ``saturating_cast(x * scale)``, one read of x."""
+    r, c = x2d.shape
+    x = x2d.contiguous()
+    out = torch.empty(r, c, dtype=fmt.torch_dtype, device=x.device)
+    out_t = torch.empty(c if transpose else 0, r, dtype=fmt.torch_dtype, device=x.device)
+    grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
+    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    if r and c:
+        s = scale.to(torch.float32).reshape(1).contiguous()
+        _transpose_cast_kernel[grid](x, s, out.view(torch.uint8), out_t.view(torch.uint8), part, r, c, BR=br,
+                                     BC=bc, TRANSPOSE=transpose, **_fmt_kw(fmt))
+    return out, (out_t if transpose else None), _reduce_amax(part)

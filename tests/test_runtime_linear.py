@@ -1,0 +1,254 @@
+"""fp8_linear: bit-exact casts, FP8 GEMM results within the derived error bound, delayed scaling,
+shapes, saved bytes, and errors. Bound (docs/runtime.md): for ``C = A B^T`` with quantized
+``Â = A + e_A``, ``|e_A| <= u_A |A| + eta_A`` (``u`` = 2**-(mbits+1) the unit roundoff, ``eta`` half the
+smallest subnormal step over the scale), ``|Ĉ - C| <= |e_A| |B̂|^T + |A| |e_B|^T + out rounding``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8pass
+from fp8pass import E4M3, E5M2, ops, quantize
+from fp8pass.runtime import LinearScalingState
+from fp8pass.runtime.kernels import cpu
+
+
+def _bound(a, b, fa, fb, sa, sb, out_u):
+    """Elementwise bound on |Â B̂^T - A B^T| (fp64), with scales sa/sb (tensors broadcastable)."""
+    a, b = a.double(), b.double()
+    def err(t, f, s):
+        return t.abs() * 2.0 ** -(f.mbits + 1) + 2.0 ** (f.emin - f.mbits - 1) / s.double()
+    ea, eb = err(a, fa, sa), err(b, fb, sb)
+    bhat = b.abs() + eb
+    core = ea @ bhat.T + a.abs() @ eb.T
+    ref = (a @ b.T).abs()
+    return core + out_u * (ref + core) + 1e-30
+
+
+def _assert_gemm(c, a, b):
+    """``c`` equals ``a @ b.T`` up to fp32 accumulation: ``|err| <= 2 K 2**-24 (|a| |b|^T)``."""
+    a, b = a.double(), b.double()
+    tol = 2 * a.shape[1] * 2.0**-24 * (a.abs() @ b.abs().T) + 1e-30
+    assert ((c.double() - a @ b.T).abs() <= tol).all()
+
+
+def _data(seed, t=64, k=96, n=48, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, k, generator=g) * 3).to(dtype)
+    w = (torch.randn(n, k, generator=g) / 10).to(dtype)
+    dy = torch.randn(t, n, generator=g).to(dtype)
+    return x, w, dy
+
+
+def _grads(fn, x, w, dy, b=None):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    args = (x, w) if b is None else (x, w, b.clone().requires_grad_())
+    y = fn(*args)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_and_backward_within_derived_bound(dtype):
+    x, w, dy = _data(0, dtype=dtype)
+    y, dx, dw = _grads(ops.fp8_linear, x, w, dy)
+    assert y.dtype == dx.dtype == dw.dtype == dtype
+    out_u = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    sx = E4M3.max / x.float().abs().max()
+    sw = E4M3.max / w.float().abs().max()
+    sg = E5M2.max / dy.float().abs().max()
+    xd, wd, gd = x.double(), w.double(), dy.double()
+    assert ((y.double() - xd @ wd.T).abs() <= _bound(x, w, E4M3, E4M3, sx, sw, out_u)).all()
+    assert ((dx.double() - gd @ wd).abs() <= _bound(dy, w.T, E5M2, E4M3, sg, sw, out_u)).all()
+    assert ((dw.double() - gd.T @ xd).abs() <= _bound(dy.T, x.T, E5M2, E4M3, sg, sx, out_u)).all()
+    # and the bound is not vacuous: FP8 is visibly less exact than fp32 here
+    assert (y.double() - xd @ wd.T).abs().max() > 1e-3
+
+
+def test_fp32_results_equal_the_dequantized_reference():
+    """The op's GEMMs are exactly the math of fp8pass.quantize's codes (fp32 accumulation)."""
+    x, w, dy = _data(1)
+    y, dx, dw = _grads(ops.fp8_linear, x, w, dy)
+    qx, qw, qg = quantize(x, E4M3), quantize(w, E4M3), quantize(dy, E5M2)
+    xd, wd, gd = (q.dequantize(torch.float64) for q in (qx, qw, qg))
+    _assert_gemm(y, xd, wd)
+    _assert_gemm(dx, gd, wd.T)
+    _assert_gemm(dw, gd.T, xd.T)
+    out = torch.ops.fp8pass.fp8_linear(x, w, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False, "nearest",
+                                       0.0, 1, "max")
+    assert torch.equal(out[3].view(-1), qx.data.view(torch.uint8).view(-1))
+    assert torch.equal(out[5], qw.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("gran", ["row", "block"])
+def test_row_and_block_scaling_match_quantize(gran):
+    x, w, dy = _data(2, t=40, k=256, n=136)
+    recipe = fp8pass.CurrentScaling(gran, block=128)
+    y, dx, dw = _grads(lambda a, b: ops.fp8_linear(a, b, recipe=recipe), x, w, dy)
+    blk = lambda weight: None if gran == "row" else ((128, 128) if weight else (1, 128))  # noqa: E731
+    gr = "row" if gran == "row" else "block"
+    deq = lambda t, f, wt: quantize(t, f, granularity=gr, block=blk(wt)).dequantize(torch.float64)  # noqa: E731
+    xd, wd, gd = deq(x, E4M3, False), deq(w, E4M3, True), deq(dy, E5M2, False)
+    _assert_gemm(y, xd, wd)
+    _assert_gemm(dx, gd, wd.T)
+    _assert_gemm(dw, gd.T, xd.T)
+
+
+def test_identity_format_is_the_unquantized_linear():
+    x, w, dy = _data(3)
+    b = torch.randn(48)
+    got = _grads(lambda a, c, d: ops.fp8_linear(a, c, d, fwd_format="identity", bwd_format="identity"), x, w, dy, b)
+    ref = _grads(F.linear, x, w, dy, b)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_bias_in_high_precision_and_its_grad():
+    x, w, dy = _data(4, dtype=torch.bfloat16)
+    b = (torch.randn(48) * 100).to(torch.bfloat16).requires_grad_()
+    y = ops.fp8_linear(x, w, b)
+    y.backward(dy)
+    torch.testing.assert_close(b.grad.float(), dy.float().sum(0), rtol=1e-2, atol=1e-2)
+    # the bias is added unquantized inside the fp32 accumulation: one bf16 rounding of the exact result
+    xq, wq = (quantize(t, E4M3).dequantize(torch.float64) for t in (x, w))
+    ref = xq @ wq.T + b.detach().double()
+    assert ((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-3).all()
+
+
+def test_shapes_noncontiguous_and_empty():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, 7, 32, generator=g)
+    w = torch.randn(16, 32, generator=g)
+    y = ops.fp8_linear(x, w)
+    assert y.shape == (2, 5, 7, 16)
+    xt = torch.randn(32, 10, generator=g).t()  # non-contiguous [10, 32]
+    assert not xt.is_contiguous()
+    torch.testing.assert_close(ops.fp8_linear(xt, w), ops.fp8_linear(xt.contiguous(), w))
+    xe = torch.randn(0, 32, requires_grad=True)
+    we = w.clone().requires_grad_()
+    ye = ops.fp8_linear(xe, we)
+    assert ye.shape == (0, 16)
+    ye.sum().backward()
+    assert xe.grad.shape == (0, 32) and torch.equal(we.grad, torch.zeros_like(we))
+
+
+def test_saves_only_one_byte_codes_for_backward():
+    x, w, _ = _data(6, t=128, k=128, n=64, dtype=torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ops.fp8_linear(x, w)
+    big = [t for t in saved if t.numel() > 1]
+    assert len(big) == 2 and all(t.element_size() == 1 for t in big)
+    assert {tuple(t.shape) for t in big} == {(128, 128), (64, 128)}
+
+
+def test_delayed_scaling_bootstrap_history_and_grad_record():
+    recipe = fp8pass.DelayedScaling(history_len=4)
+    st = LinearScalingState(recipe)
+    x, w, dy = _data(7)
+    # step 1: empty history -> current scale; amaxes recorded afterwards
+    y1, _, _ = _grads(lambda a, b: ops.fp8_linear(a, b, recipe=recipe, state=st), x, w, dy)
+    torch.testing.assert_close(y1, ops.fp8_linear(x, w))
+    assert int(st.input.steps) == int(st.weight.steps) == int(st.grad_output.steps) == 1
+    assert st.input.amax_history[0] == x.abs().max() and st.grad_output.amax_history[0] == dy.abs().max()
+    # step 2 with a 4x larger input: delayed scale (from step 1) saturates the large values
+    y2, _, _ = _grads(lambda a, b: ops.fp8_linear(a, b, recipe=recipe, state=st), 4 * x, w, dy)
+    out = torch.ops.fp8pass.fp8_linear(4 * x, w, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False,
+                                       "nearest", 0.0, 1, "max")
+    qx = quantize(4 * x, E4M3, scale=E4M3.max / x.abs().max())
+    assert qx.data.float().abs().max() == E4M3.max  # saturated codes, as delayed scaling implies
+    assert not torch.allclose(y2, out[0])
+    assert st.input.amax_history[0] == 4 * x.abs().max() and st.input.amax_history[1] == x.abs().max()
+    torch.testing.assert_close(st.input.scale, E4M3.max / (4 * x.abs().max()))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_records_nothing_and_keeps_no_backward(mode):
+    recipe = fp8pass.DelayedScaling()
+    st = LinearScalingState(recipe)
+    x, w, _ = _data(8)
+    w.requires_grad_()
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        y = ops.fp8_linear(x, w, recipe=recipe, state=st)
+    assert y.grad_fn is None and not y.requires_grad
+    assert int(st.grad_output.steps) == 0
+    assert int(st.input.steps) == 1  # forward amaxes are still recorded (the scales in use)
+
+
+def test_stochastic_grad_rounding_is_unbiased_and_bounded():
+    x, w, dy = _data(9, t=32, k=32, n=16)
+    dy = dy * 0.37
+    torch.manual_seed(0)
+    runs = [_grads(lambda a, b: ops.fp8_linear(a, b, grad_rounding="stochastic"), x, w, dy)[1] for _ in range(64)]
+    assert not torch.equal(runs[0], runs[1])
+    qw = quantize(w, E4M3).dequantize(torch.float64)
+    exact = dy.double() @ qw  # dx with exact grad_output and the E4M3 weight
+    mean_err = (torch.stack(runs).double().mean(0) - exact).abs().mean()
+    one_err = (runs[0].double() - exact).abs().mean()
+    assert mean_err < one_err / 3  # averaging SR draws converges (RNE errors would not average out)
+
+
+def test_compiled_cpu_cast_is_bit_exact_with_numerics():
+    g = torch.Generator().manual_seed(10)
+    n = cpu.MIN_COMPILED * 2
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 12, (n,), generator=g).float())
+    # exact ties of both formats, saturation, inf, nan, signed zero
+    x[:8] = torch.tensor([1.0625, 1.1875, 2.125, 500.0, -1e9, float("inf"), float("nan"), -0.0])
+    s = torch.tensor(1.0)
+    for fmt in (E4M3, E5M2):
+        for src in (torch.float32, torch.bfloat16):
+            xs = x.to(src)
+            codes, amax, up = cpu.cast(xs, s, fmt, up=torch.bfloat16)
+            ref = fp8pass.numerics.saturating_cast(xs.float(), fmt)
+            ok = ~ref.float().isnan()  # NaN stays NaN (its sign bit may differ)
+            assert torch.equal(codes.view(torch.uint8)[ok], ref.view(torch.uint8)[ok]), (fmt, src)
+            assert torch.equal(codes.float().isnan(), ~ok)
+            assert torch.equal(up[ok], ref.to(torch.bfloat16)[ok]) and up[~ok].isnan().all()
+            assert amax.isnan()
+            big = torch.randn(n, generator=g).to(torch.float8_e4m3fn)
+            assert torch.equal(cpu.upcast(big, torch.bfloat16), big.to(torch.bfloat16))
+
+
+def test_bad_inputs_raise_clear_errors():
+    x, w, _ = _data(11)
+    with pytest.raises(ValueError, match="input features"):
+        ops.fp8_linear(x[:, :10], w)
+    with pytest.raises(ValueError, match="granularity"):
+        ops.fp8_linear(x, w, recipe=fp8pass.CurrentScaling("tile"))
+    with pytest.raises(TypeError, match="float16/bfloat16"):
+        ops.fp8_linear(x.int(), w)
+    with pytest.raises(ValueError, match="FP8 format"):
+        ops.fp8_linear(x, w, fwd_format="e2m1")
+    with pytest.raises(ValueError, match="grad_rounding"):
+        ops.fp8_linear(x, w, grad_rounding="up")
+    with pytest.raises(TypeError, match="recipe"):
+        ops.fp8_linear(x, w, recipe="fp8")
+    with pytest.raises(ValueError, match="already has delayed-scaling state"):
+        ops.fp8_linear(x, w, recipe=fp8pass.DelayedScaling(history_len=4))
+        ops.fp8_linear(x, w, recipe=fp8pass.DelayedScaling(history_len=8))
+
+
+def test_compiled_upcast_every_code():
+    """The compiled fp8 -> bf16 upcast gives every code's exact value (NaN for NaN codes)."""
+    n = cpu.MIN_COMPILED
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.uint8).repeat(n // 256).view(dtype)
+        got, ref = cpu.upcast(codes, torch.bfloat16), codes.to(torch.bfloat16)
+        nan = ref.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
+def test_many_format_dtype_variants_stay_compiled():
+    """Each (format, dtype) kernel is its own compiled function: no shared recompile limit is hit
+    (which would silently switch every cast to the slow eager twins)."""
+    n = cpu.MIN_COMPILED
+    for fmt in (E4M3, E5M2, fp8pass.E4M3_GAUDI):
+        for src in (torch.bfloat16, torch.float32, torch.float16):  # 9 variants > Dynamo's limit of 8
+            codes, _, upc = cpu.cast(torch.randn(n).to(src), torch.tensor(1.0), fmt, torch.bfloat16)
+            assert torch.equal(upc, codes.to(torch.bfloat16))
+    assert cpu.fused_enabled()
