@@ -26,7 +26,7 @@ def _loss(model, ids):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
 
 
-def _check_model(model, dtype=torch.float32):
+def _check_model(model, dtype=torch.float32, reset=False):
     model = model.to(dtype)
     ids = torch.randint(3, 128, (2, 16))
     loss0 = _loss(model, ids)
@@ -51,7 +51,7 @@ def _check_model(model, dtype=torch.float32):
         opt.step()
         opt.zero_grad()
         steps.append(fp8pass.scaling_state_dict(model))
-        if step == 1:
+        if step == 1 and reset:
             torch._dynamo.reset()  # the state belongs to the weights: the recompile continues it
     rep = be.report()
     assert len(rep.swiglus) == LAYERS  # (the report of the graph compiled after the reset)
@@ -77,7 +77,7 @@ def test_hf_model_trains_in_fp8(name):
 
 def test_titan_llama_trains_in_fp8():
     model = tiny_titan_llama(n_layers=LAYERS)
-    _check_model(model)
+    _check_model(model, reset=True)
     sd = fp8pass.scaling_state_dict(model)
     assert int(sd["layers.1.feed_forward.w2.weight.input.steps"]) == 3  # the smoothed GLU output
     assert int(sd["layers.1.feed_forward.w2.weight.grad_output.steps"]) == 3
