@@ -3,7 +3,7 @@
 This module holds the public API only; see DESIGN.md for the layout.
 """
 
-from .config import Config, CurrentScaling, DelayedScaling
+from .config import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling
 from .numerics import (
     E2M1,
     E4M3,
@@ -30,4 +30,5 @@ __all__ = [
     "scaling_state_dict", "load_scaling_state_dict",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
+    "NVFP4Scaling", "HotChannelPatching",
 ]

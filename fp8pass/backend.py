@@ -30,6 +30,7 @@ from .config import Config
 from .passes.explain import Report, SwiGLUEntry
 from .passes.plan import plan_graph
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
+from .runtime.hcp import hcp_state_for
 from .runtime.state import state_for
 from .passes.rewrite import StateInput, apply_plan, copy_graph_module
 
@@ -194,6 +195,9 @@ def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config) -
     out = []
     for s in extra:
         weight = example_inputs[s.weight_pos]
+        if s.role == "hcp":  # NVFP4 hot-channel patching (passes/rewrite_nvfp4.py)
+            out.append(hcp_state_for(weight, cfg.recipe.hcp).op_args()[s.field])
+            continue
         st = state_for(weight, cfg.recipe, cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3",
                        cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2")
         role = st.roles()[s.role]

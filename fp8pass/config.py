@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CurrentScaling", "DelayedScaling", "Config", "GRANULARITIES", "ALGOS"]
+__all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "GRANULARITIES",
+           "ALGOS"]
 
 GRANULARITIES = ("tensor", "row", "block")
 ALGOS = ("max", "most_recent")
@@ -75,6 +76,110 @@ class DelayedScaling:
         return "tensor"
 
 
+HCP_MODES = ("split", "concat")
+PROTECTED_PRECISIONS = ("high", "fp8")
+POST_QK_PATTERNS = ("*v_proj", "*o_proj", "*wv", "*wo", "*out_proj", "*c_proj")
+
+
+@dataclass(frozen=True)
+class HotChannelPatching:
+    """Hot-channel patching (HCP) of an NVFP4 linear's forward GEMM.
+
+    Per linear, the squared quantization error of every input channel, ``sum_t (X - Q(X))[t, c]**2``,
+    is kept as an exponential moving average; every ``update_interval`` steps the ``fraction`` of
+    channels with the largest error become "hot" and their residual is added back in high precision:
+    ``dX_h Q(W)_h^T + Q(X)_h dW_h^T`` (first order) ``+ dX_h dW_h^T`` (second order).
+
+    Args:
+        fraction: share of input channels patched (0 <= fraction <= 1; 0.09 as in the seed document).
+        update_interval: steps between refreshes of the hot set (the first step always chooses one).
+        decay: EMA decay of the per-channel error (0 <= decay < 1).
+        second_order: also add the ``dX_h dW_h^T`` term (then fraction=1 gives the exact GEMM).
+        mode: "split" (a second small GEMM added to the output) or "concat" (one GEMM over
+            ``[Q(X) | dX_h | X_h]`` and ``[Q(W) | Q(W)_h | dW_h]``); same result to fp32 rounding.
+    """
+
+    fraction: float = 0.09
+    update_interval: int = 1000
+    decay: float = 0.9
+    second_order: bool = True
+    mode: str = "split"
+
+    def __post_init__(self):
+        if not 0.0 <= float(self.fraction) <= 1.0:
+            raise ValueError(f"HotChannelPatching.fraction must be in [0, 1], got {self.fraction}")
+        if int(self.update_interval) != self.update_interval or self.update_interval < 1:
+            raise ValueError(f"update_interval must be an int >= 1, got {self.update_interval}")
+        if not 0.0 <= float(self.decay) < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+        _check_choice("HCP mode", self.mode, HCP_MODES)
+
+    def num_hot(self, channels: int) -> int:
+        """Hot channels of a linear with ``channels`` input features (rounded to nearest)."""
+        return min(channels, int(round(self.fraction * channels)))
+
+
+@dataclass(frozen=True)
+class NVFP4Scaling:
+    """NVFP4 training recipe: E2M1 elements, E4M3 scales per 16 elements, one fp32 scale per tensor.
+
+    Activations and gradients use 1x16 blocks along the GEMM's reduction dim; weights 16x16 blocks
+    (``weight_2d``) so W and W^T quantize identically in forward and backward. Forward rounds to
+    nearest even; gradients round stochastically (``grad_stochastic_rounding``). The weight-gradient
+    GEMM's operands get a 16x16 random Hadamard transform along the token dim (``rht``).
+
+    Keep-high-precision policy (compile backend): the LM head (``Config.keep_high_precision``), the
+    last blocks (``keep_last_blocks``, or ``round(keep_last_fraction * n_blocks)``) and, with
+    ``protect_post_qk``, the attention value/output projections (``post_qk_patterns``) stay in the
+    model dtype (``protected_precision="high"``) or become FP8 linears with current scaling ("fp8").
+
+    Args:
+        rht: random Hadamard transform on the wgrad GEMM operands.
+        rht_seed: seed of the transform's random signs (the same for every layer).
+        grad_stochastic_rounding: stochastic rounding of the gradients (dgrad and wgrad operands).
+        weight_2d: 16x16 weight blocks; False quantizes W (1x16 along in-features) and W^T (1x16 along
+            out-features) separately, an ablation.
+        keep_last_blocks: number of final transformer blocks kept out of NVFP4; None: derive it
+            from ``keep_last_fraction``.
+        keep_last_fraction: share of the blocks kept (0.15: ~15% of the linears, NVIDIA's recipe).
+        protect_post_qk: keep the projections matching ``post_qk_patterns`` out of NVFP4.
+        post_qk_patterns: fnmatch globs on the module FQN of value/output projections.
+        protected_precision: "high" (the model dtype) or "fp8" (E4M3/E5M2 current scaling).
+        hcp: a :class:`HotChannelPatching`, or None (off).
+    """
+
+    rht: bool = True
+    rht_seed: int = 0
+    grad_stochastic_rounding: bool = True
+    weight_2d: bool = True
+    keep_last_blocks: int | None = None
+    keep_last_fraction: float = 0.15
+    protect_post_qk: bool = True
+    post_qk_patterns: tuple[str, ...] = POST_QK_PATTERNS
+    protected_precision: str = "high"
+    hcp: HotChannelPatching | None = None
+
+    def __post_init__(self):
+        if self.keep_last_blocks is not None and (int(self.keep_last_blocks) != self.keep_last_blocks
+                                                  or self.keep_last_blocks < 0):
+            raise ValueError(f"keep_last_blocks must be None or an int >= 0, got {self.keep_last_blocks}")
+        if not 0.0 <= float(self.keep_last_fraction) <= 1.0:
+            raise ValueError(f"keep_last_fraction must be in [0, 1], got {self.keep_last_fraction}")
+        _check_choice("protected_precision", self.protected_precision, PROTECTED_PRECISIONS)
+        if self.hcp is not None and not isinstance(self.hcp, HotChannelPatching):
+            raise TypeError(f"hcp must be a HotChannelPatching or None, got {type(self.hcp).__name__}")
+        pats = (self.post_qk_patterns,) if isinstance(self.post_qk_patterns, str) else tuple(self.post_qk_patterns)
+        object.__setattr__(self, "post_qk_patterns", pats)
+
+    @property
+    def granularity(self) -> str:
+        return "block"
+
+    @property
+    def power_of_two(self) -> bool:
+        return False
+
+
 SMOOTH_SWIGLU = ("channel", "token", None)
 COMPILERS = ("inductor", "aot_eager", "eager")
 ON_GRAPH_BREAK = ("warn", "error", "ignore")
@@ -87,7 +192,8 @@ class Config:
 
     Args:
         recipe: scaling of the FP8 linears: ``DelayedScaling()`` (default, amax histories kept per
-            weight and role across steps) or ``CurrentScaling()``.
+            weight and role across steps), ``CurrentScaling()`` or ``NVFP4Scaling()`` (4-bit linears,
+            see docs/nvfp4.md; ``fwd_format``/``bwd_format`` then apply to its FP8-protected linears).
         smooth_swiglu: Smooth-SwiGLU form for every matched GLU: "channel" (the paper: one scale per
             channel of the GLU output, folded into the down-projection weight), "token" (the
             authors' reference code: one scale per token) or None (plain FP8 down projection).
@@ -111,7 +217,7 @@ class Config:
             "error" (raise) or "ignore" (same handling, no warning).
     """
 
-    recipe: CurrentScaling | DelayedScaling = DelayedScaling()
+    recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
     smooth_swiglu: str | None = "channel"
     keep_high_precision: tuple[str, ...] = DEFAULT_KEEP_HIGH_PRECISION
     min_dim: int = 16
@@ -123,9 +229,10 @@ class Config:
     on_graph_break: str = "warn"
 
     def __post_init__(self):
-        if not isinstance(self.recipe, (CurrentScaling, DelayedScaling)):
+        if not isinstance(self.recipe, (CurrentScaling, DelayedScaling, NVFP4Scaling)):
             raise TypeError(
-                f"recipe must be fp8pass.DelayedScaling(...) or fp8pass.CurrentScaling(...), "
+                f"recipe must be fp8pass.DelayedScaling(...), fp8pass.CurrentScaling(...) or "
+                f"fp8pass.NVFP4Scaling(...), "
                 f"got {type(self.recipe).__name__}"
             )
         _check_choice("smooth_swiglu", self.smooth_swiglu, SMOOTH_SWIGLU)

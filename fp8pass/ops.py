@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from .config import CurrentScaling, DelayedScaling
+from .config import CurrentScaling, DelayedScaling, NVFP4Scaling
 from .numerics import E4M3, E5M2, Format, get_format
 from .runtime import (
     IDENTITY,
     SMOOTH_MODES,
+    HCPState,
+    hcp_state_for,
     LinearScalingState,
     channel_scales,
     fold_channel_scales,
     state_for,
 )
 
-__all__ = ["fp8_linear", "swiglu_mlp", "LinearScalingState", "channel_scales", "fold_channel_scales",
+__all__ = ["fp8_linear", "swiglu_mlp", "nvfp4_linear", "LinearScalingState", "channel_scales", "fold_channel_scales",
            "IDENTITY"]
 
 
@@ -135,3 +137,33 @@ def swiglu_mlp(
         up = fp8_linear(x, w_up, None, recipe, state=states.get("up"), **kw)
     return _swiglu_down(gate, up, w_down, mode, recipe, states.get("down"), _fmt_name(fwd_format),
                         _fmt_name(bwd_format), grad_rounding)
+
+
+def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 recipe: NVFP4Scaling | None = None, hcp_state: HCPState | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the NVFP4 recipe (``fp8pass::nvfp4_linear``, autograd included).
+
+    Args:
+        x: ``[..., in]`` fp32/bf16/fp16; ``in`` even.
+        weight: ``[out, in]``.
+        bias: ``[out]`` or None.
+        recipe: an :class:`fp8pass.NVFP4Scaling` (default ``NVFP4Scaling()``: RHT, SR, 2-D weight blocks).
+        hcp_state: with ``recipe.hcp`` set, the HCP state to read and update (default: the state kept
+            for ``weight``, :func:`fp8pass.runtime.hcp_state_for`). Every call records the input's
+            per-channel error into it.
+    """
+    recipe = NVFP4Scaling() if recipe is None else recipe
+    if not isinstance(recipe, NVFP4Scaling):
+        raise TypeError(f"nvfp4_linear takes an fp8pass.NVFP4Scaling recipe, got {type(recipe).__name__}")
+    hcp = recipe.hcp
+    if hcp_state is not None and hcp is None:
+        raise ValueError("hcp_state was given but recipe.hcp is None; set NVFP4Scaling(hcp=HotChannelPatching())")
+    if hcp is not None and hcp_state is None:
+        hcp_state = hcp_state_for(weight, hcp)
+    args = [] if hcp is None else hcp_state.op_args()
+    y, chan_err = torch.ops.fp8pass.nvfp4_linear(
+        x, weight, bias, args, recipe.weight_2d, recipe.rht, recipe.rht_seed, recipe.grad_stochastic_rounding,
+        True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode)
+    if hcp is not None:
+        hcp_state.update(chan_err)
+    return y

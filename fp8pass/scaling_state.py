@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import Config, DelayedScaling
+from .config import Config, DelayedScaling, NVFP4Scaling
+from .runtime.hcp import _REGISTRY as _HCP_REGISTRY, HCP_FIELDS, hcp_state_for
 from .runtime.state import ROLES, _REGISTRY, state_for
 
 __all__ = ["scaling_state_dict", "load_scaling_state_dict"]
@@ -47,6 +48,11 @@ def scaling_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue
         for k, v in st.state_dict().items():
             out[f"{name}.{k}"] = v
+    for name, p in model.named_parameters():  # NVFP4 hot-channel patching: "<param>.hcp.<field>"
+        st = _HCP_REGISTRY.get(p)
+        if st is not None and not any(k.startswith(name + ".hcp.") for k in out):
+            for k, v in st.state_dict().items():
+                out[f"{name}.{k}"] = v
     return out
 
 
@@ -63,6 +69,9 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
     """
     model = _unwrap(model)
     cfg = config or Config()
+    if isinstance(cfg.recipe, NVFP4Scaling):
+        _load_hcp(model, state_dict, cfg.recipe, strict)
+        return
     if not isinstance(cfg.recipe, DelayedScaling):
         if state_dict:
             raise ValueError("load_scaling_state_dict: the config uses CurrentScaling, which keeps no "
@@ -90,3 +99,25 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
         fwd = cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3"
         bwd = cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2"
         state_for(p, recipe, fwd, bwd).load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+
+
+def _load_hcp(model, state_dict, recipe: NVFP4Scaling, strict: bool) -> None:
+    """The NVFP4 recipe keeps only hot-channel-patching state (``<param>.hcp.<field>``)."""
+    params = dict(model.named_parameters())
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, v in state_dict.items():
+        parts = key.rsplit(".", 2)
+        if len(parts) != 3 or parts[1] != "hcp" or parts[2] not in HCP_FIELDS or parts[0] not in params:
+            unknown.append(key)
+            continue
+        grouped.setdefault(parts[0], {})[f"hcp.{parts[2]}"] = v
+    if unknown and strict:
+        raise KeyError(f"load_scaling_state_dict: keys that are no HCP state of this model under the NVFP4 "
+                       f"recipe: {unknown[:5]}{' ...' if len(unknown) > 5 else ''} (strict=False ignores them)")
+    if grouped and recipe.hcp is None:
+        raise ValueError("load_scaling_state_dict: the state holds HCP tensors but the config's NVFP4Scaling "
+                         "has hcp=None; pass the config the state was saved with")
+    for name, sd in grouped.items():
+        p = params[name]
+        hcp_state_for(p, recipe.hcp).load_state_dict({k: t.to(p.device) for k, t in sd.items()})

@@ -41,17 +41,19 @@ class Report:
     config: object = None
 
     def __str__(self) -> str:
+        kind = "NVFP4" if type(getattr(self.config, "recipe", None)).__name__ == "NVFP4Scaling" else "FP8"
         lines = [f"fp8pass report: {self.num_graphs} graph(s), {len(self.swiglus)} GLU MLP(s) fused, "
-                 f"{len(self.linears)} FP8 linear weight(s), {len(self.skipped)} op(s) kept in high "
+                 f"{len(self.linears)} {kind} linear weight(s), {len(self.skipped)} op(s) kept in high "
                  f"precision, {len(self.graph_breaks)} graph-break note(s)"]
         if self.config is not None:
             lines.append(f"config: {self.config}")
         if self.swiglus:
-            lines += ["", "GLU MLPs (Smooth-SwiGLU treatment):"]
+            treatment = "NVFP4 linears" if kind == "NVFP4" else "Smooth-SwiGLU treatment"
+            lines += ["", f"GLU MLPs ({treatment}):"]
             lines += _table(["variant", "gate", "up", "down"],
                             [[s.variant, s.gate, s.up, s.down] for s in self.swiglus])
         if self.linears:
-            lines += ["", "FP8 linears (weight FQN):"]
+            lines += ["", f"{kind} linears (weight FQN):"]
             lines += ["  " + f for f in self.linears]
         if self.skipped:
             lines += ["", "kept in high precision:"]

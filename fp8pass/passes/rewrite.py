@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..config import Config, DelayedScaling
+from ..config import Config, DelayedScaling, NVFP4Scaling
 from .plan import GLUSite, LinearSite, Plan
 
 __all__ = ["StateInput", "copy_graph_module", "apply_plan"]
@@ -196,6 +196,10 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, cfg: Config) -> tuple[fx.GraphMod
         (gm, extra inputs the backend appends on every call, FQNs of weights made FP8,
         extra (where, reason) entries for ops the rewrite kept in high precision).
     """
+    if isinstance(cfg.recipe, NVFP4Scaling):
+        from .rewrite_nvfp4 import apply_nvfp4_plan  # it subclasses _Rewriter
+
+        return apply_nvfp4_plan(gm, plan, cfg)
     rw = _Rewriter(gm, cfg)
     fp8: list[str] = []
     kept: list[tuple[str, str]] = []

@@ -26,6 +26,13 @@ b_data, b_scale, smooth_scales)``
     Records one amax into one delayed-scaling state in place (``mutates_args`` = the four state
     tensors; no autograd). This is the only op that mutates state.
 ``fp8_linear_backward`` / ``swiglu_down_backward``: the ops the backward formulas call; internal.
+``nvfp4_linear(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,
+hcp_mode) -> (y, chan_err)``
+    The NVFP4 recipe (:mod:`fp8pass.runtime.nvfp4`, docs/nvfp4.md): E2M1 operands with E4M3 16-element
+    block scales, RNE forward, SR gradients, RHT on the wgrad operands, 16x16 weight blocks.
+    ``hcp_state`` = ``[err, hot, step]`` (:class:`HCPState`) or []; read only; ``chan_err`` is the
+    per-input-channel squared quantization error to record with ``hcp_update_(err, hot, step,
+    chan_err, decay, interval)`` (mutating, no autograd; :mod:`fp8pass.runtime.hcp`).
 
 Scalar arguments
     ``fwd_format``/``bwd_format``: "e4m3" | "e4m3_gaudi" | "e5m2", or "identity" (testing hook: no
@@ -65,8 +72,10 @@ Kernels
 from .casting import IDENTITY
 from .linear import fp8_linear_op
 from .state import ROLES, LinearScalingState, delayed_record_, record, state_for
+from .hcp import HCPState, hcp_state_for
+from .nvfp4 import nvfp4_linear_op, nvfp4_values
 from .swiglu import SMOOTH_MODES, channel_scales, fold_channel_scales, swiglu_down_op, token_scales
 
 __all__ = ["IDENTITY", "fp8_linear_op", "swiglu_down_op", "delayed_record_", "record", "ROLES",
            "LinearScalingState", "state_for", "SMOOTH_MODES", "channel_scales", "token_scales",
-           "fold_channel_scales"]
+           "fold_channel_scales", "nvfp4_linear_op", "nvfp4_values", "HCPState", "hcp_state_for"]

@@ -1,0 +1,191 @@
+"""``fp8pass::nvfp4_linear``: ``y = x W^T (+ b)`` with NVFP4 operands in forward and backward.
+
+Operands are quantized with ``fp8pass.quantize(.., E2M1, granularity="block")`` (E2M1 codes, E4M3
+block scales, one fp32 tensor scale). No CPU or Hopper GPU has FP4 tensor cores, so every GEMM runs
+on the exact operand values: ``codes * block_scale`` is exact in fp32 (and bf16), the GEMM
+accumulates in fp32 and the two tensor scales are divided out of the result. The numerics are
+NVFP4's; only the speed is not.
+
+* forward: ``Q(x)`` 1x16 blocks along in-features, RNE; ``Q(W)`` 16x16 blocks (``weight_2d``) or 1x16.
+  With HCP state, the hot input channels' residual is added back (see :func:`hcp_patch`).
+* dgrad ``dx = dy W``: ``Q_sr(dy)`` 1x16 along out-features; ``Q(W)``: the forward's 16x16 blocks
+  (W^T quantizes identically), or W^T quantized 1x16 along out-features when ``weight_2d`` is off.
+* wgrad ``dW = dy^T x``: both operands transposed so tokens are last, zero-padded to a multiple
+  of 16, RHT'd (``rht``), quantized 1x16 along tokens; ``dy`` with stochastic rounding.
+* ``db = sum(dy)`` in fp32.
+
+Backward saves ``x`` and ``W`` in high precision (the weight is a parameter anyway) and recomputes
+the quantizations: RNE is deterministic, so W's blocks are bit-identical to the forward's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import HCP_MODES
+from ..numerics import E2M1, decode, quantize
+from ..numerics.kernels import torch_family
+from .hcp import select_hot
+from .rht import pad_last_dim, rht_last_dim
+
+__all__ = ["nvfp4_values", "nvfp4_linear_op", "hcp_patch", "ACT_BLOCK", "WEIGHT_BLOCK"]
+
+ACT_BLOCK = (1, 16)
+WEIGHT_BLOCK = (16, 16)
+
+
+def nvfp4_values(x2d: torch.Tensor, tile=ACT_BLOCK, rounding: str = "nearest") -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize a 2-D tensor; returns ``(v, g)``, values ``v / g``.
+
+    ``v = E2M1 code * E4M3 block scale`` (exact in fp32), ``g`` the fp32 tensor encode scale.
+    """
+    q = quantize(x2d, E2M1, granularity="block", block=tile, rounding=rounding)
+    codes = decode(q.data, E2M1, torch.float32).reshape(x2d.shape)
+    return codes * torch_family.expand_groups(q.block_scale.to(torch.float32), tile, x2d.shape), q.scale
+
+
+def _mm_scaled(av, ag, bv, bg) -> torch.Tensor:
+    """``(av @ bv^T) / (ag * bg)`` in fp32."""
+    return torch.mm(av, bv.t()) / (ag * bg)
+
+
+def hcp_patch(x2d, xd, w, wd, hot, second_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Operands ``(A_h, B_h)`` with ``A_h @ B_h^T`` = the hot channels' residual.
+
+    First order: ``dX_h Q(W)_h^T + Q(X)_h dW_h^T``; with ``second_order`` ``+ dX_h dW_h^T``, written as
+    ``dX_h Q(W)_h^T + X_h dW_h^T`` (``Q(X)_h + dX_h = X_h``), so every variant is one GEMM of
+    ``[dX_h | X_h or Q(X)_h]`` by ``[Q(W)_h | dW_h]``. All fp32.
+    """
+    xh, xdh = x2d[:, hot].to(torch.float32), xd[:, hot]
+    wh, wdh = w[:, hot].to(torch.float32), wd[:, hot]
+    a = torch.cat([xh - xdh, xh if second_order else xdh], 1)
+    b = torch.cat([wdh, wh - wdh], 1)
+    return a, b
+
+
+def _check(x, weight, bias, hcp_state, hcp_mode):
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"nvfp4_linear needs x [..., in] and weight [out, in] with matching in; got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.shape[1] % 2:
+        raise ValueError(f"nvfp4_linear: in_features must be even (E2M1 packs two codes per byte), got "
+                         f"{weight.shape[1]}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"nvfp4_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"nvfp4_linear: {name} must be float16/bfloat16/float32, got {t.dtype}")
+    if hcp_state and len(hcp_state) != 3:
+        raise ValueError("hcp_state must be [] or [err, hot, step] (fp8pass.runtime.HCPState.op_args())")
+    if hcp_state and hcp_state[0].numel() != weight.shape[1]:
+        raise ValueError(f"HCP state tracks {hcp_state[0].numel()} channels, the weight has {weight.shape[1]}")
+    if hcp_mode not in HCP_MODES:
+        raise ValueError(f"unknown hcp_mode {hcp_mode!r}; valid: {', '.join(HCP_MODES)}")
+
+
+@torch.library.custom_op("fp8pass::nvfp4_linear", mutates_args=())
+def nvfp4_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    hcp_state: list[torch.Tensor],
+    weight_2d: bool,
+    rht: bool,
+    rht_seed: int,
+    grad_sr: bool,
+    hcp_second_order: bool,
+    hcp_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(y, chan_err)``: ``chan_err`` is the per-input-channel squared error of ``Q(x)``
+    (``[in]``, fp32) when ``hcp_state`` is given, else an empty tensor."""
+    _check(x, weight, bias, hcp_state, hcp_mode)
+    x2d = x.reshape(-1, x.shape[-1])
+    xv, xg = nvfp4_values(x2d, ACT_BLOCK)
+    wv, wg = nvfp4_values(weight, WEIGHT_BLOCK if weight_2d else ACT_BLOCK)
+    chan_err = x.new_empty(0, dtype=torch.float32)
+    hot = None
+    if hcp_state:
+        err, hot, step = hcp_state
+        xd = xv / xg
+        dx = x2d.to(torch.float32) - xd
+        chan_err = (dx * dx).sum(0)
+        if int(step) == 0:  # no hot set chosen yet: pick it from this call's error
+            hot = select_hot(chan_err, hot.numel())
+    if hot is None or hot.numel() == 0:
+        y = _mm_scaled(xv, xg, wv, wg)
+    else:
+        wd = wv / wg
+        a, b = hcp_patch(x2d, xd, weight, wd, hot, hcp_second_order)
+        if hcp_mode == "concat":
+            y = torch.mm(torch.cat([xd, a], 1), torch.cat([wd, b], 1).t())
+        else:
+            y = _mm_scaled(xv, xg, wv, wg) + torch.mm(a, b.t())
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0]), chan_err
+
+
+@nvfp4_linear_op.register_fake
+def _(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, hcp_mode):
+    _check(x, weight, bias, hcp_state, hcp_mode)
+    n = weight.shape[1] if hcp_state else 0
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8pass::nvfp4_linear_backward", mutates_args=())
+def nvfp4_linear_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_2d: bool,
+    rht: bool,
+    rht_seed: int,
+    grad_sr: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dW, db_fp32)`` of ``y = x W^T + b`` (see the module doc)."""
+    rounding = "stochastic" if grad_sr else "nearest"
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    x2d = x.reshape(-1, x.shape[-1])
+    # dgrad: reduction over out-features
+    gv, gg = nvfp4_values(dy2d, ACT_BLOCK, rounding)
+    if weight_2d:
+        wv, wg = nvfp4_values(weight, WEIGHT_BLOCK)
+    else:
+        wtv, wg = nvfp4_values(weight.t(), ACT_BLOCK)
+        wv = wtv.t()
+    dx = torch.mm(gv, wv) / (gg * wg)
+    # wgrad: reduction over tokens (last dim after transposing)
+    a, b = dy2d.t(), x2d.t()
+    if rht:
+        a, b = rht_last_dim(a, rht_seed), rht_last_dim(b, rht_seed)
+    else:
+        a, b = pad_last_dim(a), pad_last_dim(b)
+    av, ag = nvfp4_values(a, ACT_BLOCK, rounding)
+    bv, bg = nvfp4_values(b, ACT_BLOCK)
+    dw = _mm_scaled(av, ag, bv, bg)
+    db = dy2d.sum(0, dtype=torch.float32)
+    return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype), db
+
+
+@nvfp4_linear_backward_op.register_fake
+def _(dy, x, weight, weight_2d, rht, rht_seed, grad_sr):
+    return (torch.empty_like(x), torch.empty_like(weight),
+            dy.new_empty(weight.shape[0], dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, _, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.n_hcp = len(hcp_state)
+    ctx.b_dtype = None if bias is None else bias.dtype
+    ctx.args = (weight_2d, rht, rht_seed, grad_sr)
+
+
+def _backward(ctx, dy, _chan_err_grad):
+    x, weight = ctx.saved_tensors
+    dx, dw, db = torch.ops.fp8pass.nvfp4_linear_backward(dy, x, weight, *ctx.args)
+    dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
+    return (dx, dw, dbias, [None] * ctx.n_hcp) + (None,) * 6
+
+
+nvfp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
