@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp8pass {selfcheck, ...}``.
+"""Command line: ``python -m fp8pass {selfcheck, train, ...}``.
 
 Subcommands are added by the parts that own them (train, inspect, bench); ``selfcheck`` verifies the
 numerics core on this machine in seconds.
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("selfcheck", help="check the numerics core on this machine")
     p.set_defaults(func=_selfcheck)
+    from .train.cli import add_train_parser
+    add_train_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
