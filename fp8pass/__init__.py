@@ -3,7 +3,7 @@
 This module holds the public API only; see DESIGN.md for the layout.
 """
 
-from .config import CurrentScaling, DelayedScaling
+from .config import Config, CurrentScaling, DelayedScaling
 from .numerics import (
     E2M1,
     E4M3,
@@ -17,10 +17,15 @@ from .numerics import (
     quantize,
 )
 
+from . import ops
+from .backend import backend, explain
+from .scaling_state import load_scaling_state_dict, scaling_state_dict
+
 __version__ = "0.1.0"
 
 __all__ = [
-    "CurrentScaling", "DelayedScaling",
+    "Config", "CurrentScaling", "DelayedScaling", "backend", "explain", "ops",
+    "scaling_state_dict", "load_scaling_state_dict",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "DelayedScalingState",
 ]

@@ -50,11 +50,49 @@ def _selfcheck(args) -> int:
     return 0 if failures == 0 else 1
 
 
+def _inspect(args) -> int:
+    import importlib
+
+    import torch
+
+    from .backend import explain
+    from .passes.draw import draw_graph
+
+    mod_name, _, factory_name = args.target.partition(":")
+    if not factory_name:
+        print("inspect: expected MODULE:FACTORY, e.g. mypkg.models:tiny_llama", file=sys.stderr)
+        return 2
+    factory = getattr(importlib.import_module(mod_name), factory_name)
+    built = factory()
+    # a factory returns a model, or (model, example_inputs)
+    if isinstance(built, tuple):
+        model, inputs = built[0], tuple(built[1]) if isinstance(built[1], (tuple, list)) else (built[1],)
+    else:
+        model, inputs = built, None
+    if inputs is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is None:
+            print("inspect: the factory must return (model, example_inputs) unless the model has a "
+                  "config.vocab_size (token inputs are then made up)", file=sys.stderr)
+            return 2
+        inputs = (torch.randint(0, vocab, (1, 16)),)
+    report = explain(model, *inputs)
+    print(report)
+    if args.draw:
+        draw_graph(report, args.draw)
+        print(f"drew the rewritten graph to {args.draw}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fp8pass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("selfcheck", help="check the numerics core on this machine")
     p.set_defaults(func=_selfcheck)
+    p = sub.add_parser("inspect", help="print what the fp8 backend does to a model (MODULE:FACTORY)")
+    p.add_argument("target", help="MODULE:FACTORY; FACTORY() returns a model or (model, example_inputs)")
+    p.add_argument("--draw", metavar="FILE.png|FILE.svg", help="draw the rewritten graph, matches highlighted")
+    p.set_defaults(func=_inspect)
     from .train.cli import add_train_parser
     add_train_parser(sub)
     args = parser.parse_args(argv)

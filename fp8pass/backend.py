@@ -1,0 +1,252 @@
+"""The ``fp8`` torch.compile backend: copy Dynamo's graph, plan, rewrite, wire state, compile.
+
+``torch.compile(model, backend="fp8")`` resolves the name through the ``torch_dynamo_backends``
+entry point (pyproject.toml) to :func:`fp8_backend`, without importing fp8pass first; nothing here
+registers the name at import (a second registration raises "duplicate name" in Dynamo).
+``torch.compile(model, backend=fp8pass.backend(cfg))`` uses a configured :class:`Backend`.
+
+Per graph Dynamo hands us (torch level: one ``F.linear`` per linear, no autograd yet):
+
+1. copy it (Dynamo re-reads its own graph after the backend returns);
+2. plan: GLU MLPs and linears by declarative patterns, the keep-high-precision policy, graph breaks;
+3. rewrite the copy into ``torch.ops.fp8pass`` ops with the weights' delayed-scaling state as extra
+   inputs (the state belongs to the weight Parameter, so it survives recompiles and
+   ``torch._dynamo.reset()`` and is shared by tied weights);
+4. compile with Inductor (``mode=`` / ``options=`` translated to config patches), AOT autograd
+   building the FP8 backward from the ops' registered autograd.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .config import Config
+from .passes.explain import Report, SwiGLUEntry
+from .passes.plan import plan_graph
+from .passes.rewrite import StateInput, apply_plan, copy_graph_module, runtime_ops
+
+__all__ = ["Backend", "backend", "fp8_backend", "explain", "GraphBreakError"]
+
+log = logging.getLogger(__name__)
+
+
+class GraphBreakError(RuntimeError):
+    """A graph break split a GLU and ``Config(on_graph_break="error")`` was set."""
+
+
+@dataclass
+class GraphRecord:
+    """What the backend did to one graph (kept on the Backend for explain and tests)."""
+
+    report: Report
+    extra_inputs: list[StateInput] = field(default_factory=list)
+    pass_seconds: float = 0.0
+
+
+def _inductor_patches(mode: str | None, options: dict | None, dynamic) -> dict:
+    """``torch.compile``'s mode/options as Inductor config patches (compile_fx takes neither)."""
+    patches: dict[str, Any] = {}
+    if mode and mode != "default":
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode, dynamic))
+    if options:
+        from torch._inductor import config as inductor_config
+
+        known = inductor_config.get_config_copy()
+        for key, val in options.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise RuntimeError(f"fp8 backend: unknown Inductor option {key!r} in options=")
+            patches[name] = val
+    return patches
+
+
+class Backend:
+    """A configured fp8 backend; pass it as ``torch.compile(model, backend=fp8pass.backend(cfg))``.
+
+    Args:
+        config: what to rewrite and how (``fp8pass.Config``).
+
+    Attributes:
+        records: one :class:`GraphRecord` per graph compiled, in order (explain reads them).
+    """
+
+    def __init__(self, config: Config | None = None):
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"fp8pass.backend(config) takes an fp8pass.Config, got {type(config).__name__}")
+        self.config = config or Config()
+        self.records: list[GraphRecord] = []
+        self._split_modules: dict[str, str] = {}
+        self.__name__ = "fp8"
+
+    # torch.compile calls backend(gm, example_inputs, **{"mode": .., "options": ..})
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
+                 options: dict | None = None) -> Callable:
+        t0 = time.perf_counter()
+        new_gm, record = self.transform(gm, example_inputs)
+        record.pass_seconds = time.perf_counter() - t0
+        self.records.append(record)
+        extras = _resolve_state(record.extra_inputs, example_inputs, self.config)
+        compiled = self._compile(new_gm, list(example_inputs) + extras, mode, options)
+        if not extras:
+            return compiled
+
+        # Dynamo calls what a backend returns with positional arguments (compile_fx's result takes
+        # them too, though it carries a copied ``_boxed_call`` attribute); append the state.
+        def run(*args):
+            return compiled(*args, *extras)
+
+        return run
+
+    def transform(self, gm: fx.GraphModule, example_inputs: list | None = None) -> tuple[fx.GraphModule, GraphRecord]:
+        """Plan and rewrite a copy of ``gm``; returns (rewritten copy, record). ``gm`` is untouched."""
+        cfg = self.config
+        new_gm = copy_graph_module(gm)
+        if example_inputs is not None:
+            _mark_params(new_gm, example_inputs)
+        before = new_gm.code
+        plan = plan_graph(new_gm.graph, cfg, self._split_modules)
+        self._split_modules.update(plan.split_modules)
+        report = Report(
+            swiglus=[SwiGLUEntry(s.gate, s.up, s.down, s.variant, len(self.records)) for s in plan.glus],
+            skipped=list(plan.skipped), graph_breaks=list(plan.graph_breaks), graph_before=before,
+            num_graphs=1, config=cfg,
+        )
+        if plan.graph_breaks:
+            msg = "fp8pass: " + "; ".join(plan.graph_breaks)
+            if cfg.on_graph_break == "error":
+                raise GraphBreakError(msg + ". Remove the graph break (fullgraph=True shows it) or "
+                                            "set Config(on_graph_break='warn').")
+            if cfg.on_graph_break == "warn":
+                warnings.warn(msg + ". The cut GLU's down projection stays in high precision; "
+                                    "see fp8pass.explain(model, ...).", RuntimeWarning, stacklevel=2)
+        extra: list[StateInput] = []
+        if (plan.glus or plan.linears) and runtime_ops() is None:
+            raise RuntimeError("fp8pass: the runtime ops (torch.ops.fp8pass) are not available; "
+                               "reinstall fp8pass")
+        if plan.glus or plan.linears:
+            new_gm, extra, fp8, kept = apply_plan(new_gm, plan, cfg)
+            report.linears = fp8
+            report.skipped += kept
+        report.graph_after = new_gm.code
+        return new_gm, GraphRecord(report, extra)
+
+    def _compile(self, gm, inputs, mode, options):
+        which = self.config.compiler
+        if which == "eager":
+            if mode or options:
+                raise ValueError("mode=/options= need Config(compiler='inductor')")
+            return gm.forward
+        if which == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
+
+            if mode or options:
+                raise ValueError("mode=/options= need Config(compiler='inductor')")
+            return lookup_backend("aot_eager")(gm, inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = _inductor_patches(mode, options, None)
+        return compile_fx(gm, inputs, config_patches=patches or None)
+
+    def reset(self):
+        """Called by ``torch._dynamo.reset()``: forget graph records (the scaling state is kept)."""
+        self.records.clear()
+        self._split_modules.clear()
+
+    def report(self) -> Report:
+        """All graphs compiled so far merged into one Report."""
+        return merge_reports([r.report for r in self.records], self.config)
+
+    def __repr__(self) -> str:
+        return f"fp8pass.backend({self.config})"
+
+
+def merge_reports(reports: list[Report], config=None) -> Report:
+    out = Report(config=config, num_graphs=len(reports))
+    for i, r in enumerate(reports):
+        out.swiglus += [SwiGLUEntry(s.gate, s.up, s.down, s.variant, i) for s in r.swiglus]
+        out.linears += [f for f in r.linears if f not in out.linears]
+        out.skipped += r.skipped
+        out.graph_breaks += r.graph_breaks
+    out.graph_before = "\n".join(f"# graph {i}\n{r.graph_before}" for i, r in enumerate(reports))
+    out.graph_after = "\n".join(f"# graph {i}\n{r.graph_after}" for i, r in enumerate(reports))
+    return out
+
+
+def _mark_params(gm: fx.GraphModule, example_inputs: list) -> None:
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, v in zip(phs, example_inputs):
+        if isinstance(v, torch.nn.Parameter):
+            n._fp8pass_is_param = True
+
+
+def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config) -> list[torch.Tensor]:
+    """The live state tensors for the extra inputs (created on the weight's first use)."""
+    if not extra:
+        return []
+    from .runtime.state import state_for
+
+    out = []
+    for s in extra:
+        weight = example_inputs[s.weight_pos]
+        st = state_for(weight, cfg.recipe, cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3",
+                       cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2")
+        role = st.roles()[s.role]
+        out.append([role.amax_history, role.scale, role.steps, role.skipped][s.field])
+    return out
+
+
+_DEFAULT: Backend | None = None
+
+
+def fp8_backend(gm: fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
+    """The ``torch_dynamo_backends`` entry point ``fp8``: the default :class:`Config`."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Backend(Config())
+    return _DEFAULT(gm, example_inputs, **kwargs)
+
+
+def backend(config: Config | None = None) -> Backend:
+    """A backend for ``torch.compile(model, backend=fp8pass.backend(cfg))``."""
+    return Backend(config)
+
+
+def explain(model: Callable, *example_inputs, config: Config | None = None, **example_kwargs) -> Report:
+    """What ``torch.compile(model, backend=fp8pass.backend(config))`` would do, without doing it.
+
+    Runs ``model(*example_inputs, **example_kwargs)`` once through Dynamo (the original model code
+    executes; no FP8 op runs and no scaling state changes), plans and rewrites a copy of every graph.
+
+    Returns:
+        a :class:`~fp8pass.passes.explain.Report`: ``swiglus``, ``linears``, ``skipped``,
+        ``graph_breaks`` (Dynamo's break reasons plus GLUs a break split), ``graph_before`` /
+        ``graph_after``; ``print(report)`` shows a table.
+    """
+    be = Backend(config)
+    out = torch._dynamo.explain(model)(*example_inputs, **example_kwargs)
+    records = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # breaks are in the report itself
+        for gm in out.graphs:
+            _, rec = be.transform(gm)
+            be.records.append(rec)
+            records.append(rec.report)
+    report = merge_reports(records, be.config)
+    reasons = []
+    for br in out.break_reasons:
+        where = ""
+        if getattr(br, "user_stack", None):
+            fr = br.user_stack[-1]
+            where = f" at {fr.filename}:{fr.lineno}"
+        reasons.append(f"Dynamo graph break{where}: {str(br.reason).splitlines()[0]}")
+    report.graph_breaks = reasons + report.graph_breaks
+    return report

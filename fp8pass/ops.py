@@ -1,0 +1,137 @@
+"""Public runtime ops: ``fp8pass.ops.fp8_linear`` and ``fp8pass.ops.swiglu_mlp`` (autograd included).
+
+Usable without the compile backend. ``recipe=None`` means current per-tensor scaling;
+``CurrentScaling(granularity=...)`` selects per-row or block scales; ``DelayedScaling(...)`` scales
+from amax histories kept per weight (see :func:`fp8pass.runtime.state_for`) or in the ``state`` you
+pass. The ops they call are documented in :mod:`fp8pass.runtime`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import CurrentScaling, DelayedScaling
+from .numerics import E4M3, E5M2, Format, get_format
+from .runtime import (
+    IDENTITY,
+    SMOOTH_MODES,
+    LinearScalingState,
+    channel_scales,
+    fold_channel_scales,
+    state_for,
+)
+
+__all__ = ["fp8_linear", "swiglu_mlp", "LinearScalingState", "channel_scales", "fold_channel_scales",
+           "IDENTITY"]
+
+
+def _fmt_name(fmt) -> str:
+    return IDENTITY if fmt == IDENTITY else get_format(fmt).name
+
+
+def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding):
+    """``(x_state, w_state, g_state, scalar args, state)`` for one op call."""
+    if recipe is None:
+        recipe = CurrentScaling()
+    if isinstance(recipe, DelayedScaling):
+        if state is None:
+            if fwd == IDENTITY or bwd == IDENTITY:
+                raise ValueError("delayed scaling needs real formats; use recipe=None with the identity format")
+            state = state_for(weight, recipe, fwd, bwd)
+        xs, ws, gs = state.op_args()
+        if not torch.is_grad_enabled():
+            gs = []  # no backward will run: do not hand grad_output state to the op
+        args = (fwd, bwd, "tensor", 128, bool(recipe.power_of_two), grad_rounding, float(recipe.margin),
+                int(recipe.interval), recipe.algo)
+        return xs, ws, gs, args, state
+    if isinstance(recipe, CurrentScaling):
+        if state is not None:
+            raise ValueError("state= is for DelayedScaling recipes; CurrentScaling keeps no state")
+        args = (fwd, bwd, recipe.granularity, int(recipe.block), bool(recipe.power_of_two), grad_rounding,
+                0.0, 1, "max")
+        return [], [], [], args, None
+    raise TypeError(f"recipe must be None, fp8pass.CurrentScaling or fp8pass.DelayedScaling; got {recipe!r}")
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    recipe: CurrentScaling | DelayedScaling | None = None,
+    *,
+    state: LinearScalingState | None = None,
+    fwd_format: Format | str = E4M3,
+    bwd_format: Format | str = E5M2,
+    grad_rounding: str = "nearest",
+) -> torch.Tensor:
+    """FP8 ``F.linear``: forward E4M3 x E4M3, backward E5M2 grads (dgrad E5M2 x E4M3, wgrad E4M3 x E5M2).
+
+    Args:
+        x: [..., in] input (bf16/fp16/fp32; any strides; empty batch allowed).
+        weight: [out, in].
+        bias: [out] or None; added in high precision.
+        recipe: None (current per-tensor scaling), CurrentScaling or DelayedScaling.
+        state: explicit LinearScalingState for DelayedScaling (default: the one kept for ``weight``).
+        fwd_format, bwd_format: formats of x/W and of grad_output ("identity" turns quantization off:
+            a testing hook).
+        grad_rounding: "nearest" or "stochastic" for grad_output.
+
+    Returns:
+        ``y`` [..., out] in ``x``'s dtype. Under delayed scaling the amaxes of x and W are recorded
+        into the state now and the amax of grad_output when backward runs.
+    """
+    fwd, bwd = _fmt_name(fwd_format), _fmt_name(bwd_format)
+    xs, ws, gs, args, st = _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding)
+    out = torch.ops.fp8pass.fp8_linear(x, weight, bias, xs, ws, gs, *args)
+    if st is not None:
+        st.record_forward(out[1], out[2])
+    return out[0]
+
+
+def _swiglu_down(gate, up, w_down, smooth, recipe, state, fwd, bwd, grad_rounding):
+    xs, ws, gs, args, st = _recipe_args(recipe, w_down, state, fwd, bwd, grad_rounding)
+    out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, smooth, *args)
+    if st is not None:
+        st.record_forward(out[1], out[2])
+    return out[0]
+
+
+def swiglu_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    smooth: str | None = "channel",
+    recipe: CurrentScaling | DelayedScaling | None = None,
+    *,
+    states: dict | None = None,
+    fwd_format: Format | str = E4M3,
+    bwd_format: Format | str = E5M2,
+    grad_rounding: str = "nearest",
+) -> torch.Tensor:
+    """FP8 SwiGLU MLP ``(silu(x W_gate^T) * (x W_up^T)) W_down^T`` with Smooth-SwiGLU.
+
+    Args:
+        x: [..., hidden].
+        w_gate, w_up: [ffn, hidden] each; or ``w_up=None`` and ``w_gate`` the fused [2*ffn, hidden]
+            gate/up weight (gate rows first, as ``chunk(2)`` splits it).
+        w_down: [hidden_out, ffn].
+        smooth: "channel" (paper), "token" (reference code) or None (plain FP8 SwiGLU).
+        recipe: as for :func:`fp8_linear`; applies to all three GEMMs.
+        states: DelayedScaling only: ``{"gate": , "up": , "down": }`` LinearScalingStates (default: the
+            ones kept per weight).
+        fwd_format, bwd_format, grad_rounding: as for :func:`fp8_linear`.
+    """
+    mode = "none" if smooth is None else smooth
+    if mode not in SMOOTH_MODES:
+        raise ValueError(f"unknown smooth mode {smooth!r}; valid: 'channel', 'token', None")
+    states = states or {}
+    kw = dict(fwd_format=fwd_format, bwd_format=bwd_format, grad_rounding=grad_rounding)
+    if w_up is None:
+        gu = fp8_linear(x, w_gate, None, recipe, state=states.get("gate"), **kw)
+        gate, up = gu.chunk(2, dim=-1)
+    else:
+        gate = fp8_linear(x, w_gate, None, recipe, state=states.get("gate"), **kw)
+        up = fp8_linear(x, w_up, None, recipe, state=states.get("up"), **kw)
+    return _swiglu_down(gate, up, w_down, mode, recipe, states.get("down"), _fmt_name(fwd_format),
+                        _fmt_name(bwd_format), grad_rounding)

@@ -1,0 +1,271 @@
+"""A small declarative pattern language for Dynamo's torch-level FX graphs.
+
+Patterns are trees of :class:`Op` (a call: function, method name or operator), :class:`Bind`
+(name the node a sub-pattern matched; a second ``Bind`` of the same name must meet the same node,
+which is how ``g * sigmoid(g)`` says "the same g") and :class:`OneOf` (alternatives). Matching is
+a generator of :class:`Match` objects, so alternatives and commutative operands backtrack.
+
+Why not ``torch.fx.subgraph_rewriter``: it matches one traced form at a time, cannot say "either
+operand order", "this call or that method" or "the same node twice", and the real model code we
+meet writes the same SwiGLU in a dozen textual forms. Here a new form is one more alternative.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import fx
+
+__all__ = [
+    "Match", "Pattern", "Op", "Bind", "Tag", "OneOf", "Where", "Const", "ANY",
+    "param_fqn", "caller_fqn", "is_param_placeholder", "example_value",
+]
+
+
+@dataclass
+class Match:
+    """Bindings of one successful match, and the call nodes it covers (root first)."""
+
+    bindings: dict[str, Any] = field(default_factory=dict)
+    nodes: list[fx.Node] = field(default_factory=list)
+
+    def extend(self, name: str | None = None, value: Any = None, node: fx.Node | None = None) -> "Match":
+        b = dict(self.bindings)
+        if name is not None:
+            b[name] = value
+        return Match(b, self.nodes + ([node] if node is not None else []))
+
+    def __getitem__(self, name: str) -> Any:
+        return self.bindings[name]
+
+    def get(self, name: str, default=None) -> Any:
+        return self.bindings.get(name, default)
+
+
+class Pattern:
+    def match(self, value: Any, m: Match) -> Iterator[Match]:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def __call__(self, node: Any) -> Iterator[Match]:
+        return self.match(node, Match())
+
+
+class _Any(Pattern):
+    """Matches any argument (node or literal) and binds nothing."""
+
+    def match(self, value, m):
+        yield m
+
+
+ANY = _Any()
+
+
+@dataclass
+class Const(Pattern):
+    """A literal argument equal to one of ``values``."""
+
+    values: tuple
+
+    def match(self, value, m):
+        if not isinstance(value, fx.Node) and value in self.values:
+            yield m
+
+
+@dataclass
+class Where(Pattern):
+    """Any node for which ``pred(node)`` holds."""
+
+    pred: Callable[[fx.Node], bool]
+
+    def match(self, value, m):
+        if isinstance(value, fx.Node) and self.pred(value):
+            yield m
+
+
+@dataclass
+class Bind(Pattern):
+    """Match ``pattern`` and bind the node (or literal) to ``name``; a bound name must recur equal."""
+
+    name: str
+    pattern: Pattern = ANY
+
+    def match(self, value, m):
+        if self.name in m.bindings:
+            if m.bindings[self.name] is value:
+                yield m
+            return
+        for m2 in self.pattern.match(value, m):
+            yield m2.extend(self.name, value)
+
+
+@dataclass
+class Tag(Pattern):
+    """Match ``pattern`` and bind the constant ``value`` to ``name`` (which alternative matched)."""
+
+    name: str
+    value: Any
+    pattern: Pattern
+
+    def match(self, value, m):
+        for m2 in self.pattern.match(value, m):
+            yield m2.extend(self.name, self.value)
+
+
+class OneOf(Pattern):
+    """The first, then the second, ... alternative (all are tried, in order)."""
+
+    def __init__(self, *alternatives: Pattern):
+        self.alternatives = alternatives
+
+    def match(self, value, m):
+        for alt in self.alternatives:
+            yield from alt.match(value, m)
+
+
+def _target_ok(node: fx.Node, targets: tuple) -> bool:
+    if node.op == "call_function":
+        return node.target in targets
+    if node.op == "call_method":
+        return node.target in targets  # method names are strings in ``targets``
+    return False
+
+
+class Op(Pattern):
+    """A call node whose target is one of ``targets`` (callables, or method names as strings).
+
+    Args:
+        targets: a callable / method name or a tuple of them.
+        *args: patterns for the positional arguments (literals are wrapped in :class:`Const`);
+            extra positional arguments of the node fail the match unless ``varargs``.
+        kwargs: ``name=(position, default, pattern)`` checks an argument that may come
+            positionally at ``position`` or by keyword, with ``default`` when absent.
+        commutative: also try the two positional arguments swapped (``a * b``).
+        varargs: accept nodes with more positional arguments than patterns.
+    """
+
+    def __init__(self, targets, *args, commutative=False, varargs=False, **kwargs):
+        self.targets = targets if isinstance(targets, tuple) else (targets,)
+        self.args = tuple(a if isinstance(a, Pattern) else Const((a,)) for a in args)
+        self.kwargs = kwargs
+        self.commutative = commutative
+        self.varargs = varargs
+
+    def _arg(self, node, name, spec):
+        pos, default, _ = spec
+        if pos is not None and len(node.args) > pos:
+            return node.args[pos]
+        return node.kwargs.get(name, default)
+
+    def match(self, value, m):
+        if not isinstance(value, fx.Node) or not _target_ok(value, self.targets):
+            return
+        n_pos = len(self.args)
+        extra_pos = [p for p, _, _ in self.kwargs.values() if p is not None]
+        limit = max([n_pos] + [p + 1 for p in extra_pos])
+        if len(value.args) > limit and not self.varargs:
+            return
+        if len(value.args) < n_pos:
+            return
+        orders = [tuple(value.args[:n_pos])]
+        if self.commutative and n_pos == 2:
+            orders.append((value.args[1], value.args[0]))
+        for args in orders:
+            yield from self._match_args(value, list(zip(self.args, args)), m.extend(node=value))
+
+    def _match_args(self, node, pairs, m):
+        if not pairs:
+            yield from self._match_kwargs(node, list(self.kwargs.items()), m)
+            return
+        (pat, arg), rest = pairs[0], pairs[1:]
+        for m2 in pat.match(arg, m):
+            yield from self._match_args(node, rest, m2)
+
+    def _match_kwargs(self, node, items, m):
+        if not items:
+            yield m
+            return
+        (name, spec), rest = items[0], items[1:]
+        pat = spec[2] if isinstance(spec[2], Pattern) else Const((spec[2],))
+        for m2 in pat.match(self._arg(node, name, spec), m):
+            yield from self._match_kwargs(node, rest, m2)
+
+
+# ---- facts about Dynamo's graph that patterns and the policy need -------------------------------
+
+def example_value(node: Any):
+    """The fake tensor Dynamo recorded for ``node`` (None for literals / missing)."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return None
+
+
+def _source(node: fx.Node):
+    src = getattr(node, "_dynamo_source", None)
+    if src is None:
+        ga = node.meta.get("grapharg")
+        src = getattr(ga, "source", None)
+    return src
+
+
+def param_fqn(node: fx.Node) -> str | None:
+    """Parameter FQN (``layers.0.mlp.gate_proj.weight``) of a placeholder, None if not a parameter.
+
+    Dynamo inlines nn.Modules and passes each parameter as a placeholder whose ``_dynamo_source`` is
+    a chain ``L['self']._modules['layers']._modules['0']..._parameters['weight']``; the FQN is the
+    ``_modules`` / ``_parameters`` keys along it, relative to the compiled root.
+    """
+    if node.op != "placeholder":
+        return None
+    src = _source(node)
+    parts: list[str] = []
+    is_param = False
+    first = True
+    while src is not None:
+        member = getattr(src, "member", None)
+        index = getattr(src, "index", None)
+        base = getattr(src, "base", None)
+        if index is not None and base is not None and getattr(base, "member", None) in ("_modules", "_parameters"):
+            if first and base.member == "_parameters":
+                is_param = True
+            parts.append(str(index))
+            src = base.base
+        elif member is not None and member not in ("_modules", "_parameters") and base is not None:
+            # attribute access (``self.layers``) on a module: part of the path too
+            if first:
+                is_param = isinstance(example_value(node), torch.nn.Parameter) or is_param
+            parts.append(str(member))
+            src = base
+        else:
+            src = base
+        first = False
+    if not is_param:
+        ev = example_value(node)
+        if not isinstance(ev, torch.nn.Parameter) and not getattr(node, "_fp8pass_is_param", False):
+            return None
+    return ".".join(reversed(parts)) if parts else node.name
+
+
+def is_param_placeholder(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "placeholder" and param_fqn(node) is not None
+
+
+def caller_fqn(node: fx.Node) -> str:
+    """FQN of the innermost module whose forward made this call ('' at the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # "L['self'].model.layers.0.mlp" / "L['args'][0].lm_head": drop the root local
+    if "]." in path:
+        return path.split("].", 1)[1] if path.startswith("L[") else path
+    return "" if path.startswith("L[") else path
+
+
+def is_call(node: Any, targets) -> bool:
+    return isinstance(node, fx.Node) and _target_ok(node, targets if isinstance(targets, tuple) else (targets,))
+
+
+MUL = (operator.mul, torch.mul, "mul")

@@ -1,0 +1,252 @@
+"""The patterns fp8pass recognises in Dynamo's torch-level graph: GLU MLPs and linear ops.
+
+Each form real model code uses is one alternative below; adding a form is a few lines. The
+replacements (what a match becomes) are in :mod:`fp8pass.passes.rewrite`, next to the policy checks.
+
+Forms covered (all verified on real Dynamo graphs in tests/test_patterns.py):
+
+* activation: ``F.silu(g)`` (also ``nn.SiLU`` and HF ``ACT2FN["silu"]``, which Dynamo inlines to
+  it), ``g * torch.sigmoid(g)`` / ``g * g.sigmoid()`` in either operand order, ``F.gelu(g)`` and
+  ``F.gelu(g, approximate="tanh")`` (GeGLU, Gemma), ``F.relu(g)`` (ReGLU);
+* gate x up product in either order;
+* projections: ``F.linear(x, W[, b])`` (``nn.Linear``), ``x @ W.T`` / ``x @ W.t()`` /
+  ``torch.matmul(x, W.T)`` with optional ``+ b``;
+* a fused gate+up projection followed by ``chunk``, ``split``, last-dim slicing or
+  ``view(..., 2, n).unbind(-2)`` (blocked) / ``view(..., n, 2).unbind(-1)`` (interleaved);
+* the down projection of the GLU output (any projection form above).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from .matcher import (
+    ANY, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_param_placeholder,
+)
+
+__all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "weight_rows", "find_glu_mlps"]
+
+MATMUL = (operator.matmul, torch.matmul, "matmul")
+ADD = (operator.add, torch.add, "add")
+SIGMOID = (torch.sigmoid, F.sigmoid, "sigmoid")
+
+
+def _weight(name: str) -> Pattern:
+    return Bind(name, Where(lambda n: is_param_placeholder(n) and _ndim(n) == 2))
+
+
+def _bias(name: str) -> Pattern:
+    return Bind(name, Where(lambda n: is_param_placeholder(n) and _ndim(n) == 1))
+
+
+def _ndim(node) -> int | None:
+    ev = example_value(node)
+    return ev.dim() if isinstance(ev, torch.Tensor) else None
+
+
+def _transposed(w: Pattern) -> Pattern:
+    return OneOf(
+        Op(getattr, w, Const(("T", "mT"))),
+        Op(("t", torch.t), w),
+        Op(("transpose", torch.transpose), w, Const((0, -2)), Const((1, -1))),
+        Op(("transpose", torch.transpose), w, Const((1, -1)), Const((0, -2))),
+    )
+
+
+def linear(p: str, x: Pattern | None = None) -> Pattern:
+    """A projection ``y = x W^T (+ b)`` with W (and b) parameters; binds ``p``, ``p_x``, ``p_w``, ``p_b``."""
+    x = x if x is not None else Bind(f"{p}_x")
+    w = _weight(f"{p}_w")
+    matmul = Op(MATMUL, x, _transposed(w))
+    return Bind(p, OneOf(
+        Tag("form_" + p, "F.linear", Op(F.linear, x, w, bias=(2, None, OneOf(Const((None,)), _bias(f"{p}_b"))))),
+        Tag("form_" + p, "x @ W.T", matmul),
+        Tag("form_" + p, "x @ W.T + b", Op(ADD, matmul, _bias(f"{p}_b"), commutative=True)),
+    ))
+
+
+# ---- fused gate+up: which weight rows a slice of the projection output selects -------------------
+
+def _last_dim(node: fx.Node, dim) -> bool:
+    nd = _ndim(node)
+    return isinstance(dim, int) and nd is not None and dim in (-1, nd - 1)
+
+
+def weight_rows(part: fx.Node, fused: fx.Node) -> slice | None:
+    """Rows of the fused weight that ``part`` (a piece of the fused projection's output) selects.
+
+    Returns None when ``part`` is not a last-dim piece of ``fused``'s output that we understand.
+    """
+    ev = example_value(fused)
+    if not isinstance(ev, torch.Tensor) or not isinstance(ev.shape[-1], int):
+        return None
+    n = int(ev.shape[-1])
+    if part.op != "call_function" or part.target is not operator.getitem:
+        return None
+    src, idx = part.args
+    if src is fused:  # y[..., a:b] / y[:, a:b] / y[:, :, a:b]
+        if not isinstance(idx, tuple) or not idx or not isinstance(idx[-1], slice):
+            return None
+        lead = idx[:-1]
+        if not (lead == (Ellipsis,) or (len(lead) == _ndim(fused) - 1 and all(s == slice(None) for s in lead))):
+            return None
+        start, stop, step = idx[-1].indices(n)
+        return slice(start, stop, step)
+    if not isinstance(idx, int) or not isinstance(src, fx.Node):
+        return None
+    op = src.target
+    if op in ("chunk", torch.chunk) and src.args[0] is fused:
+        chunks = src.args[1] if len(src.args) > 1 else src.kwargs.get("chunks")
+        dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+        if not isinstance(chunks, int) or not _last_dim(fused, dim):
+            return None
+        c = -(-n // chunks)
+        return slice(idx * c, min((idx + 1) * c, n), 1)
+    if op in ("split", torch.split) and src.args[0] is fused:
+        size = src.args[1] if len(src.args) > 1 else src.kwargs.get("split_size_or_sections",
+                                                                     src.kwargs.get("split_size"))
+        dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+        if not _last_dim(fused, dim):
+            return None
+        if isinstance(size, int):
+            return slice(idx * size, min((idx + 1) * size, n), 1)
+        if isinstance(size, (list, tuple)) and all(isinstance(s, int) for s in size):
+            start = sum(size[:idx])
+            return slice(start, start + size[idx], 1)
+        return None
+    if op in ("unbind", torch.unbind) and isinstance(src.args[0], fx.Node):
+        view = src.args[0]
+        dim = src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)
+        if view.target not in ("view", "reshape", torch.reshape) or view.args[0] is not fused:
+            return None
+        shape = view.args[1] if len(view.args) == 2 and isinstance(view.args[1], (tuple, list)) else view.args[1:]
+        if len(shape) < 2 or not all(isinstance(s, int) for s in shape[-2:]):
+            return None
+        k, m = shape[-2], shape[-1]
+        k = n // m if k == -1 else k
+        m = n // k if m == -1 else m
+        if k * m != n:
+            return None
+        nd = len(shape)
+        if dim in (-2, nd - 2):  # (..., k, m): piece idx = rows idx*m .. (idx+1)*m
+            return slice(idx * m, (idx + 1) * m, 1)
+        if dim in (-1, nd - 1):  # (..., k, m) unbind last: interleaved rows idx, idx+m, ...
+            return slice(idx, n, m)
+    return None
+
+
+class FusedPart(Pattern):
+    """A last-dim piece of a fused projection; binds ``p`` (the piece), ``gate_up`` and ``p_rows``."""
+
+    def __init__(self, p: str, fused: Pattern):
+        self.p, self.fused = p, fused
+
+    def match(self, value, m):
+        if not isinstance(value, fx.Node) or value.target is not operator.getitem:
+            return
+        src = value.args[0]
+        cands = [src]
+        if isinstance(src, fx.Node) and src.op in ("call_method", "call_function") and src.args:
+            cands.append(src.args[0])
+            if isinstance(src.args[0], fx.Node) and src.args[0].args:
+                cands.append(src.args[0].args[0])  # unbind(view(fused))
+        for fused in cands:
+            if not isinstance(fused, fx.Node):
+                continue
+            rows = weight_rows(value, fused)
+            if rows is None:
+                continue
+            between = [n for n in (src, getattr(src, "args", [None])[0]) if isinstance(n, fx.Node)
+                       and n is not fused and n is not value]
+            for m2 in self.fused.match(fused, m):
+                m3 = m2.extend(self.p, value, node=value).extend(f"{self.p}_rows", rows)
+                for n in between:
+                    if n not in m3.nodes and n not in m3.bindings.values():
+                        m3 = m3.extend(node=n)
+                yield m3
+            return
+
+
+# ---- activations and the GLU -------------------------------------------------------------------
+
+def activation(g: Pattern) -> Pattern:
+    """``act(g)`` for the GLU activations; binds ``act`` to "silu", "gelu", "gelu_tanh" or "relu"."""
+    sig = Op(SIGMOID, g)
+    return OneOf(
+        Tag("act", "silu", Op(F.silu, g)),
+        Tag("act", "silu", Op(MUL, g, sig, commutative=True)),
+        Tag("act", "gelu", Op(F.gelu, g, approximate=(1, "none", Const(("none",))))),
+        Tag("act", "gelu_tanh", Op(F.gelu, g, approximate=(1, "none", Const(("tanh",))))),
+        Tag("act", "relu", Op((F.relu, torch.relu, "relu"), g)),
+    )
+
+
+ACTIVATION = activation(Bind("gate"))
+
+_SEPARATE = (linear("gate", x=Bind("x")), linear("up", x=Bind("x")))
+_FUSED = tuple(FusedPart(p, linear("gate_up", x=Bind("x"))) for p in ("gate", "up"))
+
+# the GLU output h = act(gate) * up, the projections separate or fused
+GLU_CORE = Bind("h", OneOf(
+    Tag("proj", "separate", Op(MUL, activation(_SEPARATE[0]), _SEPARATE[1], commutative=True)),
+    Tag("proj", "fused", Op(MUL, activation(_FUSED[0]), _FUSED[1], commutative=True)),
+))
+
+# the whole MLP: down(act(gate(x)) * up(x))
+GLU_MLP = linear("down", x=GLU_CORE)
+
+# a plain linear op (attention projections, GELU MLPs, the LM head, ...)
+LINEAR = linear("lin")
+
+# a GLU product whose projections are not all in this graph (a graph break split it)
+_ANY_NODE = Where(lambda n: True)
+GLU_PRODUCT_LOOSE = Bind("h", Op(MUL, activation(Bind("gate", _ANY_NODE)), Bind("up", _ANY_NODE), commutative=True))
+
+
+def variant_name(m: Match) -> str:
+    """Human-readable variant: "swiglu" / "geglu" / "geglu-tanh" / "reglu", plus projection form."""
+    act = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu-tanh", "relu": "reglu"}[m["act"]]
+    if m.get("proj") == "fused":
+        return f"{act} (fused gate_up)"
+    return act
+
+
+def _internal_ok(m: Match) -> bool:
+    """Every matched node except the root is used only inside the match (safe to replace)."""
+    root = m.nodes[0]
+    inside = set(m.nodes)
+    for n in inside:
+        if n is root:
+            continue
+        if any(u not in inside for u in n.users):
+            return False
+    return True
+
+
+def find_glu_mlps(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, str]]]:
+    """All non-overlapping GLU MLP matches; and GLU-shaped matches rejected, with the reason."""
+    found: list[Match] = []
+    rejected: list[tuple[Match, str]] = []
+    taken: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        first_rejected = None
+        for m in GLU_MLP(node):
+            m.nodes = list(dict.fromkeys(m.nodes))
+            if taken & set(m.nodes):
+                continue
+            if not _internal_ok(m):
+                first_rejected = first_rejected or m
+                continue
+            taken |= set(m.nodes)
+            found.append(m)
+            first_rejected = None
+            break
+        if first_rejected is not None:
+            rejected.append((first_rejected, "an intermediate value of the GLU is also used outside it"))
+    return found, rejected

@@ -1,0 +1,155 @@
+"""Casting one GEMM operand: current or delayed scaling, any granularity, or the identity hook.
+
+An operand is what a GEMM needs and what backward saves: ``data`` (FP8 codes, 1 byte/element),
+``scale`` (fp32 encode scale: ``[]`` per tensor, ``[rows, 1]`` per row, ``[nr, nc]`` per tile) and the
+tensor's ``amax`` (fp32 scalar, what delayed scaling records). Values are ``data / scale``
+(DESIGN.md convention), so a GEMM of two operands is ``(a.data @ b.data.T) / (a.scale * b.scale)``.
+
+Identity format (testing hook): the format name ``"identity"`` turns quantization off. ``data`` is
+then the tensor itself in its own dtype and ``scale`` is 1, so every op computes the unquantized math;
+the function-preservation tests of Smooth-SwiGLU rely on it. It is a runtime-op argument only, never
+a numerics Format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..numerics import Format, get_format, quantize, scale_from_amax
+from ..numerics.kernels import kernel_family, torch_family
+from . import kernels
+
+__all__ = ["IDENTITY", "Operand", "resolve_format", "cast_operand", "state_scale", "tile_for", "dequantize",
+           "gemm"]
+
+IDENTITY = "identity"
+
+
+def resolve_format(name: str) -> Format | None:
+    """A runtime format name -> Format, or None for the identity testing hook."""
+    if name == IDENTITY:
+        return None
+    fmt = get_format(name)
+    if fmt.torch_dtype is None:
+        raise ValueError(f"FP8 GEMM operands need an FP8 format (e4m3, e4m3_gaudi, e5m2), got {fmt.name!r}")
+    return fmt
+
+
+@dataclass
+class Operand:
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+    up: torch.Tensor | None = None  # data already converted to the GEMM dtype, when asked for
+
+
+def tile_for(granularity: str, block: int, shape2d, weight: bool) -> tuple[int, int] | None:
+    """Group tile of an operand: per row ``(1, cols)``; blocks ``(1, B)`` or ``(B, B)`` for weights."""
+    if granularity == "tensor":
+        return None
+    if granularity == "row":
+        return (1, max(int(shape2d[1]), 1))
+    return (block, block) if weight else (1, block)
+
+
+def state_scale(state: list[torch.Tensor], amax_now: torch.Tensor | None, fmt: Format, margin, power_of_two):
+    """The scale a delayed-scaling state gives now; with an empty history, the current amax's scale.
+
+    ``state`` is ``[amax_history, scale, steps, skipped]`` of a DelayedScalingState.
+    """
+    _, scale, steps, skipped = state
+    if steps.device.type == "cpu":  # cheap host read; avoids computing a current scale every call
+        if int(steps) > int(skipped):
+            return scale.to(torch.float32).reshape(())
+        return scale_from_amax(amax_now, fmt, margin, power_of_two)
+    current = scale_from_amax(amax_now, fmt, margin, power_of_two)
+    return torch.where(steps > skipped, scale.to(torch.float32), current).reshape(())
+
+
+def cast_operand(
+    x2d: torch.Tensor,
+    fmt: Format | None,
+    granularity: str = "tensor",
+    tile: tuple[int, int] | None = None,
+    state: list[torch.Tensor] | None = None,
+    margin: float = 0.0,
+    power_of_two: bool = False,
+    rounding: str = "nearest",
+    up: torch.dtype | None = None,
+) -> Operand:
+    """Cast a 2-D tensor for a GEMM.
+
+    Args:
+        x2d: [rows, cols] high-precision tensor.
+        fmt: FP8 Format, or None (identity hook).
+        granularity: "tensor", "row" or "block" (current scaling; delayed is per tensor only).
+        tile: group tile for "row"/"block" (see :func:`tile_for`).
+        state: ``[amax_history, scale, steps, skipped]`` for delayed scaling, or None/[] (current).
+        margin, power_of_two: scale options (recipe fields).
+        rounding: "nearest" or "stochastic".
+        up: also produce the codes in this dtype (CPU GEMM operand).
+    """
+    kern = kernels.for_device(x2d.device)
+    if fmt is None:
+        amax = torch_family.tensor_amax(x2d)
+        one = torch.ones((), dtype=torch.float32, device=x2d.device)
+        data = x2d.clone()
+        return Operand(data, one, amax, data if up is None else data.to(up))
+    if state:
+        if granularity != "tensor":
+            raise ValueError(f"delayed scaling is per tensor; got granularity {granularity!r}")
+        amax_now = None
+        needs_now = state[2].device.type != "cpu" or int(state[2]) <= int(state[3])
+        if needs_now:
+            amax_now = torch_family.tensor_amax(x2d)
+        scale = state_scale(state, amax_now, fmt, margin, power_of_two)
+        return _cast_tensor(kern, x2d, scale, fmt, rounding, up)
+    if granularity == "tensor":
+        scale = scale_from_amax(kernel_family(x2d.device).tensor_amax(x2d), fmt, margin, power_of_two)
+        return _cast_tensor(kern, x2d, scale, fmt, rounding, up)
+    q = quantize(x2d, fmt, granularity="block", block=tile, rounding=rounding, power_of_two=power_of_two)
+    return Operand(q.data, q.scale, torch_family.tensor_amax(x2d))
+
+
+def _cast_tensor(kern, x2d, scale, fmt, rounding, up) -> Operand:
+    if rounding == "nearest":
+        data, amax, upc = kern.cast(x2d, scale, fmt, up)
+        return Operand(data, scale, amax, upc)
+    data, amax = torch_family.cast_scaled(x2d, scale, fmt, rounding, None, want_amax=True)
+    return Operand(data, scale, amax.float(), None if up is None else data.to(up))
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
+    """fp32 values ``data / scale`` of a 2-D operand (scale per tensor or per tile)."""
+    vals = data.to(torch.float32)
+    if tile is None or scale.dim() == 0:
+        return vals / scale
+    return vals / torch_family.expand_groups(scale.reshape(-1, scale.shape[-1]), tile, vals.shape)
+
+
+def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+         a_t: bool = False, b_t: bool = False) -> torch.Tensor:
+    """``A @ B.T (+ bias)`` of two operands; ``a_t``/``b_t`` take the operand's transpose instead.
+
+    Per-tensor scales use the device's fast GEMM; per-row / per-tile scales dequantize both operands
+    to fp32 (exact codes, one fp32 rounding of ``data / scale``) and multiply in fp32.
+    """
+    if a_tile is None and b_tile is None:
+        kern = kernels.for_device(a.data.device)
+        ad = a.data.t() if a_t else a.data
+        bd = b.data.t() if b_t else b.data
+        au = None if a.up is None else (a.up.t() if a_t else a.up)
+        bu = None if b.up is None else (b.up.t() if b_t else b.up)
+        return kern.gemm_tensor_scaled(au if au is not None else ad, a.scale,
+                                       bu if bu is not None else bd, b.scale, out_dtype, bias)
+    av = dequantize(a.data, a.scale, a_tile)
+    bv = dequantize(b.data, b.scale, b_tile)
+    av = av.t() if a_t else av
+    bv = bv.t() if b_t else bv
+    if bias is None:
+        out = torch.mm(av, bv.t())
+    else:
+        out = torch.addmm(bias.to(torch.float32), av, bv.t())
+    return out.to(out_dtype)

@@ -1,0 +1,144 @@
+"""Delayed-scaling state of the runtime ops, and the op that records an amax into it.
+
+The state of one delayed-scaled tensor is a :class:`fp8pass.numerics.DelayedScalingState`: four
+plain tensors ``[amax_history, scale, steps, skipped]``. The ops take it as a ``list[Tensor]`` (empty
+list: current scaling) and never mutate it themselves (``register_autograd`` refuses ops that
+declare ``mutates_args``). Recording is a separate op, ``fp8pass::delayed_record_``, that mutates the
+four tensors and has no autograd:
+
+* forward: the op returns the amaxes of its FP8 operands; the caller records them
+  (:meth:`LinearScalingState.record_forward`, or the compile backend inserting
+  ``delayed_record_`` after the op, which AOT autograd functionalizes into copies onto the graph inputs);
+* backward: the op's backward formula calls ``delayed_record_`` on the ``grad_output`` state it
+  received as an input (AOT autograd supports input mutations in the backward graph).
+
+Under ``torch.no_grad`` / ``inference_mode`` no backward runs, so no grad_output amax is recorded.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..config import DelayedScaling
+from ..numerics import E4M3, E5M2, DelayedScalingState, Format, delayed_scaling_update, get_format
+
+__all__ = ["delayed_record_", "record", "LinearScalingState", "state_for", "ROLES"]
+
+ROLES = ("input", "weight", "grad_output")
+
+
+@torch.library.custom_op("fp8pass::delayed_record_", mutates_args=("history", "scale", "steps", "skipped"))
+def delayed_record_(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    steps: torch.Tensor,
+    skipped: torch.Tensor,
+    amax: torch.Tensor,
+    fmt: str,
+    margin: float,
+    interval: int,
+    algo: str,
+    power_of_two: bool,
+) -> None:
+    """Record ``amax`` into one delayed-scaling state, in place (the recipe is passed as scalars)."""
+    recipe = DelayedScaling(history_len=history.numel(), margin=margin, interval=interval, algo=algo,
+                            power_of_two=power_of_two)
+    h, s, n, k = delayed_scaling_update(amax, history, scale, steps, skipped, recipe, fmt)
+    history.copy_(h)
+    scale.copy_(s)
+    steps.copy_(n)
+    skipped.copy_(k)
+
+
+@delayed_record_.register_fake
+def _(history, scale, steps, skipped, amax, fmt, margin, interval, algo, power_of_two):
+    return None
+
+
+def record(state: list[torch.Tensor], amax: torch.Tensor, fmt: Format | str, recipe: DelayedScaling) -> None:
+    """Record ``amax`` into ``state`` = ``[history, scale, steps, skipped]`` through the op."""
+    torch.ops.fp8pass.delayed_record_(*state, amax.detach(), get_format(fmt).name, float(recipe.margin),
+                                      int(recipe.interval), recipe.algo, bool(recipe.power_of_two))
+
+
+def _tensors(s: DelayedScalingState) -> list[torch.Tensor]:
+    return [s.amax_history, s.scale, s.steps, s.skipped]
+
+
+@dataclass
+class LinearScalingState:
+    """Delayed-scaling state of one FP8 linear: its input, weight and grad_output.
+
+    Args:
+        recipe: the DelayedScaling recipe (shared by the three roles).
+        device: where the state tensors live.
+        fwd_format, bwd_format: formats of input/weight and of grad_output.
+
+    Attributes:
+        input, weight, grad_output: :class:`DelayedScalingState` each.
+
+    ``op_args()`` gives the three ``list[Tensor]`` arguments of ``fp8pass::fp8_linear``;
+    ``record_forward`` records the amaxes that op returned. The backward records grad_output itself.
+    """
+
+    recipe: DelayedScaling
+    device: torch.device | str = "cpu"
+    fwd_format: Format | str = E4M3
+    bwd_format: Format | str = E5M2
+
+    def __post_init__(self):
+        fwd, bwd = get_format(self.fwd_format), get_format(self.bwd_format)
+        self.input = DelayedScalingState(self.recipe, fwd, self.device)
+        self.weight = DelayedScalingState(self.recipe, fwd, self.device)
+        self.grad_output = DelayedScalingState(self.recipe, bwd, self.device)
+
+    def roles(self) -> dict[str, DelayedScalingState]:
+        return {"input": self.input, "weight": self.weight, "grad_output": self.grad_output}
+
+    def op_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """``(x_state, w_state, g_state)`` for the op: the live tensors (mutated by recording)."""
+        return _tensors(self.input), _tensors(self.weight), _tensors(self.grad_output)
+
+    def recipe_args(self) -> dict:
+        """The recipe as the ops' plain scalar arguments."""
+        r = self.recipe
+        return {"margin": float(r.margin), "interval": int(r.interval), "algo": r.algo,
+                "power_of_two": bool(r.power_of_two)}
+
+    def record_forward(self, x_amax: torch.Tensor, w_amax: torch.Tensor) -> None:
+        record(_tensors(self.input), x_amax, self.input.fmt, self.recipe)
+        record(_tensors(self.weight), w_amax, self.weight.fmt, self.recipe)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat ``{role.field: tensor}`` (plain tensors, cloned)."""
+        return {f"{role}.{k}": v for role, s in self.roles().items() for k, v in s.state_dict().items()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for role, s in self.roles().items():
+            s.load_state_dict({k.split(".", 1)[1]: v for k, v in sd.items() if k.startswith(role + ".")})
+
+
+# keyed by identity: a WeakKeyDictionary compares tensors with ==, which fails for tensors
+_REGISTRY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E4M3, bwd_format=E5M2) -> LinearScalingState:
+    """The LinearScalingState kept for ``weight`` (created on first use; freed with the weight).
+
+    A state created under a different recipe or formats is an error rather than silently reused.
+    """
+    st = _REGISTRY.get(weight)
+    if st is None:
+        st = LinearScalingState(recipe, weight.device, fwd_format, bwd_format)
+        _REGISTRY[weight] = st
+    elif (st.recipe != recipe or st.input.fmt != get_format(fwd_format)
+          or st.grad_output.fmt != get_format(bwd_format)):
+        raise ValueError(
+            f"this weight already has delayed-scaling state for {st.recipe} "
+            f"({st.input.fmt.name}/{st.grad_output.fmt.name}); pass state= explicitly to use another recipe"
+        )
+    return st

@@ -1,0 +1,247 @@
+"""``fp8pass::swiglu_down``: the SwiGLU MLP tail ``y = (silu(gate) * up) W_down^T`` with Smooth-SwiGLU.
+
+``gate = x W_gate^T`` and ``up = x W_up^T`` come from two ``fp8_linear`` calls (or one fused
+gate/up linear); this op computes ``h = silu(gate) * up``, the smoothing, the E4M3 cast of the GEMM
+operand ``A`` and the FP8 down GEMM. Smoothing modes (scales are constants for autograd, which is
+exact because they cancel in exact arithmetic; REFERENCES.md §1):
+
+===========  =======================================================================================
+``channel``  the paper's form: ``c_i = 2**-floor(log2 max_t |h_ti|)`` per channel (power of two, so
+             multiplying by it is exact); ``A = h * c`` and ``B = W_down / c`` (column i divided by
+             ``c_i`` before ``B`` is cast). ``A B^T = h W_down^T``.
+``token``    the reference code's form: ``r_t = max_i |up_ti|`` per token; ``A = silu(gate) * up / r``,
+             ``B = W_down``, and each output row is multiplied by ``r_t`` after the GEMM.
+``none``     plain FP8 SwiGLU: ``A = h``, ``B = W_down`` (reproduces the instability).
+===========  =======================================================================================
+
+``A`` and ``B`` are cast to ``fwd_format`` with the linear's scaling options; in ``channel`` mode ``B``
+depends on this call's ``c`` and is therefore always current-scaled (its delayed state, if given, is
+not used). Backward: ``dy`` (times ``r`` in token mode) cast to ``bwd_format``; dgrad and wgrad are FP8
+GEMMs from the saved codes of ``A`` and ``B``; the SwiGLU derivative runs in fp32 from the saved
+``gate`` and ``up`` (which plain SwiGLU autograd saves as well).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import GRANULARITIES
+from .casting import Operand, cast_operand, gemm, resolve_format, tile_for
+from .linear import _scale_shape, _up
+
+__all__ = ["SMOOTH_MODES", "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
+           "fold_channel_scales"]
+
+SMOOTH_MODES = ("channel", "token", "none")
+# Channel scales are clamped so that W_down / c stays representable (no overflow or underflow).
+_C_MIN, _C_MAX = 2.0**-64, 2.0**64
+
+
+def channel_scales(channel_amax: torch.Tensor) -> torch.Tensor:
+    """Power-of-two per-channel smoothing scales ``2**-floor(log2 amax)`` (1 for zero / non-finite)."""
+    amax = channel_amax.to(torch.float32)
+    c = torch.exp2(-torch.floor(torch.log2(amax))).clamp(_C_MIN, _C_MAX)
+    ok = (amax > 0) & torch.isfinite(amax)
+    return torch.where(ok, c, torch.ones_like(c))
+
+
+def token_scales(up2d: torch.Tensor) -> torch.Tensor:
+    """Per-token ``r_t = max_i |up_ti|`` as fp32 [T, 1] (1 for zero / non-finite rows)."""
+    if up2d.shape[1] == 0:
+        return torch.ones(up2d.shape[0], 1, dtype=torch.float32, device=up2d.device)
+    r = up2d.abs().amax(dim=1, keepdim=True).to(torch.float32)
+    return torch.where((r > 0) & torch.isfinite(r), r, torch.ones_like(r))
+
+
+def swiglu_operand(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str):
+    """The down GEMM's left operand ``A`` (fp32) and the smoothing scales (``c`` [F], ``r`` [T, 1] or [])."""
+    g = gate2d.float()
+    u = up2d.float()
+    silu = torch.nn.functional.silu(g)
+    if smooth == "token":
+        r = token_scales(up2d)
+        return silu * (u / r), r
+    h = silu * u
+    if smooth == "channel":
+        amax = h.abs().amax(dim=0) if h.shape[0] else torch.zeros(h.shape[1], device=h.device)
+        c = channel_scales(amax)
+        return h * c, c
+    return h, torch.ones((), dtype=torch.float32, device=h.device)
+
+
+def _check(gate, up, w_down, smooth, granularity):
+    if smooth not in SMOOTH_MODES:
+        raise ValueError(f"unknown smooth mode {smooth!r}; valid: 'channel', 'token', None/'none'")
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if w_down.dim() != 2 or w_down.shape[1] != gate.shape[-1]:
+        raise ValueError(f"swiglu: w_down must be [out, {gate.shape[-1]}], got {tuple(w_down.shape)}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
+
+
+@torch.library.custom_op("fp8pass::swiglu_down", mutates_args=())
+def swiglu_down_op(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    w_down: torch.Tensor,
+    a_state: list[torch.Tensor],
+    b_state: list[torch.Tensor],
+    g_state: list[torch.Tensor],
+    smooth: str,
+    fwd_format: str,
+    bwd_format: str,
+    granularity: str,
+    block: int,
+    power_of_two: bool,
+    grad_rounding: str,
+    margin: float,
+    interval: int,
+    algo: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``."""
+    _check(gate, up, w_down, smooth, granularity)
+    fmt = resolve_format(fwd_format)
+    g2 = gate.reshape(-1, gate.shape[-1])
+    u2 = up.reshape(-1, up.shape[-1])
+    a, s = swiglu_operand(g2, u2, smooth)
+    b = w_down / s.to(w_down.dtype) if smooth == "channel" else w_down
+    up_dtype = _up(gate.device, gate.dtype)
+    at = tile_for(granularity, block, a.shape, weight=False)
+    bt = tile_for(granularity, block, b.shape, weight=True)
+    ao = cast_operand(a, fmt, granularity, at, a_state, margin, power_of_two, up=up_dtype)
+    bo = cast_operand(b, fmt, granularity, bt, [] if smooth == "channel" else b_state, margin, power_of_two,
+                      up=up_dtype)
+    if smooth == "token":
+        y = (gemm(ao, at, bo, bt, gate.dtype).float() * s).to(gate.dtype)
+    else:
+        y = gemm(ao, at, bo, bt, gate.dtype)
+    return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, ao.data, ao.scale.clone(),
+            bo.data, bo.scale.clone(), s.clone())
+
+
+@swiglu_down_op.register_fake
+def _(gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_format, granularity, block,
+      power_of_two, grad_rounding, margin, interval, algo):
+    _check(gate, up, w_down, smooth, granularity)
+    fmt = resolve_format(fwd_format)
+    rows = 1
+    for d in gate.shape[:-1]:
+        rows = rows * d
+    f, n = gate.shape[-1], w_down.shape[0]
+    f32 = dict(dtype=torch.float32, device=gate.device)
+    s_shape = {"channel": (f,), "token": (rows, 1), "none": ()}[smooth]
+    return (
+        gate.new_empty(*gate.shape[:-1], n),
+        torch.empty((), **f32),
+        torch.empty((), **f32),
+        gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else fmt.torch_dtype),
+        torch.empty(_scale_shape(granularity, block, rows, f, False), **f32),
+        w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else fmt.torch_dtype),
+        torch.empty(_scale_shape(granularity, block, n, f, True), **f32),
+        torch.empty(s_shape, **f32),
+    )
+
+
+@torch.library.custom_op("fp8pass::swiglu_down_backward", mutates_args=())
+def swiglu_down_backward_op(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    smooth_scales: torch.Tensor,
+    g_state: list[torch.Tensor],
+    w_dtype: torch.dtype,
+    smooth: str,
+    bwd_format: str,
+    granularity: str,
+    block: int,
+    power_of_two: bool,
+    grad_rounding: str,
+    margin: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dgate, dup, dW_down, dy_amax)`` (no state mutation)."""
+    fmt = resolve_format(bwd_format)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    s = smooth_scales
+    if smooth == "token":
+        dy2 = dy2.float() * s
+    up_dtype = _up(dy.device, gate.dtype)
+    gt = tile_for(granularity, block, dy2.shape, weight=False)
+    go = cast_operand(dy2, fmt, granularity, gt, g_state, margin, power_of_two, grad_rounding, up=up_dtype)
+    at = tile_for(granularity, block, a_data.shape, weight=False)
+    bt = tile_for(granularity, block, b_data.shape, weight=True)
+    ao = Operand(a_data, a_scale, a_scale)
+    bo = Operand(b_data, b_scale, b_scale)
+    da = gemm(go, gt, bo, bt, gate.dtype, b_t=True).float()   # dA = G @ B      [T, F]
+    db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True)     # dB = G^T @ A    [O, F]
+    if smooth == "channel":
+        db = db / s.to(db.dtype)       # B = W / c  =>  dW = dB / c (exact: powers of two)
+    g = gate.reshape(-1, gate.shape[-1]).float()
+    u = up.reshape(-1, up.shape[-1]).float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dsilu = sig * (1 + g * (1 - sig))
+    if smooth == "token":
+        dz = da / s
+        dgate, dup = dz * u * dsilu, dz * silu
+    else:
+        dh = da * s if smooth == "channel" else da
+        dgate, dup = dh * u * dsilu, dh * silu
+    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+
+
+@swiglu_down_backward_op.register_fake
+def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, smooth, bwd_format,
+      granularity, block, power_of_two, grad_rounding, margin):
+    rows, f = a_data.shape
+    return (gate.new_empty(rows, f), up.new_empty(rows, f), dy.new_empty(b_data.shape, dtype=w_dtype),
+            dy.new_empty((), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    (gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_format, granularity, block,
+     power_of_two, grad_rounding, margin, interval, algo) = inputs
+    _, _, _, a_data, a_scale, b_data, b_scale, s = output
+    ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s)
+    ctx.g_state = list(g_state)
+    ctx.n_states = (len(a_state), len(b_state), len(g_state))
+    ctx.shape, ctx.w_dtype = gate.shape, w_down.dtype
+    ctx.args = (smooth, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
+    ctx.recipe = (margin, interval, algo, power_of_two)
+
+
+def _backward(ctx, dy, *unused):
+    gate, up, a_data, a_scale, b_data, b_scale, s = ctx.saved_tensors
+    smooth, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
+    dgate, dup, dw, g_amax = torch.ops.fp8pass.swiglu_down_backward(
+        dy, gate, up, a_data, a_scale, b_data, b_scale, s, ctx.g_state, ctx.w_dtype, smooth, bwd_format,
+        granularity, block, power_of_two, grad_rounding, margin)
+    if ctx.g_state and resolve_format(bwd_format) is not None:
+        m, interval, algo, p2 = ctx.recipe
+        torch.ops.fp8pass.delayed_record_(*ctx.g_state, g_amax, bwd_format, m, interval, algo, p2)
+    na, nb, ng = ctx.n_states
+    return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng) + (None,) * 10
+
+
+swiglu_down_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fold_channel_scales(w_up: torch.Tensor, w_down: torch.Tensor, scales: torch.Tensor):
+    """Inference: fold fixed per-channel scales into a plain SwiGLU MLP, once.
+
+    Row i of ``W_up`` is multiplied by ``scales[i]`` and column i of ``W_down`` divided by it, so
+    ``h_i`` arrives pre-scaled and the MLP's function is unchanged (exactly, for powers of two such
+    as :func:`channel_scales` gives). Returns new ``(w_up, w_down)``; the model stays a plain model.
+    """
+    if scales.dim() != 1 or scales.numel() != w_up.shape[0] or w_down.shape[1] != w_up.shape[0]:
+        raise ValueError(f"fold_channel_scales: need scales [{w_up.shape[0]}] for w_up {tuple(w_up.shape)} "
+                         f"and w_down {tuple(w_down.shape)}; got {tuple(scales.shape)}")
+    s = scales.to(torch.float32)
+    new_up = (w_up.float() * s[:, None]).to(w_up.dtype)
+    new_down = (w_down.float() / s[None, :]).to(w_down.dtype)
+    return new_up, new_down
