@@ -13,7 +13,7 @@ from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
 from .model import ModelConfig, TinyLlama
-from .recipes import build_optimizer, get_recipe, prepare_model
+from .recipes import build_optimizer, fp8_config, get_recipe, prepare_model
 
 __all__ = ["TrainConfig", "TrainResult", "train", "lr_at"]
 
@@ -131,17 +131,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _scaling_state(model):
-    import fp8pass
-    fn = getattr(fp8pass, "scaling_state_dict", None)
-    return fn(model) if fn is not None else None
+    """Delayed-scaling state keyed by the (uncompiled) model's parameter FQNs."""
+    from .. import scaling_state_dict
+    return scaling_state_dict(model)
 
 
-def _load_scaling_state(model, sd):
-    import fp8pass
-    fn = getattr(fp8pass, "load_scaling_state_dict", None)
-    if fn is None:
-        raise RuntimeError("the checkpoint holds fp8 scaling state but fp8pass.load_scaling_state_dict is missing")
-    fn(model, sd)
+def _load_scaling_state(model, sd, cfg: TrainConfig):
+    from .. import load_scaling_state_dict
+    load_scaling_state_dict(model, sd, config=fp8_config(get_recipe(cfg.recipe), cfg.scaling, cfg.smooth))
 
 
 @torch.no_grad()
@@ -188,7 +185,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
     fwd = prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth, compile_bf16=cfg.compile_bf16)
     if ckpt is not None:
         if ckpt.get("scaling"):
-            _load_scaling_state(fwd, ckpt["scaling"])
+            _load_scaling_state(model, ckpt["scaling"], cfg)
         set_rng_state(ckpt["rng"])
 
     (out / "config.json").write_text(__import__("json").dumps(cfg.to_dict(), indent=2))
@@ -246,7 +243,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                 cb(done, model, log, final=done == cfg.steps)
             if done % cfg.ckpt_every == 0 or done == cfg.steps:
                 save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
-                                optimizer_state=opt.state_dict(), scaling_state=_scaling_state(fwd) if recipe.fp8 else None,
+                                optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if recipe.fp8 else None,
                                 data_fingerprint=data.fingerprint)
     finally:
         if bar is not None:
