@@ -43,6 +43,8 @@ class TrainConfig:
         ckpt_every: checkpoint cadence (a checkpoint is always written at the end).
         monitor_every: SwiGLU diagnostics cadence (0 = off).
         compile_bf16: run the bf16 recipe through torch.compile (Inductor) too.
+        compiler: what compiles the fp8 backend's rewritten graph: "inductor" | "aot_eager" (quicker
+            to compile, slower steps; the tests use it).
         max_data_bytes: cap each split (None = all).
         progress: show the progress bar.
     """
@@ -73,6 +75,7 @@ class TrainConfig:
     ckpt_every: int = 100
     monitor_every: int = 50
     compile_bf16: bool = False
+    compiler: str = "inductor"
     max_data_bytes: int | None = None
     progress: bool = True
 
@@ -85,6 +88,8 @@ class TrainConfig:
             raise ValueError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
         if self.smooth not in ("channel", "token"):
             raise ValueError(f"unknown smooth mode {self.smooth!r}; valid: channel, token")
+        if self.compiler not in ("inductor", "aot_eager", "eager"):
+            raise ValueError(f"unknown compiler {self.compiler!r}; valid: inductor, aot_eager, eager")
         if self.scaling not in ("delayed", "current"):
             raise ValueError(f"unknown scaling {self.scaling!r}; valid: delayed, current")
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every"):
@@ -138,7 +143,7 @@ def _scaling_state(model):
 
 def _load_scaling_state(model, sd, cfg: TrainConfig):
     from .. import load_scaling_state_dict
-    load_scaling_state_dict(model, sd, config=fp8_config(get_recipe(cfg.recipe), cfg.scaling, cfg.smooth))
+    load_scaling_state_dict(model, sd, config=fp8_config(get_recipe(cfg.recipe), cfg.scaling, cfg.smooth, cfg.compiler))
 
 
 @torch.no_grad()
@@ -182,7 +187,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         start = ckpt["step"]
-    fwd = prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth, compile_bf16=cfg.compile_bf16)
+    fwd = prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth, compile_bf16=cfg.compile_bf16,
+                        compiler=cfg.compiler)
     if ckpt is not None:
         if ckpt.get("scaling"):
             _load_scaling_state(model, ckpt["scaling"], cfg)

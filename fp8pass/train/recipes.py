@@ -53,17 +53,19 @@ def scaling_recipe(name: str):
     raise ValueError(f"unknown scaling {name!r}; valid: delayed, current")
 
 
-def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "channel"):
+def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "channel",
+               compiler: str = "inductor"):
     """The backend ``Config`` for an fp8 recipe."""
     import fp8pass
     if not hasattr(fp8pass, "Config"):
         raise RuntimeError(f"recipe {recipe.name!r} needs fp8pass.Config and fp8pass.backend, which this "
                            "installation of fp8pass lacks; use --recipe bf16")
-    return fp8pass.Config(recipe=scaling_recipe(scaling), smooth_swiglu=smooth_mode if recipe.smooth else None)
+    return fp8pass.Config(recipe=scaling_recipe(scaling), smooth_swiglu=smooth_mode if recipe.smooth else None,
+                          compiler=compiler)
 
 
 def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "delayed",
-                  smooth_mode: str = "channel", compile_bf16: bool = False):
+                  smooth_mode: str = "channel", compile_bf16: bool = False, compiler: str = "inductor"):
     """Return the callable the loop trains through (``model`` itself, or its compiled wrapper).
 
     The fp8 recipes compile with ``fp8pass.backend(Config(...))``; the bf16 recipe runs eager unless
@@ -71,7 +73,7 @@ def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "del
     """
     if recipe.fp8:
         import fp8pass
-        cfg = fp8_config(recipe, scaling, smooth_mode)
+        cfg = fp8_config(recipe, scaling, smooth_mode, compiler)
         return torch.compile(model, backend=fp8pass.backend(cfg))
     if compile_bf16:
         return torch.compile(model)
