@@ -12,8 +12,10 @@ the channel is **planted**, as the issue allows, and the method is part of the r
 - ``w_down[:, 0]`` is divided by α² at the same moment, so that in exact arithmetic the model's
   function barely changes: any loss difference after the plant comes from how each precision
   represents the outlier, not from a changed model.
-- The three tensors are re-pinned after every optimizer step (Adam would otherwise grow the tiny
-  ``w_down`` column by ~lr per step and blow up the bf16 model too); every other weight trains.
+- The planted entries are frozen: their gradients are zeroed before clipping (else their huge
+  gradients, ∝ h₀, would dominate the global norm and clipping would stall every other weight) and
+  they are re-pinned after every optimizer step (Adam's momentum would otherwise move the tiny
+  ``w_down`` column by ~lr and blow up the bf16 model too); every other weight trains.
 
 Phase A trains bf16, fp8 (plain SwiGLU), fp8-smooth (channel, the paper) and fp8-smooth with the
 token form (reference code) with the same seed, data and plant. Phase B is a forward-only sweep:
@@ -108,6 +110,17 @@ class Planter:
             self.log_to.update(directions=stats)
         plant(model, self.dirs, self.alpha, self.cols)
 
+    def zero_grads(self, step, model):
+        if self.dirs is None:
+            return
+        for layer in model.layers:
+            mlp = layer.mlp
+            for w, idx in ((mlp.gate_proj.weight, 0), (mlp.up_proj.weight, 0)):
+                if w.grad is not None:
+                    w.grad[idx] = 0
+            if mlp.down_proj.weight.grad is not None:
+                mlp.down_proj.weight.grad[:, 0] = 0
+
 
 @torch.no_grad()
 def val_loss(fwd, data, batches=8):
@@ -168,7 +181,7 @@ def main(argv=None) -> int:
         cfg = TrainConfig(recipe=recipe, smooth=smooth, steps=args.steps, out=str(runs / name), eval_every=25,
                           ckpt_every=args.steps, monitor_every=25, progress=False)
         t = time.perf_counter()
-        r = train(cfg, data=data, callbacks=[planters[name]])
+        r = train(cfg, data=data, callbacks=[planters[name]], grad_callbacks=[planters[name].zero_grads])
         torch._dynamo.reset()
         results[name] = {"status": r.status, "final_val_loss": r.final_val_loss, "wall_s": time.perf_counter() - t,
                          **info}

@@ -111,3 +111,15 @@ def test_plots_without_matplotlib(tmp_path, corpus, monkeypatch, capsys):
     import sys
     assert plots.plot_runs(tmp_path, stream=sys.stdout) == []
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_grad_callbacks_run_before_the_step(tmp_path, corpus):
+    def zero(step, model):
+        for p in model.parameters():
+            p.grad.zero_()
+    train(cfg(tmp_path, corpus, steps=3, weight_decay=0.0, monitor_every=0), grad_callbacks=[zero])
+    torch.manual_seed(0)
+    from fp8pass.train import TinyLlama
+    init = TinyLlama(SMALL).state_dict()
+    final = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["model"]
+    assert all(torch.equal(init[k], final[k]) for k in init)       # zero gradients: AdamW leaves weights alone

@@ -158,7 +158,7 @@ def evaluate(fwd, data: TextData, cfg: TrainConfig) -> float:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = None, callbacks=(),
-          monitor: bool = True) -> TrainResult:
+          grad_callbacks=(), monitor: bool = True) -> TrainResult:
     """Train one recipe into ``cfg.out``.
 
     Args:
@@ -166,7 +166,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
         resume: continue from ``cfg.out/checkpoint.pt``; the losses then equal those of an
             uninterrupted run.
         data: preloaded data (else loaded from ``cfg.data``).
-        callbacks: extra ``fn(step, model, log, final=False)`` called after every step.
+        callbacks: extra ``fn(step, model, log, final=False)`` called after every optimizer step,
+            before that step's evaluation and checkpoint (so both see what a callback changed).
+        grad_callbacks: ``fn(step, model)`` called after backward, before clipping and the
+            optimizer step (gradient surgery, gradient logging).
         monitor: add the SwiGLU diagnostics callback when ``cfg.monitor_every > 0``.
     """
     out = Path(cfg.out)
@@ -228,6 +231,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = fwd(x, y)
             loss.backward()
+            for cb in grad_callbacks:
+                cb(step + 1, model)
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -242,11 +247,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                 status = "diverged"
                 break
             done = step + 1
+            for cb in callbacks:
+                cb(done, model, log, final=done == cfg.steps)
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 val_loss = evaluate(fwd, data, cfg)
                 log({"kind": "eval", "step": done, "val_loss": val_loss})
-            for cb in callbacks:
-                cb(done, model, log, final=done == cfg.steps)
             if done % cfg.ckpt_every == 0 or done == cfg.steps:
                 save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
                                 optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if recipe.fp8 else None,

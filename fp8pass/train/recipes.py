@@ -6,6 +6,9 @@
 | fp8                  | FP8 backend, plain SwiGLU         | fp32 (torch AdamW)       |
 | fp8-smooth           | FP8 backend, Smooth-SwiGLU        | fp32 (torch AdamW)       |
 | fp8-smooth-fp8adam   | FP8 backend, Smooth-SwiGLU        | FP8 (fp8pass.optim.AdamW)|
+| bf16-fp8adam         | bf16 autocast                     | FP8 (fp8pass.optim.AdamW)|
+
+``bf16-fp8adam`` isolates the optimizer: the moment-format ablation (experiments/moments.py) uses it.
 
 Master weights stay fp32 in every recipe and everything the FP8 backend leaves in high precision
 (embeddings, LM head, norms, attention scores) runs under bf16 autocast, so the recipes differ only
@@ -34,6 +37,7 @@ RECIPES = {r.name: r for r in (
     Recipe("fp8", fp8=True, smooth=False, fp8_adam=False),
     Recipe("fp8-smooth", fp8=True, smooth=True, fp8_adam=False),
     Recipe("fp8-smooth-fp8adam", fp8=True, smooth=True, fp8_adam=True),
+    Recipe("bf16-fp8adam", fp8=False, smooth=False, fp8_adam=True),
 )}
 
 
