@@ -38,7 +38,9 @@ def scale_from_amax(
     fmt = get_format(fmt)
     amax = amax.to(torch.float32)
     target = fmt.max / (2.0**margin) if margin else fmt.max
-    scale = torch.clamp(target / amax, max=MAX_SCALE)
+    # Tensor / tensor: torch computes `python_float / tensor` as a reciprocal times the float, which
+    # is not correctly rounded; the Triton kernels use the correctly rounded division too.
+    scale = torch.clamp(torch.full_like(amax, target) / amax, max=MAX_SCALE)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     ok = (amax > 0) & torch.isfinite(amax)

@@ -1,0 +1,314 @@
+"""``fp8pass.optim.Adam`` / ``AdamW``: torch's Adam(W) with moments stored in FP8 (one byte each).
+
+Same hyper-parameters and semantics as ``torch.optim.Adam`` / ``AdamW`` (bias correction, decoupled
+or L2 weight decay, ``maximize``, ``capturable``), plus the storage options of the moments. The state
+of a parameter holds plain tensors only (see ``moments.py`` for the layout)::
+
+    step                      fp32 scalar (on the parameter's device when capturable), as in torch
+    exp_avg_codes             float8_e4m3fn, the parameter's shape     (m_format="e4m3")
+    exp_avg_scale             fp32 [ceil(numel / block_size)]
+    exp_avg_sq_sqrt_codes     float8_e5m2, the parameter's shape       (v_format="e5m2", v_sqrt=True)
+    exp_avg_sq_sqrt_scale     fp32 [ceil(numel / block_size)]
+
+so ``state_dict()`` / ``load_state_dict()`` round-trip exactly and ``torch.load(weights_only=True)``
+reads a checkpoint. bf16/fp32 moment formats store ``exp_avg`` / ``exp_avg_sq`` like torch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..numerics import ROUNDINGS
+from ..numerics.kernels import family_name
+from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
+from .torch_step import _Workspace, adam_step_torch, hyper_params
+
+__all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
+
+KERNELS = ("auto", "torch", "triton")
+# Keys fp8pass adds to a torch Adam(W) param group.
+FP8_GROUP_KEYS = ("m_format", "v_format", "block_size", "v_sqrt", "rounding", "stochastic_flush", "kernels")
+
+
+def moment_specs(group: dict) -> tuple[MomentSpec, MomentSpec]:
+    """The (first, second) moment storage a param group asks for."""
+    b = group["block_size"]
+    return (MomentSpec("exp_avg", group["m_format"], b),
+            MomentSpec("exp_avg_sq", group["v_format"], b, sqrt=group["v_sqrt"]))
+
+
+def _check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_format, v_format, block_size,
+                   rounding, kernels) -> None:
+    if amsgrad:
+        raise ValueError("fp8pass.optim does not support amsgrad=True (it would need a third, max-of-v "
+                         "moment store); use torch.optim.AdamW(amsgrad=True) for that")
+    if differentiable:
+        raise ValueError("fp8pass.optim does not support differentiable=True: quantized moments have no "
+                         "useful gradient; use torch.optim.AdamW(differentiable=True)")
+    if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
+        raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+    if not 0.0 <= eps:
+        raise ValueError(f"invalid eps {eps}: must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"invalid betas {betas}: two numbers in [0, 1) expected")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
+    for what, fmt in (("m_format", m_format), ("v_format", v_format)):
+        if fmt not in MOMENT_FORMATS:
+            raise ValueError(f"unknown {what} {fmt!r}; valid: {', '.join(MOMENT_FORMATS)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (elements per fp32 scale), got {block_size!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r}; valid: {', '.join(KERNELS)}")
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam with FP8 moments; ``decoupled_weight_decay=True`` makes it AdamW (as in torch).
+
+    Args:
+        params: parameters or param groups (as for any torch optimizer).
+        lr, betas, eps, weight_decay, maximize, capturable, decoupled_weight_decay: as in
+            ``torch.optim.Adam`` (``lr`` may be a tensor).
+        amsgrad: must be False (a clear error otherwise).
+        m_format: first-moment storage: "e4m3" (default), "e5m2", "bf16" or "fp32".
+        v_format: second-moment storage: "e5m2" (default), "e4m3", "bf16" or "fp32".
+        block_size: elements per fp32 block scale (default 128). Blocks run over the flattened
+            parameter; a tensor smaller than a block, or the tail of one, is a partial block.
+        v_sqrt: store ``sqrt(v)`` instead of ``v`` when ``v_format`` is FP8 (default True; why, and
+            what was measured, in docs/optim.md).
+        rounding: "nearest" (default) or "stochastic" for the FP8 moments.
+        stochastic_flush: round values below the format's smallest subnormal stochastically to 0 or
+            the smallest subnormal (unbiased underflow) while everything else rounds to nearest.
+        kernels: "auto" (Triton on CUDA, torch elsewhere; honours ``FP8PASS_KERNELS``), "torch"
+            or "triton".
+        generator: torch.Generator for stochastic rounding (reproducible runs).
+        foreach, fused: accepted for signature compatibility and ignored (this optimizer always runs
+            its own chunked torch path or its fused Triton kernel).
+        differentiable: must be False.
+    """
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False, decoupled_weight_decay: bool = False,
+                 m_format: str = "e4m3", v_format: str = "e5m2", block_size: int = 128, v_sqrt: bool = True,
+                 rounding: str = "nearest", stochastic_flush: bool = False, kernels: str = "auto",
+                 generator: torch.Generator | None = None, foreach: bool | None = None,
+                 fused: bool | None = None):
+        _check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_format, v_format, block_size,
+                       rounding, kernels)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, capturable=capturable, differentiable=False,
+                        decoupled_weight_decay=decoupled_weight_decay, foreach=foreach, fused=fused,
+                        m_format=m_format, v_format=v_format, block_size=block_size, v_sqrt=v_sqrt,
+                        rounding=rounding, stochastic_flush=stochastic_flush, kernels=kernels)
+        super().__init__(params, defaults)
+        self.generator = generator
+        self._workspaces: dict = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        _check_options(g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"], g["differentiable"],
+                       g["m_format"], g["v_format"], g["block_size"], g["rounding"], g["kernels"])
+        for p in g["params"]:
+            _check_param(p)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("generator", None)
+        self.__dict__.setdefault("_workspaces", {})
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
+        """Create the state of ``p``, or convert torch-layout moments (``to_fp8`` mid-training)."""
+        specs = moment_specs(group)
+        if "step" not in state:
+            dev = p.device if group["capturable"] else "cpu"
+            state["step"] = torch.zeros((), dtype=torch.float32, device=dev)
+        for spec in specs:
+            if all(k in state for k in spec.keys):
+                _check_moment(p, state, spec)
+                continue
+            old = _find_dense_moment(state, spec.name)
+            if old is not None:
+                value = state.pop(spec.name).to(torch.float32)
+                write_moment(state, spec, value.reshape(p.shape), group["rounding"], self._generator_for(p))
+            elif any(k in state for k in _fp8_keys(spec.name)):
+                raise ValueError(
+                    f"the optimizer state of a parameter of shape {tuple(p.shape)} stores {spec.name} as "
+                    f"{sorted(k for k in state if k.startswith(spec.name))}, but its group asks for "
+                    f"{list(spec.keys)} ({spec.fmt}, v_sqrt={spec.sqrt}); formats cannot change in place: "
+                    f"export with fp8pass.optim.to_torch_state_dict and reload")
+            else:
+                init_moment(state, spec, p)
+
+    def _generator_for(self, p):
+        g = self.generator
+        return g if g is not None and g.device == p.device else None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict saved by this class (exactly), or by torch's Adam/AdamW (quantized).
+
+        A torch state dict (its groups lack ``m_format``) is converted with
+        ``from_torch_state_dict`` using this optimizer's storage options.
+        """
+        from .convert import from_torch_state_dict, is_torch_state_dict
+
+        if is_torch_state_dict(state_dict):
+            opts = {k: self.defaults[k] for k in FP8_GROUP_KEYS}
+            state_dict = from_torch_state_dict(state_dict, **opts)
+        saved = copy.deepcopy(state_dict)
+        super().load_state_dict(state_dict)
+        # torch casts every floating state tensor to the parameter's dtype; put back codes and scales
+        # exactly as saved (on the parameter's device), and fill group keys older dicts lack.
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            if i in saved["state"]:
+                st = self.state[p]
+                for k, v in saved["state"][i].items():
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        st[k] = v.to(device=p.device)
+        for g in self.param_groups:
+            for k, v in self.defaults.items():
+                g.setdefault(k, v)
+            for p in g["params"]:
+                if p in self.state and self.state[p]:
+                    self._init_state(p, g, self.state[p])  # validates shapes and dtypes
+
+    # -- step ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimisation step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            m_spec, v_spec = moment_specs(group)
+            beta1, beta2 = (float(b) for b in group["betas"])
+            decoupled = bool(group.get("decoupled_weight_decay", False))
+            coupled_wd = not decoupled and group["weight_decay"] != 0
+            hps: dict = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                _check_grad(p, grad)
+                state = self.state[p]
+                if not state or any(k not in state for k in (*m_spec.keys, *v_spec.keys)):
+                    self._init_state(p, group, state)
+                step_t = state["step"]
+                step_t += 1
+                if group["capturable"]:
+                    hp = hyper_params(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step_t,
+                                      decoupled, p.device)
+                else:
+                    key = (float(step_t), p.device)
+                    if key not in hps:
+                        hps[key] = hyper_params(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                                                key[0], decoupled, p.device)
+                    hp = hps[key]
+                self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd)
+        return loss
+
+    def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd) -> None:
+        kind = group["kernels"]
+        if kind == "auto":
+            kind = family_name(p.device)
+        opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
+                    stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
+        if kind == "triton":
+            from .triton_step import adam_step_triton
+
+            adam_step_triton(p, grad.contiguous(), state, m_spec, v_spec, hp, **opts)
+        else:
+            ws = self._workspaces.get(p.device)
+            ws = adam_step_torch(p, grad, state, m_spec, v_spec, hp, workspace=ws, **opts)
+            self._workspaces[p.device] = ws
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq) of ``p`` dequantized to fp32 (zeros before the first step)."""
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                state = self.state.get(p)
+                if not state or "step" not in state:
+                    return torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)
+                return tuple(read_moment(state, s) for s in moment_specs(group))
+        raise ValueError("this tensor is not a parameter of the optimizer")
+
+
+class AdamW(Adam):
+    """AdamW (decoupled weight decay, default 1e-2) with FP8 moments; see :class:`Adam` for the options."""
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs):
+        if "decoupled_weight_decay" in kwargs and not kwargs["decoupled_weight_decay"]:
+            raise ValueError("AdamW always decouples weight decay; use fp8pass.optim.Adam for L2 decay")
+        kwargs["decoupled_weight_decay"] = True
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _check_param(p: torch.Tensor) -> None:
+    if torch.is_complex(p):
+        raise ValueError(f"fp8pass.optim does not support complex parameters (got {p.dtype}); "
+                         f"optimize torch.view_as_real(p) as a real parameter or use torch.optim.AdamW")
+    if not p.is_floating_point():
+        raise ValueError(f"fp8pass.optim optimizes floating-point parameters, got {p.dtype}")
+
+
+def _check_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise RuntimeError("fp8pass.optim does not support sparse gradients (as torch's Adam(W)); "
+                           "use torch.optim.SparseAdam for sparse embeddings")
+    if torch.is_complex(grad):
+        raise ValueError("fp8pass.optim does not support complex gradients")
+    if grad.shape != p.shape:
+        raise ValueError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(p.shape)}")
+
+
+def _fp8_keys(name: str) -> tuple[str, ...]:
+    return tuple(f"{name}{root}_{part}" for root in ("", "_sqrt") for part in ("codes", "scale"))
+
+
+def _find_dense_moment(state: dict, name: str):
+    t = state.get(name)
+    return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+
+
+def _check_moment(p: torch.Tensor, state: dict, spec: MomentSpec) -> None:
+    from .moments import num_blocks
+
+    if spec.fp8:
+        codes, scale = state[spec.codes_key], state[spec.scale_key]
+        want = num_blocks(p.numel(), spec.block)
+        if codes.shape != p.shape or codes.dtype != spec.dtype or scale.shape != (want,) or \
+                scale.dtype != torch.float32:
+            raise ValueError(
+                f"state {spec.codes_key}/{spec.scale_key} of a parameter of shape {tuple(p.shape)} has "
+                f"{tuple(codes.shape)} {codes.dtype} / {tuple(scale.shape)} {scale.dtype}; expected "
+                f"{tuple(p.shape)} {spec.dtype} / ({want},) float32 (block_size={spec.block})")
+    else:
+        t = state[spec.name]
+        if t.shape != p.shape:
+            raise ValueError(f"state {spec.name} has shape {tuple(t.shape)}, parameter has {tuple(p.shape)}")
+        if t.dtype != spec.dtype:
+            state[spec.name] = t.to(spec.dtype)
+
+
+def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of storage of all state tensors of ``optimizer`` (codes, scales, steps)."""
+    total = 0
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total

@@ -1,0 +1,163 @@
+"""Conversions between torch's Adam/AdamW and fp8pass.optim: optimizers in place, and state dicts.
+
+* ``to_fp8(optimizer)``: turns an existing ``torch.optim.Adam`` / ``AdamW`` (fresh, or with state)
+  into ``fp8pass.optim.Adam`` / ``AdamW`` in place: same object, same param groups, hooks and LR
+  schedulers; existing moments are quantized at once.
+* ``to_torch_state_dict(sd)``: an fp8pass state dict -> one ``torch.optim.AdamW`` (or ``Adam``)
+  loads: dequantized fp32 ``exp_avg`` / ``exp_avg_sq``, fp8pass group keys dropped.
+* ``from_torch_state_dict(sd, ...)``: a torch Adam(W) state dict -> an fp8pass one (quantized).
+  ``fp8pass.optim.AdamW.load_state_dict`` also accepts a torch state dict directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from .adam import FP8_GROUP_KEYS, Adam, AdamW, _check_options, _check_param, moment_specs
+from .moments import MomentSpec, read_moment, write_moment
+
+__all__ = ["to_fp8", "to_torch_state_dict", "from_torch_state_dict", "is_torch_state_dict"]
+
+
+def to_fp8(optimizer: torch.optim.Optimizer, *, m_format: str = "e4m3", v_format: str = "e5m2",
+           block_size: int = 128, v_sqrt: bool = True, rounding: str = "nearest",
+           stochastic_flush: bool = False, kernels: str = "auto",
+           generator: torch.Generator | None = None) -> torch.optim.Optimizer:
+    """Convert a ``torch.optim.Adam`` / ``AdamW`` to FP8 moment storage, in place; returns it.
+
+    Args:
+        optimizer: a torch Adam or AdamW (exact class, not another subclass), fresh or mid-training.
+        m_format, v_format, block_size, v_sqrt, rounding, stochastic_flush, kernels, generator:
+            as for :class:`fp8pass.optim.Adam`; applied to every param group.
+
+    Raises:
+        TypeError: for any other optimizer class.
+        ValueError: amsgrad=True, differentiable=True, complex parameters, bad options.
+    """
+    if isinstance(optimizer, Adam):
+        return optimizer
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise TypeError(f"to_fp8 converts torch.optim.Adam or torch.optim.AdamW, got {type(optimizer).__name__}")
+    extra = dict(m_format=m_format, v_format=v_format, block_size=block_size, v_sqrt=v_sqrt, rounding=rounding,
+                 stochastic_flush=stochastic_flush, kernels=kernels)
+    for g in optimizer.param_groups:
+        _check_options(g["lr"], g["betas"], g["eps"], g["weight_decay"], g.get("amsgrad", False),
+                       g.get("differentiable", False), m_format, v_format, block_size, rounding, kernels)
+        for p in g["params"]:
+            _check_param(p)
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+        optimizer.defaults.get("decoupled_weight_decay", False))
+    for g in optimizer.param_groups:
+        g["decoupled_weight_decay"] = decoupled or bool(g.get("decoupled_weight_decay", False))
+        g.update(extra)
+    optimizer.defaults.update(extra, decoupled_weight_decay=decoupled)
+    optimizer.__class__ = AdamW if decoupled else Adam
+    optimizer.generator = generator
+    optimizer._workspaces = {}
+    # A fused torch AdamW tells GradScaler it unscales gradients itself; this step does not.
+    optimizer._step_supports_amp_scaling = False
+    if hasattr(optimizer, "_patch_step_function"):
+        optimizer._patch_step_function()  # step hooks/profiling on the new class, as torch does in __init__
+    _rewrap_lr_scheduler_step(optimizer)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            st = optimizer.state.get(p)
+            if st:
+                optimizer._init_state(p, g, st)
+    return optimizer
+
+
+def _rewrap_lr_scheduler_step(optimizer) -> None:
+    """An LR scheduler created before ``to_fp8`` wrapped the instance's bound torch ``step``; wrap the
+    new class's ``step`` the same way (it records that step ran, for the scheduler's order check)."""
+    old = optimizer.__dict__.get("step")
+    if old is None:
+        return
+    if not getattr(old, "_wrapped_by_lr_sched", False):
+        raise ValueError("optimizer.step was replaced on the instance by something other than an LR "
+                         "scheduler; call fp8pass.optim.to_fp8 before wrapping step")
+    del optimizer.__dict__["step"]
+    opt_ref = weakref.ref(optimizer)
+    cls_step = type(optimizer).step
+
+    @functools.wraps(cls_step)
+    def step(*args, **kwargs):
+        opt = opt_ref()
+        opt._opt_called = True
+        return cls_step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    optimizer.step = step
+
+
+def is_torch_state_dict(sd: dict) -> bool:
+    """True for a state dict of torch's Adam/AdamW (its groups carry no fp8pass storage keys)."""
+    groups = sd.get("param_groups", [])
+    return bool(groups) and all("m_format" not in g for g in groups)
+
+
+def _param_groups_by_id(sd: dict) -> dict:
+    return {i: g for g in sd["param_groups"] for i in g["params"]}
+
+
+def to_torch_state_dict(sd: dict) -> dict:
+    """An fp8pass Adam(W) state dict as torch's Adam(W) state dict (fp32 moments, dequantized).
+
+    Load the result with ``torch.optim.AdamW(params, ...).load_state_dict(...)`` (AdamW groups keep
+    ``decoupled_weight_decay``; for ``Adam`` with L2 decay use ``torch.optim.Adam``).
+    """
+    if is_torch_state_dict(sd):
+        raise ValueError("this is already a torch Adam/AdamW state dict (no m_format in its param groups)")
+    by_id = _param_groups_by_id(sd)
+    state = {}
+    for i, st in sd["state"].items():
+        specs = moment_specs(by_id[i])
+        out = {"step": st["step"].clone()}
+        for spec in specs:
+            out[spec.name] = read_moment(st, spec)
+        state[i] = out
+    groups = []
+    for g in sd["param_groups"]:
+        ng = {k: v for k, v in g.items() if k not in FP8_GROUP_KEYS}
+        ng["amsgrad"] = False
+        groups.append(ng)
+    return {"state": state, "param_groups": groups}
+
+
+def from_torch_state_dict(sd: dict, *, m_format: str = "e4m3", v_format: str = "e5m2", block_size: int = 128,
+                          v_sqrt: bool = True, rounding: str = "nearest", stochastic_flush: bool = False,
+                          kernels: str = "auto") -> dict:
+    """A torch Adam(W) state dict as an fp8pass one: moments quantized with the given storage.
+
+    Raises:
+        ValueError: amsgrad state (``max_exp_avg_sq``), or bad options.
+    """
+    if not is_torch_state_dict(sd):
+        raise ValueError("not a torch Adam/AdamW state dict (its param groups already carry m_format)")
+    extra = dict(m_format=m_format, v_format=v_format, block_size=block_size, v_sqrt=v_sqrt, rounding=rounding,
+                 stochastic_flush=stochastic_flush, kernels=kernels)
+    groups = []
+    for g in sd["param_groups"]:
+        _check_options(g.get("lr", 1e-3), g.get("betas", (0.9, 0.999)), g.get("eps", 1e-8),
+                       g.get("weight_decay", 0.0), g.get("amsgrad", False), g.get("differentiable", False),
+                       m_format, v_format, block_size, rounding, kernels)
+        ng = dict(g, **extra)
+        ng.setdefault("decoupled_weight_decay", False)
+        groups.append(ng)
+    new = {"state": {}, "param_groups": groups}
+    by_id = _param_groups_by_id(new)
+    for i, st in sd["state"].items():
+        if "max_exp_avg_sq" in st:
+            raise ValueError("the torch state holds amsgrad's max_exp_avg_sq; fp8pass.optim has no amsgrad")
+        out = {"step": st["step"].clone() if isinstance(st["step"], torch.Tensor)
+               else torch.tensor(float(st["step"]))}
+        for spec in moment_specs(by_id[i]):
+            write_moment(out, spec, st[spec.name].to(torch.float32), rounding)
+        new["state"][i] = out
+    return new
+
+
+

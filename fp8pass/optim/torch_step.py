@@ -1,0 +1,209 @@
+"""Torch path of the FP8 Adam step: dequantize -> update -> requantize, chunk by chunk.
+
+Each parameter is processed in chunks of whole blocks (``CHUNK`` elements) through fp32 workspace
+buffers that stay in cache, so the moments are read and written once, as bytes, and the fp32 copies
+never exist for the whole tensor. The update is written with single-rounding ops (no lerp, addcmul or
+addcdiv, which CPU kernels evaluate with FMA) so that the Triton kernel can reproduce it bit for bit::
+
+    g  = -grad if maximize else grad;      g = g + l2 * p            (Adam's coupled weight decay)
+    m  = m * beta1 + g * (1 - beta1)
+    v  = v * beta2 + (g * g) * (1 - beta2)
+    p  = p * decay                                                 (AdamW: decay = 1 - lr * wd)
+    p  = p - ((m / ((sqrt(v) * inv_bc2_sqrt) + eps)) * step_size)
+    step_size = lr / (1 - beta1**t),  inv_bc2_sqrt = 1 / sqrt(1 - beta2**t)
+
+All scalars are fp32 (``hp``, see ``hyper_params``). Then each FP8 moment is requantized per block:
+``scale = scale_from_amax(amax over the block's finite values)``, ``codes = saturating_cast(x * scale)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..numerics import saturating_cast, scale_from_amax
+from .moments import MomentSpec, finite_block_amax
+
+__all__ = ["CHUNK", "HP_FIELDS", "hyper_params", "adam_step_torch", "cast_moment"]
+
+# Elements per chunk (a multiple of the block is used): 6 fp32 buffers of 1 MiB stay in L2/L3.
+CHUNK = 1 << 18
+
+HP_FIELDS = ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "inv_bc2_sqrt", "eps", "step_size",
+             "decay", "l2")
+
+
+def hyper_params(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, device) -> torch.Tensor:
+    """The fp32 scalars of one step as a tensor [len(HP_FIELDS)] on ``device``.
+
+    ``step`` is a Python number (computed in float64, rounded once to fp32, as torch does with
+    scalars), or a tensor on ``device`` (capturable: computed on the device without a host sync).
+    """
+    if isinstance(step, torch.Tensor) or isinstance(lr, torch.Tensor):
+        t = step if isinstance(step, torch.Tensor) else torch.tensor(float(step), device=device)
+        t = t.to(device=device, dtype=torch.float32)
+        lr_t = lr.to(device=device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else torch.tensor(
+            float(lr), device=device)
+        bc1 = 1 - torch.pow(torch.tensor(float(beta1), device=device), t)
+        bc2 = 1 - torch.pow(torch.tensor(float(beta2), device=device), t)
+        wd = float(weight_decay)
+        one = torch.ones((), device=device)
+        parts = [one * beta1, one * (1 - beta1), one * beta2, one * (1 - beta2), torch.rsqrt(bc2), one * eps,
+                 lr_t / bc1, 1 - lr_t * wd if decoupled else one, one * (0.0 if decoupled else wd)]
+        return torch.stack([x.reshape(()).to(torch.float32) for x in parts])
+    step = float(step)
+    bc1 = 1 - beta1**step
+    bc2 = 1 - beta2**step
+    vals = [beta1, 1 - beta1, beta2, 1 - beta2, 1 / math.sqrt(bc2), eps, lr / bc1,
+            1 - lr * weight_decay if decoupled else 1.0, 0.0 if decoupled else weight_decay]
+    return torch.tensor(vals, dtype=torch.float32, device=device)
+
+
+def cast_moment(x: torch.Tensor, spec: MomentSpec, rounding: str, stochastic_flush: bool,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """FP8 codes of already-scaled values ``x`` (saturating), with the optional stochastic flush.
+
+    Stochastic flush-to-zero: a value below the format's smallest subnormal (which nearest rounding
+    flushes to 0, or lifts to it) is rounded stochastically to 0 or +-min_subnormal, so underflow is
+    unbiased even when everything else rounds to nearest.
+    """
+    fmt = spec.format
+    codes = saturating_cast(x, fmt, rounding, generator)
+    if stochastic_flush and rounding == "nearest":
+        tiny = x.abs() < fmt.min_subnormal
+        if bool(tiny.any()):
+            u8 = codes.view(torch.uint8)
+            u8[tiny] = saturating_cast(x[tiny], fmt, "stochastic", generator).view(torch.uint8)
+    return codes
+
+
+class _Workspace:
+    """fp32 chunk buffers, allocated once per step and device (malloc of MiB buffers per chunk is slow)."""
+
+    def __init__(self, size: int, device):
+        self.g, self.m, self.v, self.p, self.t, self.u = (
+            torch.empty(size, dtype=torch.float32, device=device) for _ in range(6))
+
+
+def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: MomentSpec,
+                    v_spec: MomentSpec, hp: torch.Tensor, maximize: bool = False, coupled_wd: bool = False,
+                    rounding: str = "nearest",
+                    stochastic_flush: bool = False, generator: torch.Generator | None = None,
+                    workspace: _Workspace | None = None) -> _Workspace:
+    """One Adam/AdamW update of ``p`` (in place) and its moments in ``state`` (in place).
+
+    Args:
+        p: the parameter (any float dtype; updated in fp32 and written back).
+        grad: its dense gradient.
+        state: the parameter's optimizer state with the keys of ``m_spec`` / ``v_spec``.
+        m_spec, v_spec: storage of the first and second moments (same block size).
+        hp: fp32 scalars from ``hyper_params``.
+        maximize: ascend instead of descend.
+        coupled_wd: Adam's L2 weight decay (``g + l2 * p``) is on; AdamW's decay is in ``hp``.
+        rounding: "nearest" or "stochastic" for the FP8 moments.
+        stochastic_flush: stochastic flush-to-zero (see ``cast_moment``).
+        generator: torch.Generator for stochastic rounding.
+        workspace: reusable buffers (from a previous call on the same device), or None.
+
+    Returns:
+        the workspace, to pass to the next call.
+    """
+    b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = hp.unbind()
+    n = p.numel()
+    block = m_spec.block
+    chunk = max(block, (CHUNK // block) * block)
+    ws = workspace if workspace is not None and workspace.g.numel() >= min(chunk, n) + block else None
+    if ws is None:
+        ws = _Workspace(min(chunk, n) + block, p.device)
+    direct_p = p.dtype == torch.float32 and p.is_contiguous()
+    p_flat = p.view(-1) if direct_p else p.detach().reshape(-1).float()
+    g_flat = grad.reshape(-1)
+    copy_g = maximize or coupled_wd or grad.dtype != torch.float32
+    flats = {k: v.view(-1) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        k = e - s
+        nb = -(-k // block)
+        padded = nb * block
+        pc = p_flat[s:e]
+        if copy_g:
+            g = ws.g[:k]
+            g.copy_(g_flat[s:e])
+            if maximize:
+                g.neg_()
+            if coupled_wd:
+                torch.mul(pc, l2, out=ws.t[:k])
+                g.add_(ws.t[:k])
+        else:
+            g = g_flat[s:e]
+        m = _load(ws.m, flats, m_spec, s, k, nb, padded)
+        v = _load(ws.v, flats, v_spec, s, k, nb, padded)
+        t, u = ws.t[:k], ws.u[:k]
+        # m = m * b1 + g * (1 - b1)
+        m.mul_(b1)
+        torch.mul(g, omb1, out=t)
+        m.add_(t)
+        # v = v * b2 + (g * g) * (1 - b2)
+        v.mul_(b2)
+        torch.mul(g, g, out=t)
+        t.mul_(omb2)
+        v.add_(t)
+        # p = p * decay - (m / (sqrt(v) * inv_bc2_sqrt + eps)) * step_size
+        pc.mul_(decay)
+        _sqrt_rn(v, t)  # kept in t: it is what a sqrt-storing v moment stores
+        torch.mul(t, inv_bc2s, out=u)
+        u.add_(eps)
+        torch.div(m, u, out=u)
+        u.mul_(step_size)
+        pc.sub_(u)
+        _store(ws.m, ws.u, flats, state, m_spec, s, k, nb, padded, rounding, stochastic_flush, generator)
+        v_src = ws.t if v_spec.stores_sqrt else ws.v
+        _store(v_src, ws.u, flats, state, v_spec, s, k, nb, padded, rounding, stochastic_flush, generator)
+    if not direct_p:
+        p.copy_(p_flat.view(p.shape))
+    return ws
+
+
+def _sqrt_rn(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Correctly rounded fp32 sqrt. torch's CPU sqrt (2.13, AVX512 build) is not: ~20% of values in
+    [0, 1) come out one ulp off, and it is ~70x slower than a multiply there; numpy's is IEEE (and fast)."""
+    if x.device.type == "cpu":
+        np.sqrt(x.numpy(), out=out.numpy())
+    else:
+        torch.sqrt(x, out=out)
+
+
+def _load(buf, flats, spec: MomentSpec, s: int, k: int, nb: int, padded: int) -> torch.Tensor:
+    """fp32 values of the moment's elements [s, s+k) in ``buf[:k]`` (exact decode, then / scale)."""
+    if not spec.fp8:
+        buf[:k].copy_(flats[spec.name][s : s + k])
+        return buf[:k]
+    buf[:k].copy_(flats[spec.codes_key][s : s + k])  # fp8 -> fp32 is exact (numerics.decode)
+    if padded > k:
+        buf[k:padded].zero_()
+    b0 = s // spec.block
+    buf[:padded].view(nb, spec.block).div_(flats[spec.scale_key][b0 : b0 + nb, None])
+    if spec.stores_sqrt:
+        buf[:k].mul_(buf[:k])
+    return buf[:k]
+
+
+def _store(src, tmp, flats, state, spec: MomentSpec, s: int, k: int, nb: int, padded: int, rounding: str,
+           stochastic_flush: bool, generator) -> None:
+    """Write fp32 values ``src[:k]`` as the moment's elements [s, s+k) (requantized per block)."""
+    if not spec.fp8:
+        flats[spec.name][s : s + k].copy_(src[:k])
+        return
+    if padded > k:
+        src[k:padded].zero_()
+    blocks = src[:padded].view(nb, spec.block)
+    scratch = tmp[:padded].view(nb, spec.block)
+    scale = scale_from_amax(finite_block_amax(blocks, out=scratch), spec.format)
+    torch.mul(blocks, scale[:, None], out=scratch)
+    flats[spec.codes_key][s : s + k].copy_(
+        cast_moment(tmp[:k], spec, rounding, stochastic_flush, generator))
+    b0 = s // spec.block
+    flats[spec.scale_key][b0 : b0 + nb].copy_(scale)
