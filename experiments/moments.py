@@ -5,7 +5,7 @@ with fp8pass.optim.AdamW holding m and v in the given formats (block size 128, r
 against torch.optim.AdamW (fp32 moments). Same seed, data order, lr schedule and weight decay.
 The paper (Llama2-100M) found only m = E4M3, v = E5M2 on par with the baseline.
 
-Run: ``python experiments/moments.py`` (defaults: 400 steps per run, 5 runs; ~15-25 min on the
+Run: ``python experiments/moments.py`` (defaults: 300 steps per run, 5 runs; ~15-25 min on the
 shared 2-core machine).
 """
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--runs", default="runs/moments")
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=3e-3)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

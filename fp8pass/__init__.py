@@ -20,13 +20,13 @@ from .numerics import (
 from . import ops
 from .backend import backend, explain
 from .scaling_state import load_scaling_state_dict, scaling_state_dict
-from . import monitor, train
+from . import monitor, optim, train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Config", "CurrentScaling", "DelayedScaling", "backend", "explain", "ops",
-    "scaling_state_dict", "load_scaling_state_dict", "monitor", "train",
+    "scaling_state_dict", "load_scaling_state_dict", "monitor", "optim", "train",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "DelayedScalingState",
 ]

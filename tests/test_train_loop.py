@@ -123,3 +123,18 @@ def test_grad_callbacks_run_before_the_step(tmp_path, corpus):
     init = TinyLlama(SMALL).state_dict()
     final = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(init[k], final[k]) for k in init)       # zero gradients: AdamW leaves weights alone
+
+
+def test_fp8_moments_resume_exactly(tmp_path, corpus):
+    """bf16-fp8adam: FP8 optimizer state (codes + scales) round-trips through the checkpoint."""
+    kw = dict(recipe="bf16-fp8adam", monitor_every=0, steps=4, ckpt_every=2)
+    full = train(cfg(tmp_path, corpus, out=str(tmp_path / "full"), **kw))
+    part = train(cfg(tmp_path, corpus, out=str(tmp_path / "part"), **{**kw, "steps": 2}))
+    resumed = train(cfg(tmp_path, corpus, out=str(tmp_path / "part"), **kw), resume=True)
+    assert part.losses + resumed.losses == full.losses
+    ck = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
+    states = ck["optimizer"]["state"].values()
+    assert any(t.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+               for s in states for t in s.values() if isinstance(t, torch.Tensor))
+    ref = train(cfg(tmp_path, corpus, out=str(tmp_path / "ref"), **{**kw, "recipe": "bf16"}))
+    assert ref.losses[:1] == full.losses[:1] and ref.losses[-1] != full.losses[-1]
