@@ -18,7 +18,6 @@ Per graph Dynamo hands us (torch level: one ``F.linear`` per linear, no autograd
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,11 +29,13 @@ from torch import fx
 from .config import Config
 from .passes.explain import Report, SwiGLUEntry
 from .passes.plan import plan_graph
-from .passes.rewrite import StateInput, apply_plan, copy_graph_module, runtime_ops
+from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
+from .runtime.state import state_for
+from .passes.rewrite import StateInput, apply_plan, copy_graph_module
 
 __all__ = ["Backend", "backend", "fp8_backend", "explain", "GraphBreakError"]
 
-log = logging.getLogger(__name__)
+_MAX_RECORDS = 256
 
 
 class GraphBreakError(RuntimeError):
@@ -94,6 +95,7 @@ class Backend:
         new_gm, record = self.transform(gm, example_inputs)
         record.pass_seconds = time.perf_counter() - t0
         self.records.append(record)
+        del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
         extras = _resolve_state(record.extra_inputs, example_inputs, self.config)
         compiled = self._compile(new_gm, list(example_inputs) + extras, mode, options)
         if not extras:
@@ -112,7 +114,7 @@ class Backend:
         new_gm = copy_graph_module(gm)
         if example_inputs is not None:
             _mark_params(new_gm, example_inputs)
-        before = new_gm.code
+        before = gm.code  # Dynamo already generated it; the copy's code would cost a codegen
         plan = plan_graph(new_gm.graph, cfg, self._split_modules)
         self._split_modules.update(plan.split_modules)
         report = Report(
@@ -129,9 +131,6 @@ class Backend:
                 warnings.warn(msg + ". The cut GLU's down projection stays in high precision; "
                                     "see fp8pass.explain(model, ...).", RuntimeWarning, stacklevel=2)
         extra: list[StateInput] = []
-        if (plan.glus or plan.linears) and runtime_ops() is None:
-            raise RuntimeError("fp8pass: the runtime ops (torch.ops.fp8pass) are not available; "
-                               "reinstall fp8pass")
         if plan.glus or plan.linears:
             new_gm, extra, fp8, kept = apply_plan(new_gm, plan, cfg)
             report.linears = fp8
@@ -192,8 +191,6 @@ def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config) -
     """The live state tensors for the extra inputs (created on the weight's first use)."""
     if not extra:
         return []
-    from .runtime.state import state_for
-
     out = []
     for s in extra:
         weight = example_inputs[s.weight_pos]

@@ -204,3 +204,8 @@ def capture(model, *inputs, **compile_kw):
     torch._dynamo.reset()
     torch.compile(model, backend=cap, **compile_kw)(*inputs)
     return graphs
+
+
+def tiny_titan_llama_with_inputs():
+    """Factory for ``python -m fp8pass inspect _models:tiny_titan_llama_with_inputs``."""
+    return tiny_titan_llama(), (torch.randint(0, 128, (2, 8)),)

@@ -12,6 +12,7 @@ meet writes the same SwiGLU in a dozen textual forms. Here a new form is one mor
 
 from __future__ import annotations
 
+import abc
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -45,9 +46,11 @@ class Match:
         return self.bindings.get(name, default)
 
 
-class Pattern:
-    def match(self, value: Any, m: Match) -> Iterator[Match]:
-        raise NotImplementedError  # pragma: no cover - abstract
+class Pattern(abc.ABC):
+    """A pattern: ``match(value, m)`` yields every extension of ``m`` under which ``value`` matches."""
+
+    @abc.abstractmethod
+    def match(self, value: Any, m: Match) -> Iterator[Match]: ...
 
     def __call__(self, node: Any) -> Iterator[Match]:
         return self.match(node, Match())

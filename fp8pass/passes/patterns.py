@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from .matcher import (
-    ANY, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_param_placeholder,
+    MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_param_placeholder,
 )
 
 __all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "weight_rows", "find_glu_mlps"]

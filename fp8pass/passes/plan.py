@@ -14,7 +14,7 @@ from torch import fx
 from ..config import Config
 from .matcher import MUL, Match, caller_fqn, param_fqn
 from .patterns import GLU_PRODUCT_LOOSE, LINEAR, activation, find_glu_mlps, linear, variant_name
-from .policy import Decision, decide_linear, module_fqn
+from .policy import Decision, decide_linear
 
 __all__ = ["GLUSite", "LinearSite", "Plan", "plan_graph"]
 

@@ -30,7 +30,7 @@ from torch import fx
 from ..config import Config, DelayedScaling
 from .plan import GLUSite, LinearSite, Plan
 
-__all__ = ["StateInput", "copy_graph_module", "apply_plan", "runtime_ops"]
+__all__ = ["StateInput", "copy_graph_module", "apply_plan"]
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -59,16 +59,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
-def runtime_ops():
-    """The runtime's ops (import registers ``torch.ops.fp8pass``); None when the runtime is absent."""
-    try:
-        from .. import runtime  # noqa: F401
-    except ImportError:
-        return None
-    ns = getattr(torch.ops, "fp8pass", None)
-    return ns if ns is not None and hasattr(ns, "fp8_linear") else None
-
-
 def _recipe_kwargs(cfg: Config) -> dict:
     r = cfg.recipe
     delayed = isinstance(r, DelayedScaling)
@@ -93,7 +83,20 @@ class _Rewriter:
         self.last_ph = self.placeholders[-1] if self.placeholders else None
         self.extra: list[StateInput] = []
         self._state_nodes: dict[tuple[int, str], list[fx.Node]] = {}
+        # the runtime's ops by name: passes never import the runtime (numerics -> passes ->
+        # runtime -> backend); the backend imports it, which registers them
         self.ops = torch.ops.fp8pass
+        self.replaced: dict[fx.Node, fx.Node] = {}  # planned nodes replaced earlier in this rewrite
+
+    def r(self, value):
+        """``value`` as it is now: the plan's nodes may have been replaced by an earlier site."""
+        while isinstance(value, fx.Node) and value in self.replaced:
+            value = self.replaced[value]
+        return value
+
+    def replace(self, old: fx.Node, new: fx.Node) -> None:
+        old.replace_all_uses_with(new)
+        self.replaced[old] = new
 
     def state(self, w: fx.Node, role: str) -> list[fx.Node]:
         """Placeholders for the four state tensors of (weight, role); [] under current scaling."""
@@ -129,7 +132,7 @@ class _Rewriter:
         with self.graph.inserting_before(before):
             out = self.graph.call_function(
                 self.ops.fp8_linear.default,
-                (x, weight_value if weight_value is not None else w, b, xs, ws, gs), dict(self.kw))
+                (self.r(x), weight_value if weight_value is not None else w, b, xs, ws, gs), dict(self.kw))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
                 self._record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
@@ -139,7 +142,7 @@ class _Rewriter:
 
     def replace_linear(self, site: LinearSite) -> None:
         y = self.linear(site.x, site.w, site.b, site.node)
-        site.node.replace_all_uses_with(y)
+        self.replace(site.node, y)
 
     def replace_glu(self, site: GLUSite) -> tuple[list[str], str | None]:
         """Rewrite a GLU; returns (FQNs of weights made FP8, reason the down GEMM stayed high precision).
@@ -154,12 +157,12 @@ class _Rewriter:
         if site.fused:
             fused_call = m["gate_up"]
             y = self.linear(m["x"], m["gate_up_w"], m.get("gate_up_b"), fused_call)
-            fused_call.replace_all_uses_with(y)
+            self.replace(fused_call, y)
             done = [site.gate]
         else:
             for p in ("gate", "up"):
                 y = self.linear(m["x"], m[f"{p}_w"], m.get(f"{p}_b"), m[p])
-                m[p].replace_all_uses_with(y)
+                self.replace(m[p], y)
             done = [site.gate, site.up]
         if site.act != "silu":
             return done, (f"{site.variant} down projection kept in high precision: the runtime's "
@@ -171,7 +174,7 @@ class _Rewriter:
         with self.graph.inserting_before(down):
             out = self.graph.call_function(
                 self.ops.swiglu_down.default,
-                (m["gate"], m["up"], w, a_s, b_s, g_s, smooth, k["fwd_format"], k["bwd_format"],
+                (self.r(m["gate"]), self.r(m["up"]), w, a_s, b_s, g_s, smooth, k["fwd_format"], k["bwd_format"],
                  k["granularity"], k["block"], k["power_of_two"], k["grad_rounding"], k["margin"],
                  k["interval"], k["algo"]))
             y = self.graph.call_function(operator.getitem, (out, 0))
@@ -182,7 +185,7 @@ class _Rewriter:
             if m.get("down_b") is not None:
                 y = self.graph.call_function(operator.add, (y, m["down_b"]))
         y.meta.update({kk: v for kk, v in down.meta.items() if kk in ("nn_module_stack", "stack_trace")})
-        down.replace_all_uses_with(y)
+        self.replace(down, y)
         return done + [site.down], None
 
 
