@@ -1,7 +1,7 @@
 """Experiment 4: bf16 vs fp8-smooth-fp8adam over a run long enough for the loss to flatten.
 
 Same seed, data order and schedule; the final validation loss gap (goal < 0.5%) is the result.
-Run: ``python experiments/parity.py`` (defaults: 600 steps; ~20-30 min on the shared 2-core machine,
+Run: ``python experiments/parity.py`` (defaults: 300 steps; ~20-30 min on the shared 2-core machine,
 mostly the fp8 run: FP8 on CPU is simulated by bf16 GEMMs of FP8 codes plus casts, slower than bf16).
 """
 
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--runs", default="runs/parity")
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--recipes", default="bf16,fp8-smooth-fp8adam")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")

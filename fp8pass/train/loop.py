@@ -50,7 +50,7 @@ class TrainConfig:
     """
 
     recipe: str = "bf16"
-    steps: int = 200
+    steps: int = 120
     out: str = "runs/demo/bf16"
     data: str | None = None
     seed: int = 0
@@ -70,10 +70,10 @@ class TrainConfig:
     v_format: str = "e5m2"
     block_size: int = 128
     model: ModelConfig = field(default_factory=ModelConfig)
-    eval_every: int = 50
+    eval_every: int = 40
     eval_batches: int = 8
-    ckpt_every: int = 100
-    monitor_every: int = 50
+    ckpt_every: int = 40
+    monitor_every: int = 40
     compile_bf16: bool = False
     compiler: str = "inductor"
     max_data_bytes: int | None = None
