@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp8pass {selfcheck, ...}``.
+"""Command line: ``python -m fp8pass {selfcheck, train, ...}``.
 
 Subcommands are added by the parts that own them (train, inspect, bench); ``selfcheck`` verifies the
 numerics core on this machine in seconds.
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     p.add_argument("target", help="MODULE:FACTORY; FACTORY() returns a model or (model, example_inputs)")
     p.add_argument("--draw", metavar="FILE.png|FILE.svg", help="draw the rewritten graph, matches highlighted")
     p.set_defaults(func=_inspect)
+    from .train.cli import add_train_parser
+    add_train_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,20 @@
+"""Stability diagnostics for GLU MLPs: w1/w2 alignment, σ' saturation, outlier channels, kurtosis.
+
+Standalone::
+
+    from fp8pass.monitor import diagnose, swiglu_alignment
+    print(diagnose(model, batch))          # any model with SwiGLU MLPs, HF Llama family included
+    print(swiglu_alignment(model))         # weights only, no forward pass
+
+In the trainer: :class:`MonitorCallback` (``python -m fp8pass train --monitor-every N``).
+"""
+
+from .callback import MonitorCallback
+from .outliers import OutlierMonitor, outlier_stats
+from .report import Diagnostics, LayerDiagnostics, diagnose, swiglu_alignment
+from .stats import ActivationAccumulator, weight_alignment
+from .swiglu import SwiGLUSite, find_swiglus
+
+__all__ = ["MonitorCallback", "Diagnostics", "LayerDiagnostics", "diagnose", "swiglu_alignment",
+           "ActivationAccumulator", "weight_alignment", "SwiGLUSite", "find_swiglus",
+           "OutlierMonitor", "outlier_stats"]

@@ -1,0 +1,131 @@
+"""``python -m fp8pass train``: argument parsing and the multi-recipe demo driver."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from .model import ModelConfig
+from .recipes import RECIPES
+
+DEFAULT_RECIPES = "bf16,fp8-smooth-fp8adam"
+# Flags that map 1:1 onto TrainConfig / ModelConfig fields (flag name = field name with dashes).
+_MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "ffn")
+_TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": float, "min_lr_ratio": float,
+          "warmup": int, "weight_decay": float, "grad_clip": float, "block_size": int, "eval_every": int,
+          "eval_batches": int, "ckpt_every": int, "monitor_every": int, "max_data_bytes": int,
+          "d_model": int, "n_layers": int, "n_heads": int, "ffn": int}
+_CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed", "current"),
+            "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "m_format": ("e4m3", "e5m2"), "v_format": ("e4m3", "e5m2")}
+
+
+def add_train_parser(sub) -> None:
+    from .loop import TrainConfig
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train the tiny Llama with one or more recipes",
+                       description="Train fp8pass's tiny Llama on byte-level text (default: this Python's "
+                                   "standard library sources). With several recipes, each trains into "
+                                   "OUT/<recipe> and the plots compare them.")
+    p.add_argument("--recipe", default=None, help=f"comma-separated recipes from {', '.join(RECIPES)} "
+                   f"(default {DEFAULT_RECIPES})")
+    p.add_argument("--out", default=None, help="output folder (default runs/demo)")
+    p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run in DIR (a folder with checkpoint.pt) exactly; only --steps may change")
+    for name, typ in _TYPES.items():
+        default = getattr(d.model, name) if name in _MODEL_FIELDS else getattr(d, name)
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"(default {default})")
+    for name, choices in _CHOICES.items():
+        p.add_argument("--" + name.replace("_", "-"), choices=choices, default=None,
+                       help=f"(default {getattr(d, name)})")
+    p.add_argument("--fused-gate-up", action="store_true", help="one gate_up_proj linear in the MLP")
+    p.add_argument("--compile-bf16", action="store_true", help="compile the bf16 recipe with Inductor too")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: on a shared CPU, 2+ threads spin-wait and ran "
+                        "10-40x slower in our measurements; raise it on a machine of your own)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=run_train)
+
+
+def _config_from_args(args, recipe: str, out: Path):
+    from .loop import TrainConfig
+    kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
+          if getattr(args, f.name, None) is not None
+          and f.name not in ("recipe", "out", "model", "compile_bf16", "progress")}
+    mk = {n: getattr(args, n) for n in _MODEL_FIELDS if getattr(args, n) is not None}
+    model = ModelConfig(fused_gate_up=args.fused_gate_up, **mk)
+    if args.data is not None:
+        kw["data"] = args.data
+    return TrainConfig(recipe=recipe, out=str(out), model=model, compile_bf16=args.compile_bf16,
+                       progress=not args.no_progress, **kw)
+
+
+def run_train(args) -> int:
+    import torch
+    from .checkpoint import load_checkpoint
+    from .data import load_text_data
+    from .loop import TrainConfig, train
+    from .plots import plot_runs
+
+    if args.threads < 1:
+        print(f"error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    if args.resume is not None:
+        changed = [n for n in list(_TYPES) + list(_CHOICES) + ["recipe", "out", "data"]
+                   if n != "steps" and getattr(args, n) is not None]
+        if changed:
+            print(f"error: --resume continues the saved configuration; only --steps may change "
+                  f"(got {', '.join('--' + c.replace('_', '-') for c in changed)})", file=sys.stderr)
+            return 2
+        run_dir = Path(args.resume)
+        try:
+            cfg = TrainConfig.from_dict(load_checkpoint(run_dir)["config"])
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        cfg.out, cfg.progress = str(run_dir), not args.no_progress
+        if args.steps is not None:
+            cfg.steps = args.steps
+        jobs, root = [(cfg, True)], run_dir.parent
+    else:
+        recipes = [r.strip() for r in (args.recipe or DEFAULT_RECIPES).split(",") if r.strip()]
+        bad = [r for r in recipes if r not in RECIPES]
+        if bad or not recipes:
+            print(f"error: unknown recipe {', '.join(bad) or '(none)'}; valid: {', '.join(RECIPES)}", file=sys.stderr)
+            return 2
+        root = Path(args.out or "runs/demo")
+        try:
+            jobs = [(_config_from_args(args, r, root / r), False) for r in recipes]
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+    try:
+        data = load_text_data(jobs[0][0].data, jobs[0][0].max_data_bytes)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"data: {data.source} ({data.n_files} files, train {data.train.numel() / 1e6:.2f} MB, "
+          f"val {data.val.numel() / 1e6:.2f} MB, fingerprint {data.fingerprint})")
+    results = []
+    for cfg, resume in jobs:
+        print(f"== {cfg.recipe}: {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} bytes -> {cfg.out}")
+        results.append(train(cfg, resume=resume, data=data))
+    print("\nrecipe                 status     steps  train loss  val loss  tokens/s")
+    for r, (cfg, _) in zip(results, jobs):
+        print(f"{cfg.recipe:22s} {r.status:9s} {r.steps:6d} {r.final_loss:11.4f} {r.final_val_loss:9.4f} "
+              f"{r.tokens_per_s:9.0f}")
+    if len(results) > 1:
+        base = results[0].final_val_loss
+        for r, (cfg, _) in list(zip(results, jobs))[1:]:
+            print(f"val loss gap {cfg.recipe} vs {jobs[0][0].recipe}: {100 * (r.final_val_loss - base) / base:+.2f}%")
+    print(f"metrics: {', '.join(str(Path(c.out) / 'metrics.jsonl') for c, _ in jobs)}")
+    if not args.no_plots:
+        written = plot_runs(root)
+        if written:
+            print(f"plots: {', '.join(map(str, written))}")
+    return 0 if all(r.status == "finished" for r in results) else 1

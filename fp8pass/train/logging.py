@@ -1,0 +1,89 @@
+"""Metrics to JSONL and a dependency-free progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["MetricsWriter", "ProgressBar", "read_metrics"]
+
+
+def _clean(v):
+    # JSON has no NaN/Inf: write them as strings so every line stays valid JSON.
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; ``truncate_after(step)`` drops records past a resumed step."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def __call__(self, record: dict) -> None:
+        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._f.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Keep records of steps <= ``step`` (minus old "end" records), so a resumed run logs each step once."""
+        self._f.close()
+        kept = [r for r in read_metrics(self.path) if r.get("step", -1) <= step and r.get("kind") != "end"]
+        with open(self.path, "w", encoding="utf-8") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if kind is None or r.get("kind") == kind:
+                out.append({k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in r.items()})
+    return out
+
+
+class ProgressBar:
+    """``name [#####.....] step/total loss tok/s eta`` on a terminal; a line every ~10% otherwise."""
+
+    def __init__(self, total: int, name: str = "", start: int = 0, stream=None, width: int = 24):
+        self.total, self.name, self.width = max(total, 1), name, width
+        self.stream = stream or sys.stderr
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self.t0, self.s0 = time.perf_counter(), start
+        self._last_pct = -1
+
+    def update(self, step: int, **fields) -> None:
+        done = step / self.total
+        elapsed = time.perf_counter() - self.t0
+        rate = (step - self.s0) / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - step) / rate if rate > 0 else float("nan")
+        info = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
+        bar = "#" * int(done * self.width) + "." * (self.width - int(done * self.width))
+        line = f"{self.name} [{bar}] {step}/{self.total} {info} eta {eta:4.0f}s"
+        if self.tty:
+            self.stream.write("\r" + line)
+            self.stream.flush()
+        elif int(done * 10) != self._last_pct or step == self.total:
+            self._last_pct = int(done * 10)
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

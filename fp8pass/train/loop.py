@@ -1,0 +1,268 @@
+"""The training loop: one recipe, one run directory, exact resume."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from .data import TextData, load_text_data
+from .logging import MetricsWriter, ProgressBar
+from .model import ModelConfig, TinyLlama
+from .recipes import build_optimizer, fp8_config, get_recipe, prepare_model
+
+__all__ = ["TrainConfig", "TrainResult", "train", "lr_at"]
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class TrainConfig:
+    """One training run.
+
+    Args:
+        recipe: "bf16", "fp8", "fp8-smooth" or "fp8-smooth-fp8adam" (see :mod:`fp8pass.train.recipes`).
+        steps: optimizer steps.
+        out: run directory (metrics.jsonl, checkpoint.pt, config.json).
+        data: text file/folder; None = the Python standard library's sources.
+        seed: model init and batch order.
+        batch_size, seq_len: sequences per step and their length in bytes.
+        lr, min_lr_ratio, warmup, schedule: peak lr, final lr = lr * min_lr_ratio, linear warmup steps,
+            decay "cosine" | "linear" | "constant".
+        weight_decay: AdamW decay on matrices (norm gains are not decayed).
+        betas, eps, grad_clip: AdamW and global-norm clipping (0 disables clipping).
+        scaling: fp8 scaling recipe, "delayed" | "current".
+        smooth: Smooth-SwiGLU form for the -smooth recipes, "channel" (paper) | "token" (reference code).
+        m_format, v_format, block_size: FP8 moment formats and block for fp8-smooth-fp8adam.
+        model: the TinyLlama shape.
+        eval_every, eval_batches: validation cadence and size (fixed validation batches).
+        ckpt_every: checkpoint cadence (a checkpoint is always written at the end).
+        monitor_every: SwiGLU diagnostics cadence (0 = off).
+        compile_bf16: run the bf16 recipe through torch.compile (Inductor) too.
+        compiler: what compiles the fp8 backend's rewritten graph: "inductor" | "aot_eager" (quicker
+            to compile, slower steps; the tests use it).
+        max_data_bytes: cap each split (None = all).
+        progress: show the progress bar.
+    """
+
+    recipe: str = "bf16"
+    steps: int = 120
+    out: str = "runs/demo/bf16"
+    data: str | None = None
+    seed: int = 0
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    scaling: str = "delayed"
+    smooth: str = "channel"
+    m_format: str = "e4m3"
+    v_format: str = "e5m2"
+    block_size: int = 128
+    model: ModelConfig = field(default_factory=ModelConfig)
+    eval_every: int = 40
+    eval_batches: int = 8
+    ckpt_every: int = 40
+    monitor_every: int = 40
+    compile_bf16: bool = False
+    compiler: str = "inductor"
+    max_data_bytes: int | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.model, dict):
+            self.model = ModelConfig(**self.model)
+        self.betas = tuple(self.betas)
+        get_recipe(self.recipe)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
+        if self.smooth not in ("channel", "token"):
+            raise ValueError(f"unknown smooth mode {self.smooth!r}; valid: channel, token")
+        if self.compiler not in ("inductor", "aot_eager", "eager"):
+            raise ValueError(f"unknown compiler {self.compiler!r}; valid: inductor, aot_eager, eager")
+        if self.scaling not in ("delayed", "current"):
+            raise ValueError(f"unknown scaling {self.scaling!r}; valid: delayed, current")
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
+        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup >= 0):
+            raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, warmup >= 0")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    status: str                 # "finished" | "diverged"
+    steps: int
+    final_loss: float
+    final_val_loss: float
+    losses: list = field(default_factory=list)
+    tokens_per_s: float = 0.0
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then the chosen decay."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    lo = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "linear":
+        return cfg.lr - (cfg.lr - lo) * frac
+    return lo + 0.5 * (cfg.lr - lo) * (1 + math.cos(math.pi * frac))
+
+
+def _scaling_state(model):
+    """Delayed-scaling state keyed by the (uncompiled) model's parameter FQNs."""
+    from .. import scaling_state_dict
+    return scaling_state_dict(model)
+
+
+def _load_scaling_state(model, sd, cfg: TrainConfig):
+    from .. import load_scaling_state_dict
+    load_scaling_state_dict(model, sd, config=fp8_config(get_recipe(cfg.recipe), cfg.scaling, cfg.smooth, cfg.compiler))
+
+
+@torch.no_grad()
+def evaluate(fwd, data: TextData, cfg: TrainConfig) -> float:
+    """Mean loss over ``eval_batches`` fixed validation batches (the same ones at every evaluation)."""
+    total = 0.0
+    for i in range(cfg.eval_batches):
+        x, y = data.batch("val", cfg.batch_size, cfg.seq_len, cfg.seed, i)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total += fwd(x, y).item()
+    return total / cfg.eval_batches
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = None, callbacks=(),
+          grad_callbacks=(), monitor: bool = True) -> TrainResult:
+    """Train one recipe into ``cfg.out``.
+
+    Args:
+        cfg: the run's configuration (on resume, the saved one, with ``steps`` possibly raised).
+        resume: continue from ``cfg.out/checkpoint.pt``; the losses then equal those of an
+            uninterrupted run.
+        data: preloaded data (else loaded from ``cfg.data``).
+        callbacks: extra ``fn(step, model, log, final=False)`` called after every optimizer step,
+            before that step's evaluation and checkpoint (so both see what a callback changed).
+        grad_callbacks: ``fn(step, model)`` called after backward, before clipping and the
+            optimizer step (gradient surgery, gradient logging).
+        monitor: add the SwiGLU diagnostics callback when ``cfg.monitor_every > 0``.
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = get_recipe(cfg.recipe)
+    data = data or load_text_data(cfg.data, cfg.max_data_bytes)
+    ckpt = load_checkpoint(out) if resume else None
+    if ckpt is not None and ckpt["data"]["fingerprint"] != data.fingerprint:
+        raise ValueError(f"--resume {out}: the data differ from the checkpoint's (fingerprint "
+                         f"{data.fingerprint} vs {ckpt['data']['fingerprint']}); pass the same --data")
+
+    torch.manual_seed(cfg.seed)
+    model = TinyLlama(cfg.model)
+    opt = build_optimizer(model, recipe, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
+                          m_format=cfg.m_format, v_format=cfg.v_format, block_size=cfg.block_size)
+    start = 0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        start = ckpt["step"]
+    fwd = prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth, compile_bf16=cfg.compile_bf16,
+                        compiler=cfg.compiler)
+    if ckpt is not None:
+        if ckpt.get("scaling"):
+            _load_scaling_state(model, ckpt["scaling"], cfg)
+        set_rng_state(ckpt["rng"])
+
+    (out / "config.json").write_text(__import__("json").dumps(cfg.to_dict(), indent=2))
+    log = MetricsWriter(out / "metrics.jsonl")
+    if ckpt is not None:
+        log.truncate_after(start)
+    else:
+        log.truncate_after(-1)
+        log({"kind": "meta", "recipe": cfg.recipe, "params": model.num_params(), "data": data.source,
+             "data_files": data.n_files, "train_bytes": data.train.numel(), "val_bytes": data.val.numel(),
+             "data_fingerprint": data.fingerprint, "torch": torch.__version__, "threads": torch.get_num_threads()})
+    callbacks = list(callbacks)
+    if monitor and cfg.monitor_every > 0:
+        from ..monitor import MonitorCallback
+        probe = data.batch("val", min(cfg.batch_size, 8), cfg.seq_len, cfg.seed, 10_000)[0]
+        callbacks.append(MonitorCallback(probe, every=cfg.monitor_every))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    bar = ProgressBar(cfg.steps, cfg.recipe, start) if cfg.progress else None
+    losses, status, val_loss, tok_s = [], "finished", float("nan"), 0.0
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    if start == 0:
+        for cb in callbacks:
+            cb(0, model, log)
+    t_run = time.perf_counter()
+    step = start
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x, y = data.batch("train", cfg.batch_size, cfg.seq_len, cfg.seed, step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = fwd(x, y)
+            loss.backward()
+            for cb in grad_callbacks:
+                cb(step + 1, model)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            lv, tok_s = loss.item(), tokens_per_step / dt
+            losses.append(lv)
+            log({"kind": "train", "step": step + 1, "loss": lv, "lr": lr, "grad_norm": gnorm.item(),
+                 "tokens_per_s": tok_s, "step_time_s": dt})
+            if bar is not None:
+                bar.update(step + 1, loss=lv, **{"tok/s": round(tok_s)})
+            if not math.isfinite(lv):
+                status = "diverged"
+                break
+            done = step + 1
+            for cb in callbacks:
+                cb(done, model, log, final=done == cfg.steps)
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                val_loss = evaluate(fwd, data, cfg)
+                log({"kind": "eval", "step": done, "val_loss": val_loss})
+            if done % cfg.ckpt_every == 0 or done == cfg.steps:
+                save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
+                                optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if recipe.fp8 else None,
+                                data_fingerprint=data.fingerprint)
+    finally:
+        if bar is not None:
+            bar.close()
+        elapsed = time.perf_counter() - t_run
+        n = len(losses)
+        log({"kind": "end", "step": start + n, "status": status, "wall_s": elapsed,
+             "mean_tokens_per_s": n * tokens_per_step / elapsed if elapsed > 0 else 0.0})
+        log.close()
+    return TrainResult(out, status, start + len(losses), losses[-1] if losses else float("nan"), val_loss,
+                       losses, len(losses) * tokens_per_step / max(time.perf_counter() - t_run, 1e-9))
