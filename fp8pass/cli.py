@@ -84,7 +84,24 @@ def _inspect(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from pathlib import Path
+
+    suite = Path(__file__).resolve().parents[1] / "benchmarks" / "suite.py"
+    if not suite.exists():
+        print("fp8pass bench runs the scripts in benchmarks/ of a source checkout; install fp8pass with "
+              "`pip install -e .` from the repository to use it", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(suite.parents[1]))
+    from benchmarks.suite import main as suite_main
+
+    return suite_main(args.rest)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the suite parses its own options (and its own --help)
+        return _bench(argparse.Namespace(rest=argv[1:]))
     parser = argparse.ArgumentParser(prog="fp8pass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("selfcheck", help="check the numerics core on this machine")
@@ -93,6 +110,10 @@ def main(argv=None) -> int:
     p.add_argument("target", help="MODULE:FACTORY; FACTORY() returns a model or (model, example_inputs)")
     p.add_argument("--draw", metavar="FILE.png|FILE.svg", help="draw the rewritten graph, matches highlighted")
     p.set_defaults(func=_inspect)
+    p = sub.add_parser("bench", help="run the benchmark suite (from a source checkout); --help lists options",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_bench)
     from .train.cli import add_train_parser
     add_train_parser(sub)
     args = parser.parse_args(argv)
