@@ -1,0 +1,117 @@
+"""Multi-process helpers for tests/test_distributed.py: gloo on CPU, one thread per rank, tiny model.
+
+Each worker trains a tiny Llama compiled with backend fp8 (aot_eager, round-to-nearest gradients so
+runs are deterministic) on its slice of a fixed global batch and writes its per-step losses and
+scaling state to ``out_dir/rank{r}.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import fp8pass
+from fp8pass.distributed import AmaxSync, scaling_states
+from fp8pass.train.model import ModelConfig, TinyLlama
+
+GLOBAL_BATCH, SEQ = 4, 16
+
+
+def tiny_config(**kw):
+    return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, ffn=64, max_seq_len=SEQ, **kw)
+
+
+def fp8_config():
+    return fp8pass.Config(compiler="aot_eager", grad_stochastic_rounding=False)
+
+
+def global_batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 64, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def local_batch(step: int, rank: int, world: int):
+    x, y = global_batch(step)
+    n = GLOBAL_BATCH // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def make_model():
+    torch.manual_seed(0)
+    return TinyLlama(tiny_config())
+
+
+def make_optimizer(params, kind: str):
+    if kind == "fp8adam":
+        return fp8pass.optim.AdamW(params, lr=3e-3, weight_decay=0.1, block_size=128)
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
+
+
+def scales(model) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([s.scale.reshape(1), s.amax_history]).clone() for k, s in scaling_states(model)}
+
+
+def init(rank: int, world: int, init_file: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    t = loss.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return float(t)
+
+
+def run_steps(model, compiled, opt, sync, steps, rank, world, out, first=0):
+    for step in range(first, first + steps):
+        x, y = local_batch(step, rank, world)
+        loss = compiled(x, y)
+        loss.backward()
+        if sync is not None:
+            sync.sync()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["loss"].append(mean_over_ranks(loss))
+        out["scales"].append(scales(model))
+        out["sync_calls"] = sync.calls if sync is not None else 0
+
+
+def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int, optim: str):
+    """DDP(model) compiled with backend fp8; AmaxSync before each optimizer step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init(rank, world, init_file)
+    model = make_model()
+    ddp = DDP(model)
+    compiled = torch.compile(ddp, backend=fp8pass.backend(fp8_config()))
+    opt = make_optimizer(ddp.parameters(), optim)
+    out = {"loss": [], "scales": []}
+    run_steps(model, compiled, opt, AmaxSync(model), steps, rank, world, out)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def single_process(steps: int, optim: str):
+    """The reference: one process, the whole global batch, no collectives."""
+    torch._dynamo.reset()
+    model = make_model()
+    compiled = torch.compile(model, backend=fp8pass.backend(fp8_config()))
+    opt = make_optimizer(model.parameters(), optim)
+    out = {"loss": [], "scales": []}
+    run_steps(model, compiled, opt, None, steps, 0, 1, out)
+    return out
+
+
+def spawn(fn, world: int, tmp_path, *args):
+    """Run ``fn(rank, world, init_file, out_dir, *args)`` on ``world`` processes; returns per-rank outputs."""
+    import torch.multiprocessing as mp
+
+    init_file = str(tmp_path / "init")
+    out_dir = str(tmp_path)
+    mp.start_processes(fn, args=(world, init_file, out_dir, *args), nprocs=world, join=True, start_method="spawn")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]
