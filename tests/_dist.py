@@ -78,11 +78,13 @@ def run_steps(model, compiled, opt, sync, steps, rank, world, out, first=0):
         opt.zero_grad(set_to_none=True)
         out["loss"].append(mean_over_ranks(loss))
         out["scales"].append(scales(model))
+        out.setdefault("weights", []).append({n: p.detach().clone() for n, p in model.named_parameters()
+                                              if not hasattr(p, "device_mesh")})
         out["sync_calls"] = sync.calls if sync is not None else 0
 
 
-def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int, optim: str):
-    """DDP(model) compiled with backend fp8; AmaxSync before each optimizer step."""
+def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int, optim: str, ckpt_step: int = 0):
+    """DDP(model) compiled with backend fp8; AmaxSync before each optimizer step; DCP after ``ckpt_step`` steps."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init(rank, world, init_file)
@@ -91,7 +93,12 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int, 
     compiled = torch.compile(ddp, backend=fp8pass.backend(fp8_config()))
     opt = make_optimizer(ddp.parameters(), optim)
     out = {"loss": [], "scales": []}
-    run_steps(model, compiled, opt, AmaxSync(model), steps, rank, world, out)
+    sync = AmaxSync(ddp)
+    first = ckpt_step or steps
+    run_steps(model, compiled, opt, sync, first, rank, world, out)
+    if ckpt_step:
+        fp8pass.distributed.save_checkpoint(os.path.join(out_dir, "ckpt"), ddp, opt)
+        run_steps(model, compiled, opt, sync, steps - first, rank, world, out, first=first)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -104,6 +111,21 @@ def single_process(steps: int, optim: str):
     opt = make_optimizer(model.parameters(), optim)
     out = {"loss": [], "scales": []}
     run_steps(model, compiled, opt, None, steps, 0, 1, out)
+    return out
+
+
+def resume_single_process(path: str, first: int, steps: int, optim: str):
+    """One process loads a DCP checkpoint (written by any number of ranks) and trains on."""
+    torch._dynamo.reset()
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # the checkpoint must supply every value
+    opt = make_optimizer(model.parameters(), optim)
+    fp8pass.distributed.load_checkpoint(path, model, opt, config=fp8_config())
+    compiled = torch.compile(model, backend=fp8pass.backend(fp8_config()))
+    out = {"loss": [], "scales": []}
+    run_steps(model, compiled, opt, None, steps, 0, 1, out, first=first)
     return out
 
 

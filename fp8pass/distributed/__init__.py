@@ -2,11 +2,17 @@
 
 * :class:`AmaxSync` / :func:`sync_scaling_state`: every delayed-scaling amax reduced across the
   data-parallel group in one ``all_reduce(MAX)`` per step, so all ranks use identical scales.
+* :func:`save_checkpoint` / :func:`load_checkpoint`: DCP of model + FP8 optimizer + scaling state,
+  resharding from N ranks to M.
 
 See docs/distributed.md for the recipe and a torchrun example.
 """
 
 from .amax_sync import AmaxSync, scaling_states, sync_scaling_state
+from .checkpoint import (distributed_scaling_state_dict, load_checkpoint, load_distributed_scaling_state_dict,
+                         save_checkpoint)
 from .fsdp import fsdp_params, unsharded_params
 
-__all__ = ["AmaxSync", "scaling_states", "sync_scaling_state", "fsdp_params", "unsharded_params"]
+__all__ = ["AmaxSync", "scaling_states", "sync_scaling_state", "save_checkpoint", "load_checkpoint",
+           "distributed_scaling_state_dict", "load_distributed_scaling_state_dict", "fsdp_params",
+           "unsharded_params"]
