@@ -46,7 +46,12 @@ def make_model():
 
 def make_optimizer(params, kind: str):
     if kind == "fp8adam":
-        return fp8pass.optim.AdamW(params, lr=3e-3, weight_decay=0.1, block_size=128)
+        # FP8 moments for the matrices; vectors (norm weights) keep fp32 moments: under FSDP2 their
+        # shards are smaller than one 128-element block (see fp8pass/optim/sharded.py)
+        params = list(params)
+        return fp8pass.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                                    {"params": [p for p in params if p.dim() < 2], "m_format": "fp32",
+                                     "v_format": "fp32"}], lr=3e-3, weight_decay=0.1, block_size=128)
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
 
 
@@ -137,3 +142,46 @@ def spawn(fn, world: int, tmp_path, *args):
     out_dir = str(tmp_path)
     mp.start_processes(fn, args=(world, init_file, out_dir, *args), nprocs=world, join=True, start_method="spawn")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]
+
+
+def shard_model(model, world: int, fp8_all_gather: bool = False):
+    """FSDP2 the usual way: compile each block with backend fp8, fully_shard blocks then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    if fp8_all_gather:
+        fp8pass.distributed.enable_fp8_all_gather(model, fp8_config())
+    for i, block in enumerate(model.layers):
+        block.compile(backend=fp8pass.backend(fp8_config()))
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int, optim: str,
+                fp8_all_gather: bool = False, ckpt_step: int = 0):
+    init(rank, world, init_file)
+    model = shard_model(make_model(), world, fp8_all_gather)
+    opt = make_optimizer(model.parameters(), optim)
+    out = {"loss": [], "scales": []}
+    sync = AmaxSync(model)
+    first = ckpt_step or steps
+    run_steps(model, model, opt, sync, first, rank, world, out)
+    if ckpt_step:
+        fp8pass.distributed.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt)
+        run_steps(model, model, opt, sync, steps - first, rank, world, out, first=first)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def single_process_blocks(steps: int, optim: str):
+    """Reference for FSDP2: one process, per-block compile (same graphs as the sharded run)."""
+    torch._dynamo.reset()
+    model = make_model()
+    for block in model.layers:
+        block.compile(backend=fp8pass.backend(fp8_config()))
+    opt = make_optimizer(model.parameters(), optim)
+    out = {"loss": [], "scales": []}
+    run_steps(model, model, opt, None, steps, 0, 1, out)
+    return out
