@@ -119,7 +119,7 @@ def single_process(steps: int, optim: str):
     return out
 
 
-def resume_single_process(path: str, first: int, steps: int, optim: str):
+def resume_single_process(path: str, first: int, steps: int, optim: str, blocks: bool = False):
     """One process loads a DCP checkpoint (written by any number of ranks) and trains on."""
     torch._dynamo.reset()
     model = make_model()
@@ -128,7 +128,12 @@ def resume_single_process(path: str, first: int, steps: int, optim: str):
             p.zero_()  # the checkpoint must supply every value
     opt = make_optimizer(model.parameters(), optim)
     fp8pass.distributed.load_checkpoint(path, model, opt, config=fp8_config())
-    compiled = torch.compile(model, backend=fp8pass.backend(fp8_config()))
+    if blocks:
+        for block in model.layers:
+            block.compile(backend=fp8pass.backend(fp8_config()))
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=fp8pass.backend(fp8_config()))
     out = {"loss": [], "scales": []}
     run_steps(model, compiled, opt, None, steps, 0, 1, out, first=first)
     return out
@@ -151,11 +156,15 @@ def shard_model(model, world: int, fp8_all_gather: bool = False):
 
     mesh = init_device_mesh("cpu", (world,))
     if fp8_all_gather:
-        fp8pass.distributed.enable_fp8_all_gather(model, fp8_config())
+        report = fp8pass.explain(model, *global_batch(0), config=fp8_config())
+        weights = fp8pass.distributed.fp8_all_gather_weights(report, fp8_config())
+        fp8pass.distributed.enable_fp8_all_gather(model, fp8_config(), weights)
     for i, block in enumerate(model.layers):
         block.compile(backend=fp8pass.backend(fp8_config()))
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if fp8_all_gather:
+        fp8pass.distributed.link_fp8_all_gather(model)
     return model
 
 
@@ -163,6 +172,19 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
                 fp8_all_gather: bool = False, ckpt_step: int = 0):
     init(rank, world, init_file)
     model = shard_model(make_model(), world, fp8_all_gather)
+    gathered = []
+    # what FSDP2 puts on the wire (torch 2.13 calls all_gather_single, 2.11 all_gather_into_tensor)
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
+
+    def counting(fn):
+        def call(output, input, *a, **k):
+            gathered.append((input.dtype, input.numel() * input.element_size()))
+            return fn(output, input, *a, **k)
+        return call
+
+    for n in names:
+        setattr(dist, n, counting(real[n]))
     opt = make_optimizer(model.parameters(), optim)
     out = {"loss": [], "scales": []}
     sync = AmaxSync(model)
@@ -171,6 +193,20 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
     if ckpt_step:
         fp8pass.distributed.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt)
         run_steps(model, model, opt, sync, steps - first, rank, world, out, first=first)
+    for n in names:
+        setattr(dist, n, real[n])
+    # one more forward/backward + sync: the weights' newest amax must be the full weight's true amax
+    # (the gathered weight is FP8-rounded; FP8ShardWeight notes the shard amax for the sync)
+    x, y = local_batch(steps, rank, world)
+    model(x, y).backward()
+    sync.sync()
+    opt.zero_grad(set_to_none=True)
+    st = dict(scaling_states(model))
+    out["weight_amax"] = {n: (float(st[n + ".weight"].amax_history[0]), float(p.full_tensor().abs().max()))
+                          for n, p in model.named_parameters() if n + ".weight" in st}
+    out["gathered"] = [(str(d), n) for d, n in gathered]
+    out["fp8_bytes_in"] = fp8pass.distributed.GatherStats.bytes_in
+    out["local_dtypes"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

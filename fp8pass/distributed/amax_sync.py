@@ -28,7 +28,21 @@ import torch.distributed as dist
 from ..numerics import DelayedScalingState, scale_from_amax
 from ..runtime.state import _REGISTRY
 
-__all__ = ["scaling_states", "sync_scaling_state", "AmaxSync"]
+__all__ = ["scaling_states", "sync_scaling_state", "AmaxSync", "note_weight_amax"]
+
+# weight amaxes noted by FSDP2's FP8 pre-all-gather (shard amax), keyed by id(state)
+_WEIGHT_AMAX: dict[int, tuple[DelayedScalingState, torch.Tensor]] = {}
+
+
+def note_weight_amax(state: DelayedScalingState, shard_amax: torch.Tensor) -> None:
+    """Record the true amax of this rank's shard of a weight for the next sync.
+
+    Under FSDP2's FP8 all-gather the op sees the gathered (already FP8-rounded) weight, whose amax
+    can differ from the true one by the rounding (or saturate); the sync overwrites the entries
+    recorded since the last sync with the shard amax before the MAX reduction, which turns it into
+    the amax of the whole weight.
+    """
+    _WEIGHT_AMAX[id(state)] = (state, shard_amax.detach().float())
 
 
 def _module_params(model: torch.nn.Module):
@@ -87,21 +101,13 @@ class AmaxSync:
         self.group = group
         self._layout: _Layout | None = None
         self.calls = 0  # collectives issued (tests check one per sync)
-        self._pending_amax: list[tuple[DelayedScalingState, torch.Tensor]] = []
+        self._synced_steps: dict[int, int] = {}
 
     def _build(self) -> _Layout:
         states = [s for _, s in scaling_states(self.model)]
         n = sum(s.amax_history.numel() for s in states) + len(states)
         dev = states[0].amax_history.device if states else torch.device("cpu")
         return _Layout(states, torch.empty(n, dtype=torch.float32, device=dev))
-
-    def add_amax(self, state: DelayedScalingState, amax: torch.Tensor) -> None:
-        """Fold ``amax`` into ``state``'s newest history entry at the next sync (before reducing).
-
-        FSDP2's FP8 all-gather uses it: a weight's true amax is the max over its shards, which the
-        same collective then reduces.
-        """
-        self._pending_amax.append((state, amax))
 
     @torch.no_grad()
     def sync(self) -> int:
@@ -110,13 +116,14 @@ class AmaxSync:
         if lay is None or len(lay.states) != len(scaling_states(self.model)):
             lay = self._layout = self._build()
         if not lay.states:
-            self._pending_amax.clear()
             return 0
-        for s, a in self._pending_amax:
-            recorded = s.steps > s.skipped
-            s.amax_history[0] = torch.where(recorded, torch.maximum(s.amax_history[0], a.float()),
-                                            s.amax_history[0])
-        self._pending_amax.clear()
+        for s in lay.states:
+            noted = _WEIGHT_AMAX.pop(id(s), None)
+            if noted is not None and noted[0] is s:
+                # entries recorded since the last sync (one per forward; the weight did not change)
+                k = min(int(s.steps) - self._synced_steps.get(id(s), 0), s.amax_history.numel())
+                if k > 0 and int(s.skipped) == 0:
+                    s.amax_history[:k] = noted[1]
         hists = [s.amax_history for s in lay.states]
         skipped = torch.stack([s.skipped for s in lay.states]).to(torch.float32)
         buf = lay.buffer
@@ -132,6 +139,8 @@ class AmaxSync:
         for i, s in enumerate(lay.states):
             s.skipped.copy_(buf[off + i].to(s.skipped.dtype))
         _recompute_scales(lay.states)
+        for s in lay.states:
+            self._synced_steps[id(s)] = int(s.steps)
         return len(lay.states)
 
 
