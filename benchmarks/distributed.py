@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8pass  # noqa: E402
 from fp8pass.train.model import ModelConfig, TinyLlama  # noqa: E402
 
-SEQ, BATCH = 128, 8
+SEQ, BATCH = int(os.environ.get("BENCH_SEQ", 128)), 8
 
 
 def _worker(rank, world, init_file, out, variant, steps):
@@ -42,24 +42,29 @@ def _worker(rank, world, init_file, out, variant, steps):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = TinyLlama(ModelConfig(d_model=128, n_layers=2, n_heads=4, ffn=384, max_seq_len=SEQ))
+    if os.environ.get("BENCH_ANOMALY"):
+        torch.autograd.set_detect_anomaly(True)
+    d = int(os.environ.get("BENCH_D", 128))
+    model = TinyLlama(ModelConfig(d_model=d, n_layers=2, n_heads=int(os.environ.get("BENCH_HEADS", 4)), ffn=3 * d, max_seq_len=SEQ))
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
     n = BATCH // world
     x, y = toks[rank * n:(rank + 1) * n, :-1], toks[rank * n:(rank + 1) * n, 1:]
     mesh = init_device_mesh("cpu", (world,))
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if os.environ.get("BENCH_PARAM_DTYPE") != "fp32" else None)
+    kw = {} if os.environ.get("BENCH_PARAM_DTYPE") == "fp32" else {"mp_policy": mp_policy}
     if variant == "bf16":
         backend = "aot_eager"
     else:
-        cfg = fp8pass.Config(compiler="aot_eager", smooth_swiglu="token" if variant == "fp8-token" else "channel")
-        report = fp8pass.explain(model, x, y, config=cfg)
+        cfg = fp8pass.Config(compiler="aot_eager", grad_stochastic_rounding=os.environ.get("BENCH_SR") == "1", smooth_swiglu="token" if variant == "fp8-token" else "channel")
+        report = fp8pass.explain(model, x[:1], y[:1], config=cfg)
+        torch._dynamo.reset()  # explain's cached frames would otherwise serve the blocks' first calls
         fp8pass.distributed.enable_fp8_all_gather(model, cfg, fp8pass.distributed.fp8_all_gather_weights(report, cfg))
         backend = fp8pass.backend(cfg)
     for block in model.layers:
         block.compile(backend=backend)
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     if variant != "bf16":
         fp8pass.distributed.link_fp8_all_gather(model)
     sync = fp8pass.distributed.AmaxSync(model)
@@ -108,9 +113,10 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json")
     ap.add_argument("--md")
+    ap.add_argument("--variants", default="bf16,fp8,fp8-token")
     a = ap.parse_args()
     os.environ.setdefault("FP8PASS_CPU_FUSED", "0")
-    res = {v: run(v, a.steps) for v in ("bf16", "fp8", "fp8-token")}
+    res = {v: run(v, a.steps) for v in a.variants.split(",")}
     base = res["bf16"]
     lines = ["| variant | all-gather bytes/step (rank 0) | vs bf16 | step time (median, s) | vs bf16 |",
              "|---|---|---|---|---|"]

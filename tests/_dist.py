@@ -195,17 +195,18 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
         run_steps(model, model, opt, sync, steps - first, rank, world, out, first=first)
     for n in names:
         setattr(dist, n, real[n])
+    out["fp8_bytes_in"] = fp8pass.distributed.GatherStats.bytes_in  # over the same steps as "gathered"
     # one more forward/backward + sync: the weights' newest amax must be the full weight's true amax
     # (the gathered weight is FP8-rounded; FP8ShardWeight notes the shard amax for the sync)
     x, y = local_batch(steps, rank, world)
     model(x, y).backward()
     sync.sync()
+    out["sync_calls"] = sync.calls
     opt.zero_grad(set_to_none=True)
     st = dict(scaling_states(model))
     out["weight_amax"] = {n: (float(st[n + ".weight"].amax_history[0]), float(p.full_tensor().abs().max()))
                           for n, p in model.named_parameters() if n + ".weight" in st}
     out["gathered"] = [(str(d), n) for d, n in gathered]
-    out["fp8_bytes_in"] = fp8pass.distributed.GatherStats.bytes_in
     out["local_dtypes"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

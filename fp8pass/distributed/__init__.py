@@ -13,10 +13,10 @@ from .amax_sync import AmaxSync, scaling_states, sync_scaling_state
 from .checkpoint import (distributed_scaling_state_dict, load_checkpoint, load_distributed_scaling_state_dict,
                          save_checkpoint)
 from .fp8_all_gather import (FP8ShardWeight, GatherStats, enable_fp8_all_gather, fp8_all_gather_weights,
-                             link_fp8_all_gather)
+                             link_fp8_all_gather, precompute_fp8_scales)
 from .fsdp import fsdp_params, unsharded_params
 
 __all__ = ["AmaxSync", "scaling_states", "sync_scaling_state", "save_checkpoint", "load_checkpoint",
            "distributed_scaling_state_dict", "load_distributed_scaling_state_dict", "fsdp_params",
            "unsharded_params", "FP8ShardWeight", "GatherStats", "enable_fp8_all_gather",
-           "fp8_all_gather_weights", "link_fp8_all_gather"]
+           "fp8_all_gather_weights", "link_fp8_all_gather", "precompute_fp8_scales"]

@@ -91,6 +91,27 @@ def _unshard_once(model: torch.nn.Module) -> None:
             m.reshard()
 
 
+def _plain(sd):
+    """``sd`` with FP8ShardWeight shards replaced by their plain data (same storage): DCP pickles
+    local tensors, and the wrapper is only FSDP2's all-gather hook."""
+    from .fp8_all_gather import FP8ShardWeight
+    from ..optim.sharded import is_dtensor
+
+    def conv(t):
+        if is_dtensor(t) and isinstance(t._local_tensor, FP8ShardWeight):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(t._local_tensor._data, t.device_mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())
+        if isinstance(t, FP8ShardWeight):
+            return t._data
+        if isinstance(t, dict):
+            return {k: conv(v) for k, v in t.items()}
+        return t
+
+    return conv(sd)
+
+
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None) -> None:
     """Save model, optimizer and FP8 scaling state with DCP (every rank calls it).
@@ -102,9 +123,9 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         extra: more plain tensors / DTensors to save (e.g. ``{"step": torch.tensor(step)}``).
     """
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-    sd = {"model": msd, "fp8": distributed_scaling_state_dict(model)}
+    sd = {"model": _plain(msd), "fp8": distributed_scaling_state_dict(model)}
     if optimizer is not None:
-        sd["optim"] = osd
+        sd["optim"] = _plain(osd)
     if extra:
         sd["extra"] = dict(extra)
     dcp.save(sd, checkpoint_id=str(path))
@@ -128,9 +149,9 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     for key, m in meta.state_dict_metadata.items():
         if key.startswith("fp8."):
             fp8[key[len("fp8."):]] = torch.empty(m.size, dtype=m.properties.dtype)
-    sd = {"model": msd, "fp8": fp8}
+    sd = {"model": _plain(msd), "fp8": fp8}
     if optimizer is not None:
-        sd["optim"] = osd
+        sd["optim"] = _plain(osd)
     if extra:
         sd["extra"] = extra
     dcp.load(sd, checkpoint_id=str(path))

@@ -35,7 +35,7 @@ from ..runtime.state import _REGISTRY
 from .amax_sync import note_weight_amax
 
 __all__ = ["FP8ShardWeight", "enable_fp8_all_gather", "link_fp8_all_gather", "fp8_all_gather_weights",
-           "GatherStats"]
+           "precompute_fp8_scales", "GatherStats"]
 
 aten = torch.ops.aten
 # ops whose result is still (a view/copy of) the wrapped shard: FSDP2 chunks, pads and copies it
@@ -60,7 +60,8 @@ class _Ctx:
     def __init__(self, fqn: str, config: Config):
         self.fqn = fqn
         self.config = config
-        self.fsdp_param = None  # set by enable_fp8_all_gather after fully_shard (see _link)
+        self.fsdp_param = None  # set by link_fp8_all_gather after fully_shard
+        self.precomputed_scale: torch.Tensor | None = None  # from precompute_fp8_scales
 
 
 class FP8ShardWeight(torch.Tensor):
@@ -121,9 +122,13 @@ class FP8ShardWeight(torch.Tensor):
         if state is not None and isinstance(recipe, DelayedScaling) and bool(state.steps > state.skipped):
             scale = state.scale.clone()
             note_weight_amax(state, local_amax)
+        elif self._ctx.precomputed_scale is not None:  # current scaling: one all-reduce for all weights
+            scale = self._ctx.precomputed_scale
+            if state is not None and isinstance(recipe, DelayedScaling):
+                note_weight_amax(state, local_amax)
         else:  # no history yet (or current scaling): the global amax's scale, one tiny all-reduce
             amax = local_amax.clone()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_shard_group(mesh))
             scale = scale_from_amax(amax, fmt, margin, p2)
             if state is not None and isinstance(recipe, DelayedScaling):
                 note_weight_amax(state, local_amax)
@@ -148,6 +153,11 @@ class FP8ShardWeight(torch.Tensor):
         up = getattr(fp, "_unsharded_param", None) if fp is not None else None
         st = _REGISTRY.get(up) if up is not None else None
         return st.weight if st is not None else None
+
+
+def _shard_group(mesh):
+    """The process group a weight is sharded over (the last mesh dim; HSDP replicates over the first)."""
+    return mesh.get_group(mesh.ndim - 1)
 
 
 def _cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt):
@@ -194,6 +204,37 @@ def enable_fp8_all_gather(model: torch.nn.Module, config: Config, weights) -> li
     if missing:
         raise ValueError(f"enable_fp8_all_gather: no parameter of the model matches {missing[:5]}")
     return done
+
+
+@torch.no_grad()
+def precompute_fp8_scales(model: torch.nn.Module) -> int:
+    """Scales of all FP8-gathered weights from their global amaxes, in ONE ``all_reduce(MAX)``.
+
+    With ``CurrentScaling`` each weight's scale needs the amax of the whole weight, i.e. of all its
+    shards; call this after every ``optimizer.step()`` (and once before the first step) so the next
+    all-gathers use it instead of one all-reduce per weight. Under ``DelayedScaling`` it only serves
+    the first step (afterwards the delayed scale is used). Returns the number of weights.
+    """
+    from .fsdp import fsdp_params
+
+    shards = []
+    for _, fp in fsdp_params(model):
+        local = fp._sharded_local_tensor
+        if isinstance(local, FP8ShardWeight):
+            shards.append(local)
+    if not shards:
+        return 0
+    amax = torch.stack([s._data.abs().amax().float() if s._data.numel() else
+                        torch.zeros((), device=s._data.device) for s in shards])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        group = _shard_group(shards[0]._ctx.fsdp_param.mesh_info.mesh)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for s, a in zip(shards, amax):
+        cfg = s._ctx.config
+        r = cfg.recipe
+        s._ctx.precomputed_scale = scale_from_amax(a, get_format(cfg.fwd_format), float(getattr(r, "margin", 0.0)),
+                                                   bool(getattr(r, "power_of_two", False)))
+    return len(shards)
 
 
 def link_fp8_all_gather(model: torch.nn.Module) -> int:
