@@ -205,7 +205,8 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
     opt.zero_grad(set_to_none=True)
     st = dict(scaling_states(model))
     out["weight_amax"] = {n: (float(st[n + ".weight"].amax_history[0]), float(p.full_tensor().abs().max()))
-                          for n, p in model.named_parameters() if n + ".weight" in st}
+                          for n, p in model.named_parameters()
+                          if n + ".weight" in st and type(p.to_local()).__name__ == "FP8ShardWeight"}
     out["gathered"] = [(str(d), n) for d, n in gathered]
     out["local_dtypes"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -81,6 +81,7 @@ def test_fsdp2_fp8_all_gather_matches_single_process_and_resumes_on_one_rank(tmp
     assert block_bytes and set(block_bytes) == {fp8_elems + 4 * fp32_elems}
     assert outs[0]["fp8_bytes_in"] == fp8_elems * len(block_bytes)
     # the weights' histories hold the true amax of the whole weight, not of the FP8-rounded gather
+    assert len(outs[0]["weight_amax"]) == len(fp8_weights)
     for name, (recorded, true) in outs[0]["weight_amax"].items():
         assert recorded == true, name
 

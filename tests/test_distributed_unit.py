@@ -40,3 +40,30 @@ def test_sync_without_process_group_keeps_state():
     assert sync.sync() == 3 and sync.calls == 0
     after = fp8pass.scaling_state_dict(model)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_per_block_compile_with_one_backend_keeps_each_blocks_state():
+    """Dynamo reuses one compiled frame for same-structure modules (their weights are graph inputs);
+    each block must still record into its own weights' state (FSDP2's per-block compile pattern)."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+    with torch.no_grad():
+        blocks[1].proj.weight.mul_(4)
+    be = fp8pass.backend(fp8pass.Config(compiler="eager", grad_stochastic_rounding=False))
+    for b in blocks:
+        b.compile(backend=be)
+    x = torch.randn(4, 32)
+    blocks[1](blocks[0](x)).sum().backward()
+    sd = fp8pass.scaling_state_dict(blocks)
+    for i, b in enumerate(blocks):
+        assert int(sd[f"{i}.proj.weight.weight.steps"]) == 1
+        assert sd[f"{i}.proj.weight.weight.amax_history"][0] == b.proj.weight.detach().abs().max()
