@@ -58,7 +58,6 @@ def _worker(rank, world, init_file, out, variant, steps):
     else:
         cfg = fp8pass.Config(compiler="aot_eager", grad_stochastic_rounding=os.environ.get("BENCH_SR") == "1", smooth_swiglu="token" if variant == "fp8-token" else "channel")
         report = fp8pass.explain(model, x, y, config=cfg)
-        torch._dynamo.reset()  # explain's cached frames would otherwise serve the blocks' first calls
         fp8pass.distributed.enable_fp8_all_gather(model, cfg, fp8pass.distributed.fp8_all_gather_weights(report, cfg))
         backend = fp8pass.backend(cfg)
     for block in model.layers:
