@@ -24,7 +24,8 @@ def tiny_config(**kw):
 
 
 def fp8_config():
-    return fp8pass.Config(compiler="aot_eager", grad_stochastic_rounding=False)
+    recipe = fp8pass.CurrentScaling() if os.environ.get("FP8PASS_TEST_RECIPE") == "current" else fp8pass.DelayedScaling()
+    return fp8pass.Config(compiler="aot_eager", grad_stochastic_rounding=False, recipe=recipe)
 
 
 def global_batch(step: int):
@@ -209,6 +210,36 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
                           if n + ".weight" in st and type(p.to_local()).__name__ == "FP8ShardWeight"}
     out["gathered"] = [(str(d), n) for d, n in gathered]
     out["local_dtypes"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def fsdp_current_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int):
+    """CurrentScaling + FP8 all-gather: precompute_fp8_scales gives all weight scales in one all-reduce."""
+    os.environ["FP8PASS_TEST_RECIPE"] = "current"
+    init(rank, world, init_file)
+    model = shard_model(make_model(), world, True)
+    opt = make_optimizer(model.parameters(), "adamw")
+    real = dist.all_reduce
+    reduces = []
+
+    def counting(t, *a, **k):
+        reduces.append(t.numel())
+        return real(t, *a, **k)
+
+    dist.all_reduce = counting
+    out = {"loss": [], "reduces": [], "n_weights": fp8pass.distributed.precompute_fp8_scales(model)}
+    for step in range(steps):
+        reduces.clear()
+        x, y = local_batch(step, rank, world)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        fp8pass.distributed.precompute_fp8_scales(model)
+        out["loss"].append(mean_over_ranks(loss))
+        out["reduces"].append(list(reduces))
+    dist.all_reduce = real
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -87,3 +87,15 @@ def test_fsdp2_fp8_all_gather_matches_single_process_and_resumes_on_one_rank(tmp
 
     resumed = _dist.resume_single_process(str(tmp_path / "ckpt"), 3, STEPS - 3, optim, blocks=True)
     torch.testing.assert_close(torch.tensor(resumed["loss"]), torch.tensor(outs[0]["loss"][3:]), rtol=1e-3, atol=0)
+
+
+def test_fsdp2_current_scaling_one_all_reduce_for_all_weight_amaxes(tmp_path, monkeypatch):
+    """CurrentScaling + FP8 all-gather: one all_reduce carries every FP8 weight's amax per step."""
+    outs = _dist.spawn(_dist.fsdp_current_worker, 2, tmp_path, 3)
+    monkeypatch.setenv("FP8PASS_TEST_RECIPE", "current")
+    ref = _dist.single_process_blocks(3, "adamw")
+    assert outs[0]["n_weights"] == 12
+    for reduces in outs[0]["reduces"]:
+        # the precompute (12 amaxes) plus the loss average of the test itself
+        assert reduces == [12, 1], reduces
+    torch.testing.assert_close(torch.tensor(outs[0]["loss"]), torch.tensor(ref["loss"]), rtol=LOSS_RTOL, atol=0)
