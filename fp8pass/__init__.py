@@ -23,12 +23,13 @@ from . import optim  # noqa: E402
 from .backend import backend, explain  # noqa: E402
 from .scaling_state import load_scaling_state_dict, scaling_state_dict  # noqa: E402
 from . import monitor, train  # noqa: E402
+from . import distributed  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Config", "CurrentScaling", "DelayedScaling", "backend", "explain", "ops", "optim",
-    "scaling_state_dict", "load_scaling_state_dict", "monitor", "train",
+    "scaling_state_dict", "load_scaling_state_dict", "monitor", "train", "distributed",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
     "NVFP4Scaling", "HotChannelPatching",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -104,8 +105,19 @@ class Backend:
 
         # Dynamo calls what a backend returns with positional arguments (compile_fx's result takes
         # them too, though it carries a copied ``_boxed_call`` attribute); append the state.
+        # Dynamo reuses one compiled frame for every module instance of the same structure (e.g. the
+        # blocks of a per-block compile, whose weights are graph inputs), so the state is looked up
+        # from the weights actually passed, not the ones seen at compile time.
+        positions = sorted({s.weight_pos for s in record.extra_inputs})
+        cache = {"weights": [weakref.ref(example_inputs[i]) for i in positions], "extras": extras}
+        cfg = self.config
+        extra_inputs = record.extra_inputs
+
         def run(*args):
-            return compiled(*args, *extras)
+            if any(r() is not args[i] for r, i in zip(cache["weights"], positions)):
+                cache["extras"] = _resolve_state(extra_inputs, args, cfg)
+                cache["weights"] = [weakref.ref(args[i]) for i in positions]
+            return compiled(*args, *cache["extras"])
 
         return run
 

@@ -25,6 +25,7 @@ from ..numerics import ROUNDINGS
 from ..numerics.kernels import family_name
 from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
 from .torch_step import adam_step_torch, hyper_params
+from .sharded import init_sharded_moment, is_dtensor, local_view
 
 __all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
 
@@ -150,6 +151,8 @@ class Adam(torch.optim.Optimizer):
                     f"{sorted(k for k in state if k.startswith(spec.name))}, but its group asks for "
                     f"{list(spec.keys)} ({spec.fmt}, v_sqrt={spec.sqrt}); formats cannot change in place: "
                     f"export with fp8pass.optim.to_torch_state_dict and reload")
+            elif is_dtensor(p):
+                init_sharded_moment(state, spec, p)
             else:
                 init_moment(state, spec, p)
 
@@ -221,7 +224,10 @@ class Adam(torch.optim.Optimizer):
                         hps[key] = hyper_params(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                                                 key[0], decoupled, p.device)
                     hp = hps[key]
-                self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd)
+                if is_dtensor(p):  # FSDP2 shard: update the local shard and its blocks
+                    self._update(*local_view(p, grad, state), group, m_spec, v_spec, hp, coupled_wd)
+                else:
+                    self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd)
         return loss
 
     def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd) -> None:

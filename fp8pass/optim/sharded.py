@@ -1,0 +1,83 @@
+"""FP8 moments of DTensor parameters (FSDP2 shards): per-block scales on the local shard.
+
+The step runs on each rank's local shard exactly as on a plain tensor (codes and scales of the
+shard's own blocks). The state is kept as DTensors so that ``torch.distributed.checkpoint`` saves and
+reshards it like the parameter itself:
+
+* codes (or a dense bf16/fp32 moment): same shape and placements as the parameter;
+* scales: ``[ceil(p.numel() / block)]`` placed ``Shard(0)`` wherever the parameter is ``Shard(0)``.
+  The local shard of a row-sharded parameter is a contiguous range of the flattened tensor, so when
+  every shard holds a whole number of blocks, the local blocks ARE blocks of the full tensor and the
+  concatenated local scales are exactly the scales a 1-rank run keeps: a checkpoint written by N
+  ranks loads into M ranks (or one process) bit for bit.
+
+A parameter whose shards would split a block (uneven rows, or a shard not a multiple of
+``block_size``), or that is sharded on another dim, gets a clear error naming the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .moments import MomentSpec, init_moment, num_blocks
+
+__all__ = ["is_dtensor", "init_sharded_moment", "local_view"]
+
+
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _scale_placements(p, spec: MomentSpec):
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = []
+    for dim_size, pl in zip(p.device_mesh.shape, p.placements):
+        if isinstance(pl, Replicate):
+            out.append(Replicate())
+            continue
+        if not (isinstance(pl, Shard) and pl.dim == 0):
+            raise ValueError(
+                f"fp8pass.optim: FP8 moments of a DTensor parameter need it replicated or sharded on dim 0 "
+                f"(FSDP2's layout); got placements {p.placements}. Use m_format/v_format='bf16' for it.")
+        rows, per_row = p.shape[0], p.numel() // max(p.shape[0], 1)
+        if rows % dim_size or ((rows // dim_size) * per_row) % spec.block:
+            raise ValueError(
+                f"fp8pass.optim: a parameter of shape {tuple(p.shape)} sharded {dim_size} ways has shards of "
+                f"{rows / dim_size:g} rows x {per_row} = {rows / dim_size * per_row:g} elements, not a whole "
+                f"number of blocks of block_size={spec.block}; the per-block scales could not be resharded. "
+                f"Pick a block_size dividing {per_row * (rows // dim_size) if rows % dim_size == 0 else per_row}, "
+                f"or put this parameter in a group with m_format='bf16', v_format='bf16'.")
+        out.append(Shard(0))
+    return out
+
+
+def init_sharded_moment(state: dict, spec: MomentSpec, p) -> None:
+    """Zero moment state of DTensor ``p`` (see the module doc for the layout)."""
+    from torch.distributed.tensor import DTensor
+
+    local: dict = {}
+    init_moment(local, spec, p.to_local())
+    mesh = p.device_mesh
+    if spec.fp8:
+        placements = _scale_placements(p, spec)
+        nb = num_blocks(p.numel(), spec.block)
+        state[spec.codes_key] = DTensor.from_local(local[spec.codes_key], mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride())
+        state[spec.scale_key] = DTensor.from_local(local[spec.scale_key], mesh, placements, run_check=False,
+                                                   shape=torch.Size([nb]), stride=(1,))
+    else:
+        state[spec.name] = DTensor.from_local(local[spec.name], mesh, p.placements, run_check=False,
+                                              shape=p.shape, stride=p.stride())
+
+
+def local_view(p, grad, state: dict):
+    """``(p, grad, state)`` with every DTensor replaced by its local shard (same storage)."""
+    def loc(t):
+        return t.to_local() if is_dtensor(t) else t
+
+    return loc(p), loc(grad), {k: loc(v) for k, v in state.items()}
