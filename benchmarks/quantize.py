@@ -4,37 +4,50 @@ Current scaling = amax pass + cast (``fp8pass.quantize``); delayed scaling = one
 scale that records the amax in the same read (``fp8pass.quantize_delayed``). The ratio is
 ``clone time / quantize time``: 1.0 means quantizing moves data as fast as copying it. Goal on CPU: >= 0.5.
 
-    python -m benchmarks.quantize [--numel 67108864] [--json out.json]
+    python benchmarks/quantize.py [--numel 67108864] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-import fp8pass
-from benchmarks.common import machine, time_fn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fp8pass  # noqa: E402
+from benchmarks.common import machine, time_fn  # noqa: E402
 
 
 def run(numel: int = 64 * 1024 * 1024, device: str = "cpu", repeat: int = 7) -> list[dict]:
+    """Rounds of [clone, each quantize case], interleaved so that load changes on a shared machine
+    hit every case alike; a case's ratio is the median over rounds of clone time / its time in that round."""
     torch.manual_seed(0)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(numel, device=device).to(dtype)
-        clone = time_fn(lambda: x.clone(), repeat=repeat)
+        cases = {}
         for fmt in (fp8pass.E4M3, fp8pass.E5M2):
-            current = time_fn(lambda: fp8pass.quantize(x, fmt), repeat=repeat)
             state = fp8pass.DelayedScalingState(fp8pass.DelayedScaling(), fmt, device=device)
-            delayed = time_fn(lambda: fp8pass.quantize_delayed(x, state), repeat=repeat)
-            for name, t in (("current (amax+cast)", current), ("delayed (cast+amax record)", delayed)):
-                rows.append({
-                    "dtype": str(dtype).replace("torch.", ""), "format": fmt.name, "op": name,
-                    "numel": numel, "clone_ms": clone["median"] * 1e3, "ms": t["median"] * 1e3,
-                    "spread_ms": (t["max"] - t["min"]) * 1e3,
-                    "ratio_vs_clone": clone["median"] / t["median"],
-                })
+            cases[(fmt.name, "current (amax+cast)")] = lambda fmt=fmt: fp8pass.quantize(x, fmt)
+            cases[(fmt.name, "delayed (cast+amax record)")] = lambda s=state: fp8pass.quantize_delayed(x, s)
+        times = {k: [] for k in cases}
+        clones = []
+        for _ in range(repeat):
+            clones.append(time_fn(lambda: x.clone(), warmup=1, repeat=1)["median"])
+            for k, fn in cases.items():
+                times[k].append(time_fn(fn, warmup=1, repeat=1)["median"])
+        for (fmt_name, op), ts in times.items():
+            ratios = sorted(c / t for c, t in zip(clones, ts))
+            rows.append({
+                "dtype": str(dtype).replace("torch.", ""), "format": fmt_name, "op": op, "numel": numel,
+                "clone_ms": statistics.median(clones) * 1e3, "ms": statistics.median(ts) * 1e3,
+                "spread_ms": (max(ts) - min(ts)) * 1e3, "ratio_vs_clone": statistics.median(ratios),
+            })
     return rows
 
 
@@ -51,8 +64,11 @@ def main(argv=None) -> int:
     p.add_argument("--numel", type=int, default=64 * 1024 * 1024)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = run(args.numel, args.device, args.repeat)
     print(machine())
     print(to_markdown(rows))

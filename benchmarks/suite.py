@@ -51,7 +51,7 @@ SUITES = {s.name: s for s in (
           "quantize throughput / clone throughput"),
     Suite("linear", "linear.py", ("--tokens", "1024", "--repeat", "3"), (),
           "fp8 linear and Smooth-SwiGLU MLP fwd+bwd vs bf16"),
-    Suite("optim", "optim.py", ("--params", str(10_000_000), "--repeat", "3"), (),
+    Suite("optim", "optim.py", ("--params", str(10_000_000), "--rounds", "3"), (),
           "FP8 AdamW step vs torch AdamW(foreach), state bytes/param"),
     Suite("compile", "backend_compile.py", ("--max-layers", "8"), (),
           "compile time fp8 / inductor, pass time vs layers"),

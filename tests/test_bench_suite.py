@@ -1,0 +1,63 @@
+"""The benchmark suite's runner logic (the timings themselves are never unit-tested)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import suite  # noqa: E402
+from benchmarks.train_step import saved_bytes  # noqa: E402
+
+
+def test_goals_take_the_worst_row_and_respect_selection():
+    results = {
+        "quantize": {"result": {"rows": [{"ratio_vs_clone": 0.9}, {"ratio_vs_clone": 0.4}]}},
+        "optim": {"result": {"rows": [
+            {"optimizer": "torch AdamW", "ratio": 1.0, "bytes_per_param": 8.0},
+            {"optimizer": "fp8pass AdamW default (auto)", "ratio": 1.2, "bytes_per_param": 2.06}]}},
+        "linear": {"result": {"cases": {"linear": {"fp8_current/bf16": 1.3, "fp8_delayed/bf16": 1.2}}}},
+    }
+    goals = {g["goal"]: g for g in suite.check_goals(results)}
+    q = goals["CPU quantize / clone bandwidth"]
+    assert q["measured"] == 0.4 and q["met"] is False
+    o = goals["FP8 AdamW step / torch AdamW(foreach)"]
+    assert o["measured"] == 1.2 and o["met"] is True  # the torch row (1.0) is not the fp8pass one
+    assert goals["FP8 AdamW state bytes per parameter"]["measured"] == 2.06
+    assert goals["CPU fp8 linear/MLP fwd+bwd / bf16 (current scaling)"]["met"] is False
+    assert goals["compile time fp8 / inductor (4 layers)"]["measured"] is None  # suite not run
+
+
+def test_ratio_rows_and_markdown():
+    rows = suite.ratio_rows({"rows": [{"dtype": "float32", "format": "e4m3", "ratio_vs_clone": 1.5, "ms": 3.0}]})
+    assert rows == [("float32 e4m3 ratio_vs_clone", 1.5)]
+    md = suite.to_markdown({"quantize": {"status": "ok", "cmd": "benchmarks/quantize.py", "seconds": 1.0,
+                                         "result": {"rows": [{"ratio_vs_clone": 0.7}]}}},
+                           suite.check_goals({"quantize": {"result": {"rows": [{"ratio_vs_clone": 0.7}]}}}),
+                           {"cpu": "x"})
+    assert "| CPU quantize / clone bandwidth | >= 0.5 | 0.7 | yes |" in md
+
+
+def test_missing_script_and_unknown_suite(tmp_path, monkeypatch):
+    missing = suite.Suite("ghost", "no_such_script.py")
+    assert suite.run_suite(missing, quick=True, timeout=10)["status"] == "missing"
+    with pytest.raises(SystemExit):
+        suite.main(["--suite", "nonsense"])
+
+
+def test_every_suite_script_exists_and_gpu_script_parses():
+    for s in suite.SUITES.values():
+        assert (ROOT / "benchmarks" / s.script).exists(), s.script
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")]).returncode == 0
+
+
+def test_saved_bytes_counts_what_autograd_keeps():
+    a = torch.randn(256, requires_grad=True)
+    b = torch.randn(256, requires_grad=True)
+    nbytes, out = saved_bytes(lambda: (a * b).sum())
+    assert nbytes == 2 * 256 * 4  # mul saves both fp32 inputs
+    assert out.requires_grad
