@@ -170,8 +170,8 @@ class _Rewriter:
         with self.graph.inserting_before(down):
             out = self.graph.call_function(
                 self.ops.swiglu_down.default,
-                (self.r(m["gate"]), self.r(m["up"]), w, a_s, b_s, g_s, site.act, smooth, k["fwd_format"], k["bwd_format"],
-                 k["granularity"], k["block"], k["power_of_two"], k["grad_rounding"], k["margin"],
+                (self.r(m["gate"]), self.r(m["up"]), w, a_s, b_s, g_s, site.act, smooth, k["fwd_format"],
+                 k["bwd_format"], k["granularity"], k["block"], k["power_of_two"], k["grad_rounding"], k["margin"],
                  k["interval"], k["algo"]))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:

@@ -9,14 +9,16 @@ any GLU: the outlier comes from the product ``act(gate) * up``, not from the act
 ``silu``        SwiGLU (Llama): ``g * sigmoid(g)``. Fast paths: Inductor-compiled CPU elementwise
                 kernels and, on CUDA, the fused Triton amax/cast kernels.
 ``gelu``        GeGLU, exact erf form ``g * Phi(g)``; derivative ``Phi(g) + g * phi(g)``.
-``gelu_tanh``   GeGLU, tanh form (Gemma): ``0.5 g (1 + tanh(k (g + 0.044715 g^3)))``, ``k = sqrt(2/pi)``;
-                derivative ``0.5 (1 + t) + 0.5 g (1 - t^2) k (1 + 3 * 0.044715 g^2)``.
+``gelu_tanh``   GeGLU, tanh form (Gemma): ``0.5 g (1 + t)``, ``t = tanh(k (g + 0.044715 g^3))``,
+                ``k = sqrt(2/pi)``; derivative ``0.5 (1 + t) + 0.5 g (1 - t^2) k (1 + 3 * 0.044715 g^2)``.
 ``relu``        ReGLU: ``max(g, 0)``; derivative ``1[g > 0]`` (0 at 0, as autograd's).
 ==============  ===================================================================================
 
 The non-silu activations run as eager fp32 torch math on every device (no compiled CPU loop nest, no
-fused Triton kernel; the FP8 casts and GEMMs are the same kernels as for silu). Smoothing modes (scales are constants for autograd, which is
-exact because they cancel in exact arithmetic; REFERENCES.md §1; ``silu`` stands for any activation):
+fused Triton kernel; the FP8 casts and GEMMs are the same kernels as for silu).
+
+Smoothing modes (scales are constants for autograd, which is exact because they cancel in exact
+arithmetic; REFERENCES.md §1; ``silu`` below stands for the activation):
 
 ===========  =======================================================================================
 ``channel``  the paper's form: ``c_i = 2**-floor(log2 max_t |h_ti|)`` per channel (power of two, so
@@ -43,7 +45,8 @@ from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_
 from .kernels import uses_triton
 from .linear import _scale_shape, _up
 
-__all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad", "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
+__all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad",
+           "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
            "fold_channel_scales"]
 
 SMOOTH_MODES = ("channel", "token", "none")
@@ -75,7 +78,8 @@ def glu_activation_grad(g: torch.Tensor, activation: str) -> tuple[torch.Tensor,
     if activation == "gelu_tanh":
         t = torch.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))
         act = 0.5 * g * (1 + t)
-        return act, 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+        dt = (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+        return act, 0.5 * (1 + t) + 0.5 * g * dt
     return torch.relu(g), (g > 0).to(g.dtype)
 # Channel scales are clamped so that W_down / c stays representable (no overflow or underflow).
 _C_MIN, _C_MAX = 2.0**-64, 2.0**64
