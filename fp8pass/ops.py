@@ -13,6 +13,7 @@ import torch
 from .config import CurrentScaling, DelayedScaling, NVFP4Scaling
 from .numerics import E4M3, E5M2, Format, get_format
 from .runtime import (
+    ACTIVATIONS,
     IDENTITY,
     SMOOTH_MODES,
     HCPState,
@@ -90,9 +91,9 @@ def fp8_linear(
     return out[0]
 
 
-def _swiglu_down(gate, up, w_down, smooth, recipe, state, fwd, bwd, grad_rounding):
+def _swiglu_down(gate, up, w_down, activation, smooth, recipe, state, fwd, bwd, grad_rounding):
     xs, ws, gs, args, st = _recipe_args(recipe, w_down, state, fwd, bwd, grad_rounding)
-    out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, smooth, *args)
+    out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, activation, smooth, *args)
     if st is not None:
         st.record_forward(out[1], out[2])
     return out[0]
@@ -110,8 +111,9 @@ def swiglu_mlp(
     fwd_format: Format | str = E4M3,
     bwd_format: Format | str = E5M2,
     grad_rounding: str = "nearest",
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """FP8 SwiGLU MLP ``(silu(x W_gate^T) * (x W_up^T)) W_down^T`` with Smooth-SwiGLU.
+    """FP8 GLU MLP ``(act(x W_gate^T) * (x W_up^T)) W_down^T`` with Smooth-SwiGLU (SwiGLU by default).
 
     Args:
         x: [..., hidden].
@@ -123,7 +125,12 @@ def swiglu_mlp(
         states: DelayedScaling only: ``{"gate": , "up": , "down": }`` LinearScalingStates (default: the
             ones kept per weight).
         fwd_format, bwd_format, grad_rounding: as for :func:`fp8_linear`.
+        activation: the gate's activation: "silu" (SwiGLU), "gelu" (GeGLU, erf), "gelu_tanh" (GeGLU,
+            tanh approximation, Gemma) or "relu" (ReGLU). Non-silu activations run as eager torch
+            math (no fused kernel); the smoothing and FP8 GEMMs are the same.
     """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown GLU activation {activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
     mode = "none" if smooth is None else smooth
     if mode not in SMOOTH_MODES:
         raise ValueError(f"unknown smooth mode {smooth!r}; valid: 'channel', 'token', None")
@@ -135,7 +142,7 @@ def swiglu_mlp(
     else:
         gate = fp8_linear(x, w_gate, None, recipe, state=states.get("gate"), **kw)
         up = fp8_linear(x, w_up, None, recipe, state=states.get("up"), **kw)
-    return _swiglu_down(gate, up, w_down, mode, recipe, states.get("down"), _fmt_name(fwd_format),
+    return _swiglu_down(gate, up, w_down, activation, mode, recipe, states.get("down"), _fmt_name(fwd_format),
                         _fmt_name(bwd_format), grad_rounding)
 
 

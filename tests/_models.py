@@ -96,6 +96,13 @@ class GeGLU(SiluMul):  # Gemma: gelu(tanh) gate
         self.variant = "geglu-tanh" if approximate == "tanh" else "geglu"
 
 
+class ReGLU(SiluMul):  # relu gate
+    variant = "reglu"
+
+    def __init__(self, **kw):
+        super().__init__(act=nn.ReLU(), **kw)
+
+
 class GeluMLP(nn.Module):  # no gate: FP8 linears only
     variant = None
 

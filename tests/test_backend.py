@@ -14,7 +14,7 @@ import torch
 import fp8pass
 from fp8pass.config import Config, CurrentScaling
 
-from _models import D, Fused, GeGLU, MatmulWT, SiluMul, tiny_titan_llama
+from _models import D, Fused, GeGLU, MatmulWT, ReGLU, SiluMul, tiny_titan_llama
 from test_patterns import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +61,10 @@ def test_identity_format_matches_eager(model, glus):
     compiler = "aot_eager" if glus and isinstance(model, torch.nn.Sequential) else "eager"
     y, g, be = _run(model, x, _cfg(fwd_format="identity", bwd_format="identity", compiler=compiler))
     assert len(be.report().swiglus) == glus
-    # GeGLU: the runtime's swiglu_down is silu-only, so its down projection stays high precision
-    assert be.records[0].report.graph_after.count("torch._C._nn.linear(") == int(isinstance(model, GeGLU))
+    # every GLU (GeGLU too) is rewritten whole: no high-precision linear left, one swiglu_down each
+    after = be.records[0].report.graph_after
+    assert after.count("torch._C._nn.linear(") == 0
+    assert after.count("fp8pass.swiglu_down.default") == glus
     assert (y - y0).abs().max() <= 1e-6 * max(1.0, y0.abs().max())
     for a, b in zip(g, g0):
         assert (a - b).abs().max() <= 1e-6 * max(1.0, b.abs().max())
@@ -83,10 +85,12 @@ def test_every_glu_form_rewritten_exactly(cls, kw):
         assert (a - b).abs().max() <= 1e-6 * max(1.0, b.abs().max())
 
 
-@pytest.mark.parametrize("smooth", ["channel", "token", None])
-def test_fp8_within_bound_of_eager(smooth):
+@pytest.mark.parametrize("smooth,model_cls", [("channel", SiluMul), ("token", SiluMul), (None, SiluMul),
+                                             ("channel", GeGLU), ("token", ReGLU)],
+                         ids=["channel", "token", "none", "geglu_channel", "reglu_token"])
+def test_fp8_within_bound_of_eager(smooth, model_cls):
     torch.manual_seed(0)
-    model = SiluMul()
+    model = model_cls()
     x = torch.randn(4, 8, D)
     y0, g0 = _ref(model, x)
     y, g, be = _run(model, x, _cfg(smooth_swiglu=smooth, recipe=CurrentScaling(),

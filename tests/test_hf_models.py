@@ -55,6 +55,9 @@ def _check_model(model, dtype=torch.float32, reset=False):
             torch._dynamo.reset()  # the state belongs to the weights: the recompile continues it
     rep = be.report()
     assert len(rep.swiglus) == LAYERS  # (the report of the graph compiled after the reset)
+    # every GLU's down projection is FP8 inside one swiglu_down (GeGLU included)
+    assert rep.graph_after.count("fp8pass.swiglu_down.default(") == LAYERS
+    assert sum(s.down in rep.linears for s in rep.swiglus) == LAYERS
     # the state evolves: three records per role, scales changing with the weights
     key = next(k for k in steps[-1] if k.endswith("grad_output.steps"))
     assert [int(s[key]) for s in steps] == [1, 2, 3]
@@ -69,8 +72,9 @@ def _check_model(model, dtype=torch.float32, reset=False):
                                   pytest.param("Mistral", marks=pytest.mark.slow), "Phi3", "Gemma"])
 def test_hf_model_trains_in_fp8(name):
     rep = _check_model(_hf(name, layers=LAYERS))
-    if name == "Gemma":  # GeGLU: gate/up FP8, down high precision (swiglu_down is silu-only)
+    if name == "Gemma":  # GeGLU (gelu_tanh): gate, up and down FP8, Smooth-SwiGLU on its product
         assert {s.variant for s in rep.swiglus} == {"geglu-tanh"}
+        assert rep.graph_after.count("'gelu_tanh', 'channel'") == LAYERS
     if name == "Phi3":
         assert {s.variant for s in rep.swiglus} == {"swiglu (fused gate_up)"}
 

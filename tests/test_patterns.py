@@ -7,13 +7,13 @@ import torch.nn as nn
 from fp8pass.config import Config
 from fp8pass.passes.plan import plan_graph
 
-from _models import (D, Fused, GeGLU, GeluMLP, MatmulWT, MulSilu, SigmoidFn, SigmoidMethod, SiluMul,
+from _models import (D, Fused, GeGLU, GeluMLP, MatmulWT, MulSilu, ReGLU, SigmoidFn, SigmoidMethod, SiluMul,
                      capture, tiny_titan_llama)
 
 VARIANTS = [
     (SiluMul, {}), (SiluMul, {"bias": True}), (MulSilu, {}), (SigmoidFn, {}), (SigmoidMethod, {}),
     (MatmulWT, {}), (MatmulWT, {"bias": True}),
-    (GeGLU, {"approximate": "tanh"}), (GeGLU, {"approximate": "none"}),
+    (GeGLU, {"approximate": "tanh"}), (GeGLU, {"approximate": "none"}), (ReGLU, {}),
 ] + [(Fused, {"how": h}) for h in ("chunk", "split", "split_list", "slice", "unbind", "unbind_interleaved")]
 
 

@@ -103,13 +103,14 @@ def test_opcheck_fp8_linear(granularity, fmts):
                           _op_args(x.requires_grad_(), w.requires_grad_(), b, granularity=granularity, fmts=fmts))
 
 
-def test_opcheck_swiglu_down_and_record():
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_opcheck_swiglu_down_and_record(activation):
     g = torch.Generator().manual_seed(2)
     gate, up = torch.randn(2, 8, 24, generator=g), torch.randn(2, 8, 24, generator=g)
     wd = torch.randn(16, 24, generator=g)
     torch.library.opcheck(torch.ops.fp8pass.swiglu_down.default,
-                          (gate.requires_grad_(), up.requires_grad_(), wd.requires_grad_(), [], [], [], "channel",
-                           "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max"))
+                          (gate.requires_grad_(), up.requires_grad_(), wd.requires_grad_(), [], [], [], activation,
+                           "channel", "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max"))
     st = LinearScalingState(fp8pass.DelayedScaling(history_len=3))
     torch.library.opcheck(torch.ops.fp8pass.delayed_record_.default,
                           (*st.op_args()[0], torch.tensor(2.0), "e4m3", 0.0, 1, "max", False))
@@ -124,8 +125,8 @@ def test_opcheck_backward_ops():
     g = torch.Generator().manual_seed(3)
     gate, up = torch.randn(8, 24, generator=g), torch.randn(8, 24, generator=g)
     wd = torch.randn(16, 24, generator=g)
-    o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], "token", "e4m3", "e5m2", "tensor", 128, False,
-                                      "nearest", 0.0, 1, "max")
+    o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], "gelu", "token", "e4m3", "e5m2", "tensor", 128,
+                                      False, "nearest", 0.0, 1, "max")
     torch.library.opcheck(torch.ops.fp8pass.swiglu_down_backward.default,
                           (torch.randn(8, 16, generator=g), gate, up, o[3], o[4], o[5], o[6], o[7], [], torch.float32,
-                           "token", "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0))
+                           "gelu", "token", "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0))

@@ -10,10 +10,11 @@ from fp8pass import E4M3, ops, quantize
 from fp8pass.runtime import LinearScalingState, channel_scales, fold_channel_scales
 
 MODES = ["channel", "token", None]
+ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "relu": F.relu}
 
 
-def _mlp_ref(x, wg, wu, wd):
-    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+def _mlp_ref(x, wg, wu, wd, act=F.silu):
+    return F.linear(act(F.linear(x, wg)) * F.linear(x, wu), wd)
 
 
 def _weights(seed, t=24, d=16, f=40, dtype=torch.float32):
@@ -33,29 +34,57 @@ def _grads(fn, x, ws, dy):
     return [y.detach()] + [t.grad for t in leaves]
 
 
+@pytest.mark.parametrize("activation", list(ACTS))
 @pytest.mark.parametrize("smooth", MODES)
-def test_function_preserving_with_quantization_off(smooth):
-    """Identity format: every mode is the plain SwiGLU MLP, output and all four gradients."""
+def test_function_preserving_with_quantization_off(smooth, activation):
+    """Identity format: every mode and activation is the plain GLU MLP, output and all four gradients
+    (so the backward's hand-written derivatives are autograd's)."""
     x, wg, wu, wd, dy = _weights(0)
     # an outlier channel, so that the smoothing scales are far from 1
     wg[3] *= 30
     wu[3] *= 30
-    got = _grads(lambda *a: ops.swiglu_mlp(*a, smooth=smooth, fwd_format="identity", bwd_format="identity"),
-                 x, (wg, wu, wd), dy)
-    ref = _grads(_mlp_ref, x, (wg, wu, wd), dy)
+    got = _grads(lambda *a: ops.swiglu_mlp(*a, smooth=smooth, fwd_format="identity", bwd_format="identity",
+                                           activation=activation), x, (wg, wu, wd), dy)
+    ref = _grads(lambda *a: _mlp_ref(*a, act=ACTS[activation]), x, (wg, wu, wd), dy)
     for g, r in zip(got, ref):
         assert ((g - r).norm() / r.norm()) <= 1e-6
+        assert (g - r).abs().max() <= 1e-6 * r.abs().max()
 
 
-@pytest.mark.parametrize("smooth", MODES)
-def test_fp8_modes_compute_their_documented_operands(smooth):
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_activation_derivatives_match_autograd_in_float64(activation):
+    """The backward's closed-form derivatives equal autograd's exactly enough to see any slip
+    (float64, values around the kinks and tails, 0 included for relu)."""
+    from fp8pass.runtime.swiglu import glu_activation_grad
+
+    g = torch.cat([torch.linspace(-8, 8, 1601, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    gg = g.clone().requires_grad_()
+    ACTS[activation](gg).sum().backward()
+    act, dact = glu_activation_grad(g, activation)
+    torch.testing.assert_close(act, ACTS[activation](g), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(dact, gg.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_unknown_activation_is_a_clear_error():
+    x, wg, wu, wd, _ = _weights(0)
+    with pytest.raises(ValueError, match="unknown GLU activation 'swish'.*'gelu_tanh'"):
+        ops.swiglu_mlp(x, wg, wu, wd, activation="swish")
+    with pytest.raises(ValueError, match="unknown GLU activation"):
+        torch.ops.fp8pass.swiglu_down(F.linear(x, wg), F.linear(x, wu), wd, [], [], [], "gelu_new", "channel",
+                                      "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max")
+
+
+@pytest.mark.parametrize("smooth,activation", [(m, "silu") for m in MODES] + [("channel", "gelu_tanh"),
+                                                                            ("token", "gelu"), (None, "relu")])
+def test_fp8_modes_compute_their_documented_operands(smooth, activation):
     """The down GEMM's left operand is exactly quantize(A) for the mode's A; output = its GEMM."""
     x, wg, wu, wd, _ = _weights(1)
     gate, up = F.linear(x, wg), F.linear(x, wu)
     mode = "none" if smooth is None else smooth
-    out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], mode, "e4m3", "e5m2", "tensor", 128, False,
-                                        "nearest", 0.0, 1, "max")
-    h = F.silu(gate) * up
+    out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], activation, mode, "e4m3", "e5m2", "tensor", 128,
+                                        False, "nearest", 0.0, 1, "max")
+    act = ACTS[activation]
+    h = act(gate) * up
     h2 = h.reshape(-1, h.shape[-1])
     if smooth == "channel":
         c = out[7]
@@ -65,7 +94,7 @@ def test_fp8_modes_compute_their_documented_operands(smooth):
     elif smooth == "token":
         r = out[7]
         assert torch.equal(r, up.reshape(-1, up.shape[-1]).abs().amax(1, keepdim=True))
-        a, b = F.silu(gate).reshape(-1, h.shape[-1]) * (up.reshape(-1, h.shape[-1]) / r), wd
+        a, b = act(gate).reshape(-1, h.shape[-1]) * (up.reshape(-1, h.shape[-1]) / r), wd
     else:
         a, b = h2, wd
     qa, qb = quantize(a, E4M3), quantize(b, E4M3)
@@ -77,13 +106,14 @@ def test_fp8_modes_compute_their_documented_operands(smooth):
     torch.testing.assert_close(out[0].reshape(ref.shape).double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("smooth", MODES)
-def test_fp8_gradients_within_bound_of_fp32(smooth):
+@pytest.mark.parametrize("smooth,activation", [(m, "silu") for m in MODES] + [("channel", "gelu_tanh"),
+                                                                            ("token", "gelu"), ("channel", "relu")])
+def test_fp8_gradients_within_bound_of_fp32(smooth, activation):
     """E4M3 forward / E5M2 backward: relative errors are those of 3-4 chained FP8 roundings
     (u = 1/16 E4M3, 1/8 E5M2): we require < 0.25 relative Frobenius error, and > 1e-3 (not exact)."""
     x, wg, wu, wd, dy = _weights(2, t=64, f=64)
-    got = _grads(lambda *a: ops.swiglu_mlp(*a, smooth=smooth), x, (wg, wu, wd), dy)
-    ref = _grads(_mlp_ref, x, (wg, wu, wd), dy)
+    got = _grads(lambda *a: ops.swiglu_mlp(*a, smooth=smooth, activation=activation), x, (wg, wu, wd), dy)
+    ref = _grads(lambda *a: _mlp_ref(*a, act=ACTS[activation]), x, (wg, wu, wd), dy)
     for g, r in zip(got, ref):
         err = float((g - r).norm() / r.norm())
         assert 1e-3 < err < 0.25

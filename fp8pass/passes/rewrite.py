@@ -15,8 +15,8 @@ the records into copies onto those inputs, so the state survives recompiles and
 ``fp8_linear`` records the grad_output amax itself.
 
 A GLU site ``down(act(gate(x)) * up(x))`` becomes FP8 linears for gate and up (one for a fused
-projection) and, for SwiGLU, one ``fp8pass::swiglu_down`` (product, Smooth-SwiGLU scaling and the
-FP8 down GEMM; see ``_Rewriter.replace_glu``).
+projection) and one ``fp8pass::swiglu_down`` with the matched activation (silu, gelu, gelu_tanh or
+relu: activation, product, Smooth-SwiGLU scaling and the FP8 down GEMM; see ``_Rewriter.replace_glu``).
 """
 
 from __future__ import annotations
@@ -145,13 +145,12 @@ class _Rewriter:
         self.replace(site.node, y)
 
     def replace_glu(self, site: GLUSite) -> tuple[list[str], str | None]:
-        """Rewrite a GLU; returns (FQNs of weights made FP8, reason the down GEMM stayed high precision).
+        """Rewrite a GLU; returns (FQNs of weights made FP8, None: no part of a GLU stays high precision).
 
         gate and up become FP8 linears (one for a fused projection; its original slicing then
-        yields the pieces). A SwiGLU's product and down projection become one ``swiglu_down``
-        (Smooth-SwiGLU per ``Config.smooth_swiglu``). The runtime's ``swiglu_down`` computes
-        ``silu(gate) * up`` only, so for other GLUs (GeGLU, ReGLU) the activation and product stay
-        as they are and the down projection stays high precision (never an unsmoothed FP8 cast).
+        yields the pieces). The activation, product and down projection of every GLU
+        (SwiGLU, GeGLU, ReGLU) become one ``swiglu_down`` with the matched activation
+        (Smooth-SwiGLU per ``Config.smooth_swiglu``; its argument holds for any GLU).
         """
         m = site.match
         if site.fused:
@@ -164,9 +163,6 @@ class _Rewriter:
                 y = self.linear(m["x"], m[f"{p}_w"], m.get(f"{p}_b"), m[p])
                 self.replace(m[p], y)
             done = [site.gate, site.up]
-        if site.act != "silu":
-            return done, (f"{site.variant} down projection kept in high precision: the runtime's "
-                          f"swiglu_down op implements silu gates only")
         down, w = m["down"], m["down_w"]
         a_s, b_s, g_s = (self.state(w, r) for r in ROLES)
         k = self.kw
@@ -174,8 +170,8 @@ class _Rewriter:
         with self.graph.inserting_before(down):
             out = self.graph.call_function(
                 self.ops.swiglu_down.default,
-                (self.r(m["gate"]), self.r(m["up"]), w, a_s, b_s, g_s, smooth, k["fwd_format"], k["bwd_format"],
-                 k["granularity"], k["block"], k["power_of_two"], k["grad_rounding"], k["margin"],
+                (self.r(m["gate"]), self.r(m["up"]), w, a_s, b_s, g_s, site.act, smooth, k["fwd_format"],
+                 k["bwd_format"], k["granularity"], k["block"], k["power_of_two"], k["grad_rounding"], k["margin"],
                  k["interval"], k["algo"]))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:

@@ -15,11 +15,13 @@ power_of_two, grad_rounding, margin, interval, algo) -> (y, x_amax, w_amax, x_da
     [out, in], ``bias`` [out] or None. ``y`` has ``x``'s dtype. ``x_amax``/``w_amax``: fp32 scalars
     ``max|x|``, ``max|W|`` of this call (what delayed scaling records). The last four outputs are the
     saved operands for backward (codes as uint8, 1 byte/element, and their fp32 scales): ignore them.
-``swiglu_down(gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_format, granularity,
-block, power_of_two, grad_rounding, margin, interval, algo) -> (y, a_amax, b_amax, a_data, a_scale,
-b_data, b_scale, smooth_scales)``
-    ``y = (silu(gate) * up) W_down^T`` with Smooth-SwiGLU ``smooth`` = "channel" | "token" | "none"
-    (see :mod:`fp8pass.runtime.swiglu`); ``gate``/``up`` [..., ffn] come from ``fp8_linear`` calls
+``swiglu_down(gate, up, w_down, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format,
+granularity, block, power_of_two, grad_rounding, margin, interval, algo) -> (y, a_amax, b_amax, a_data,
+a_scale, b_data, b_scale, smooth_scales)``
+    ``y = (act(gate) * up) W_down^T`` with ``activation`` = "silu" (SwiGLU) | "gelu" | "gelu_tanh"
+    (GeGLU) | "relu" (ReGLU) and Smooth-SwiGLU ``smooth`` = "channel" | "token" | "none"
+    (see :mod:`fp8pass.runtime.swiglu`; silu has the fused CPU/Triton kernels, the others run as
+    eager torch math with exact derivatives); ``gate``/``up`` [..., ffn] come from ``fp8_linear`` calls
     (one fused gate/up linear + ``chunk(2, -1)`` is fine). ``a`` is the operand built from ``h``,
     ``b`` the (column-scaled) ``W_down``; outputs 4-8 are for backward.
 ``delayed_record_(history, scale, steps, skipped, amax, fmt, margin, interval, algo, power_of_two) -> None``
@@ -74,8 +76,8 @@ from .linear import fp8_linear_op
 from .state import ROLES, LinearScalingState, delayed_record_, record, state_for
 from .hcp import HCPState, hcp_state_for
 from .nvfp4 import nvfp4_linear_op, nvfp4_values
-from .swiglu import SMOOTH_MODES, channel_scales, fold_channel_scales, swiglu_down_op, token_scales
+from .swiglu import ACTIVATIONS, SMOOTH_MODES, channel_scales, fold_channel_scales, swiglu_down_op, token_scales
 
 __all__ = ["IDENTITY", "fp8_linear_op", "swiglu_down_op", "delayed_record_", "record", "ROLES",
-           "LinearScalingState", "state_for", "SMOOTH_MODES", "channel_scales", "token_scales",
+           "LinearScalingState", "state_for", "SMOOTH_MODES", "ACTIVATIONS", "channel_scales", "token_scales",
            "fold_channel_scales", "nvfp4_linear_op", "nvfp4_values", "HCPState", "hcp_state_for"]

@@ -1,9 +1,24 @@
-"""``fp8pass::swiglu_down``: the SwiGLU MLP tail ``y = (silu(gate) * up) W_down^T`` with Smooth-SwiGLU.
+"""``fp8pass::swiglu_down``: the GLU MLP tail ``y = (act(gate) * up) W_down^T`` with Smooth-SwiGLU.
 
 ``gate = x W_gate^T`` and ``up = x W_up^T`` come from two ``fp8_linear`` calls (or one fused
-gate/up linear); this op computes ``h = silu(gate) * up``, the smoothing, the E4M3 cast of the GEMM
-operand ``A`` and the FP8 down GEMM. Smoothing modes (scales are constants for autograd, which is
-exact because they cancel in exact arithmetic; REFERENCES.md §1):
+gate/up linear); this op computes ``h = act(gate) * up``, the smoothing, the E4M3 cast of the GEMM
+operand ``A`` and the FP8 down GEMM. ``activation`` picks the GLU (Smooth-SwiGLU's argument holds for
+any GLU: the outlier comes from the product ``act(gate) * up``, not from the activation):
+
+==============  ===================================================================================
+``silu``        SwiGLU (Llama): ``g * sigmoid(g)``. Fast paths: Inductor-compiled CPU elementwise
+                kernels and, on CUDA, the fused Triton amax/cast kernels.
+``gelu``        GeGLU, exact erf form ``g * Phi(g)``; derivative ``Phi(g) + g * phi(g)``.
+``gelu_tanh``   GeGLU, tanh form (Gemma): ``0.5 g (1 + t)``, ``t = tanh(k (g + 0.044715 g^3))``,
+                ``k = sqrt(2/pi)``; derivative ``0.5 (1 + t) + 0.5 g (1 - t^2) k (1 + 3 * 0.044715 g^2)``.
+``relu``        ReGLU: ``max(g, 0)``; derivative ``1[g > 0]`` (0 at 0, as autograd's).
+==============  ===================================================================================
+
+The non-silu activations run as eager fp32 torch math on every device (no compiled CPU loop nest, no
+fused Triton kernel; the FP8 casts and GEMMs are the same kernels as for silu).
+
+Smoothing modes (scales are constants for autograd, which is exact because they cancel in exact
+arithmetic; REFERENCES.md §1; ``silu`` below stands for the activation):
 
 ===========  =======================================================================================
 ``channel``  the paper's form: ``c_i = 2**-floor(log2 max_t |h_ti|)`` per channel (power of two, so
@@ -17,8 +32,8 @@ exact because they cancel in exact arithmetic; REFERENCES.md §1):
 ``A`` and ``B`` are cast to ``fwd_format`` with the linear's scaling options; in ``channel`` mode ``B``
 depends on this call's ``c`` and is therefore always current-scaled (its delayed state, if given, is
 not used). Backward: ``dy`` (times ``r`` in token mode) cast to ``bwd_format``; dgrad and wgrad are FP8
-GEMMs from the saved codes of ``A`` and ``B``; the SwiGLU derivative runs in fp32 from the saved
-``gate`` and ``up`` (which plain SwiGLU autograd saves as well).
+GEMMs from the saved codes of ``A`` and ``B``; the GLU derivative runs in fp32 from the saved
+``gate`` and ``up`` (which plain GLU autograd saves as well).
 """
 
 from __future__ import annotations
@@ -30,10 +45,42 @@ from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_
 from .kernels import uses_triton
 from .linear import _scale_shape, _up
 
-__all__ = ["SMOOTH_MODES", "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
+__all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad",
+           "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
            "fold_channel_scales"]
 
 SMOOTH_MODES = ("channel", "token", "none")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+_SQRT_2_OVER_PI = 0.7978845608028654
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+def glu_activation(g: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(g)`` (fp32 in, fp32 out) for one of :data:`ACTIVATIONS`."""
+    F = torch.nn.functional
+    if activation == "silu":
+        return F.silu(g)
+    if activation == "gelu":
+        return F.gelu(g)
+    if activation == "gelu_tanh":
+        return F.gelu(g, approximate="tanh")
+    return F.relu(g)
+
+
+def glu_activation_grad(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act(g), act'(g))`` in fp32, the exact derivative (see the module doc)."""
+    if activation == "silu":
+        sig = torch.sigmoid(g)
+        return g * sig, sig * (1 + g * (1 - sig))
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(g * 0.7071067811865476))
+        return g * cdf, cdf + g * (_INV_SQRT_2PI * torch.exp(-0.5 * g * g))
+    if activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))
+        act = 0.5 * g * (1 + t)
+        dt = (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+        return act, 0.5 * (1 + t) + 0.5 * g * dt
+    return torch.relu(g), (g > 0).to(g.dtype)
 # Channel scales are clamped so that W_down / c stays representable (no overflow or underflow).
 _C_MIN, _C_MAX = 2.0**-64, 2.0**64
 
@@ -54,15 +101,21 @@ def token_scales(up2d: torch.Tensor) -> torch.Tensor:
     return torch.where((r > 0) & torch.isfinite(r), r, torch.ones_like(r))
 
 
-def swiglu_operand(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str):
+def swiglu_operand(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str, activation: str = "silu"):
     """The down GEMM's left operand ``A`` (fp32) and the smoothing scales (``c`` [F], ``r`` [T, 1] or [])."""
-    return _on_cpu(_swiglu_operand, gate2d, up2d, smooth)
+    if activation == "silu":
+        return _on_cpu(_swiglu_operand, gate2d, up2d, smooth)
+    return _glu_operand(gate2d, up2d, smooth, activation)  # eager torch math (module doc)
 
 
 def _swiglu_operand(gate2d, up2d, smooth: str):
+    return _glu_operand(gate2d, up2d, smooth, "silu")
+
+
+def _glu_operand(gate2d, up2d, smooth: str, activation: str):
     g = gate2d.float()
     u = up2d.float()
-    silu = torch.nn.functional.silu(g)
+    silu = glu_activation(g, activation)
     if smooth == "token":
         r = token_scales(up2d)
         return silu * (u / r), r
@@ -97,7 +150,9 @@ def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
     return Operand(codes, scale, amax), s
 
 
-def _check(gate, up, w_down, smooth, granularity):
+def _check(gate, up, w_down, activation, smooth, granularity):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown GLU activation {activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
     if smooth not in SMOOTH_MODES:
         raise ValueError(f"unknown smooth mode {smooth!r}; valid: 'channel', 'token', None/'none'")
     if gate.shape != up.shape:
@@ -116,6 +171,7 @@ def swiglu_down_op(
     a_state: list[torch.Tensor],
     b_state: list[torch.Tensor],
     g_state: list[torch.Tensor],
+    activation: str,
     smooth: str,
     fwd_format: str,
     bwd_format: str,
@@ -129,16 +185,16 @@ def swiglu_down_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``."""
-    _check(gate, up, w_down, smooth, granularity)
+    _check(gate, up, w_down, activation, smooth, granularity)
     fmt = resolve_format(fwd_format)
     g2 = gate.reshape(-1, gate.shape[-1])
     u2 = up.reshape(-1, up.shape[-1])
     up_dtype = _up(gate.device, gate.dtype)
     at = tile_for(granularity, block, g2.shape, weight=False)
-    if uses_triton(gate.device) and fmt is not None and granularity == "tensor":
+    if uses_triton(gate.device) and fmt is not None and granularity == "tensor" and activation == "silu":
         ao, s = _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two)
     else:
-        a, s = swiglu_operand(g2, u2, smooth)
+        a, s = swiglu_operand(g2, u2, smooth, activation)
         ao = cast_operand(a, fmt, granularity, at, a_state, margin, power_of_two, up=up_dtype)
     b = w_down / s.to(w_down.dtype) if smooth == "channel" else w_down
     bt = tile_for(granularity, block, b.shape, weight=True)
@@ -153,9 +209,9 @@ def swiglu_down_op(
 
 
 @swiglu_down_op.register_fake
-def _(gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_format, granularity, block,
+def _(gate, up, w_down, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format, granularity, block,
       power_of_two, grad_rounding, margin, interval, algo):
-    _check(gate, up, w_down, smooth, granularity)
+    _check(gate, up, w_down, activation, smooth, granularity)
     fmt = resolve_format(fwd_format)
     rows = 1
     for d in gate.shape[:-1]:
@@ -187,6 +243,7 @@ def swiglu_down_backward_op(
     smooth_scales: torch.Tensor,
     g_state: list[torch.Tensor],
     w_dtype: torch.dtype,
+    activation: str,
     smooth: str,
     fwd_format: str,
     bwd_format: str,
@@ -215,19 +272,24 @@ def swiglu_down_backward_op(
     db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True)     # dB = G^T @ A    [O, F]
     if smooth == "channel":
         db = db / s.to(db.dtype)       # B = W / c  =>  dW = dB / c (exact: powers of two)
-    dgate, dup = _on_cpu(_swiglu_backward_math, da, gate.reshape(-1, gate.shape[-1]),
-                         up.reshape(-1, up.shape[-1]), s, smooth)
+    g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    if activation == "silu":
+        dgate, dup = _on_cpu(_swiglu_backward_math, da, g2, u2, s, smooth)
+    else:  # eager torch math (module doc)
+        dgate, dup = _glu_backward_math(da, g2, u2, s, smooth, activation)
     return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
 
 
 def _swiglu_backward_math(da, gate2d, up2d, s, smooth: str):
+    return _glu_backward_math(da, gate2d, up2d, s, smooth, "silu")
+
+
+def _glu_backward_math(da, gate2d, up2d, s, smooth: str, activation: str):
     """dgate, dup (fp32) from dA, following the mode's definition of A (see the module doc)."""
     da = da.float()
     g = gate2d.float()
     u = up2d.float()
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    dsilu = sig * (1 + g * (1 - sig))
+    silu, dsilu = glu_activation_grad(g, activation)
     if smooth == "token":
         dz = da / s
         dgate, dup = dz * u * dsilu, dz * silu
@@ -254,36 +316,36 @@ def _on_cpu(fn, *args):
 
 
 @swiglu_down_backward_op.register_fake
-def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, smooth, fwd_format, bwd_format,
-      granularity, block, power_of_two, grad_rounding, margin):
+def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, activation, smooth, fwd_format,
+      bwd_format, granularity, block, power_of_two, grad_rounding, margin):
     rows, f = a_data.shape
     return (gate.new_empty(rows, f), up.new_empty(rows, f), dy.new_empty(b_data.shape, dtype=w_dtype),
             dy.new_empty((), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    (gate, up, w_down, a_state, b_state, g_state, smooth, fwd_format, bwd_format, granularity, block,
+    (gate, up, w_down, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format, granularity, block,
      power_of_two, grad_rounding, margin, interval, algo) = inputs
     _, _, _, a_data, a_scale, b_data, b_scale, s = output
     ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s)
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.shape, ctx.w_dtype = gate.shape, w_down.dtype
-    ctx.args = (smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
+    ctx.args = (activation, smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
     ctx.recipe = (margin, interval, algo, power_of_two)
 
 
 def _backward(ctx, dy, *unused):
     gate, up, a_data, a_scale, b_data, b_scale, s = ctx.saved_tensors
-    smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
+    activation, smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
     dgate, dup, dw, g_amax = torch.ops.fp8pass.swiglu_down_backward(
-        dy, gate, up, a_data, a_scale, b_data, b_scale, s, ctx.g_state, ctx.w_dtype, smooth, fwd_format, bwd_format,
-        granularity, block, power_of_two, grad_rounding, margin)
+        dy, gate, up, a_data, a_scale, b_data, b_scale, s, ctx.g_state, ctx.w_dtype, activation, smooth, fwd_format,
+        bwd_format, granularity, block, power_of_two, grad_rounding, margin)
     if ctx.g_state and resolve_format(bwd_format) is not None:
         m, interval, algo, p2 = ctx.recipe
         torch.ops.fp8pass.delayed_record_(*ctx.g_state, g_amax, bwd_format, m, interval, algo, p2)
     na, nb, ng = ctx.n_states
-    return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng) + (None,) * 10
+    return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng) + (None,) * 11
 
 
 swiglu_down_op.register_autograd(_backward, setup_context=_setup_context)

@@ -35,13 +35,15 @@ def test_linear_cuda_matches_cpu(shape):
         torch.testing.assert_close(b, a, rtol=2**-6, atol=2e-2)
 
 
-@pytest.mark.parametrize("smooth", ["channel", "token", None])
-def test_swiglu_cuda_matches_cpu_and_compiles(smooth):
+@pytest.mark.parametrize("smooth,activation", [("channel", "silu"), ("token", "silu"), (None, "silu"),
+                                               ("channel", "gelu_tanh"), ("token", "relu")])
+def test_swiglu_cuda_matches_cpu_and_compiles(smooth, activation):
+    """silu takes the fused Triton cast; other activations the torch operand math on CUDA."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(128, 64, generator=g, dtype=torch.bfloat16)
     ws = [(torch.randn(*s, generator=g) / 8).to(torch.bfloat16) for s in ((160, 64), (160, 64), (64, 160))]
-    ref = ops.swiglu_mlp(x, *ws, smooth=smooth).float()
-    f = lambda a, *w: ops.swiglu_mlp(a, *w, smooth=smooth)  # noqa: E731
+    ref = ops.swiglu_mlp(x, *ws, smooth=smooth, activation=activation).float()
+    f = lambda a, *w: ops.swiglu_mlp(a, *w, smooth=smooth, activation=activation)  # noqa: E731
     eager = f(x.cuda(), *[w.cuda() for w in ws])
     comp = torch.compile(f, backend="inductor")(x.cuda(), *[w.cuda() for w in ws])
     assert torch.equal(eager, comp)
