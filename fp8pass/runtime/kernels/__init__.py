@@ -42,6 +42,6 @@ def for_device(device: torch.device | str) -> ModuleType:
         from . import cuda
 
         return cuda
-    raise NotImplementedError(
+    raise RuntimeError(
         f"fp8pass runtime ops have no kernels for device type {kind!r} (supported: cpu, cuda)"
     )
