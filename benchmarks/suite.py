@@ -96,7 +96,7 @@ def ratio_rows(obj, prefix: str = "") -> list[tuple[str, float]]:
         label = " ".join(str(obj[k]) for k in ("case", "name", "optimizer", "dtype", "format", "op", "recipe", "shape", "layers")
                          if k in obj and not isinstance(obj[k], (dict, list)))
         for k, v in obj.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and (
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and ("ratio" in prefix or 
                     "ratio" in k or "/" in k or "per_param" in k or "fraction" in k):
                 rows.append((f"{prefix}{label + ' ' if label else ''}{k}", float(v)))
             elif isinstance(v, (dict, list)):
