@@ -213,6 +213,67 @@ def test_compiled_cpu_cast_is_bit_exact_with_numerics():
             assert torch.equal(cpu.upcast(big, torch.bfloat16), big.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("fmt", [E5M2, E4M3])
+@pytest.mark.parametrize("n", [1000, cpu.MIN_COMPILED * 2])  # the eager twin and the compiled loop
+def test_compiled_stochastic_cast_rounds_to_a_neighbour_without_bias(fmt, n):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-24, 14, (n,), generator=g).float())
+    scale = torch.tensor(1.0)
+    grid = torch.unique(torch.arange(256, dtype=torch.uint8).view(fmt.torch_dtype).float())
+    grid = grid[torch.isfinite(grid)]
+    v = x.clamp(-fmt.max, fmt.max)
+    hi = grid[torch.searchsorted(grid, v).clamp(max=grid.numel() - 1)]
+    lo = torch.where(hi == v, hi, grid[(torch.searchsorted(grid, v) - 1).clamp(min=0)])
+    draws = []
+    for k in range(48):
+        codes, amax = cpu.cast_stochastic(x, scale, fmt, torch.Generator().manual_seed(k))
+        got = codes.float()
+        assert ((got == lo) | (got == hi)).all()  # only the two grid neighbours (saturating)
+        assert amax == x.abs().max()
+        draws.append(got)
+    mean = torch.stack(draws).double().mean(0)
+    gap = (hi - lo).double()
+    inside = gap > 0
+    # E[draw] = v: the per-element error of a 48-draw mean is at most gap/(2*sqrt(48)) in std;
+    # averaged over thousands of elements the normalised bias must vanish.
+    bias = ((mean - v.double())[inside] / gap[inside]).mean()
+    assert abs(bias) < 4 * 0.5 / (48 * inside.sum().item()) ** 0.5 + 1e-3
+    a = cpu.cast_stochastic(x, scale, fmt, torch.Generator().manual_seed(1))[0]
+    b = cpu.cast_stochastic(x, scale, fmt, torch.Generator().manual_seed(1))[0]
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # reproducible from the generator
+
+
+def test_compiled_stochastic_cast_specials_and_the_eager_twin_agree():
+    n = cpu.MIN_COMPILED * 2
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 30
+    x[:7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e9, -0.0, 0.0, 1.25])
+    seed = torch.tensor(123, dtype=torch.int32)
+    args = (E5M2.max, E5M2.mbits, E5M2.emin, E5M2.torch_dtype)
+    compiled = cpu._compiled_cast_stochastic(*args, torch.float32)(x, torch.tensor(1.0), seed)[0]
+    eager = cpu._stochastic_cast_math(x, torch.tensor(1.0), seed, *args)[0]
+    assert torch.equal(compiled.view(torch.uint8), eager.view(torch.uint8))
+    head = compiled[:7].float()
+    assert torch.isnan(head[0]) and head[1] == E5M2.max and head[2] == -E5M2.max and head[3] == E5M2.max
+    assert head[4] == 0 and head[5] == 0 and head[6] == 1.25  # zeros and grid points are exact
+    # far below the smallest subnormal: rounds to 0 or to it, with the right probability
+    tiny = torch.full((1 << 16,), E5M2.min_subnormal / 8)
+    got = cpu.cast_stochastic(tiny, torch.tensor(1.0), E5M2, torch.Generator().manual_seed(0))[0].float()
+    assert set(got.unique().tolist()) <= {0.0, E5M2.min_subnormal}
+    assert abs(got.mean().item() / (E5M2.min_subnormal / 8) - 1) < 0.05
+
+
+def test_uniform_bits_are_uniform_and_uncorrelated():
+    h = cpu.uniform_bits(1 << 20, torch.tensor(99, dtype=torch.int32))
+    for shift in (0, 12, 26):
+        counts = torch.bincount(((h >> shift) & 15).long(), minlength=16).float()
+        assert (counts / counts.mean() - 1).abs().max() < 0.02
+    u = (h.double() + 2.0 ** 31) / 2.0 ** 32
+    assert abs(u.mean().item() - 0.5) < 2e-3
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 5e-3
+    other = cpu.uniform_bits(1 << 20, torch.tensor(100, dtype=torch.int32))
+    assert (h == other).float().mean() < 1e-3  # another seed, another stream
+
+
 def test_bad_inputs_raise_clear_errors():
     x, w, _ = _data(11)
     with pytest.raises(ValueError, match="input features"):

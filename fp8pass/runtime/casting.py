@@ -124,8 +124,11 @@ def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False) -> Operan
     if rounding == "nearest":
         data, amax, upc = kern.cast(x2d, scale, fmt, up)
         return Operand(data, scale, amax, upc)
-    data, amax = torch_family.cast_scaled(x2d, scale, fmt, rounding, None, want_amax=True)
-    return Operand(data, scale, amax.float(), None if up is None else data.to(up))
+    if hasattr(kern, "cast_stochastic"):
+        data, amax = kern.cast_stochastic(x2d, scale, fmt)
+    else:
+        data, amax = torch_family.cast_scaled(x2d, scale, fmt, rounding, None, want_amax=True)
+    return Operand(data, scale, amax.float(), None if up is None else kern.upcast(data, up))
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
