@@ -39,3 +39,14 @@ def test_fp8_smooth_resumes_exactly(tmp_path, corpus):
     bf = train(cfg(tmp_path, corpus, "bf16", recipe="bf16"))
     assert bf.losses[0] != full.losses[0]           # the fp8 path really quantizes
     assert abs(bf.losses[-1] - full.losses[-1]) < 0.05 * bf.losses[-1]
+
+
+def test_recompile_limit_raises_instead_of_training_without_fp8(tmp_path, corpus, monkeypatch):
+    """Past Dynamo's recompile limit the model would silently run eagerly (bf16): the trainer raises."""
+    warnings.simplefilter("ignore")
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    train(cfg(tmp_path, corpus, "first", steps=1, eval_every=5, ckpt_every=5))  # train + eval: both entries
+    with pytest.raises(RuntimeError, match="recompile limit.*fresh process"):
+        train(cfg(tmp_path, corpus, "second", steps=1, eval_every=5, ckpt_every=5))
+    torch._dynamo.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -221,6 +222,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             cb(0, model, log)
     t_run = time.perf_counter()
     step = start
+    guard = contextlib.ExitStack()
+    if recipe.fp8 or cfg.compile_bf16:
+        # Past Dynamo's recompile limit a frame silently runs eagerly: an fp8 run would go on in bf16.
+        guard.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
@@ -256,7 +261,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                 save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
                                 optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if recipe.fp8 else None,
                                 data_fingerprint=data.fingerprint)
+    except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
+        if not isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit) and "recompile limit" not in str(e):
+            raise
+        raise RuntimeError(
+            f"recipe {cfg.recipe!r}: Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit="
+            f"{torch._dynamo.config.recompile_limit}) compiling the model, and would have run it eagerly, "
+            "i.e. without FP8, from here on. Models compiled one after another in one process share that "
+            "limit: train each run in a fresh process, or call torch._dynamo.reset() between runs.") from e
     finally:
+        guard.close()
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - t_run
