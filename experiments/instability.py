@@ -18,18 +18,19 @@ the channel is **planted**, as the issue allows, and the method is part of the r
   ``w_down`` column by ~lr and blow up the bf16 model too); every other weight trains.
 
 Phase A trains bf16, fp8 (plain SwiGLU), fp8-smooth (channel, the paper) and fp8-smooth with the
-token form (reference code) with the same seed, data and plant. Phase B is a forward-only sweep:
-the bf16 run's final weights with α from 0 to 1000, validation loss per precision, to show where
-each form breaks.
+token form (reference code), each on several seeds (same seed = same initialisation, data, plant and
+validation batches), and reports each fp8 run's final validation-loss gap to the same seed's bf16
+run: mean over seeds and standard error (one run carries ~1-2% of chaotic noise here, see
+docs/results/parity.md). Phase B is a forward-only sweep: the seed-0 bf16 run's final weights
+re-planted with α from 10 to 1000, validation loss per precision, to show where each form breaks.
 
-Run: ``python experiments/instability.py`` (defaults: 150 steps, α = 300; ~20-30 min on the shared
-2-core machine, most of it the fp8 runs).
+Run: ``python experiments/instability.py`` (defaults: 3 seeds, 150 steps, α = 300, 2 worker
+processes; ~15 min on an idle 2-core machine).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
@@ -44,7 +45,11 @@ from fp8pass.train import ModelConfig, TinyLlama, TrainConfig, load_text_data, t
 from fp8pass.train.logging import read_metrics  # noqa: E402
 from fp8pass.train.plots import plot_runs  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import paired_gaps, plot_seeds, run_dir, run_parallel  # noqa: E402
+
 BYTE = ord("#")
+GOAL_PCT = 1.0  # Smooth-SwiGLU (both forms) within 1% of bf16
 RUNS = (("bf16", "bf16", "channel"), ("fp8", "fp8", "channel"), ("fp8-smooth-channel", "fp8-smooth", "channel"),
         ("fp8-smooth-token", "fp8-smooth", "token"))
 
@@ -123,16 +128,16 @@ class Planter:
 
 
 @torch.no_grad()
-def val_loss(fwd, data, batches=8):
+def val_loss(fwd, data, seed, batches=8):
     tot = 0.0
     for i in range(batches):
-        x, y = data.batch("val", 16, 128, 0, i)
+        x, y = data.batch("val", 16, 128, seed, i)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             tot += fwd(x, y).item()
     return tot / batches
 
 
-def sweep(weights, dirs, cols, data, alphas):
+def sweep(weights, dirs, cols, data, alphas, seed):
     """Validation loss of the same weights, planted with each α, per precision (own model copies)."""
     out = []
     for alpha in alphas:
@@ -140,86 +145,102 @@ def sweep(weights, dirs, cols, data, alphas):
         for name, recipe, smooth in RUNS:
             m = TinyLlama(ModelConfig())
             m.load_state_dict(weights)
-            if alpha > 0:
-                plant(m, dirs, alpha, cols)
+            plant(m, dirs, alpha, cols)
             if recipe == "bf16":
                 fwd = m
             else:
                 cfg = fp8pass.Config(smooth_swiglu=smooth if recipe == "fp8-smooth" else None, compiler="eager")
                 fwd = torch.compile(m, backend=fp8pass.backend(cfg))
-                val_loss(fwd, data, 2)          # fill the delayed-scaling histories first
-            row[name] = val_loss(fwd, data)
+                val_loss(fwd, data, seed, 2)          # fill the delayed-scaling histories first
+            row[name] = val_loss(fwd, data, seed)
             torch._dynamo.reset()
         print("sweep", {k: round(v, 4) for k, v in row.items()}, flush=True)
         out.append(row)
     return out
 
 
+def train_one(job: dict) -> dict:
+    """One (recipe, seed) run with the plant, in a worker process; saves the plant for the sweep."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    data = load_text_data()
+    info = {}
+    planter = Planter(data, job["plant_at"], job["alpha"], job["seed"], info)
+    cfg = TrainConfig(**job["config"])
+    t = time.perf_counter()
+    r = train(cfg, data=data, callbacks=[planter], grad_callbacks=[planter.zero_grads])
+    if planter.dirs is not None:
+        torch.save({"dirs": planter.dirs, "cols": planter.cols}, Path(cfg.out) / "plant.pt")
+    tr = read_metrics(Path(cfg.out) / "metrics.jsonl", "train")
+    ev = read_metrics(Path(cfg.out) / "metrics.jsonl", "eval")
+    at = job["plant_at"]
+    return {"name": job["name"], "seed": cfg.seed, "status": r.status, "final_val_loss": r.final_val_loss,
+            "wall_s": time.perf_counter() - t, **info,
+            "val_loss": {int(e["step"]): e["val_loss"] for e in ev},
+            "train_loss_before_plant_mean10": sum(x["loss"] for x in tr if at - 10 < x["step"] <= at) / 10,
+            "train_loss_max_after_plant": max((x["loss"] for x in tr if x["step"] > at), default=float("nan")),
+            "grad_norm_max_after_plant": max((x["grad_norm"] for x in tr if x["step"] > at), default=float("nan"))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results")
-    ap.add_argument("--runs", default="runs/instability")
+    ap.add_argument("--runs", default="runs/instability", help="run directories: RUNS/seedS/NAME")
+    ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--plant-at", type=int, default=50)
     ap.add_argument("--alpha", type=float, default=300.0)
-    ap.add_argument("--sweep", default="0,10,30,100,300,1000")
+    ap.add_argument("--sweep", default="10,30,100,300,1000", help="α values (> 0) of the forward-only sweep")
+    ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--skip-train", action="store_true", help="reuse the runs in --runs (phase B only)")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
+    alphas = [float(a) for a in args.sweep.split(",")]
+    if any(a <= 0 for a in alphas):
+        ap.error("--sweep takes α > 0 (α = 0 would divide w_down by 0)")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    names = [name for name, _, _ in RUNS]
     out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
-    data = load_text_data()
     t0 = time.perf_counter()
-    results = {"args": vars(args)}
-    planters = {}
-    for name, recipe, smooth in RUNS:
-        if args.skip_train:
-            break
-        info = {}
-        planters[name] = Planter(data, args.plant_at, args.alpha, 0, info)
-        cfg = TrainConfig(recipe=recipe, smooth=smooth, steps=args.steps, out=str(runs / name), eval_every=25,
-                          ckpt_every=args.steps, monitor_every=25, progress=False)
-        t = time.perf_counter()
-        r = train(cfg, data=data, callbacks=[planters[name]], grad_callbacks=[planters[name].zero_grads])
-        torch._dynamo.reset()
-        results[name] = {"status": r.status, "final_val_loss": r.final_val_loss, "wall_s": time.perf_counter() - t,
-                         **info}
-        print(name, results[name]["status"], round(r.final_val_loss, 4), f"{time.perf_counter() - t:.0f}s", flush=True)
+    report = {"args": vars(args), "goal_pct": GOAL_PCT}
+    jobs = [{"name": name, "seed": seed, "plant_at": args.plant_at, "alpha": args.alpha,
+             "config": {"recipe": recipe, "smooth": smooth, "steps": args.steps, "lr": args.lr, "seed": seed,
+                        "out": str(run_dir(runs, seed, name)), "eval_every": 25, "ckpt_every": args.steps,
+                        "monitor_every": 25, "progress": False}}
+            for seed in seeds for name, recipe, smooth in RUNS]
+    jobs.sort(key=lambda j: j["name"] == "bf16")  # fp8 runs (slower) first
+    if not args.skip_train:
+        report["runs"] = run_parallel(train_one, jobs, args.workers, lambda r: print(
+            f"{r['name']:20s} seed {r['seed']}  {r['status']:8s} val {r['final_val_loss']:.4f}  "
+            f"{r['wall_s']:.0f}s", flush=True))
+        report["summary"] = paired_gaps(report["runs"], "bf16")
+        for name, s in report["summary"].items():
+            print(f"  {name:20s} gap to bf16: mean {s['mean_gap_pct']:+.2f}%  s.e. {s['stderr_pct']:.2f}  "
+                  f"per seed {', '.join(f'{g:+.2f}' for g in s['gaps_pct'])}")
 
-    summary = {}
-    for name, _, _ in RUNS:
-        tr = read_metrics(runs / name / "metrics.jsonl", "train")
-        ev = read_metrics(runs / name / "metrics.jsonl", "eval")
-        pre = [r["loss"] for r in tr if args.plant_at - 10 < r["step"] <= args.plant_at]
-        post = [r["loss"] for r in tr if r["step"] > args.plant_at]
-        summary[name] = {"val_loss": {int(r["step"]): r["val_loss"] for r in ev},
-                         "train_loss_before_plant_mean10": sum(pre) / max(len(pre), 1),
-                         "train_loss_max_after_plant": max(post, default=float("nan")),
-                         "final_val_loss": ev[-1]["val_loss"] if ev else float("nan")}
-    base = summary["bf16"]["final_val_loss"]
-    for name in summary:
-        summary[name]["gap_vs_bf16_pct"] = 100 * (summary[name]["final_val_loss"] - base) / base
-    results["summary"] = summary
-
-    # Phase B: the bf16 run's final weights (the plant is in them; restore the pre-plant columns).
-    ck = torch.load(runs / "bf16" / "checkpoint.pt", weights_only=True)
-    pl = planters.get("bf16")
-    if pl is not None and pl.dirs is not None:
-        weights = ck["model"]
-        results["sweep"] = sweep(weights, pl.dirs, pl.cols, data, [float(a) for a in args.sweep.split(",")])
-    results["wall_s"] = time.perf_counter() - t0
-    (out / "instability.json").write_text(json.dumps(results, indent=1, default=float))
-    print(json.dumps(summary, indent=1))
-    written = plot_runs(runs, out_dir=runs)
+    # Phase B: the seed-0 bf16 run's final weights, its plant directions and pre-plant w_down columns.
+    first = run_dir(runs, seeds[0], "bf16")
+    if (first / "plant.pt").exists():
+        plant_info = torch.load(first / "plant.pt", weights_only=True)
+        weights = torch.load(first / "checkpoint.pt", weights_only=True)["model"]
+        report["sweep"] = sweep(weights, plant_info["dirs"], plant_info["cols"], load_text_data(), alphas, seeds[0])
+    report["wall_s"] = time.perf_counter() - t0
+    (out / "instability.json").write_text(json.dumps(report, indent=1, default=float))
+    if "summary" in report:
+        plot_seeds(runs, names, seeds, report["summary"], GOAL_PCT, out / "instability_seeds.png",
+                   title=f"planted channel (α = {args.alpha:g} at step {args.plant_at}); band: min-max over seeds")
+    written = plot_runs(runs / f"seed{seeds[0]}", out_dir=runs / f"seed{seeds[0]}")
     if written:
         import shutil
-        shutil.copy(runs / "loss.png", out / "instability_loss.png")
-        if (runs / "max_activation.png").exists():
-            shutil.copy(runs / "max_activation.png", out / "instability_max_activation.png")
-    if "sweep" in results:
-        plot_sweep(results["sweep"], out / "instability_sweep.png")
-    print(f"wall {results['wall_s']:.0f} s")
+        shutil.copy(runs / f"seed{seeds[0]}" / "loss.png", out / "instability_loss.png")
+        if (runs / f"seed{seeds[0]}" / "max_activation.png").exists():
+            shutil.copy(runs / f"seed{seeds[0]}" / "max_activation.png", out / "instability_max_activation.png")
+    if "sweep" in report:
+        plot_sweep(report["sweep"], out / "instability_sweep.png")
+    print(f"wall {report['wall_s'] / 60:.1f} min")
     return 0
 
 
@@ -232,11 +253,12 @@ def plot_sweep(rows, path):
         print("sweep plot skipped: matplotlib is not installed")
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    xs = [max(r["alpha"], 1.0) for r in rows]
+    xs = [r["alpha"] for r in rows]
     for name, _, _ in RUNS:
         ax.plot(xs, [r[name] for r in rows], "o-", label=name)
     ax.set_xscale("log")
-    ax.set_xlabel("α (planted ‖w1‖ = ‖w2‖ = α; α = 0 plotted at 1)")
+    ax.set_yscale("log")
+    ax.set_xlabel("α (planted ‖w1‖ = ‖w2‖ = α)")
     ax.set_ylabel("validation loss")
     ax.set_title("same weights, planted outlier of growing norm")
     ax.grid(alpha=0.3)
