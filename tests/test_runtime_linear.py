@@ -260,6 +260,9 @@ def test_compiled_stochastic_cast_specials_and_the_eager_twin_agree():
     got = cpu.cast_stochastic(tiny, torch.tensor(1.0), E5M2, torch.Generator().manual_seed(0))[0].float()
     assert set(got.unique().tolist()) <= {0.0, E5M2.min_subnormal}
     assert abs(got.mean().item() / (E5M2.min_subnormal / 8) - 1) < 0.05
+    for v in (3e-20, 1e-30, 1e-40):  # 2^40+ below it (shift counts past the int width): always 0
+        far = cpu.cast_stochastic(torch.full((1 << 16,), v), torch.tensor(1.0), E5M2)[0].float()
+        assert (far == 0).all()
 
 
 def test_uniform_bits_are_uniform_and_uncorrelated():

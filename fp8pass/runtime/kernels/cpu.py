@@ -165,7 +165,7 @@ def _stochastic_cast_math(x, scale, seed, fmax: float, mbits: int, emin: int, dt
     sig = torch.where(normal, (mag & 0x7FFFFF) | 0x800000, mag & 0x7FFFFF)
     s = 23 - mbits + torch.clamp(emin - e, min=0)
     s_cap = torch.clamp(s, max=30)
-    sig = sig >> (s - s_cap)
+    sig = sig >> torch.clamp(s - s_cap, max=31)  # sig < 2**24: any shift >= 24 gives 0; >= 32 is undefined in C
     mask = (1 << s_cap) - 1
     u = uniform_bits(v.numel(), seed, v.device) & mask
     n = (sig >> s_cap) + (((sig & mask) + u) >> s_cap)
