@@ -74,10 +74,11 @@ def run_dir(root: str | Path, seed: int, name: str) -> Path:
     return Path(root) / f"seed{seed}" / name
 
 
-def plot_seeds(root: str | Path, names: list[str], seeds: list[int], summary: dict, goal_pct: float,
+def plot_seeds(root: str | Path, names: list[str], seeds: list[int], summary: dict, goal_pct: float | None,
                path: str | Path, title: str = "") -> Path | None:
     """Two panels: validation loss per run (mean over seeds, band min-max) and the per-seed final gaps
-    to the baseline ``names[0]`` with their mean +- 2 standard errors against the goal band."""
+    to the baseline ``names[0]`` with their mean +- 2 standard errors (against the goal band |gap| <
+    ``goal_pct``, when there is a goal)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -105,11 +106,14 @@ def plot_seeds(root: str | Path, names: list[str], seeds: list[int], summary: di
             bx.errorbar([k + 0.15], [s["mean_gap_pct"]], yerr=[err], fmt="s", color=line.get_color(), capsize=4)
     ax.set_xlabel("step"); ax.set_ylabel("validation loss (nats/byte)"); ax.set_yscale("log")
     ax.set_title(title or "validation loss (band: min-max over seeds)"); ax.grid(alpha=0.3); ax.legend(fontsize=7)
-    bx.axhspan(-goal_pct, goal_pct, color="green", alpha=0.1, label=f"goal: |gap| < {goal_pct}%")
+    if goal_pct:
+        bx.axhspan(-goal_pct, goal_pct, color="green", alpha=0.1, label=f"goal: |gap| < {goal_pct}%")
     bx.axhline(0, color="k", lw=0.8)
     bx.set_xticks(range(len(names)), names, rotation=15, fontsize=7)
     bx.set_ylabel(f"final val-loss gap to {names[0]}, same seed (%)")
-    bx.set_title("per seed (dots); mean ± 2 s.e. (squares)"); bx.grid(alpha=0.3); bx.legend(fontsize=8)
+    bx.set_title("per seed (dots); mean ± 2 s.e. (squares)"); bx.grid(alpha=0.3)
+    if goal_pct:
+        bx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
