@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-__all__ = ["run_parallel", "gap_pct", "paired_gaps"]
+__all__ = ["run_parallel", "gap_pct", "paired_gaps", "run_dir", "finished_run", "plot_seeds"]
 
 
 def run_parallel(fn: Callable[[dict], dict], jobs: Iterable[dict], workers: int,
@@ -67,6 +67,32 @@ def paired_gaps(results: list[dict], baseline: str, key: str = "final_val_loss")
                      "mean_gap_pct": statistics.fmean(gaps) if gaps else float("nan"), "std_pct": sd,
                      "stderr_pct": sd / math.sqrt(len(gaps)) if len(gaps) > 1 else float("nan")}
     return out
+
+
+def finished_run(cfg) -> dict | None:
+    """The result of a run already finished in ``cfg.out`` with exactly this configuration, else None.
+
+    Lets an experiment be re-run with more runs or seeds without retraining what it has (delete the
+    run directory to force a rerun).
+    """
+    import json
+
+    from fp8pass.train.logging import read_metrics
+
+    out = Path(cfg.out)
+    try:
+        same = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
+    except (OSError, ValueError):
+        return None
+    recs = read_metrics(out / "metrics.jsonl")
+    end = [r for r in recs if r.get("kind") == "end"]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    train = [r for r in recs if r.get("kind") == "train"]
+    if not (same and end and end[-1]["step"] == cfg.steps and evals and evals[-1]["step"] == cfg.steps):
+        return None
+    return {"seed": cfg.seed, "status": end[-1]["status"], "final_val_loss": evals[-1]["val_loss"],
+            "final_train_loss": train[-1]["loss"] if train else float("nan"), "wall_s": end[-1]["wall_s"],
+            "reused": True}
 
 
 def run_dir(root: str | Path, seed: int, name: str) -> Path:

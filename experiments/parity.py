@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import paired_gaps, plot_seeds, run_dir, run_parallel  # noqa: E402
+from common import finished_run, paired_gaps, plot_seeds, run_dir, run_parallel  # noqa: E402
 
 from fp8pass.train import TrainConfig  # noqa: E402
 
@@ -40,6 +40,8 @@ RUNS = {
     "fp8-smooth": {"recipe": "fp8-smooth"},
     "bf16-fp8adam": {"recipe": "bf16-fp8adam"},
     "fp8": {"recipe": "fp8"},
+    "bf16-fp8adam-sr": {"recipe": "bf16-fp8adam", "moment_rounding": "stochastic"},
+    "fp8-smooth-fp8adam-sr": {"recipe": "fp8-smooth-fp8adam", "moment_rounding": "stochastic"},
 }
 GOAL_PCT = 0.5
 
@@ -51,6 +53,9 @@ def train_one(job: dict) -> dict:
     torch.set_num_threads(1)
     from fp8pass.train import load_text_data, train
     cfg = TrainConfig(**job["config"])
+    done = finished_run(cfg)
+    if done is not None:
+        return {"name": job["name"], **done}
     t = time.perf_counter()
     r = train(cfg, data=load_text_data())
     return {"name": job["name"], "seed": cfg.seed, "status": r.status, "final_val_loss": r.final_val_loss,

@@ -39,3 +39,22 @@ def test_parity_experiment_runs_end_to_end(tmp_path):
     assert len(rep["summary"]["fp8-smooth"]["gaps_pct"]) == 2
     assert all(g != 0 for g in rep["summary"]["fp8-smooth"]["gaps_pct"])  # fp8 really ran (not bf16)
     assert (tmp_path / "runs" / "seed1" / "fp8-smooth" / "checkpoint.pt").exists()
+
+
+def test_finished_run_is_reused_only_with_the_same_config(tmp_path):
+    from common import finished_run
+
+    from fp8pass.train import ModelConfig, TrainConfig, train
+    (tmp_path / "c.txt").write_text("".join(f"x{i} = {i} * y\n" for i in range(300)))
+    cfg = TrainConfig(recipe="bf16", steps=3, out=str(tmp_path / "run"), data=str(tmp_path / "c.txt"), batch_size=2,
+                      seq_len=16, model=ModelConfig(d_model=16, n_layers=1, n_heads=2, ffn=32, max_seq_len=16),
+                      eval_every=2, eval_batches=1, ckpt_every=3, monitor_every=0, warmup=1, progress=False)
+    assert finished_run(cfg) is None
+    r = train(cfg)
+    done = finished_run(cfg)
+    assert done["final_val_loss"] == r.final_val_loss and done["seed"] == cfg.seed and done["reused"]
+    cfg.lr *= 2
+    assert finished_run(cfg) is None           # another configuration: train again
+    cfg.lr /= 2
+    cfg.steps = 5
+    assert finished_run(cfg) is None           # more steps than were run

@@ -18,7 +18,8 @@ _TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": fl
           "eval_batches": int, "ckpt_every": int, "monitor_every": int, "max_data_bytes": int,
           "d_model": int, "n_layers": int, "n_heads": int, "ffn": int}
 _CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed", "current"),
-            "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "m_format": ("e4m3", "e5m2"), "v_format": ("e4m3", "e5m2")}
+            "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "m_format": ("e4m3", "e5m2"), "v_format": ("e4m3", "e5m2"),
+            "moment_rounding": ("nearest", "stochastic")}
 
 
 def add_train_parser(sub) -> None:

@@ -38,7 +38,8 @@ class TrainConfig:
         betas, eps, grad_clip: AdamW and global-norm clipping (0 disables clipping).
         scaling: fp8 scaling recipe, "delayed" | "current".
         smooth: Smooth-SwiGLU form for the -smooth recipes, "channel" (paper) | "token" (reference code).
-        m_format, v_format, block_size: FP8 moment formats and block for fp8-smooth-fp8adam.
+        m_format, v_format, block_size, moment_rounding: FP8 moment formats, scaling block and
+            rounding ("nearest" | "stochastic") for the -fp8adam recipes.
         model: the TinyLlama shape.
         eval_every, eval_batches: validation cadence and size (fixed validation batches).
         ckpt_every: checkpoint cadence (a checkpoint is always written at the end).
@@ -70,6 +71,7 @@ class TrainConfig:
     m_format: str = "e4m3"
     v_format: str = "e5m2"
     block_size: int = 128
+    moment_rounding: str = "nearest"
     model: ModelConfig = field(default_factory=ModelConfig)
     eval_every: int = 40
     eval_batches: int = 8
@@ -91,6 +93,8 @@ class TrainConfig:
             raise ValueError(f"unknown smooth mode {self.smooth!r}; valid: channel, token")
         if self.compiler not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"unknown compiler {self.compiler!r}; valid: inductor, aot_eager, eager")
+        if self.moment_rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"unknown moment_rounding {self.moment_rounding!r}; valid: nearest, stochastic")
         if self.scaling not in ("delayed", "current"):
             raise ValueError(f"unknown scaling {self.scaling!r}; valid: delayed, current")
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every"):
@@ -185,7 +189,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
     torch.manual_seed(cfg.seed)
     model = TinyLlama(cfg.model)
     opt = build_optimizer(model, recipe, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
-                          m_format=cfg.m_format, v_format=cfg.v_format, block_size=cfg.block_size)
+                          m_format=cfg.m_format, v_format=cfg.v_format, block_size=cfg.block_size,
+                          rounding=cfg.moment_rounding)
     start = 0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])

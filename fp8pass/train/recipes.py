@@ -95,7 +95,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, *, lr: float, weight_decay: float,
                     betas=(0.9, 0.95), eps: float = 1e-8, m_format: str = "e4m3", v_format: str = "e5m2",
-                    block_size: int = 128):
+                    block_size: int = 128, rounding: str = "nearest"):
     groups = param_groups(model, weight_decay)
     if recipe.fp8_adam:
         try:
@@ -104,5 +104,5 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, *, lr: float, weight
             raise RuntimeError(f"recipe {recipe.name!r} needs fp8pass.optim, which this installation lacks "
                                f"({e}); use --recipe fp8-smooth") from None
         return fp8optim.AdamW(groups, lr=lr, betas=betas, eps=eps, m_format=m_format, v_format=v_format,
-                              block_size=block_size)
+                              block_size=block_size, rounding=rounding)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
