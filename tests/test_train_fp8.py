@@ -45,6 +45,7 @@ def test_recompile_limit_raises_instead_of_training_without_fp8(tmp_path, corpus
     """Past Dynamo's recompile limit the model would silently run eagerly (bf16): the trainer raises."""
     warnings.simplefilter("ignore")
     torch._dynamo.reset()
+    monkeypatch.setenv("FP8PASS_CPU_FUSED", "0")  # keep the runtime's compiled casts out of the low limit
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     train(cfg(tmp_path, corpus, "first", steps=1, eval_every=5, ckpt_every=5))  # train + eval: both entries
     with pytest.raises(RuntimeError, match="recompile limit.*fresh process"):
