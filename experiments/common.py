@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-__all__ = ["run_parallel", "gap_pct", "paired_gaps", "run_dir", "finished_run", "plot_seeds"]
+__all__ = ["run_parallel", "train_job", "gap_pct", "paired_gaps", "run_dir", "finished_run", "plot_seeds"]
 
 
 def run_parallel(fn: Callable[[dict], dict], jobs: Iterable[dict], workers: int,
@@ -38,6 +38,28 @@ def run_parallel(fn: Callable[[dict], dict], jobs: Iterable[dict], workers: int,
             if on_result:
                 on_result(r)
     return results
+
+
+def train_job(job: dict) -> dict:
+    """Train ``TrainConfig(**job["config"])`` in this (worker) process, single-threaded, and return
+    ``{"name": job["name"], "seed", "status", "final_val_loss", ...}``. A run already finished in its
+    directory with the same configuration is reused (:func:`finished_run`)."""
+    import time
+    import warnings
+
+    import torch
+
+    from fp8pass.train import TrainConfig, load_text_data, train
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    cfg = TrainConfig(**job["config"])
+    done = finished_run(cfg)
+    if done is not None:
+        return {"name": job["name"], **done}
+    t = time.perf_counter()
+    r = train(cfg, data=load_text_data(cfg.data))
+    return {"name": job["name"], "seed": cfg.seed, "status": r.status, "final_val_loss": r.final_val_loss,
+            "final_train_loss": r.final_loss, "wall_s": time.perf_counter() - t}
 
 
 def gap_pct(x: float, base: float) -> float:

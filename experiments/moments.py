@@ -18,28 +18,14 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import paired_gaps, plot_seeds, run_dir, run_parallel  # noqa: E402
+from common import paired_gaps, plot_seeds, run_dir, run_parallel, train_job  # noqa: E402
 
-from fp8pass.train import TrainConfig  # noqa: E402
 
 COMBOS = (("fp32", None, None), ("m-e4m3_v-e5m2", "e4m3", "e5m2"), ("m-e4m3_v-e4m3", "e4m3", "e4m3"),
           ("m-e5m2_v-e5m2", "e5m2", "e5m2"), ("m-e5m2_v-e4m3", "e5m2", "e4m3"))
-
-
-def train_one(job: dict) -> dict:
-    import torch
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    from fp8pass.train import load_text_data, train
-    cfg = TrainConfig(**job["config"])
-    t = time.perf_counter()
-    r = train(cfg, data=load_text_data())
-    return {"name": job["name"], "seed": cfg.seed, "status": r.status, "final_val_loss": r.final_val_loss,
-            "final_train_loss": r.final_loss, "wall_s": time.perf_counter() - t}
 
 
 def main(argv=None) -> int:
@@ -62,7 +48,7 @@ def main(argv=None) -> int:
                                           ckpt_every=args.steps, monitor_every=0, progress=False)}
             for seed in seeds for name, m, v in COMBOS]
     t0 = time.perf_counter()
-    results = run_parallel(train_one, jobs, args.workers, lambda r: print(
+    results = run_parallel(train_job, jobs, args.workers, lambda r: print(
         f"{r['name']:16s} seed {r['seed']}  {r['status']:8s} val {r['final_val_loss']:.4f}  {r['wall_s']:.0f}s",
         flush=True))
     summary = paired_gaps(results, "fp32")

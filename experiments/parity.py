@@ -27,11 +27,10 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finished_run, paired_gaps, plot_seeds, run_dir, run_parallel  # noqa: E402
+from common import paired_gaps, plot_seeds, run_dir, run_parallel, train_job  # noqa: E402
 
 from fp8pass.train import TrainConfig  # noqa: E402
 
@@ -47,22 +46,6 @@ RUNS = {
     "fp8-smooth-fp8adam-sr": {"recipe": "fp8-smooth-fp8adam", "moment_rounding": "stochastic"},
 }
 GOAL_PCT = 0.5
-
-
-def train_one(job: dict) -> dict:
-    """Train one (run, seed) in this worker process, single-threaded."""
-    import torch
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    from fp8pass.train import load_text_data, train
-    cfg = TrainConfig(**job["config"])
-    done = finished_run(cfg)
-    if done is not None:
-        return {"name": job["name"], **done}
-    t = time.perf_counter()
-    r = train(cfg, data=load_text_data())
-    return {"name": job["name"], "seed": cfg.seed, "status": r.status, "final_val_loss": r.final_val_loss,
-            "final_train_loss": r.final_loss, "wall_s": time.perf_counter() - t}
 
 
 def main(argv=None) -> int:
@@ -95,7 +78,7 @@ def main(argv=None) -> int:
     # the slowest (fp8) jobs first, so the two workers finish together
     jobs.sort(key=lambda j: not TrainConfig(**j["config"]).recipe.startswith("fp8"))
     t0 = time.perf_counter()
-    results = run_parallel(train_one, jobs, args.workers, lambda r: print(
+    results = run_parallel(train_job, jobs, args.workers, lambda r: print(
         f"{r['name']:20s} seed {r['seed']}  {r['status']:8s} val {r['final_val_loss']:.4f}  {r['wall_s']:.0f}s",
         flush=True))
     summary = paired_gaps(results, names[0])
