@@ -1,6 +1,6 @@
 """NVFP4 recipe experiment: tiny Llama, byte-level, BF16-style high precision vs NVFP4 vs NVFP4+HCP, ablations.
 
-    python experiments/nvfp4.py --steps 150 --out docs/results/nvfp4
+    python experiments/nvfp4.py --steps 150 --seeds 0,1,2,3 --out docs/results/nvfp4
 
 Every run: same seed, same data order, AdamW; the model compiled with ``fp8pass.backend`` and
 ``Config(recipe=NVFP4Scaling(...), compiler="eager")`` (the rewritten graph runs as is: compiling with
@@ -8,9 +8,11 @@ Inductor changes nothing numerically and costs minutes on a shared CPU). The bas
 model in fp32 without the backend. Validation: mean loss over fixed held-out windows, computed with
 the run's own numerics. Writes ``<out>.json`` and ``<out>.png``.
 
-Corpus: the interpreter's standard library ``*.py`` files (every machine has them), bytes as tokens;
-files whose sorted index is divisible by 20 are validation. This mirrors fp8pass.train.data (trainer
-branch) without depending on it.
+Model and corpus are the trainer's (``fp8pass.train``): ``TinyLlama`` with
+``ModelConfig(d_model=64, n_layers=4, n_heads=4, ffn=176)`` and the embedded standard-library text
+(``load_text_data``), batches from its ``batch(split, ...)``. The loop is written out here rather than
+run through ``fp8pass.train.train`` because the trainer's recipes are bf16-autocast ones and this
+experiment compares NVFP4 against fp32.
 """
 
 from __future__ import annotations
@@ -19,92 +21,19 @@ import argparse
 import json
 import math
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fp8pass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import fp8pass
 from fp8pass import Config, HotChannelPatching, NVFP4Scaling
+from fp8pass.train import ModelConfig, TinyLlama, load_text_data
 
-
-def load_corpus(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
-    files = sorted(f for f in root.rglob("*.py") if not skip.intersection(f.relative_to(root).parts[:-1]))
-    train, val = bytearray(), bytearray()
-    for i, f in enumerate(files):
-        (val if i % 20 == 0 else train).extend(f.read_bytes())
-        if len(train) >= max_bytes and len(val) >= max_bytes // 10:
-            break
-    return (torch.frombuffer(bytearray(train[:max_bytes]), dtype=torch.uint8).long(),
-            torch.frombuffer(bytearray(val[:max_bytes // 10]), dtype=torch.uint8).long())
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-def rope(x):
-    b, s, h, d = x.shape
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
-    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads, hidden):
-        super().__init__()
-        self.heads = heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=False) for _ in range(4))
-        self.w1, self.w3 = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d, bias=False)
-        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        h = self.n1(x)
-        q = rope(self.wq(h).view(b, s, self.heads, -1)).transpose(1, 2)
-        k = rope(self.wk(h).view(b, s, self.heads, -1)).transpose(1, 2)
-        v = self.wv(h).view(b, s, self.heads, -1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        x = x + self.wo(o)
-        h = self.n2(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
-
-
-class TinyLlama(nn.Module):
-    def __init__(self, d=64, layers=4, heads=4, hidden=176, vocab=256):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(Block(d, heads, hidden) for _ in range(layers))
-        self.norm = RMSNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for blk in self.layers:
-            h = blk(h)
-        return self.lm_head(self.norm(h))
-
-
-def batch(data, step, bsz, seq, seed):
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    idx = torch.randint(0, data.numel() - seq - 1, (bsz,), generator=g)
-    w = torch.stack([data[i:i + seq + 1] for i in idx.tolist()])
-    return w[:, :-1], w[:, 1:]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import paired_gaps  # noqa: E402
 
 
 RUNS = {
@@ -118,9 +47,9 @@ RUNS = {
 }
 
 
-def run(name, recipe, args, train, val):
-    torch.manual_seed(args.seed)
-    model = TinyLlama(layers=args.layers)
+def run(name, recipe, args, data, seed):
+    torch.manual_seed(seed)
+    model = TinyLlama(ModelConfig(d_model=64, n_layers=args.layers, n_heads=4, ffn=176, max_seq_len=args.seq))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -129,8 +58,8 @@ def run(name, recipe, args, train, val):
                                                                                           compiler="eager")))
     losses, t0 = [], time.perf_counter()
     for step in range(args.steps):
-        x, y = batch(train, step, args.batch, args.seq, args.seed)
-        loss = F.cross_entropy(fwd(x).reshape(-1, 256), y.reshape(-1))
+        x, y = data.batch("train", args.batch, args.seq, seed, step)
+        loss = fwd(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -139,11 +68,10 @@ def run(name, recipe, args, train, val):
         losses.append(loss.item())
     secs = time.perf_counter() - t0
     with torch.no_grad():
-        vl = [F.cross_entropy(fwd(x).reshape(-1, 256), y.reshape(-1)).item()
-              for x, y in (batch(val, 10_000 + i, args.batch, args.seq, 12345) for i in range(args.val_batches))]
-    out = {"name": name, "recipe": repr(recipe), "train_loss": losses, "val_loss": sum(vl) / len(vl),
+        vl = [fwd(*data.batch("val", args.batch, args.seq, 12345, i)).item() for i in range(args.val_batches)]
+    out = {"name": name, "seed": seed, "recipe": repr(recipe), "train_loss": losses, "val_loss": sum(vl) / len(vl),
            "seconds": secs}
-    print(f"{name:30s} val {out['val_loss']:.4f}  final train {sum(losses[-10:]) / 10:.4f}  {secs:.0f}s",
+    print(f"{name:30s} seed {seed}  val {out['val_loss']:.4f}  final train {sum(losses[-10:]) / 10:.4f}  {secs:.0f}s",
           flush=True)
     return out
 
@@ -155,27 +83,32 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated; every run on every seed, gaps paired by seed")
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--hcp-interval", type=int, default=10, help="HCP refresh interval (short runs)")
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--out", default="docs/results/nvfp4")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    train, val = load_corpus(2_000_000)
+    data = load_text_data()
+    names = args.runs.split(",")
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        ap.error(f"unknown runs {unknown}; valid: {', '.join(RUNS)}")
     results = []
-    for name in args.runs.split(","):
-        recipe = RUNS[name]
-        if recipe == "hcp":
-            recipe = NVFP4Scaling(hcp=HotChannelPatching(update_interval=args.hcp_interval))
-        results.append(run(name, recipe, args, train, val))
-    base = next((r for r in results if r["name"] == "high precision"), None)
-    if base:
-        for r in results:
-            r["val_gap_pct"] = 100 * (r["val_loss"] - base["val_loss"]) / base["val_loss"]
-            print(f"{r['name']:30s} gap to high precision {r['val_gap_pct']:+.2f}%")
+    for seed in (int(x) for x in args.seeds.split(",")):
+        for name in names:
+            recipe = RUNS[name]
+            if recipe == "hcp":
+                recipe = NVFP4Scaling(hcp=HotChannelPatching(update_interval=args.hcp_interval))
+            results.append(run(name, recipe, args, data, seed))
+    summary = paired_gaps(results, "high precision", key="val_loss") if "high precision" in names else {}
+    for name, s in summary.items():
+        print(f"{name:30s} gap to high precision: mean {s['mean_gap_pct']:+.2f}%  s.e. {s['stderr_pct']:.2f}  "
+              f"per seed {', '.join(f'{g:+.2f}' for g in s['gaps_pct'])}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "summary": summary, "results": results},
+                                                   indent=1))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -184,13 +117,18 @@ def main():
         fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
         k = 10
         for r in results:
+            if r["seed"] != results[0]["seed"]:
+                continue
             tl = r["train_loss"]
             sm = [sum(tl[max(0, i - k + 1):i + 1]) / len(tl[max(0, i - k + 1):i + 1]) for i in range(len(tl))]
             ax[0].plot(sm, label=r["name"])
-        ax[0].set_xlabel("step"); ax[0].set_ylabel(f"train loss ({k}-step mean)"); ax[0].legend(fontsize=7)
-        names = [r["name"] for r in results]
-        ax[1].barh(names, [r.get("val_gap_pct", 0.0) for r in results])
-        ax[1].set_xlabel("validation loss gap to high precision (%)")
+        ax[0].set_xlabel("step"); ax[0].set_ylabel(f"train loss ({k}-step mean), seed {results[0]['seed']}")
+        ax[0].legend(fontsize=7)
+        shown = list(summary)
+        ax[1].barh(shown, [summary[n]["mean_gap_pct"] for n in shown],
+                   xerr=[0.0 if math.isnan(summary[n]["stderr_pct"]) else summary[n]["stderr_pct"] for n in shown])
+        ax[1].axvline(0, color="k", lw=0.8)
+        ax[1].set_xlabel("validation loss gap to high precision (%), mean over seeds ± s.e.")
         fig.tight_layout()
         fig.savefig(args.out + ".png", dpi=110)
     except ImportError:
