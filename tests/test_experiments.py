@@ -58,3 +58,95 @@ def test_finished_run_is_reused_only_with_the_same_config(tmp_path):
     cfg.lr /= 2
     cfg.steps = 5
     assert finished_run(cfg) is None           # more steps than were run
+
+
+def test_instability_plants_have_the_defining_pre_activation_and_keep_w1_equal_w2():
+    """saturated: u·x far below 0 off the trigger byte (Theorem 1's σ′ → 0); sparse: u·x ≈ 0 there.
+    Both: u·x > 0 on the trigger byte, w_gate row = w_up row = α·u, and w_down's column divided by α²."""
+    import torch
+    from outlier_plant import fit_directions, plant
+
+    from fp8pass.train import ModelConfig, TinyLlama, load_text_data
+    torch.manual_seed(0)
+    data = load_text_data()
+    model = TinyLlama(ModelConfig(d_model=32, n_layers=2, n_heads=2, ffn=64))
+    sat, sat_stats = fit_directions(model, data, 0, "saturated")
+    sparse, sparse_stats = fit_directions(model, data, 0, "sparse")
+    for s, p in zip(sat_stats, sparse_stats):
+        assert s["ux_on_trigger_mean"] > 0 and p["ux_on_trigger_mean"] > 0
+        assert s["others_positive_frac"] < 0.1                         # the gate is shut off the trigger...
+        assert s["others_abs_mean"] > 0.5 * s["ux_on_trigger_mean"]           # ...but the linear branch is large
+        assert p["others_abs_mean"] < 0.2 * p["ux_on_trigger_mean"]           # sparse: small off the trigger
+    assert all(torch.linalg.vector_norm(u).item() == pytest.approx(1.0) for u in sat + sparse)
+    cols = [layer.mlp.down_proj.weight[:, 0].detach().clone() for layer in model.layers]
+    plant(model, sparse, 300.0, cols)
+    for layer, u, col in zip(model.layers, sparse, cols):
+        assert torch.equal(layer.mlp.gate_proj.weight[0], layer.mlp.up_proj.weight[0])
+        assert torch.allclose(layer.mlp.gate_proj.weight[0], 300.0 * u)
+        assert torch.allclose(layer.mlp.down_proj.weight[:, 0] * 300.0 ** 2, col)
+    with pytest.raises(ValueError, match="unknown plant 'dense'"):
+        fit_directions(model, data, 0, "dense")
+
+
+def test_instability_reuses_a_finished_run_only_for_the_same_plant(tmp_path):
+    import json as _json
+
+    from instability import RESULT, finished
+    job = {"name": "fp8", "seed": 0, "plant_at": 50, "alpha": 200.0, "plant": "sparse",
+           "config": {"recipe": "fp8", "steps": 150, "out": str(tmp_path)}}
+    assert finished(job) is None
+    (tmp_path / RESULT).write_text(_json.dumps({"job": job, "result": {"final_val_loss": 2.5, "val_loss": {"25": 3.0}}}))
+    assert finished(job) is None                      # no checkpoint: the run did not finish
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    assert finished(job) == {"final_val_loss": 2.5, "val_loss": {25: 3.0}, "train_loss": {}, "reused": True}
+    assert finished({**job, "alpha": 300.0}) is None  # another plant: train again
+    assert finished({**job, "plant": "saturated"}) is None
+
+
+def test_instability_fit_sample_adds_windows_for_a_rare_trigger_and_rejects_an_absent_one():
+    from outlier_plant import fit_sample
+
+    from fp8pass.train import load_text_data
+    data = load_text_data()
+    for seed in (0, 2):   # seed 2's batches hold only 29 '#': still enough, the recorded plants stay as they were
+        common = fit_sample(data, seed, ord("#"))
+        assert common.shape == (64, 128) and int((common == ord("#")).sum()) >= 8   # 4 random batches suffice
+    rare = fit_sample(data, 0, ord("$"))
+    assert rare.shape == (128, 128) and int((rare == ord("$")).sum()) >= 64        # + 64 windows with a '$'
+    with pytest.raises(ValueError, match="does not occur"):
+        fit_sample(data, 0, 0)
+
+
+def test_loss_spikes_are_paired_by_seed_and_step_after_the_plant():
+    from instability import loss_spikes
+    base = {s: 2.0 for s in range(1, 21)}
+    spiky = {**base, 12: 3.0}                                      # one step 50% above bf16
+    runs = [{"name": "bf16", "seed": 0, "train_loss": base}, {"name": "fp8", "seed": 0, "train_loss": spiky},
+            {"name": "bf16", "seed": 1, "train_loss": {**base, 12: 3.0}}, {"name": "fp8", "seed": 1, "train_loss": spiky}]
+    out = loss_spikes(runs, "bf16", after=5, window=5)
+    assert out["fp8"][0] == pytest.approx(10.0)   # 5-step mean: (4*2 + 3) / (5*2) - 1
+    assert out["fp8"][1] == pytest.approx(0.0)    # seed 1's baseline spiked at the same step: no excess
+    assert loss_spikes(runs, "bf16", after=15, window=5)["fp8"] == [0.0, 0.0]   # the spike was before `after`
+
+
+def test_instability_mechanism_token_scale_stats_see_the_planted_channel():
+    """The planted channel inflates the token scale r_t and the token form's operand keeps an outlier
+    far smaller than h's (linear rather than quadratic in α)."""
+    import torch
+    from outlier_plant import fit_directions, plant
+    from instability_mechanism import token_scale_stats
+
+    from fp8pass.train import ModelConfig, TinyLlama, load_text_data
+    torch.manual_seed(0)
+    data = load_text_data()
+    model = TinyLlama(ModelConfig(d_model=32, n_layers=2, n_heads=2, ffn=64))
+    x = data.batch("val", 4, 64, 0, 0)[0]
+    before = token_scale_stats(model, x, ord("#"))
+    dirs, _ = fit_directions(model, data, 0, "saturated")
+    plant(model, dirs, 100.0, [layer.mlp.down_proj.weight[:, 0].detach().clone() for layer in model.layers])
+    after = token_scale_stats(model, x, ord("#"))
+    for b, a in zip(before, after):
+        assert a["r_inflation_median"] > 10 * b["r_inflation_median"]
+        assert a["amax_h"] > 100 * b["amax_h"]
+        assert a["amax_A"] < a["amax_h"] / 10
+        assert a["median_ordinary_A"] < b["median_ordinary_A"] / 10
