@@ -197,6 +197,8 @@ class Config:
         smooth_swiglu: Smooth-SwiGLU form for every matched GLU: "channel" (the paper: one scale per
             channel of the GLU output, folded into the down-projection weight), "token" (the
             authors' reference code: one scale per token) or None (plain FP8 down projection).
+            "token" protects less: its scale comes from the linear branch, which an aligned
+            large-norm channel dominates on every token (docs/results/instability.md).
         keep_high_precision: fnmatch globs; a linear whose weight FQN, or the FQN of the module that
             calls it, matches any of them stays in the model's dtype. The default keeps the LM head
             (HF ``lm_head``, torchtitan ``output``) and embeddings, as the paper does.
