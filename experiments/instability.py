@@ -216,7 +216,7 @@ def main(argv=None) -> int:
         for name, s in report["summary"].items():
             print(f"  {name:20s} gap to bf16: mean {s['mean_gap_pct']:+.2f}%  s.e. {s['stderr_pct']:.2f}  "
                   f"per seed {', '.join(f'{g:+.2f}' for g in s['gaps_pct'])}  "
-                  f"largest train-loss excess {', '.join(f'{g:+.1f}' for g in report['spikes'][name])}%")
+                  f"largest train-loss excess {', '.join(f'{g:+.1f}' for g in report['spikes'].get(name, []))}%")
 
     # Phase B: the seed-0 bf16 run's final weights, its plant directions and pre-plant w_down columns.
     first = run_dir(runs, seeds[0], "bf16")
@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     if "sweep" in report:
         plot_sweep(report["sweep"], out / f"{tag}_sweep.png")
     if report.get("runs"):  # the seed where plain FP8's training loss strays furthest from bf16's
-        worst = max(zip(report["spikes"].get("fp8", []), sorted(seeds)), default=(0, seeds[0]))[1]
+        spikes = report["spikes"].get("fp8", [])
+        worst = max(zip(spikes, sorted(seeds)))[1] if len(spikes) == len(seeds) else seeds[0]
         plot_excess(report["runs"], worst, args, out / f"{tag}_excess.png")
     print(f"wall {report['wall_s'] / 60:.1f} min")
     return 0
@@ -273,10 +274,12 @@ def plot_excess(runs, seed, args, path, window=5):
         ax.plot(xs, ys, label=name)
     hits = [k for k in sorted(base) if k > args.plant_at and bool(
         (data.batch("train", cfg.batch_size, cfg.seq_len, seed, k - 1)[0] == ord(args.trigger)).any())]
-    for k in hits[:60]:
+    sparse_hits = len(hits) <= 0.5 * sum(1 for k in base if k > args.plant_at)
+    for k in hits if sparse_hits else []:  # a trigger in most batches would grey out the plot
         ax.axvline(k, color="grey", lw=0.6, alpha=0.5)
     ax.axvline(args.plant_at, color="k", ls="--", lw=0.8)
-    ax.set_xlabel(f"step (dashed: plant; grey: batches containing {args.trigger!r})")
+    ax.set_xlabel(f"step (dashed: plant; grey: batches containing {args.trigger!r})" if sparse_hits else
+                  f"step (dashed: plant; {len(hits)} of the batches after it contain {args.trigger!r})")
     ax.set_ylabel(f"train loss over bf16 (%, {window}-step mean)")
     ax.set_title(f"seed {seed} (plain FP8's largest excess): {args.plant} plant, α = {args.alpha:g}, "
                  f"trigger {args.trigger!r}", fontsize=10)
