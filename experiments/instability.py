@@ -76,6 +76,17 @@ def val_loss(fwd, data, seed, batches=8):
     return tot / batches
 
 
+def forward_for(model, recipe, smooth, data, seed):
+    """The callable that evaluates ``model`` in a recipe's precision: the model itself for bf16, else
+    compiled with the fp8 backend, its delayed-scaling histories filled on 2 validation batches."""
+    if recipe == "bf16":
+        return model
+    cfg = fp8pass.Config(smooth_swiglu=smooth if recipe == "fp8-smooth" else None, compiler="eager")
+    fwd = torch.compile(model, backend=fp8pass.backend(cfg))
+    val_loss(fwd, data, seed, 2)
+    return fwd
+
+
 def sweep(weights, dirs, cols, data, alphas, seed):
     """Validation loss of the same weights, planted with each α, per precision (own model copies)."""
     out = []
@@ -85,13 +96,7 @@ def sweep(weights, dirs, cols, data, alphas, seed):
             m = TinyLlama(ModelConfig())
             m.load_state_dict(weights)
             plant(m, dirs, alpha, cols)
-            if recipe == "bf16":
-                fwd = m
-            else:
-                cfg = fp8pass.Config(smooth_swiglu=smooth if recipe == "fp8-smooth" else None, compiler="eager")
-                fwd = torch.compile(m, backend=fp8pass.backend(cfg))
-                val_loss(fwd, data, seed, 2)          # fill the delayed-scaling histories first
-            row[name] = val_loss(fwd, data, seed)
+            row[name] = val_loss(forward_for(m, recipe, smooth, data, seed), data, seed)
             torch._dynamo.reset()
         print("sweep", {k: round(v, 4) for k, v in row.items()}, flush=True)
         out.append(row)

@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fp8pass  # noqa: E402
 from fp8pass.train import ModelConfig, TinyLlama, load_text_data  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from instability import RUNS, val_loss  # noqa: E402
+from instability import RUNS, forward_for, val_loss  # noqa: E402
 from outlier_plant import plant  # noqa: E402
 
 
@@ -82,13 +81,7 @@ def loss_by_position(weights, plant_info, alpha, data, seed, trigger, batches):
     """Per recipe: total excess over bf16 (%) and its split by position kind (section 2)."""
     per = {}
     for name, recipe, smooth in RUNS:
-        model = planted_model(weights, plant_info, alpha)
-        if recipe == "bf16":
-            fwd = model
-        else:
-            cfg = fp8pass.Config(smooth_swiglu=smooth if recipe == "fp8-smooth" else None, compiler="eager")
-            fwd = torch.compile(model, backend=fp8pass.backend(cfg))
-            val_loss(fwd, data, seed, 2)          # fill the delayed-scaling histories first
+        fwd = forward_for(planted_model(weights, plant_info, alpha), recipe, smooth, data, seed)
         ce, kinds = [], []
         for i in range(batches):
             x, y = data.batch("val", 16, 128, seed, i)
