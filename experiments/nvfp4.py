@@ -1,4 +1,4 @@
-"""NVFP4 recipe experiment: tiny Llama, byte-level, BF16-style high precision vs NVFP4 vs NVFP4+HCP, ablations.
+"""NVFP4 recipe experiment: tiny Llama, byte-level, fp32 high precision vs NVFP4 vs NVFP4+HCP, ablations.
 
     python experiments/nvfp4.py --steps 150 --seeds 0,1,2,3 --out docs/results/nvfp4
 
