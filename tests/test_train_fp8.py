@@ -46,10 +46,11 @@ def test_recompile_limit_raises_instead_of_training_without_fp8(tmp_path, corpus
     warnings.simplefilter("ignore")
     torch._dynamo.reset()
     monkeypatch.setenv("FP8PASS_CPU_FUSED", "0")  # keep the runtime's compiled casts out of the low limit
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    train(cfg(tmp_path, corpus, "first", steps=1, eval_every=5, ckpt_every=5))  # train + eval: both entries
-    with pytest.raises(RuntimeError, match="recompile limit.*fresh process"):
-        train(cfg(tmp_path, corpus, "second", steps=1, eval_every=5, ckpt_every=5))
+    # config.patch restores the setting on exit; monkeypatch.setattr's undo deletes it on pytest >= 9.2
+    with torch._dynamo.config.patch(recompile_limit=2):
+        train(cfg(tmp_path, corpus, "first", steps=1, eval_every=5, ckpt_every=5))  # train + eval: both entries
+        with pytest.raises(RuntimeError, match="recompile limit.*fresh process"):
+            train(cfg(tmp_path, corpus, "second", steps=1, eval_every=5, ckpt_every=5))
     torch._dynamo.reset()
 
 

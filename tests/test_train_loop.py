@@ -84,7 +84,15 @@ def test_config_errors():
         TrainConfig(seq_len=512)
 
 
-def test_cli_trains_plots_and_resumes(tmp_path, corpus, capsys):
+@pytest.fixture
+def restore_num_threads():
+    """`train` sets torch's thread count (--threads) for the whole process: put it back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_cli_trains_plots_and_resumes(tmp_path, corpus, capsys, restore_num_threads):
     out = tmp_path / "demo"
     args = ["train", "--recipe", "bf16", "--steps", "4", "--out", str(out), "--data", corpus, "--batch-size", "2",
             "--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--ffn", "64",
