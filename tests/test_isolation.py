@@ -23,6 +23,8 @@ MUTATING_TESTS = [
     "test_optim.py::test_state_bytes_per_parameter",
     "test_kernel_families.py::test_quantize_dispatch_uses_triton",
     "test_kernel_families.py::test_bad_family_name",
+    "test_runtime_linear.py::test_gemm_dtype_follows_cpu_capability_and_override",
+    "test_train_loop.py::test_precision_follows_the_cpu_and_is_recorded",
     "test_train_fp8.py::test_compiled_identity_pipeline_tracks_eager_across_optimizer_steps",
 ]
 

@@ -316,3 +316,62 @@ def test_many_format_dtype_variants_stay_compiled():
             codes, _, upc = cpu.cast(torch.randn(n).to(src), torch.tensor(1.0), fmt, torch.bfloat16)
             assert torch.equal(upc, codes.to(torch.bfloat16))
     assert cpu.fused_enabled()
+
+
+def test_gemm_dtype_follows_cpu_capability_and_override(monkeypatch):
+    """bf16 GEMMs only where oneDNN has native bf16 (else ~100x slower than fp32); the env var forces."""
+    from fp8pass.runtime.linear import _up
+
+    monkeypatch.delenv("FP8PASS_CPU_GEMM_DTYPE", raising=False)
+    bf = torch.empty(1, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)   # AVX512-BF16 / AMX
+    assert cpu.fast_matmul_dtype() == torch.bfloat16
+    assert cpu.gemm_dtype(torch.bfloat16) == cpu.gemm_dtype(torch.bfloat16, bf, bf) == torch.bfloat16
+    assert cpu.gemm_dtype(torch.float32) == torch.float32  # a bf16 GEMM output would round fp32 results
+    assert _up("cpu", torch.bfloat16) == torch.bfloat16
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)  # AVX2 only
+    assert cpu.fast_matmul_dtype() == torch.float32
+    assert cpu.gemm_dtype(torch.bfloat16, bf, bf) == torch.float32
+    assert _up("cpu", torch.bfloat16) == torch.float32
+    assert cpu.cpu_capability()["fast_matmul_dtype"] == "float32"
+    monkeypatch.setenv("FP8PASS_CPU_GEMM_DTYPE", "bf16")    # forced, whatever the CPU
+    assert cpu.gemm_dtype(torch.bfloat16) == torch.bfloat16
+    assert cpu.gemm_dtype(torch.float16) == torch.float32
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    monkeypatch.setenv("FP8PASS_CPU_GEMM_DTYPE", "FP32")
+    assert cpu.gemm_dtype(torch.bfloat16) == torch.float32
+    monkeypatch.setenv("FP8PASS_CPU_GEMM_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="FP8PASS_CPU_GEMM_DTYPE='fp16'; valid: auto, bf16, fp32"):
+        cpu.gemm_dtype(torch.bfloat16)
+
+
+@pytest.mark.parametrize("recipe", [None, fp8pass.DelayedScaling()], ids=["current", "delayed"])
+def test_fp8_linear_is_the_same_with_fp32_and_bf16_gemms(monkeypatch, recipe):
+    """FP8 codes are exact in bf16 and fp32 and both GEMMs accumulate in fp32: forward and backward
+    agree to the rounding of the bf16 outputs (the fp32 sums may differ in their last bits only)."""
+    monkeypatch.setenv("FP8PASS_KERNELS", "torch")
+    seen = []
+    real_gemm = cpu.gemm_tensor_scaled
+
+    def spy(a, a_scale, b, b_scale, out_dtype, bias=None):
+        seen.append(cpu.gemm_dtype(out_dtype, a, b))
+        return real_gemm(a, a_scale, b, b_scale, out_dtype, bias)
+
+    monkeypatch.setattr(cpu, "gemm_tensor_scaled", spy)
+    x, w, dy = _data(7, t=128, k=256, n=96, dtype=torch.bfloat16)
+    results = {}
+    for choice in ("fp32", "bf16"):
+        monkeypatch.setenv("FP8PASS_CPU_GEMM_DTYPE", choice)
+        seen.clear()
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = ops.fp8_linear(xr, wr, recipe=recipe, state=LinearScalingState(recipe) if recipe else None)
+        y.backward(dy)
+        assert set(seen) == {torch.float32 if choice == "fp32" else torch.bfloat16}  # fwd, dgrad, wgrad
+        assert len(seen) == 3
+        results[choice] = (y.detach(), xr.grad, wr.grad)
+    for a, b in zip(results["fp32"], results["bf16"]):
+        assert a.dtype == b.dtype == torch.bfloat16
+        a, b = a.float(), b.float()
+        ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(a.abs(), b.abs())  # one bf16 step (or less)
+        assert ((a - b).abs() <= ulp).all()
+        assert (a == b).float().mean() > 0.9  # mostly bit-identical: only rounding ties of the sums differ

@@ -146,3 +146,27 @@ def test_fp8_moments_resume_exactly(tmp_path, corpus):
                for s in states for t in s.values() if isinstance(t, torch.Tensor))
     ref = train(cfg(tmp_path, corpus, out=str(tmp_path / "ref"), **{**kw, "recipe": "bf16"}))
     assert ref.losses[:1] == full.losses[:1] and ref.losses[-1] != full.losses[-1]
+
+
+@pytest.mark.parametrize("native_bf16,expected", [(False, "fp32"), (True, "bf16")])
+def test_precision_follows_the_cpu_and_is_recorded(tmp_path, corpus, monkeypatch, native_bf16, expected):
+    """The high-precision baseline runs in this CPU's fast dtype (fp32 on AVX2-only CPUs, where bf16
+    matmuls are ~100x slower) and the run says which; the resolved value is saved for resume."""
+    from fp8pass.runtime.kernels import cpu
+    from fp8pass.train import TinyLlama, load_text_data
+
+    monkeypatch.delenv("FP8PASS_CPU_GEMM_DTYPE", raising=False)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: native_bf16)
+    r = train(cfg(tmp_path, corpus, steps=1, monitor_every=0, eval_every=1, ckpt_every=1))
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    meta = read_metrics(tmp_path / "run" / "metrics.jsonl", "meta")[0]
+    assert saved["precision"] == meta["precision"] == expected
+    assert meta["native_bf16"] is native_bf16 and meta["fast_matmul_dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[expected]
+    # The first loss is the model's loss computed in that dtype.
+    torch.manual_seed(0)
+    model = TinyLlama(SMALL)
+    x, y = load_text_data(corpus).batch("train", 4, 32, 0, 0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=expected == "bf16"):
+        assert model(x, y).item() == r.losses[0]
+    with pytest.raises(ValueError, match="unknown precision 'fp16'; valid: auto, bf16, fp32"):
+        TrainConfig(precision="fp16")

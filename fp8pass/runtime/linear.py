@@ -17,6 +17,7 @@ import torch
 from ..numerics import ROUNDINGS
 from ..config import GRANULARITIES, ALGOS
 from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
 
 __all__ = ["fp8_linear_op", "check_linear_args"]
@@ -46,13 +47,17 @@ def check_linear_args(x, weight, bias, fwd_format, bwd_format, granularity, bloc
         raise ValueError(f"unknown algo {algo!r}; valid: {', '.join(ALGOS)}")
 
 
-def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype | None:
-    """Dtype the CPU GEMM upcasts codes to (bf16 for bf16 outputs, else fp32)."""
+def _up(device, out_dtype) -> torch.dtype | None:
+    """Dtype the torch-family GEMM upcasts codes to (None: the Triton/CUDA path takes the codes).
+
+    On CPU, :func:`fp8pass.runtime.kernels.cpu.gemm_dtype` decides (bf16 only where this CPU has
+    native bf16 matmuls), so the casts upcast once, to what the GEMM will use.
+    """
+    if uses_triton(device):
+        return None
+    if torch.device(device).type == "cpu":
+        return cpu_kernels.gemm_dtype(out_dtype)
     return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-
-
-def _up(device, out_dtype):
-    return None if uses_triton(device) else _gemm_dtype(out_dtype)
 
 
 def _scale_shape(granularity, block, rows, cols, weight):

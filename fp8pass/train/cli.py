@@ -7,7 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from .model import ModelConfig
-from .recipes import RECIPES
+from .recipes import PRECISIONS, RECIPES, describe_precision
 
 DEFAULT_RECIPES = "bf16,fp8-smooth-fp8adam"
 # Flags that map 1:1 onto TrainConfig / ModelConfig fields (flag name = field name with dashes).
@@ -18,7 +18,7 @@ _TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": fl
           "d_model": int, "n_layers": int, "n_heads": int, "ffn": int}
 _CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed", "current"),
             "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "m_format": ("e4m3", "e5m2"), "v_format": ("e4m3", "e5m2"),
-            "moment_rounding": ("nearest", "stochastic")}
+            "moment_rounding": ("nearest", "stochastic"), "precision": PRECISIONS}
 
 
 def add_train_parser(sub) -> None:
@@ -113,7 +113,8 @@ def run_train(args) -> int:
           f"val {data.val.numel() / 1e6:.2f} MB, fingerprint {data.fingerprint})")
     results = []
     for cfg, resume in jobs:
-        print(f"== {cfg.recipe}: {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} bytes -> {cfg.out}")
+        print(f"== {cfg.recipe}: {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} bytes -> {cfg.out}; "
+              f"{describe_precision(cfg.precision)}")
         results.append(train(cfg, resume=resume, data=data))
     print("\nrecipe                 status     steps  train loss  val loss  tokens/s")
     for r, (cfg, _) in zip(results, jobs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
 from .model import ModelConfig, TinyLlama
-from .recipes import build_optimizer, fp8_config, get_recipe, prepare_model
+from .recipes import PRECISIONS, autocast, build_optimizer, fp8_config, get_recipe, prepare_model, resolve_precision
 
 __all__ = ["TrainConfig", "TrainResult", "train", "lr_at"]
 
@@ -45,6 +45,9 @@ class TrainConfig:
         ckpt_every: checkpoint cadence (a checkpoint is always written at the end).
         monitor_every: SwiGLU diagnostics cadence (0 = off).
         compile_bf16: run the bf16 recipe through torch.compile (Inductor) too.
+        precision: what the high-precision parts (the whole model in the bf16 recipes) run in:
+            "auto" (bf16 where this CPU has native bf16 matmuls, else fp32) | "bf16" | "fp32". The
+            run saves the resolved value, so a resume computes in the same dtype on any machine.
         compiler: what compiles the fp8 backend's rewritten graph: "inductor" | "aot_eager" (quicker
             to compile, slower steps; the tests use it).
         max_data_bytes: cap each split (None = all).
@@ -78,6 +81,7 @@ class TrainConfig:
     ckpt_every: int = 40
     monitor_every: int = 40
     compile_bf16: bool = False
+    precision: str = "auto"
     compiler: str = "inductor"
     max_data_bytes: int | None = None
     progress: bool = True
@@ -87,6 +91,8 @@ class TrainConfig:
             self.model = ModelConfig(**self.model)
         self.betas = tuple(self.betas)
         get_recipe(self.recipe)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; valid: {', '.join(PRECISIONS)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
         if self.smooth not in ("channel", "token"):
@@ -157,7 +163,7 @@ def evaluate(fwd, data: TextData, cfg: TrainConfig) -> float:
     total = 0.0
     for i in range(cfg.eval_batches):
         x, y = data.batch("val", cfg.batch_size, cfg.seq_len, cfg.seed, i)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(cfg.precision):
             total += fwd(x, y).item()
     return total / cfg.eval_batches
 
@@ -180,11 +186,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     recipe = get_recipe(cfg.recipe)
+    cfg = replace(cfg, precision=resolve_precision(cfg.precision))  # saved resolved: resumes compute alike
     data = data or load_text_data(cfg.data, cfg.max_data_bytes)
     ckpt = load_checkpoint(out) if resume else None
     if ckpt is not None and ckpt["data"]["fingerprint"] != data.fingerprint:
         raise ValueError(f"--resume {out}: the data differ from the checkpoint's (fingerprint "
                          f"{data.fingerprint} vs {ckpt['data']['fingerprint']}); pass the same --data")
+
+    from ..runtime.kernels.cpu import cpu_capability
 
     torch.manual_seed(cfg.seed)
     model = TinyLlama(cfg.model)
@@ -211,7 +220,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
         log.truncate_after(-1)
         log({"kind": "meta", "recipe": cfg.recipe, "params": model.num_params(), "data": data.source,
              "data_files": data.n_files, "train_bytes": data.train.numel(), "val_bytes": data.val.numel(),
-             "data_fingerprint": data.fingerprint, "torch": torch.__version__, "threads": torch.get_num_threads()})
+             "data_fingerprint": data.fingerprint, "torch": torch.__version__, "threads": torch.get_num_threads(),
+             "precision": cfg.precision, **cpu_capability()})
     callbacks = list(callbacks)
     if monitor and cfg.monitor_every > 0:
         from ..monitor import MonitorCallback
@@ -238,7 +248,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             for g in opt.param_groups:
                 g["lr"] = lr
             x, y = data.batch("train", cfg.batch_size, cfg.seq_len, cfg.seed, step)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast(cfg.precision):
                 loss = fwd(x, y)
             loss.backward()
             for cb in grad_callbacks:

@@ -2,7 +2,7 @@
 
 | recipe               | linears / SwiGLU                  | optimizer moments        |
 |----------------------|-----------------------------------|--------------------------|
-| bf16                 | bf16 autocast                     | fp32 (torch AdamW)       |
+| bf16                 | bf16 autocast (see precision)     | fp32 (torch AdamW)       |
 | fp8                  | FP8 backend, plain SwiGLU         | fp32 (torch AdamW)       |
 | fp8-smooth           | FP8 backend, Smooth-SwiGLU        | fp32 (torch AdamW)       |
 | fp8-smooth-fp8adam   | FP8 backend, Smooth-SwiGLU        | FP8 (fp8pass.optim.AdamW)|
@@ -13,6 +13,12 @@
 Master weights stay fp32 in every recipe and everything the FP8 backend leaves in high precision
 (embeddings, LM head, norms, attention scores) runs under bf16 autocast, so the recipes differ only
 in what the table says.
+
+Precision (``TrainConfig.precision``): "auto" (default) runs the high-precision parts in the dtype
+this CPU's matmuls are fast in: bf16 where oneDNN has native bf16 (AVX512/AMX), fp32 on AVX2-only
+CPUs, where a bf16 matmul is ~100x slower (:func:`fp8pass.runtime.kernels.cpu.fast_matmul_dtype`;
+``FP8PASS_CPU_GEMM_DTYPE`` overrides it). The ``bf16`` recipe is then an fp32 baseline, and says so:
+the resolved precision is printed and saved in the run's config.json and metrics.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "build_optimizer", "prepare_model", "param_groups"]
+__all__ = ["RECIPES", "Recipe", "get_recipe", "build_optimizer", "prepare_model", "param_groups", "PRECISIONS",
+           "resolve_precision", "describe_precision", "autocast"]
+
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,36 @@ def get_recipe(name: str) -> Recipe:
         return RECIPES[name]
     except KeyError:
         raise ValueError(f"unknown recipe {name!r}; valid: {', '.join(RECIPES)}") from None
+
+
+def resolve_precision(precision: str) -> str:
+    """"bf16" or "fp32", what the high-precision parts run in; "auto" picks this CPU's fast dtype."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    if precision != "auto":
+        return precision
+    from ..runtime.kernels.cpu import fast_matmul_dtype
+    return "bf16" if fast_matmul_dtype() == torch.bfloat16 else "fp32"
+
+
+def describe_precision(precision: str) -> str:
+    """One line for the log: the resolved precision and the CPU facts behind it."""
+    from ..runtime.kernels.cpu import cpu_capability
+    caps = cpu_capability()
+    resolved = resolve_precision(precision)
+    why = "native bf16 matmuls" if caps["native_bf16"] else "no native bf16 matmuls: bf16 would be ~100x slower"
+    how = "chosen for this CPU" if precision == "auto" else "as asked"
+    return f"high precision {resolved} ({how}; CPU {caps['cpu_capability']}, {why})"
+
+
+def autocast(precision: str):
+    """The autocast context of a resolved precision (fp32: none)."""
+    import contextlib
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    raise ValueError(f"autocast needs a resolved precision (bf16 or fp32), got {precision!r}")
 
 
 def scaling_recipe(name: str):

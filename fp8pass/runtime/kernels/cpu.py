@@ -1,8 +1,10 @@
 """CPU kernels of the runtime ops (torch family): fused casts and the bf16 GEMM of FP8 operands.
 
 CPU FP8 GEMMs are bf16 matmuls of the upcast FP8 codes: every E4M3/E5M2 value is exact in bf16, the
-products of two of them are exact in fp32, and oneDNN's bf16 matmul accumulates in fp32. The scales
-enter as the GEMM's ``alpha`` (applied to the fp32 accumulator, one rounding to the output dtype).
+products of two of them are exact in fp32, and oneDNN's bf16 matmul accumulates in fp32. On CPUs
+without native bf16 matmuls (AVX2 only) they are fp32 matmuls of the same exact values instead, since
+a bf16 matmul there is ~100x slower (:func:`gemm_dtype`; ``FP8PASS_CPU_GEMM_DTYPE`` overrides). The
+scales enter as the GEMM's ``alpha`` (applied to the fp32 accumulator, one rounding to the output dtype).
 ``torch._scaled_mm`` is never used on CPU (REFERENCES.md §5: ~10,000x slower).
 
 Eager elementwise casts cost several passes over memory (widen, multiply, clamp, convert) and the
@@ -32,7 +34,8 @@ import torch
 from ...numerics import Format
 from ...numerics.kernels import torch_family
 
-__all__ = ["fused_enabled", "cast", "cast_stochastic", "uniform_bits", "upcast", "gemm_tensor_scaled"]
+__all__ = ["fused_enabled", "cast", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
+           "cpu_capability", "gemm_dtype", "gemm_tensor_scaled"]
 
 _BROKEN: list[str] = []  # set once when Inductor fails, so we warn once and stay eager
 
@@ -224,6 +227,56 @@ def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.view(codes.shape)
 
 
+GEMM_DTYPE_ENV = "FP8PASS_CPU_GEMM_DTYPE"
+_GEMM_DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def native_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16/AMX, or its AVX512
+    emulation). Without it (AVX2-only CPUs) a bf16 matmul is a reference loop, ~100x slower than fp32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def fast_matmul_dtype() -> torch.dtype:
+    """bf16 or fp32: the high-precision dtype this CPU's matmuls are fast in.
+
+    bf16 where :func:`native_bf16`, fp32 elsewhere. ``FP8PASS_CPU_GEMM_DTYPE=bf16|fp32|auto`` (default
+    auto) overrides the choice, for the FP8 path's GEMMs and for the baselines that compare with it.
+    """
+    choice = os.environ.get(GEMM_DTYPE_ENV, "auto").strip().lower()
+    if choice == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    if choice not in _GEMM_DTYPE_CHOICES:
+        raise ValueError(f"{GEMM_DTYPE_ENV}={choice!r}; valid: auto, {', '.join(_GEMM_DTYPE_CHOICES)}")
+    return _GEMM_DTYPE_CHOICES[choice]
+
+
+def cpu_capability() -> dict:
+    """What decides CPU speed here: the SIMD level torch dispatches to and the fast matmul dtype."""
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(),
+            "fast_matmul_dtype": str(fast_matmul_dtype()).removeprefix("torch."),
+            GEMM_DTYPE_ENV: os.environ.get(GEMM_DTYPE_ENV, "auto")}
+
+
+def gemm_dtype(out_dtype: torch.dtype, *operands: torch.Tensor) -> torch.dtype:
+    """The dtype CPU GEMMs upcast FP8 codes to: the one place that choice is made.
+
+    bf16 for bf16 outputs on machines with fast bf16 matmuls (:func:`fast_matmul_dtype`: oneDNN's
+    native bf16, or ``FP8PASS_CPU_GEMM_DTYPE=bf16``), since FP8 codes are exact in
+    bf16 and oneDNN accumulates in fp32. fp32 otherwise: for fp32/fp16 outputs (a bf16 GEMM output
+    would round to bf16 before the output dtype) and on machines without bf16 support, where a bf16
+    matmul is a slow reference loop. fp64 / fp32 when an operand already is (the identity testing
+    format's operands are values, not codes, and must not be rounded).
+    """
+    if any(t.dtype == torch.float64 for t in operands):
+        return torch.float64
+    if any(t.dtype == torch.float32 for t in operands):
+        return torch.float32
+    if out_dtype == torch.bfloat16 and fast_matmul_dtype() == torch.bfloat16:
+        return torch.bfloat16
+    return torch.float32
+
+
 def gemm_tensor_scaled(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -236,13 +289,11 @@ def gemm_tensor_scaled(
 
     ``a`` [M, K] and ``b`` [N, K] are FP8 codes (any strides) or, with the identity testing format,
     high-precision values with scale 1. The GEMM runs in bf16 when the output is bf16 (fp32
-    accumulation, one rounding), otherwise in fp32; ``alpha = 1 / (a_scale * b_scale)``.
+    accumulation, one rounding), otherwise in fp32 (:func:`gemm_dtype`); ``alpha = 1 / (a_scale * b_scale)``.
     """
-    gemm_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    if a.dtype == torch.float64 or b.dtype == torch.float64:
-        gemm_dtype = torch.float64
-    a_up = upcast(a, gemm_dtype)
-    b_up = upcast(b, gemm_dtype)
+    dtype = gemm_dtype(out_dtype, a, b)
+    a_up = upcast(a, dtype)
+    b_up = upcast(b, dtype)
     alpha = 1.0 / (float(a_scale) * float(b_scale))
     m, n = a_up.shape[0], b_up.shape[0]
     if bias is None:
@@ -251,5 +302,5 @@ def gemm_tensor_scaled(
         else:
             out = torch.addmm(a_up.new_zeros(()).expand(m, n), a_up, b_up.t(), beta=0, alpha=alpha)
     else:
-        out = torch.addmm(bias.to(gemm_dtype), a_up, b_up.t(), alpha=alpha)
+        out = torch.addmm(bias.to(dtype), a_up, b_up.t(), alpha=alpha)
     return out.to(out_dtype)
