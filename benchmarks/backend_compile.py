@@ -1,7 +1,7 @@
 """Compile-time and step-time cost of the fp8 backend (ratios measured in one run).
 
 1. compile time of ``backend="fp8"`` / ``backend="inductor"`` for a 4-layer tiny Llama in bf16
-   (forward + backward compile: the first training step minus a steady step), each in a fresh
+   (fp32 on CPUs without native bf16 matmuls: ``benchmarks.common.baseline_dtype``; forward + backward compile: the first training step minus a steady step), each in a fresh
    process with Inductor's caches off; fp8 also with ``FP8PASS_CPU_FUSED=0``, which leaves out the
    runtime's own compiled cast kernels (compiled on first use) and so isolates the graph compile;
 2. fp8pass pass time (copy + plan + rewrite, no compile) for 1, 2, 4, ..., 64 layers;
@@ -28,6 +28,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import fp8pass  # noqa: E402
 from _models import TitanLlama  # noqa: E402
+from benchmarks.common import baseline_dtype, dtype_name  # noqa: E402
 from fp8pass.backend import Backend  # noqa: E402
 from fp8pass.config import Config  # noqa: E402
 
@@ -100,11 +101,11 @@ def main(argv=None):
     ids = torch.randint(0, VOCAB, (4, 128))
     n = args.steps_layers
     if args.one:
-        c, s_ = compile_seconds(args.one, n, ids, torch.bfloat16)
+        c, s_ = compile_seconds(args.one, n, ids, baseline_dtype("cpu"))
         print(json.dumps({"compile_s": c, "step_s": s_}))
         return None
     res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dim": DIM, "hidden": HIDDEN,
-           "layers": n, "tokens_per_step": ids.numel(), "dtype": "bfloat16"}
+           "layers": n, "tokens_per_step": ids.numel(), "dtype": dtype_name(baseline_dtype("cpu"))}
     ind = in_subprocess("inductor", n)
     fp8 = in_subprocess("fp8", n)
     fp8_eager_casts = in_subprocess("fp8", n, {"FP8PASS_CPU_FUSED": "0"})
@@ -112,13 +113,13 @@ def main(argv=None):
     r_all = fp8["compile_s"] / ind["compile_s"]
     r_graph = fp8_eager_casts["compile_s"] / ind["compile_s"]
     res["compile_ratio"] = {"fp8_over_inductor": r_all, "fp8_eager_casts_over_inductor": r_graph}
-    print(f"compile time ({n} layers, bf16, first step - steady step, fresh process each):")
+    print(f"compile time ({n} layers, {res['dtype']}, first step - steady step, fresh process each):")
     print(f"  inductor {ind['compile_s']:.1f} s | fp8 {fp8['compile_s']:.1f} s (ratio {r_all:.2f}) | "
           f"fp8 with the runtime's eager casts {fp8_eager_casts['compile_s']:.1f} s (ratio {r_graph:.2f}); "
           f"goal <= 1.3")
     r_step = fp8["step_s"] / ind["step_s"]
     res["step_ratio_fp8_over_bf16"] = r_step
-    print(f"step time ({ids.numel()} tokens, fwd+bwd): bf16 inductor {ind['step_s'] * 1e3:.0f} ms, "
+    print(f"step time ({ids.numel()} tokens, fwd+bwd): {res['dtype']} inductor {ind['step_s'] * 1e3:.0f} ms, "
           f"fp8 {fp8['step_s'] * 1e3:.0f} ms (ratio {r_step:.2f}), fp8 eager casts "
           f"{fp8_eager_casts['step_s'] * 1e3:.0f} ms")
 

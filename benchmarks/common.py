@@ -26,6 +26,36 @@ def time_fn(fn, warmup: int = 2, repeat: int = 7) -> dict:
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
+def baseline_dtype(device="cpu") -> torch.dtype:
+    """The high-precision dtype every baseline (and the activations the FP8 ops take) runs in.
+
+    bf16 on GPUs. On CPUs the dtype their matmuls are fast in: bf16 where oneDNN has native bf16
+    (AVX512/AMX), fp32 on AVX2-only CPUs, where a bf16 matmul is ~100x slower and would make any FP8
+    ratio meaningless. ``FP8PASS_CPU_GEMM_DTYPE=bf16|fp32`` forces one (the FP8 GEMMs follow it too).
+    """
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    from fp8pass.runtime.kernels.cpu import fast_matmul_dtype
+
+    return fast_matmul_dtype()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_state() -> dict:
+    """CPU capability (what decides bf16 vs fp32 speed) and the load other processes put on it."""
+    from fp8pass.runtime.kernels.cpu import cpu_capability
+
+    state = cpu_capability()
+    try:
+        state["loadavg_1_5_15"] = [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        state["loadavg_1_5_15"] = None
+    return state
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -44,4 +74,5 @@ def machine() -> dict:
     except ImportError:
         info["triton"] = None
     info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    info.update(cpu_state())
     return info

@@ -1,13 +1,16 @@
-"""FP8 linear and Smooth-SwiGLU MLP vs bf16, fwd+bwd, ratios measured in one run.
+"""FP8 linear and Smooth-SwiGLU MLP vs the high-precision baseline, fwd+bwd, ratios measured in one run.
 
     python benchmarks/linear.py [--device cpu|cuda] [--tokens 4096] [--repeat 5] [--json FILE]
 
 Cases: an FP8 linear (tokens x 2048 -> 2048) and a Llama-like MLP (2048 -> 5632 -> 2048) with
-Smooth-SwiGLU, each against the same math in bf16 (``F.linear``); recipes: current per-tensor and
-delayed scaling. When torchao is installed, also ``torchao.float8.Float8Linear`` (compiled), reported
-as fp8pass / torchao (on CUDA only by default: torchao's CPU path is ``_scaled_mm``, ~10,000x slower
-than a bf16 matmul there). Timings are the median of ``--repeat`` rounds after warm-up, the cases interleaved
-within each round; on a shared CPU they are noisy, so compare the ratios of one run, not absolute times
+Smooth-SwiGLU, each against the same math in high precision (``F.linear``); recipes: current
+per-tensor and delayed scaling. The baseline and the activations run in the machine's fast dtype
+(``benchmarks.common.baseline_dtype``): bf16 on GPUs and on CPUs with native bf16 matmuls, fp32 on
+AVX2-only CPUs (``FP8PASS_CPU_GEMM_DTYPE=bf16|fp32`` forces one); the JSON records which. When
+torchao is installed, also ``torchao.float8.Float8Linear`` (compiled), reported as fp8pass / torchao
+(on CUDA only by default: torchao's CPU path is ``_scaled_mm``, ~10,000x slower than a bf16 matmul
+there). Timings are the median of ``--repeat`` rounds after warm-up, the cases interleaved within each
+round; on a shared CPU they are noisy, so compare the ratios of one run, not absolute times
 across runs.
 """
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8pass  # noqa: E402
+from benchmarks.common import baseline_dtype, cpu_state, dtype_name  # noqa: E402
 from fp8pass import ops  # noqa: E402
 
 
@@ -77,7 +81,7 @@ def linear_cases(t, d_in, d_out, device, dtype):
 
     delayed = fp8pass.DelayedScaling()
     return {
-        "bf16": run(lambda a, b: F.linear(a, b)),
+        "baseline": run(lambda a, b: F.linear(a, b)),
         "fp8_current": run(lambda a, b: ops.fp8_linear(a, b)),
         "fp8_delayed": run(lambda a, b: ops.fp8_linear(a, b, recipe=delayed)),
     }, (x, w, g)
@@ -96,12 +100,12 @@ def mlp_cases(t, d, f, device, dtype, smooth="channel"):
             f().backward(g)
         return step
 
-    def bf16():
+    def baseline():
         return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
     delayed = fp8pass.DelayedScaling()
     return {
-        "bf16": run(bf16),
+        "baseline": run(baseline),
         "fp8_current": run(lambda: ops.swiglu_mlp(x, wg, wu, wd, smooth=smooth)),
         "fp8_delayed": run(lambda: ops.swiglu_mlp(x, wg, wu, wd, smooth=smooth, recipe=delayed)),
     }, (x, wg, wu, wd, g)
@@ -140,23 +144,25 @@ def torchao_case(kind, tensors, device, force=False):
     return step
 
 
-def cpu_breakdown(t, d_in, d_out, repeat):
+def cpu_breakdown(t, d_in, d_out, repeat, dtype):
     """Where the fp8 linear's CPU time goes: each piece timed alone (ms)."""
     from fp8pass import E4M3
     from fp8pass.runtime.kernels import cpu
 
-    x = torch.randn(t, d_in, dtype=torch.bfloat16)
-    w = torch.randn(d_out, d_in, dtype=torch.bfloat16) / d_in**0.5
+    up = cpu.gemm_dtype(dtype)
+    x = torch.randn(t, d_in, dtype=dtype)
+    w = torch.randn(d_out, d_in, dtype=dtype) / d_in**0.5
+    xu, wu = x.to(up), w.to(up)
     s = torch.tensor(100.0)
     codes, _, _ = cpu.cast(x, s, E4M3)
     dev = torch.device("cpu")
     pieces = {
         "amax x (torch.aminmax)": lambda: torch.aminmax(x),
         "cast x -> e4m3 + amax": lambda: cpu.cast(x, s, E4M3),
-        "upcast x e4m3 -> bf16": lambda: cpu.upcast(codes, torch.bfloat16),
-        "bf16 GEMM x W^T": lambda: torch.mm(x, w.t()),
-        "bf16 GEMM, alpha (addmm)": lambda: torch.addmm(x.new_zeros(()).expand(t, d_out), x, w.t(), beta=0,
-                                                        alpha=0.5),
+        f"upcast x e4m3 -> {dtype_name(up)}": lambda: cpu.upcast(codes, up),
+        f"{dtype_name(up)} GEMM x W^T": lambda: torch.mm(xu, wu.t()),
+        f"{dtype_name(up)} GEMM, alpha (addmm)": lambda: torch.addmm(xu.new_zeros(()).expand(t, d_out), xu, wu.t(),
+                                                                    beta=0, alpha=0.5),
     }
     return {k: timeit(f, dev, repeat) * 1e3 for k, f in pieces.items()}
 
@@ -173,10 +179,18 @@ def main(argv=None):
                    help="also time torchao on CPU (its _scaled_mm CPU path takes minutes per step)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    dtype = torch.bfloat16
+    dtype = baseline_dtype(device)
     torch.manual_seed(0)
     result = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "tokens": a.tokens, "dim": a.dim, "ffn": a.ffn, "repeat": a.repeat, "cases": {}}
+              "tokens": a.tokens, "dim": a.dim, "ffn": a.ffn, "repeat": a.repeat,
+              "baseline_dtype": dtype_name(dtype), "cases": {}}
+    if device.type == "cpu":
+        result["cpu"] = cpu_state()
+        from fp8pass.runtime.kernels.cpu import gemm_dtype
+        result["fp8_gemm_dtype"] = dtype_name(gemm_dtype(dtype))
+    print(f"baseline dtype {dtype_name(dtype)}" + (f" (CPU {result['cpu']['cpu_capability']}, native bf16 "
+          f"{result['cpu']['native_bf16']}, fp8 GEMMs in {result['fp8_gemm_dtype']}, load "
+          f"{result['cpu']['loadavg_1_5_15']})" if device.type == "cpu" else ""))
     for kind, (cases, tensors) in {
         "linear": linear_cases(a.tokens, a.dim, a.dim, device, dtype),
         "mlp_smooth_swiglu": mlp_cases(a.tokens, a.dim, a.ffn, device, dtype),
@@ -187,14 +201,14 @@ def main(argv=None):
         times = time_interleaved(cases, device, a.repeat)
         row = {"seconds": times}
         for name in ("fp8_current", "fp8_delayed"):
-            row[f"{name}/bf16"] = times[name] / times["bf16"]
+            row[f"{name}/baseline"] = times[name] / times["baseline"]
             if "torchao_float8_compiled" in times:
                 row[f"{name}/torchao"] = times[name] / times["torchao_float8_compiled"]
         result["cases"][kind] = row
         print(f"{kind}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
         print("   " + ", ".join(f"{k} = {v:.3f}" for k, v in row.items() if k != "seconds"))
     if device.type == "cpu":
-        result["cpu_breakdown_ms"] = cpu_breakdown(a.tokens, a.dim, a.dim, a.repeat)
+        result["cpu_breakdown_ms"] = cpu_breakdown(a.tokens, a.dim, a.dim, a.repeat, dtype)
         print("breakdown (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in result["cpu_breakdown_ms"].items()))
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))

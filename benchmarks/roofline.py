@@ -1,4 +1,8 @@
-"""Roofline context measured in the same run: bf16 matmul FLOP/s and copy bandwidth of this machine.
+"""Roofline context measured in the same run: matmul FLOP/s and copy bandwidth of this machine.
+
+The matmul is timed in bf16 and fp32: on CPUs without native bf16 (AVX2 only) bf16 runs ~100x slower
+than fp32, which is why the baselines and the FP8 GEMMs there run in fp32 (``fast_matmul_dtype``).
+On such a CPU the bf16 matmul is timed at a smaller size, so this suite stays quick.
 
 On a GPU the card's datasheet peaks are reported beside the measurements, so every kernel can be shown
 as a fraction of its limit.
@@ -17,24 +21,33 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine, time_fn  # noqa: E402
+from benchmarks.common import baseline_dtype, dtype_name, machine, time_fn  # noqa: E402
 
 # Dense datasheet peaks (TFLOP/s, TB/s) for the GPUs we are lent.
 GPU_PEAKS = {"H200": {"bf16_tflops": 989.0, "fp8_tflops": 1979.0, "hbm_tbs": 4.8},
              "H100": {"bf16_tflops": 989.0, "fp8_tflops": 1979.0, "hbm_tbs": 3.35}}
 
 
+def matmul_gflops(n: int, device: str, dtype: torch.dtype) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = time_fn(lambda: a @ b, warmup=2, repeat=5)["median"]
+    return 2 * n**3 / t / 1e9
+
+
 def measure(device: str = "cpu", n: int | None = None, copy_mib: int = 256) -> dict:
     n = n or (8192 if device == "cuda" else 2048)
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    t = time_fn(lambda: a @ b, warmup=2, repeat=5)["median"]
-    gflops = 2 * n**3 / t / 1e9
+    fast = baseline_dtype(device)
+    # A slow bf16 (no native support) is timed at a quarter of the size: 64x fewer FLOPs.
+    n_bf16 = n if fast == torch.bfloat16 else max(256, n // 4)
+    gflops = matmul_gflops(n_bf16, device, torch.bfloat16)
+    fp32_gflops = matmul_gflops(n, device, torch.float32)
     x = torch.empty(copy_mib * 2**20 // 4, device=device)
     y = torch.empty_like(x)
     tc = time_fn(lambda: y.copy_(x), warmup=2, repeat=5)["median"]
     gbs = 2 * x.numel() * 4 / tc / 1e9  # read + write
-    out = {"device": device, "matmul_n": n, "bf16_matmul_gflops": gflops, "copy_gbs": gbs}
+    out = {"device": device, "matmul_n": n, "bf16_matmul_n": n_bf16, "bf16_matmul_gflops": gflops,
+           "fp32_matmul_gflops": fp32_gflops, "fast_dtype": dtype_name(fast), "copy_gbs": gbs}
     if device == "cuda":
         name = torch.cuda.get_device_name()
         for key, peaks in GPU_PEAKS.items():

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8pass  # noqa: E402
-from benchmarks.common import machine, time_fn  # noqa: E402
+from benchmarks.common import baseline_dtype, dtype_name, machine, time_fn  # noqa: E402
 from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
 from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model  # noqa: E402
 
@@ -63,6 +63,8 @@ def run(d_model=256, layers=4, batch=8, seq=256, steps=5, device="cpu") -> dict:
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     rows = []
+    # The "bf16" recipes' high precision: the machine's fast dtype (fp32 on CPUs without native bf16).
+    dtype = baseline_dtype(device)
     for name, recipe_name, compile_bf16 in VARIANTS:
         torch.manual_seed(0)
         model = TinyLlama(cfg).to(device)
@@ -71,7 +73,7 @@ def run(d_model=256, layers=4, batch=8, seq=256, steps=5, device="cpu") -> dict:
         opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1)
 
         def loss_fn():
-            with torch.autocast(device, dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
                 return fwd(x, y)
 
         def step():
@@ -98,7 +100,7 @@ def run(d_model=256, layers=4, batch=8, seq=256, steps=5, device="cpu") -> dict:
         r["ratio_step_vs_bf16_eager"] = r["step_ms"] / base["bf16 eager"]["step_ms"]
         r["ratio_step_vs_bf16_inductor"] = r["step_ms"] / base["bf16 inductor"]["step_ms"]
         r["ratio_saved_activations_vs_bf16"] = r["saved_activation_mib"] / base["bf16 eager"]["saved_activation_mib"]
-    return {"config": cfg.to_dict(), "batch": batch, "seq": seq, "rows": rows}
+    return {"config": cfg.to_dict(), "batch": batch, "seq": seq, "precision": dtype_name(dtype), "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -113,6 +115,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     res = run(a.d_model, a.layers, a.batch, a.seq, a.steps, a.device)
     res["machine"] = machine()
+    print(f"high precision (the bf16 recipes and what fp8 leaves unquantized): {res['precision']}")
     print(f"{'variant':>20} {'step ms':>9} {'/bf16':>6} {'/ind.':>6} {'saved MiB':>10} {'opt B/param':>11}")
     for r in res["rows"]:
         print(f"{r['name']:>20} {r['step_ms']:9.1f} {r['ratio_step_vs_bf16_eager']:6.2f} "

@@ -2,6 +2,8 @@
 
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ def test_goals_take_the_worst_row_and_respect_selection():
         "optim": {"result": {"rows": [
             {"optimizer": "torch AdamW", "ratio": 1.0, "bytes_per_param": 8.0},
             {"optimizer": "fp8pass AdamW default (auto)", "ratio": 1.2, "bytes_per_param": 2.06}]}},
-        "linear": {"result": {"cases": {"linear": {"fp8_current/bf16": 1.3, "fp8_delayed/bf16": 1.2}}}},
+        "linear": {"result": {"cases": {"linear": {"fp8_current/baseline": 1.3, "fp8_delayed/baseline": 1.2}}}},
     }
     goals = {g["goal"]: g for g in suite.check_goals(results)}
     q = goals["CPU quantize / clone bandwidth"]
@@ -28,7 +30,7 @@ def test_goals_take_the_worst_row_and_respect_selection():
     o = goals["FP8 AdamW step / torch AdamW(foreach)"]
     assert o["measured"] == 1.2 and o["met"] is True  # the torch row (1.0) is not the fp8pass one
     assert goals["FP8 AdamW state bytes per parameter"]["measured"] == 2.06
-    assert goals["CPU fp8 linear/MLP fwd+bwd / bf16 (current scaling)"]["met"] is False
+    assert goals["CPU fp8 linear/MLP fwd+bwd / high precision (current scaling)"]["met"] is False
     assert goals["compile time fp8 / inductor (4 layers)"]["measured"] is None  # suite not run
 
 
@@ -61,3 +63,51 @@ def test_saved_bytes_counts_what_autograd_keeps():
     nbytes, out = saved_bytes(lambda: (a * b).sum())
     assert nbytes == 2 * 256 * 4  # mul saves both fp32 inputs
     assert out.requires_grad
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (exited, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_hanging_suite_times_out_and_its_whole_process_group_is_killed(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        time.sleep(600)
+    """))
+    t0 = time.perf_counter()
+    res = suite.run_suite(suite.Suite("hang", str(script)), quick=True, timeout=3)
+    assert time.perf_counter() - t0 < 60
+    assert res["status"] == "timeout" and res["note"] == "timed out after 3 s"
+    grandchild = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while not _gone(grandchild) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _gone(grandchild), "the suite's grandchild survived the timeout"
+
+
+def test_a_failed_suite_carries_its_reason(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nprint('working')\nraise SystemExit('no GPU: the roofline needs CUDA')\n")
+    res = suite.run_suite(suite.Suite("fail", str(script)), quick=True, timeout=60)
+    assert res["status"] == "failed"
+    assert res["note"] == "exit 1: no GPU: the roofline needs CUDA"
+    killed = tmp_path / "killed.py"
+    killed.write_text("import os, signal, sys\nprint('dying', file=sys.stderr)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    res = suite.run_suite(suite.Suite("killed", str(killed)), quick=True, timeout=60)
+    assert res["status"] == "failed" and res["note"] == "killed by SIGKILL: dying"
+
+
+def test_bench_help_names_the_timeout(capsys):
+    with pytest.raises(SystemExit):
+        suite.main(["--help"])
+    assert "process group is killed" in " ".join(capsys.readouterr().out.split())
