@@ -7,8 +7,10 @@ registers the name at import (a second registration raises "duplicate name" in D
 
 Per graph Dynamo hands us (torch level: one ``F.linear`` per linear, no autograd yet):
 
-1. copy it (Dynamo re-reads its own graph after the backend returns);
-2. plan: GLU MLPs and linears by declarative patterns, the keep-high-precision policy, graph breaks;
+1. copy it (Dynamo re-reads its own graph after the backend returns) and annotate every node once
+   (absolute weight names from the parameter objects, example values, owning module, side effects);
+2. plan: GLU MLPs, MoE expert stacks and linears by declarative patterns, the keep-high-precision
+   policy, graph breaks; every matmul left in high precision is listed with its reason;
 3. rewrite the copy into ``torch.ops.fp8pass`` ops with the weights' delayed-scaling state as extra
    inputs (the state belongs to the weight Parameter, so it survives recompiles and
    ``torch._dynamo.reset()`` and is shared by tied weights);
@@ -26,9 +28,12 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
+from torch._dynamo.backends.debugging import ExplainWithBackend
 
 from .config import Config
+from .passes.annotate import annotate
 from .passes.explain import Report, SwiGLUEntry
+from .passes.names import frame_names, frame_root
 from .passes.plan import plan_graph
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
@@ -94,7 +99,7 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
                  options: dict | None = None) -> Callable:
         t0 = time.perf_counter()
-        new_gm, record = self.transform(gm, example_inputs)
+        new_gm, record = self.transform(gm, example_inputs, frame_root())
         record.pass_seconds = time.perf_counter() - t0
         self.records.append(record)
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
@@ -121,12 +126,19 @@ class Backend:
 
         return run
 
-    def transform(self, gm: fx.GraphModule, example_inputs: list | None = None) -> tuple[fx.GraphModule, GraphRecord]:
-        """Plan and rewrite a copy of ``gm``; returns (rewritten copy, record). ``gm`` is untouched."""
+    def transform(self, gm: fx.GraphModule, example_inputs: list | None = None,
+                  root: torch.nn.Module | None = None) -> tuple[fx.GraphModule, GraphRecord]:
+        """Plan and rewrite a copy of ``gm``; returns (rewritten copy, record). ``gm`` is untouched.
+
+        Args:
+            gm: Dynamo's graph.
+            example_inputs: its real inputs (parameters among them are named by identity).
+            root: the compiled frame's ``self`` module (absolute names across graph breaks).
+        """
         cfg = self.config
         new_gm = copy_graph_module(gm)
-        if example_inputs is not None:
-            _mark_params(new_gm, example_inputs)
+        names = frame_names(root, example_inputs or [])
+        annotate(new_gm.graph, names, example_inputs)
         before = gm.code  # Dynamo already generated it; the copy's code would cost a codegen
         plan = plan_graph(new_gm.graph, cfg, self._split_modules)
         self._split_modules.update(plan.split_modules)
@@ -193,25 +205,24 @@ def merge_reports(reports: list[Report], config=None) -> Report:
     return out
 
 
-def _mark_params(gm: fx.GraphModule, example_inputs: list) -> None:
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for n, v in zip(phs, example_inputs):
-        if isinstance(v, torch.nn.Parameter):
-            n._fp8pass_is_param = True
-
-
 def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config) -> list[torch.Tensor]:
     """The live state tensors for the extra inputs (created on the weight's first use)."""
     if not extra:
         return []
     out = []
+    fwd = cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3"
+    bwd = cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2"
     for s in extra:
         weight = example_inputs[s.weight_pos]
-        if s.role == "hcp":  # NVFP4 hot-channel patching (passes/rewrite_nvfp4.py)
+        if s.kind == "hcp":  # NVFP4 hot-channel patching (passes/rewrite_nvfp4.py)
             out.append(hcp_state_for(weight, cfg.recipe.hcp).op_args()[s.field])
             continue
-        st = state_for(weight, cfg.recipe, cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3",
-                       cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2")
+        if s.kind == "experts":  # one scale per expert of a 3-D expert weight (passes/rewrite_grouped.py)
+            from .runtime.grouped import grouped_state_for
+
+            st = grouped_state_for(weight, cfg.recipe, fwd, bwd)
+        else:
+            st = state_for(weight, cfg.recipe, fwd, bwd)
         role = st.roles()[s.role]
         out.append([role.amax_history, role.scale, role.steps, role.skipped][s.field])
     return out
@@ -253,17 +264,25 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
         ``graph_after``; ``print(report)`` shows a table.
     """
     be = Backend(config)
-    out = torch._dynamo.explain(model)(*example_inputs, **example_kwargs)
     records = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # breaks are in the report itself
-        for gm in out.graphs:
-            _, rec = be.transform(gm)
-            be.records.append(rec)
-            records.append(rec.report)
+
+    def plan_only(gm: fx.GraphModule, inputs: list):
+        _, rec = be.transform(gm, inputs, frame_root())
+        be.records.append(rec)
+        records.append(rec.report)
+        return gm.forward  # the original graph runs: no FP8 op, no state change
+
+    recorder = ExplainWithBackend(plan_only)
+    torch._dynamo.reset()  # as torch._dynamo.explain: every frame is traced anew, nothing cached reused
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # breaks are in the report itself
+            torch.compile(model, backend=recorder)(*example_inputs, **example_kwargs)
+    finally:
+        torch._dynamo.reset()
     report = merge_reports(records, be.config)
     reasons = []
-    for br in out.break_reasons:
+    for br in recorder.break_reasons:
         where = ""
         if getattr(br, "user_stack", None):
             fr = br.user_stack[-1]

@@ -63,7 +63,9 @@ def test_titan_llama_counts():
     (p,) = _plans(m, torch.randint(0, 128, (2, 8)), fullgraph=True)
     assert len(p.glus) == 3
     assert len(p.linears) == 3 * 4  # wq wk wv wo
-    assert p.skipped == [("output.weight", "kept in high precision by keep_high_precision pattern 'output'")]
+    assert p.skipped == [("output.weight", "kept in high precision by keep_high_precision pattern 'output'")] + [
+        (f"layers.{i}.attention", "attention, kept (1 op: scores and weighted values are products of activations)")
+        for i in range(3)]
     assert p.glus[1].gate == "layers.1.feed_forward.w1.weight"
     assert p.glus[1].down == "layers.1.feed_forward.w2.weight"
 
@@ -93,8 +95,10 @@ def test_hf_models_match_one_glu_per_layer(name, variant, attn_linears):
     assert {g.variant for g in p.glus} == {variant}
     assert len(p.linears) == 3 * attn_linears  # q,k,v,o (Phi3: fused qkv + o)
     where = [w for w, _ in p.skipped]
-    # the LM head stays high precision (Gemma ties it to the embedding)
-    assert len(where) == 1 and ("lm_head" in where[0] or "embed_tokens" in where[0])
+    # the LM head stays high precision (Gemma ties it to the embedding); attention is one line a layer
+    assert len(where) == 4 and ("lm_head" in where[0] or "embed_tokens" in where[0])
+    assert where[1:] == [f"model.layers.{i}.self_attn" for i in range(3)]
+    assert all(r.startswith("attention, kept") for _, r in p.skipped[1:])
 
 
 def test_keep_high_precision_globs_and_dims():

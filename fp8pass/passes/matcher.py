@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx
 
+from .annotate import facts
+
 __all__ = [
     "Match", "Pattern", "Op", "Bind", "Tag", "OneOf", "Where", "Const", "ANY",
     "param_fqn", "caller_fqn", "is_param_placeholder", "example_value",
@@ -129,6 +131,8 @@ class OneOf(Pattern):
 
 
 def _target_ok(node: fx.Node, targets: tuple) -> bool:
+    if facts(node).side_effects:  # an in-place / random / stateful call is never part of a match
+        return False
     if node.op == "call_function":
         return node.target in targets
     if node.op == "call_method":
@@ -196,59 +200,16 @@ class Op(Pattern):
             yield from self._match_kwargs(node, rest, m2)
 
 
-# ---- facts about Dynamo's graph that patterns and the policy need -------------------------------
+# ---- facts about Dynamo's graph that patterns and the policy need (passes/annotate.py) -------
 
 def example_value(node: Any):
     """The fake tensor Dynamo recorded for ``node`` (None for literals / missing)."""
-    if isinstance(node, fx.Node):
-        return node.meta.get("example_value", node.meta.get("val"))
-    return None
-
-
-def _source(node: fx.Node):
-    src = getattr(node, "_dynamo_source", None)
-    if src is None:
-        ga = node.meta.get("grapharg")
-        src = getattr(ga, "source", None)
-    return src
+    return facts(node).value if isinstance(node, fx.Node) else None
 
 
 def param_fqn(node: fx.Node) -> str | None:
-    """Parameter FQN (``layers.0.mlp.gate_proj.weight``) of a placeholder, None if not a parameter.
-
-    Dynamo inlines nn.Modules and passes each parameter as a placeholder whose ``_dynamo_source`` is
-    a chain ``L['self']._modules['layers']._modules['0']..._parameters['weight']``; the FQN is the
-    ``_modules`` / ``_parameters`` keys along it, relative to the compiled root.
-    """
-    if node.op != "placeholder":
-        return None
-    src = _source(node)
-    parts: list[str] = []
-    is_param = False
-    first = True
-    while src is not None:
-        member = getattr(src, "member", None)
-        index = getattr(src, "index", None)
-        base = getattr(src, "base", None)
-        if index is not None and base is not None and getattr(base, "member", None) in ("_modules", "_parameters"):
-            if first and base.member == "_parameters":
-                is_param = True
-            parts.append(str(index))
-            src = base.base
-        elif member is not None and member not in ("_modules", "_parameters") and base is not None:
-            # attribute access (``self.layers``) on a module: part of the path too
-            if first:
-                is_param = isinstance(example_value(node), torch.nn.Parameter) or is_param
-            parts.append(str(member))
-            src = base
-        else:
-            src = base
-        first = False
-    if not is_param:
-        ev = example_value(node)
-        if not isinstance(ev, torch.nn.Parameter) and not getattr(node, "_fp8pass_is_param", False):
-            return None
-    return ".".join(reversed(parts)) if parts else node.name
+    """Absolute parameter FQN (``model.layers.0.mlp.gate_proj.weight``) of a placeholder, else None."""
+    return facts(node).weight_fqn if node.op == "placeholder" else None
 
 
 def is_param_placeholder(node: Any) -> bool:
@@ -256,15 +217,8 @@ def is_param_placeholder(node: Any) -> bool:
 
 
 def caller_fqn(node: fx.Node) -> str:
-    """FQN of the innermost module whose forward made this call ('' at the root)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    # "L['self'].model.layers.0.mlp" / "L['args'][0].lm_head": drop the root local
-    if "]." in path:
-        return path.split("].", 1)[1] if path.startswith("L[") else path
-    return "" if path.startswith("L[") else path
+    """Absolute FQN of the innermost module whose forward made this call ('' at the root)."""
+    return facts(node).owner
 
 
 def is_call(node: Any, targets) -> bool:

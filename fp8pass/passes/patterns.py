@@ -10,7 +10,11 @@ Forms covered (all verified on real Dynamo graphs in tests/test_patterns.py):
   ``F.gelu(g, approximate="tanh")`` (GeGLU, Gemma), ``F.relu(g)`` (ReGLU);
 * gate x up product in either order;
 * projections: ``F.linear(x, W[, b])`` (``nn.Linear``), ``x @ W.T`` / ``x @ W.t()`` /
-  ``torch.matmul(x, W.T)`` with optional ``+ b``;
+  ``torch.matmul(x, W.T)`` / ``torch.mm(x, W.t())`` with optional ``+ b``, ``torch.addmm(b, x, W.t())``;
+  and weights stored ``[in, out]``: ``torch.addmm(b, x, W)`` (GPT-2's ``Conv1D``), ``x @ W``, ``torch.mm(x, W)``;
+* MoE expert projections over a 3-D expert weight with group offsets: ``torch._grouped_mm`` /
+  ``F.grouped_mm`` / transformers' ``grouped_mm_fallback`` of ``(x, W.transpose(-2, -1), offs)``
+  (``W`` [E, out, in]) or ``(x, W, offs)`` (``W`` [E, in, out]);
 * a fused gate+up projection followed by ``chunk``, ``split``, last-dim slicing or
   ``view(..., 2, n).unbind(-2)`` (blocked) / ``view(..., n, 2).unbind(-1)`` (interleaved);
 * the down projection of the GLU output (any projection form above).
@@ -28,15 +32,37 @@ from .matcher import (
     MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_param_placeholder,
 )
 
-__all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "weight_rows", "find_glu_mlps"]
+__all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "GROUPED_LINEAR", "EXPERT_GLU", "MATMUL_LIKE",
+           "weight_rows", "find_glu_mlps", "find_expert_glus", "grouped_mm_targets"]
 
 MATMUL = (operator.matmul, torch.matmul, "matmul")
+MM = (torch.mm, "mm")
+ADDMM = (torch.addmm, "addmm")
 ADD = (operator.add, torch.add, "add")
 SIGMOID = (torch.sigmoid, F.sigmoid, "sigmoid")
 
 
+def grouped_mm_targets() -> tuple:
+    """The grouped-GEMM callables this torch (and transformers, when imported) provides."""
+    out = [f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None]
+    ns = getattr(torch.ops, "transformers", None)
+    fallback = getattr(ns, "grouped_mm_fallback", None) if ns is not None and hasattr(ns, "grouped_mm_fallback") else None
+    if fallback is not None:
+        out += [fallback, fallback.default]
+    return tuple(out)
+
+
+# every matmul-like call: explain lists each one the plan leaves in high precision
+MATMUL_LIKE = (F.linear, torch.mm, torch.addmm, torch.bmm, torch.baddbmm, torch.matmul, operator.matmul,
+               torch.einsum, F.scaled_dot_product_attention, "mm", "addmm", "bmm", "baddbmm", "matmul")
+
+
 def _weight(name: str) -> Pattern:
     return Bind(name, Where(lambda n: is_param_placeholder(n) and _ndim(n) == 2))
+
+
+def _expert_weight(name: str) -> Pattern:
+    return Bind(name, Where(lambda n: is_param_placeholder(n) and _ndim(n) == 3))
 
 
 def _bias(name: str) -> Pattern:
@@ -58,15 +84,41 @@ def _transposed(w: Pattern) -> Pattern:
 
 
 def linear(p: str, x: Pattern | None = None) -> Pattern:
-    """A projection ``y = x W^T (+ b)`` with W (and b) parameters; binds ``p``, ``p_x``, ``p_w``, ``p_b``."""
+    """A projection ``y = x W^T (+ b)`` with W (and b) parameters.
+
+    Binds ``p`` (the call), ``p_x``, ``p_w``, ``p_b``, and ``p_layout``: "out_in" for a weight
+    stored ``[out, in]`` (nn.Linear), "in_out" for one stored ``[in, out]`` (GPT-2's Conv1D).
+    """
     x = x if x is not None else Bind(f"{p}_x")
     w = _weight(f"{p}_w")
-    matmul = Op(MATMUL, x, _transposed(w))
+    b = _bias(f"{p}_b")
+    out_in = Tag(f"{p}_layout", "out_in", _transposed(w))
+    in_out = Tag(f"{p}_layout", "in_out", w)
+    matmul = OneOf(Op(MATMUL, x, out_in), Op(MM, x, out_in), Op(MATMUL, x, in_out), Op(MM, x, in_out))
     return Bind(p, OneOf(
-        Tag("form_" + p, "F.linear", Op(F.linear, x, w, bias=(2, None, OneOf(Const((None,)), _bias(f"{p}_b"))))),
-        Tag("form_" + p, "x @ W.T", matmul),
-        Tag("form_" + p, "x @ W.T + b", Op(ADD, matmul, _bias(f"{p}_b"), commutative=True)),
+        Tag("form_" + p, "F.linear", Tag(f"{p}_layout", "out_in", Op(F.linear, x, w, bias=(2, None, OneOf(Const((None,)), b))))),
+        Tag("form_" + p, "x @ W", matmul),
+        Tag("form_" + p, "x @ W + b", Op(ADD, matmul, b, commutative=True)),
+        Tag("form_" + p, "addmm(b, x, W)", Op(ADDMM, b, x, OneOf(out_in, in_out))),
     ))
+
+
+def grouped_linear(p: str, x: Pattern | None = None, offs: Pattern | None = None) -> Pattern:
+    """An expert projection ``y[g] = x[g] W[e]^T`` over a 3-D expert weight with group offsets.
+
+    Binds ``p``, ``p_x``, ``p_w`` (the 3-D parameter), ``p_layout`` ("out_in": ``W`` [E, out, in],
+    "in_out": ``W`` [E, in, out]) and ``offs`` (the cumulative group ends).
+    """
+    x = x if x is not None else Bind(f"{p}_x")
+    offs = offs if offs is not None else Bind("offs")
+    w = _expert_weight(f"{p}_w")
+    w_t = OneOf(Op(getattr, w, Const(("mT",))),
+                Op(("transpose", torch.transpose), w, Const((-2, 1)), Const((-1, 2))),
+                Op(("transpose", torch.transpose), w, Const((-1, 2)), Const((-2, 1))))
+    operand = OneOf(Tag(f"{p}_layout", "out_in", w_t), Tag(f"{p}_layout", "in_out", w))
+    return Bind(p, Tag("form_" + p, "grouped_mm", Op(
+        grouped_mm_targets(), x, operand, offs=(2, None, offs), bias=(None, None, Const((None,))),
+        out_dtype=(None, None, Const((None,))))))
 
 
 # ---- fused gate+up: which weight rows a slice of the projection output selects -------------------
@@ -202,6 +254,18 @@ GLU_MLP = linear("down", x=GLU_CORE)
 # a plain linear op (attention projections, GELU MLPs, the LM head, ...)
 LINEAR = linear("lin")
 
+# MoE experts: the GLU of every expert at once, ``down(act(gate) * up)`` over grouped projections
+# sharing one offsets tensor (transformers' grouped_mm experts: fused gate_up, then ``chunk(2, -1)``)
+_GROUPED_FUSED = tuple(FusedPart(p, grouped_linear("gate_up", x=Bind("x"))) for p in ("gate", "up"))
+_GROUPED_SEPARATE = (grouped_linear("gate", x=Bind("x")), grouped_linear("up", x=Bind("x")))
+EXPERT_GLU = grouped_linear("down", x=Bind("h", OneOf(
+    Tag("proj", "separate", Op(MUL, activation(_GROUPED_SEPARATE[0]), _GROUPED_SEPARATE[1], commutative=True)),
+    Tag("proj", "fused", Op(MUL, activation(_GROUPED_FUSED[0]), _GROUPED_FUSED[1], commutative=True)),
+)))
+
+# one expert projection on its own (non-GLU experts, or a gate the patterns do not know)
+GROUPED_LINEAR = grouped_linear("lin")
+
 # a GLU product whose projections are not all in this graph (a graph break split it)
 _ANY_NODE = Where(lambda n: True)
 GLU_PRODUCT_LOOSE = Bind("h", Op(MUL, activation(Bind("gate", _ANY_NODE)), Bind("up", _ANY_NODE), commutative=True))
@@ -227,7 +291,7 @@ def _internal_ok(m: Match) -> bool:
     return True
 
 
-def find_glu_mlps(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, str]]]:
+def find_glu_mlps(graph: fx.Graph, pattern: Pattern = GLU_MLP) -> tuple[list[Match], list[tuple[Match, str]]]:
     """All non-overlapping GLU MLP matches; and GLU-shaped matches rejected, with the reason."""
     found: list[Match] = []
     rejected: list[tuple[Match, str]] = []
@@ -236,7 +300,7 @@ def find_glu_mlps(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, str]]
         if node.op not in ("call_function", "call_method"):
             continue
         first_rejected = None
-        for m in GLU_MLP(node):
+        for m in pattern(node):
             m.nodes = list(dict.fromkeys(m.nodes))
             if taken & set(m.nodes):
                 continue
@@ -250,3 +314,8 @@ def find_glu_mlps(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, str]]
         if first_rejected is not None:
             rejected.append((first_rejected, "an intermediate value of the GLU is also used outside it"))
     return found, rejected
+
+
+def find_expert_glus(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, str]]]:
+    """All MoE expert GLUs (grouped projections, one offsets tensor), as :func:`find_glu_mlps`."""
+    return find_glu_mlps(graph, EXPERT_GLU)

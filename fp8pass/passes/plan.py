@@ -1,7 +1,9 @@
-"""Analysis of one Dynamo graph: which GLU MLPs and linears become FP8, what stays, graph breaks.
+"""Analysis of one Dynamo graph: which GLU MLPs, MoE experts and linears become FP8, what stays, breaks.
 
-``plan_graph`` only reads the graph; ``rewrite.apply_plan`` changes a copy of it. Explain uses the
-plan alone, so ``fp8pass.explain`` works on any model without running FP8 ops.
+``plan_graph`` only reads the graph (and its annotations, :mod:`.annotate`); ``rewrite.apply_plan``
+changes a copy of it. Explain uses the plan alone, so ``fp8pass.explain`` works on any model without
+running FP8 ops. Every matmul-like call the plan leaves in high precision is listed in ``skipped``
+with its reason; attention's score and value products are one "attention, kept" line per module.
 """
 
 from __future__ import annotations
@@ -9,14 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
-from ..config import Config
-from .matcher import MUL, Match, caller_fqn, param_fqn
-from .patterns import GLU_PRODUCT_LOOSE, LINEAR, activation, find_glu_mlps, linear, variant_name
+from ..config import Config, NVFP4Scaling
+from .annotate import META_KEY, annotate
+from .matcher import MUL, Match, caller_fqn, example_value, is_call, param_fqn
+from .patterns import (
+    GLU_PRODUCT_LOOSE, GROUPED_LINEAR, LINEAR, MATMUL_LIKE, activation, find_expert_glus, find_glu_mlps,
+    grouped_mm_targets, linear, variant_name,
+)
 from .policy import Decision, decide_linear
 
-__all__ = ["GLUSite", "LinearSite", "Plan", "plan_graph"]
+__all__ = ["GLUSite", "LinearSite", "ExpertGLUSite", "ExpertLinearSite", "Plan", "plan_graph"]
 
 
 @dataclass
@@ -39,19 +46,41 @@ class GLUSite:
 
 @dataclass
 class LinearSite:
-    """One linear op ``x @ w.T (+ b)`` that becomes an FP8 linear."""
+    """One linear op ``x @ w.T (+ b)`` that becomes an FP8 linear (``w`` stored [in, out]: ``w_t``)."""
 
     node: fx.Node
     x: fx.Node
     w: fx.Node
     b: fx.Node | None
     fqn: str
+    nodes: list[fx.Node] = field(default_factory=list)   # the match's nodes (erasable once dead)
+    w_t: bool = False
+
+
+@dataclass
+class ExpertGLUSite(GLUSite):
+    """One MoE expert stack whose experts are GLUs: grouped gate/up and down projections."""
+
+
+@dataclass
+class ExpertLinearSite:
+    """One grouped expert projection that becomes an FP8 grouped linear."""
+
+    node: fx.Node
+    x: fx.Node
+    w: fx.Node
+    offs: fx.Node
+    layout: str
+    fqn: str
+    nodes: list[fx.Node] = field(default_factory=list)
 
 
 @dataclass
 class Plan:
     glus: list[GLUSite] = field(default_factory=list)
     linears: list[LinearSite] = field(default_factory=list)
+    expert_glus: list[ExpertGLUSite] = field(default_factory=list)
+    expert_linears: list[ExpertLinearSite] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)   # (where, reason)
     graph_breaks: list[str] = field(default_factory=list)
     # MLP module FQN cut by a break -> where: "act" (after the activation) or "glu" (after the product)
@@ -69,7 +98,7 @@ def _where(call: fx.Node, w: fx.Node | None = None) -> str:
     return caller_fqn(call) or call.name
 
 
-def _glu_decision(cfg: Config, m: Match) -> Decision:
+def _glu_decision(cfg: Config, m: Match, experts: bool = False) -> Decision:
     """A GLU becomes FP8 only when each of its projections may (else its linears are decided alone)."""
     if m["gate"] is m.get("up"):  # pragma: no cover - patterns cannot produce this
         return Decision(False, "gate and up are the same value")
@@ -85,17 +114,17 @@ def _glu_decision(cfg: Config, m: Match) -> Decision:
     else:
         parts += [(p, m[p], m["x"], m[f"{p}_w"], m.get(f"{p}_b")) for p in ("gate", "up")]
     for role, call, x, w, b in parts:
-        d = decide_linear(cfg, call, x, w, b)
+        d = decide_linear(cfg, call, x, w, b, experts=experts)
         if not d.fp8:
             return Decision(False, f"{role} projection {param_fqn(w) or w.name}: {d.reason}")
     return Decision(True)
 
 
-def _glu_site(m: Match) -> GLUSite:
+def _glu_site(m: Match, cls=GLUSite) -> GLUSite:
     fused = m.get("proj") == "fused"
     gw = m["gate_up_w"] if fused else m["gate_w"]
     uw = m["gate_up_w"] if fused else m["up_w"]
-    return GLUSite(
+    return cls(
         match=m, variant=variant_name(m), act=m["act"],
         gate=param_fqn(gw) or gw.name, up=param_fqn(uw) or uw.name,
         down=param_fqn(m["down_w"]) or m["down_w"].name,
@@ -173,18 +202,45 @@ def _find_breaks(graph: fx.Graph, covered: set[fx.Node], plan: Plan, split_befor
     return unsafe_linears
 
 
+def _ensure_annotated(graph: fx.Graph) -> None:
+    """Annotate a graph nobody annotated yet (tests and tools that plan captured graphs directly)."""
+    first = next(iter(graph.nodes), None)
+    if first is not None and META_KEY not in first.meta:
+        annotate(graph)
+
+
+def _glu_kind_decision(cfg: Config, m: Match, experts: bool) -> Decision:
+    if experts and isinstance(cfg.recipe, NVFP4Scaling):
+        return Decision(False, "the NVFP4 recipe has no grouped expert op: experts stay in high precision")
+    return _glu_decision(cfg, m, experts)
+
+
 def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None = None) -> Plan:
     """Decide what becomes FP8 in ``graph`` (not modified).
 
     Args:
-        graph: Dynamo's torch-level graph (placeholders carry ``_dynamo_source``).
+        graph: Dynamo's torch-level graph (placeholders carry ``_dynamo_source``), annotated by
+            :func:`.annotate.annotate` (done here with Dynamo's own names if it is not).
         cfg: the backend's Config.
         split_before: ``Plan.split_modules`` of the earlier graphs of the same model: MLPs that a
             graph break split; their down projection, fed by a graph input, stays high precision.
     """
+    _ensure_annotated(graph)
     plan = Plan()
-    glus, rejected = find_glu_mlps(graph)
     covered: set[fx.Node] = set()
+    # MoE expert GLUs first: their projections are grouped GEMMs no dense pattern matches
+    experts, rejected_experts = find_expert_glus(graph)
+    for m in experts:
+        d = _glu_kind_decision(cfg, m, experts=True)
+        site = _glu_site(m, ExpertGLUSite)
+        if d.fp8:
+            plan.expert_glus.append(site)
+            covered |= set(m.nodes)
+        else:
+            plan.skipped.append((f"experts {_module_of(site.down)}", f"not FP8: {d.reason}"))
+    for m, reason in rejected_experts:
+        plan.skipped.append((f"experts at {_where(m['down'], m['down_w'])}", f"GLU not fused: {reason}"))
+    glus, rejected = find_glu_mlps(graph)
     for m in glus:
         d = _glu_decision(cfg, m)
         site = _glu_site(m)
@@ -192,15 +248,16 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
             plan.glus.append(site)
             covered |= set(m.nodes)
         else:
-            plan.skipped.append((f"GLU {site.down.rsplit('.', 2)[0] if '.' in site.down else site.down}",
-                                 f"not fused: {d.reason}"))
+            plan.skipped.append((f"GLU {_module_of(site.down)}", f"not fused: {d.reason}"))
     for m, reason in rejected:
         plan.skipped.append((f"GLU at {_where(m['down'], m['down_w'])}", f"not fused: {reason}"))
     unsafe = _find_breaks(graph, covered, plan, dict(split_before or {}))
+    decided: set[fx.Node] = set(covered)
     for node in graph.nodes:
         if node in covered or node.op not in ("call_function", "call_method"):
             continue
         for m in LINEAR(node):
+            decided.add(node)
             w = m["lin_w"]
             where = param_fqn(w) or w.name
             if node in unsafe:
@@ -209,16 +266,89 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                 break
             d = decide_linear(cfg, node, m["lin_x"], w, m.get("lin_b"))
             if d.fp8:
-                plan.linears.append(LinearSite(node, m["lin_x"], w, m.get("lin_b"), where))
+                plan.linears.append(LinearSite(node, m["lin_x"], w, m.get("lin_b"), where, list(dict.fromkeys(m.nodes)),
+                                               m.get("lin_layout") == "in_out"))
             else:
                 plan.skipped.append((where, d.reason))
             break
-    # matmuls of activations (attention scores) and other ops are simply not matched; list only
-    # matmuls that look like linears but whose weight is no parameter, so explain shows them
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._nn.linear and node not in covered:
-            w = node.args[1]
-            if isinstance(w, fx.Node) and param_fqn(w) is None:
-                plan.skipped.append((caller_fqn(node) or node.name,
-                                     "F.linear with a weight that is not a parameter"))
+        else:
+            for m in GROUPED_LINEAR(node):
+                decided.add(node)
+                w = m["lin_w"]
+                where = param_fqn(w) or w.name
+                d = decide_linear(cfg, node, m["lin_x"], w, None, experts=True)
+                if d.fp8 and isinstance(cfg.recipe, NVFP4Scaling):
+                    d = Decision(False, "the NVFP4 recipe has no grouped expert op: experts stay in high precision")
+                if d.fp8:
+                    plan.expert_linears.append(ExpertLinearSite(node, m["lin_x"], w, m["offs"], m["lin_layout"], where,
+                                                                list(dict.fromkeys(m.nodes))))
+                else:
+                    plan.skipped.append((where, d.reason))
+                break
+    plan.skipped += _unplanned_matmuls(graph, decided)
     return plan
+
+
+def _module_of(weight_fqn: str) -> str:
+    """``layers.0.mlp`` for ``layers.0.mlp.down_proj.weight`` (the GLU's module)."""
+    return weight_fqn.rsplit(".", 2)[0] if weight_fqn.count(".") >= 2 else weight_fqn
+
+
+_ATTENTION_WORDS = ("attn", "attention", "mixer", "self_attn")
+
+
+def _operands(node: fx.Node) -> list:
+    if node.target in (torch.einsum,):
+        return [a for a in node.args[1:] if isinstance(a, fx.Node)]
+    if node.target in (torch.addmm, "addmm", torch.baddbmm, "baddbmm"):
+        return list(node.args[1:3])
+    return list(node.args[:2])
+
+
+def _param_under(value, depth: int = 4) -> fx.Node | None:
+    """The parameter placeholder a matmul operand is a view / slice / gather of, if any."""
+    for _ in range(depth):
+        if not isinstance(value, fx.Node):
+            return None
+        if value.op == "placeholder":
+            return value if param_fqn(value) is not None else None
+        value = value.args[0] if value.args else None
+    return None
+
+
+def _unplanned_matmuls(graph: fx.Graph, decided: set[fx.Node]) -> list[tuple[str, str]]:
+    """(where, reason) for every matmul-like call the plan neither rewrote nor already explained."""
+    out: list[tuple[str, str]] = []
+    attention: dict[str, int] = {}
+    targets = MATMUL_LIKE + grouped_mm_targets()
+    for node in graph.nodes:
+        if node in decided or node.op not in ("call_function", "call_method") or not is_call(node, targets):
+            continue
+        owner = caller_fqn(node) or node.name
+        name = getattr(node.target, "__name__", str(node.target))
+        weights = [w for w in (_param_under(a) for a in _operands(node)) if w is not None]
+        if node.target is F.scaled_dot_product_attention:
+            attention[owner] = attention.get(owner, 0) + 1
+            continue
+        if not weights:
+            last = owner.rsplit(".", 1)[-1].lower()
+            if any(k in last for k in _ATTENTION_WORDS) or "attn" in owner.lower():
+                attention[owner] = attention.get(owner, 0) + 1
+            else:
+                out.append((owner, f"{name} of two activations (no parameter operand): kept"))
+            continue
+        w = weights[0]
+        ev = example_value(w)
+        dims = f"{ev.dim()}-D " if isinstance(ev, torch.Tensor) else ""
+        if is_call(node, grouped_mm_targets()):
+            why = "grouped expert GEMM in a form the patterns do not know (bias, out_dtype or a reshaped weight)"
+        elif isinstance(ev, torch.Tensor) and ev.dim() == 3:
+            why = (f"{name} over a gathered or stacked 3-D expert weight (per-token weight gather or fixed "
+                   "capacity): unsupported form; use transformers' experts_implementation='grouped_mm'")
+        else:
+            why = f"{name} with a {dims}weight in an unsupported form (a slice, view or non-default arguments)"
+        out.append((param_fqn(w) or owner, why))
+    for owner, n in attention.items():
+        out.append((owner, f"attention, kept ({n} op{'s' if n > 1 else ''}: scores and weighted values "
+                           "are products of activations)"))
+    return out

@@ -8,7 +8,8 @@ The rules, in order (the first that applies decides):
    recognised as ``lm_head``).
 2. dtype: only fp32 / bf16 / fp16 activations and weights; float64 models are numerics experiments
    and run unchanged.
-3. shapes: weights must be 2-D with both dims >= ``min_dim`` and divisible by ``dim_multiple``.
+3. shapes: weights must be 2-D (3-D for MoE expert stacks, whose per-expert matrices count) with both
+   dims >= ``min_dim`` and divisible by ``dim_multiple``.
 4. a linear whose input is a GLU output that a graph break cut off (see ``rewrite``) stays high
    precision: an unsmoothed FP8 cast of a GLU output is exactly the outlier case Smooth-SwiGLU exists for.
 """
@@ -47,8 +48,12 @@ def _kept_by_glob(cfg: Config, names: list[str]) -> str | None:
     return None
 
 
-def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None) -> Decision:
-    """Decide for one linear call ``call`` computing ``x @ w.T (+ b)``."""
+def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bool = False) -> Decision:
+    """Decide for one linear call ``call`` computing ``x @ w.T (+ b)``.
+
+    ``experts``: ``w`` is a 3-D expert stack [E, out, in] or [E, in, out]; the shape rules apply to
+    each expert's matrix.
+    """
     wf = param_fqn(w) or w.name
     names = [module_fqn(wf), wf, caller_fqn(call)]
     pat = _kept_by_glob(cfg, names)
@@ -63,9 +68,10 @@ def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None) -> Decision
         if isinstance(bv, torch.Tensor) and bv.dtype not in FP8_DTYPES:
             return Decision(False, f"bias dtype {bv.dtype} (FP8 applies to fp32/bf16/fp16 models)")
     if isinstance(wv, torch.Tensor):
-        if wv.dim() != 2:
-            return Decision(False, f"weight is {wv.dim()}-D, not 2-D")
-        dims = [int(d) for d in wv.shape]
+        want = 3 if experts else 2
+        if wv.dim() != want:
+            return Decision(False, f"weight is {wv.dim()}-D, not {want}-D")
+        dims = [int(d) for d in wv.shape[-2:]]
         if min(dims) < cfg.min_dim:
             return Decision(False, f"weight {tuple(dims)} has a dim below min_dim={cfg.min_dim}")
         if any(d % cfg.dim_multiple for d in dims):

@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx
 
 from ..config import Config
 from .nvfp4_policy import protected_linears
 from .plan import Plan
-from .rewrite import StateInput, _erase_dead, _Rewriter
+from .rewrite_base import GraphRewriter, keep_meta
 
-__all__ = ["apply_nvfp4_plan", "HCP_ROLE"]
+__all__ = ["NVFP4Rewriter", "HCP_KIND"]
 
-HCP_ROLE = "hcp"
+HCP_KIND = "hcp"
 
 
-class _NVFP4Rewriter(_Rewriter):
+class NVFP4Rewriter(GraphRewriter):
+    """Linears (GLU projections included) into ``nvfp4_linear``; protected ones as FP8 or kept."""
+
     def __init__(self, gm: fx.GraphModule, cfg: Config):
         super().__init__(gm, cfg)
         self.recipe = cfg.recipe
@@ -40,69 +43,53 @@ class _NVFP4Rewriter(_Rewriter):
                        margin=0.0, interval=1, algo="max")
 
     def hcp_state(self, w: fx.Node) -> list[fx.Node]:
+        """``[err, hot, step]`` placeholders of the weight's HCPState; [] without HCP."""
         if self.recipe.hcp is None:
             return []
-        key = (self.pos[w], HCP_ROLE)
-        if key not in self._state_nodes:
-            nodes = []
-            for f in range(3):
-                anchor = self.last_ph
-                ctx = (self.graph.inserting_before(next(iter(self.graph.nodes))) if anchor is None
-                       else self.graph.inserting_after(anchor))
-                with ctx:
-                    ph = self.graph.placeholder(f"hcp_state_{w.name}_{f}")
-                self.last_ph = ph
-                nodes.append(ph)
-                self.extra.append(StateInput(self.pos[w], HCP_ROLE, f))
-            self._state_nodes[key] = nodes
-        return self._state_nodes[key]
+        return self.state_placeholders(w, HCP_KIND, HCP_KIND, 3)
 
-    def nvfp4_linear(self, x, w: fx.Node, b, before: fx.Node) -> fx.Node:
+    def nvfp4_linear(self, x, w: fx.Node, b, before: fx.Node, w_t: bool = False) -> fx.Node:
         r, hcp = self.recipe, self.recipe.hcp
         hs = self.hcp_state(w)
         with self.graph.inserting_before(before):
+            weight = self.graph.call_function(torch.t, (w,)) if w_t else w
             out = self.graph.call_function(
                 self.ops.nvfp4_linear.default,
-                (self.r(x), w, b, hs, r.weight_2d, r.rht, r.rht_seed, r.grad_stochastic_rounding,
+                (self.r(x), weight, b, hs, r.weight_2d, r.rht, r.rht_seed, r.grad_stochastic_rounding,
                  True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if hs:
                 err = self.graph.call_function(operator.getitem, (out, 1))
                 self.graph.call_function(self.ops.hcp_update_.default,
                                          (*hs, err, float(hcp.decay), int(hcp.update_interval)))
-        y.meta.update({k: v for k, v in before.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        keep_meta(y, before)
         return y
 
-
-def apply_nvfp4_plan(gm: fx.GraphModule, plan: Plan, cfg: Config):
-    """Like ``rewrite.apply_plan`` for ``Config(recipe=NVFP4Scaling(...))``; same return value
-    (the weight FQN list holds the NVFP4 linears; protected ones are in the kept list with the reason)."""
-    rw = _NVFP4Rewriter(gm, cfg)
-    sites = []  # (fqn, x, w, b, call node)
-    for glu in plan.glus:
-        m = glu.match
-        if glu.fused:
-            sites.append((glu.gate, m["x"], m["gate_up_w"], m.get("gate_up_b"), m["gate_up"]))
-        else:
-            sites += [(glu.gate, m["x"], m["gate_w"], m.get("gate_b"), m["gate"]),
-                      (glu.up, m["x"], m["up_w"], m.get("up_b"), m["up"])]
-        sites.append((glu.down, m["h"], m["down_w"], m.get("down_b"), m["down"]))
-    sites += [(s.fqn, s.x, s.w, s.b, s.node) for s in plan.linears]
-    protected = protected_linears([s[0] for s in sites], cfg.recipe)
-    as_fp8 = cfg.recipe.protected_precision == "fp8"
-    nvfp4: list[str] = []
-    kept: list[tuple[str, str]] = []
-    for fqn, x, w, b, node in sites:
-        if fqn in protected:
-            if as_fp8:
-                rw.replace(node, rw.linear(x, w, b, node))
-                kept.append((fqn, protected[fqn] + ": FP8 linear (current scaling)"))
-            else:
-                kept.append((fqn, protected[fqn] + ": kept in high precision"))
-            continue
-        rw.replace(node, rw.nvfp4_linear(x, w, b, node))
-        nvfp4.append(fqn)
-    _erase_dead(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
-    return gm, rw.extra, list(dict.fromkeys(nvfp4)), list(dict.fromkeys(kept))
+    def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
+        """Rewrite every planned linear; returns (NVFP4 weights, (where, reason) of protected ones)."""
+        sites = []  # (fqn, x, w, b, call node, its match's nodes, weight stored [in, out])
+        for glu in plan.glus:
+            m = glu.match
+            # the activation and product stay (the NVFP4 down linear reads them): covering the whole
+            # match erases only what died, the replaced projections and their weight transposes
+            parts = ([("gate", glu.gate, m["x"], "gate_up")] if glu.fused else
+                     [("gate", glu.gate, m["x"], "gate"), ("up", glu.up, m["x"], "up")])
+            parts.append(("down", glu.down, m["h"], "down"))
+            for _, fqn, x, p in parts:
+                sites.append((fqn, x, m[f"{p}_w"], m.get(f"{p}_b"), m[p], m.nodes, m.get(f"{p}_layout") == "in_out"))
+        sites += [(s.fqn, s.x, s.w, s.b, s.node, s.nodes, s.w_t) for s in plan.linears]
+        protected = protected_linears([s[0] for s in sites], self.recipe)
+        as_fp8 = self.recipe.protected_precision == "fp8"
+        nvfp4: list[str] = []
+        kept: list[tuple[str, str]] = []
+        for fqn, x, w, b, node, nodes, w_t in sites:
+            if fqn in protected:
+                if as_fp8:
+                    self.replace(node, self.fp8_linear(x, w, b, node, w_t), nodes)
+                    kept.append((fqn, protected[fqn] + ": FP8 linear (current scaling)"))
+                else:
+                    kept.append((fqn, protected[fqn] + ": kept in high precision"))
+                continue
+            self.replace(node, self.nvfp4_linear(x, w, b, node, w_t), nodes)
+            nvfp4.append(fqn)
+        return list(dict.fromkeys(nvfp4)), list(dict.fromkeys(kept))

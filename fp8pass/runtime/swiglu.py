@@ -67,6 +67,16 @@ def glu_activation(g: torch.Tensor, activation: str) -> torch.Tensor:
     return F.relu(g)
 
 
+def glu_activation_backward(grad: torch.Tensor, g: torch.Tensor, activation: str) -> torch.Tensor:
+    """``grad * act'(g)`` by the kernels autograd itself uses for ``act`` (identical rounding)."""
+    aten = torch.ops.aten
+    if activation == "silu":
+        return aten.silu_backward(grad, g)
+    if activation in ("gelu", "gelu_tanh"):
+        return aten.gelu_backward(grad, g, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return aten.threshold_backward(grad, torch.relu(g), 0)
+
+
 def glu_activation_grad(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(act(g), act'(g))`` in fp32, the exact derivative (see the module doc)."""
     if activation == "silu":
@@ -289,14 +299,11 @@ def _glu_backward_math(da, gate2d, up2d, s, smooth: str, activation: str):
     da = da.float()
     g = gate2d.float()
     u = up2d.float()
-    silu, dsilu = glu_activation_grad(g, activation)
-    if smooth == "token":
-        dz = da / s
-        dgate, dup = dz * u * dsilu, dz * silu
-    else:
-        dh = da * s if smooth == "channel" else da
-        dgate, dup = dh * u * dsilu, dh * silu
-    return dgate, dup
+    # dh = dL/d(act(g) * u); token mode's A = act(g) * u / r, channel mode's A = act(g) * u * c
+    dh = da / s if smooth == "token" else da * s if smooth == "channel" else da
+    # the same ops, in the same order, as autograd's backward of ``act(g) * u``: with the identity
+    # format the rewritten GLU's gradients equal the original graph's bit for bit
+    return glu_activation_backward(dh * u, g, activation), dh * glu_activation(g, activation)
 
 
 _COMPILED: dict = {}

@@ -1,0 +1,201 @@
+"""The first pass over a Dynamo graph: the facts patterns, policy and rewriters read, once per node.
+
+Every node gets a :class:`NodeFacts` in ``node.meta["fp8pass"]``: its example (fake) value, the
+absolute FQN of the parameter a placeholder carries, the absolute FQN of the module whose forward
+made a call, and whether the node has side effects. Later passes only read these facts.
+
+Side effects decide what a rewrite may touch: a node that mutates a tensor (in-place methods and
+functions, ``out=``, ``setitem``), draws random numbers, or changes autograd / vmap / functorch /
+profiler state is never part of a match and is never removed, whether or not its result is used.
+The classification is deliberately conservative: an unknown kind of node counts as having effects.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from .names import FrameNames
+
+__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "META_KEY"]
+
+META_KEY = "fp8pass"
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the passes know about one node.
+
+    Attributes:
+        value: the example (fake) tensor Dynamo recorded, or None.
+        weight_fqn: for a placeholder that is a parameter, its absolute FQN; else None.
+        owner: absolute FQN of the innermost module whose forward made this call ('' at the root).
+        side_effects: the node mutates state or draws random numbers: keep it, never match it.
+    """
+
+    value: Any
+    weight_fqn: str | None
+    owner: str
+    side_effects: bool
+
+
+_INPLACE_OPERATORS = {
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift,
+}
+
+# random numbers: removing an unused draw would shift every later draw
+_RANDOM_NAMES = {
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+    "multinomial", "normal", "poisson", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+    "feature_alpha_dropout", "rrelu", "native_dropout", "uniform", "exponential", "geometric", "cauchy",
+    "log_normal", "manual_seed", "seed", "set_rng_state", "get_rng_state",
+}
+
+# global state: autograd, vmap/functorch levels, profiler ranges, assertions
+_STATEFUL_MODULES = ("torch._C._functorch", "torch._functorch", "torch.autograd", "torch._C._autograd",
+                     "torch.profiler", "torch.autograd.profiler", "torch._C._profiler", "torch.cuda",
+                     "torch.distributed", "torch._dynamo")
+_STATEFUL_NAMES = {"_assert", "_assert_async", "_check", "_check_is_size", "_assert_scalar", "_set_grad_enabled",
+                   "set_grad_enabled", "_enter_autocast", "_exit_autocast", "print", "_record_function_enter",
+                   "_record_function_exit", "_record_function_enter_new"}
+
+
+def _name_of(target) -> str:
+    return getattr(target, "__name__", None) or str(target)
+
+
+def has_side_effects(node: fx.Node) -> bool:
+    """Whether ``node`` must stay in the graph whatever the rewrite does (see the module doc)."""
+    if node.op in ("placeholder", "get_attr"):
+        return False
+    if node.op in ("output", "call_module"):
+        return True
+    if "out" in node.kwargs:
+        return True
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+        if name.endswith("_") and not name.startswith("__"):
+            return True  # tensor.add_(), .copy_(), .scatter_(), .masked_fill_(), .uniform_() ...
+        return name in _RANDOM_NAMES or name in ("record_stream", "set_", "resize_", "share_memory_")
+    if node.op != "call_function":
+        return True
+    if target in _INPLACE_OPERATORS:
+        return True
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        overload = target if isinstance(target, torch._ops.OpOverload) else None
+        schema = overload._schema if overload is not None else None
+        if schema is not None and (schema.is_mutable or torch.Tag.nondeterministic_seeded in overload.tags):
+            return True
+        if overload is None:
+            packet = target
+            if any(getattr(packet, o)._schema.is_mutable for o in packet.overloads()):
+                return True
+    name = _name_of(target)
+    if name.endswith("_") and not name.startswith("__"):
+        return True  # torch.relu_, torch.nn.init.*_
+    if name in _RANDOM_NAMES or name in _STATEFUL_NAMES:
+        return True
+    module = getattr(target, "__module__", None) or ""
+    if any(module == m or module.startswith(m + ".") for m in _STATEFUL_MODULES):
+        return True
+    try:
+        return bool(node.is_impure())
+    except Exception:  # noqa: BLE001 - an unknown target: be conservative
+        return True
+
+
+def _relative_owner(node: fx.Node) -> str:
+    """The innermost ``nn_module_stack`` path, relative to the frame's root."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # "L['self'].model.layers.0.mlp" / "L['args'][0].lm_head": drop the root local
+    if "]." in path:
+        return path.split("].", 1)[1] if path.startswith("L[") else path
+    return "" if path.startswith("L[") else path
+
+
+def _source(node: fx.Node):
+    src = getattr(node, "_dynamo_source", None)
+    if src is None:
+        src = getattr(node.meta.get("grapharg"), "source", None)
+    return src
+
+
+def _source_fqn(node: fx.Node, value, real) -> str | None:
+    """Parameter FQN from Dynamo's source chain (relative to the frame root), None if no parameter.
+
+    The chain reads ``L['self']._modules['layers']._modules['0']..._parameters['weight']``; the FQN is
+    the ``_modules`` / ``_parameters`` keys and attribute names along it.
+    """
+    src = _source(node)
+    parts: list[str] = []
+    is_param = isinstance(value, torch.nn.Parameter) or isinstance(real, torch.nn.Parameter)
+    first = True
+    while src is not None:
+        member = getattr(src, "member", None)
+        index = getattr(src, "index", None)
+        base = getattr(src, "base", None)
+        if index is not None and base is not None and getattr(base, "member", None) in ("_modules", "_parameters"):
+            if first and base.member == "_parameters":
+                is_param = True
+            parts.append(str(index))
+            src = base.base
+        elif member is not None and member not in ("_modules", "_parameters") and base is not None:
+            parts.append(str(member))  # attribute access (``self.layers``) on a module
+            src = base
+        else:
+            src = base
+        first = False
+    if not is_param:
+        return None
+    return ".".join(reversed(parts)) if parts else node.name
+
+
+def _compute(node: fx.Node, names: FrameNames | None, real: Any) -> NodeFacts:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    weight = None
+    if node.op == "placeholder":
+        if names is not None and isinstance(real, torch.nn.Parameter) and id(real) in names.params:
+            weight = names.params[id(real)]
+        else:
+            relative = _source_fqn(node, value, real)
+            if relative is not None and names is not None and names.prefix and relative != node.name:
+                relative = f"{names.prefix}.{relative}"
+            weight = relative
+    owner = _relative_owner(node)
+    if names is not None:
+        owner = names.module(owner)
+    return NodeFacts(value, weight, owner, has_side_effects(node))
+
+
+def annotate(graph: fx.Graph, names: FrameNames | None = None, example_inputs: list | None = None) -> None:
+    """Record :class:`NodeFacts` on every node of ``graph`` (the first pass; later ones read them).
+
+    Args:
+        graph: Dynamo's torch-level graph.
+        names: absolute names of the frame (``names.frame_names``); None keeps Dynamo's paths.
+        example_inputs: the real inputs of the graph's placeholders, in order (parameters among them
+            are named by identity); None when only fake values are known (explain on captured graphs).
+    """
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    reals = dict(zip(placeholders, example_inputs or []))
+    for node in graph.nodes:
+        node.meta[META_KEY] = _compute(node, names, reals.get(node))
+
+
+def facts(node: fx.Node) -> NodeFacts:
+    """The node's facts; computed on the spot for a node the first pass did not see."""
+    got = node.meta.get(META_KEY)
+    if got is None:
+        got = _compute(node, None, None)
+        node.meta[META_KEY] = got
+    return got

@@ -1,0 +1,213 @@
+"""What every rewriter shares: the graph copy, state placeholders, replacement, and the cleanup.
+
+A rewriter (FP8 linears and GLUs: :mod:`.rewrite_fp8`; MoE experts: :mod:`.rewrite_grouped`; NVFP4:
+:mod:`.rewrite_nvfp4`) emits ``torch.ops.fp8pass`` calls before a matched node and redirects the
+node's users to them. The cleanup then removes exactly the nodes the matches covered that no longer
+have users (the replaced calls and their now-dead transposes, slices and activations), never a general
+dead-code sweep: Dynamo's graphs hold in-place ops, RNG draws and vmap/autograd state changes whose
+results are unused, and ``Node.is_impure`` does not know most of them. A covered node with side
+effects cannot exist (patterns never match one, see :mod:`.annotate`), and is kept regardless.
+
+State placeholders: a weight's scaling state enters the graph as extra placeholders appended after
+Dynamo's; :class:`StateInput` says which tensor of which weight's state each one is, and the backend
+passes the live tensors on every call.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ..config import Config, DelayedScaling
+from .annotate import facts
+
+__all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "recipe_kwargs", "keep_meta", "finish", "ROLES",
+           "STATE_FIELDS"]
+
+ROLES = ("input", "weight", "grad_output")
+STATE_FIELDS = 4  # [amax_history, scale, steps, skipped]
+
+
+@dataclass(frozen=True)
+class StateInput:
+    """An extra graph input: field ``field`` of role ``role`` of the state of placeholder ``weight_pos``.
+
+    ``kind`` says whose state: "linear" (``runtime.state_for``), "experts" (per-expert state of a
+    3-D expert weight, ``runtime.grouped_state_for``) or "hcp" (NVFP4 hot-channel patching).
+    """
+
+    weight_pos: int
+    role: str
+    field: int
+    kind: str = "linear"
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's GraphModule whose graph may be edited (Dynamo re-reads the original)."""
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    graph.output(out)
+    for old, new in val_map.items():
+        src = getattr(old, "_dynamo_source", None)
+        if src is not None:
+            new._dynamo_source = src
+    new_gm = fx.GraphModule(gm, graph)
+    new_gm.meta.update(getattr(gm, "meta", {}))
+    return new_gm
+
+
+def recipe_kwargs(cfg: Config) -> dict:
+    """The recipe as the runtime ops' scalar arguments."""
+    r = cfg.recipe
+    delayed = isinstance(r, DelayedScaling)
+    return dict(
+        fwd_format=cfg.fwd_format, bwd_format=cfg.bwd_format,
+        granularity=r.granularity, block=getattr(r, "block", 128),
+        power_of_two=bool(r.power_of_two),
+        grad_rounding="stochastic" if cfg.grad_stochastic_rounding else "nearest",
+        margin=float(getattr(r, "margin", 0.0)) if delayed else 0.0,
+        interval=int(getattr(r, "interval", 1)) if delayed else 1,
+        algo=getattr(r, "algo", "max") if delayed else "max",
+    )
+
+
+class GraphRewriter:
+    """Base of the rewriters: state placeholders, replacement bookkeeping, the covered-node cleanup.
+
+    Args:
+        gm: the copy of Dynamo's GraphModule to edit in place (annotated by :func:`.annotate.annotate`).
+        cfg: the backend's Config.
+    """
+
+    def __init__(self, gm: fx.GraphModule, cfg: Config):
+        self.gm, self.graph, self.cfg = gm, gm.graph, cfg
+        self.delayed = isinstance(cfg.recipe, DelayedScaling)
+        self.kw = recipe_kwargs(cfg)
+        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self.pos = {n: i for i, n in enumerate(self.placeholders)}
+        self.last_ph = self.placeholders[-1] if self.placeholders else None
+        self.extra: list[StateInput] = []
+        self._state_nodes: dict[tuple[int, str, str], list[fx.Node]] = {}
+        # the runtime's ops by name: passes never import the runtime (numerics -> passes ->
+        # runtime -> backend); the backend imports it, which registers them
+        self.ops = torch.ops.fp8pass
+        self.replaced: dict[fx.Node, fx.Node] = {}  # planned nodes replaced earlier in this rewrite
+        self.covered: set[fx.Node] = set()          # nodes of the matches rewritten: the only erasable ones
+
+    def r(self, value):
+        """``value`` as it is now: the plan's nodes may have been replaced by an earlier site."""
+        while isinstance(value, fx.Node) and value in self.replaced:
+            value = self.replaced[value]
+        return value
+
+    def replace(self, old: fx.Node, new: fx.Node, covered=()) -> None:
+        """Redirect ``old``'s users to ``new``; ``covered``: the match's nodes (erased when dead)."""
+        if self.cfg.compiler == "eager" and _mutated_later(old):
+            # eager autograd refuses in-place ops on a custom op's tuple outputs (AOT autograd
+            # functionalizes them): hand the mutating users a copy (only for the eager compiler)
+            with self.graph.inserting_after(new):
+                copy = self.graph.call_method("clone", (new,))
+            keep_meta(copy, old)
+            new = copy
+        old.replace_all_uses_with(new)
+        self.replaced[old] = new
+        self.covered.add(old)
+        self.covered.update(covered)
+
+    def state_placeholders(self, w: fx.Node, role: str, kind: str, fields: int) -> list[fx.Node]:
+        """``fields`` placeholders for the state of (weight ``w``, ``role``), made once per weight."""
+        key = (self.pos[w], role, kind)
+        if key not in self._state_nodes:
+            nodes = []
+            for f in range(fields):
+                anchor = self.last_ph
+                ctx = (self.graph.inserting_before(next(iter(self.graph.nodes))) if anchor is None
+                       else self.graph.inserting_after(anchor))
+                with ctx:
+                    ph = self.graph.placeholder(f"{kind}_state_{w.name}_{role}_{f}")
+                self.last_ph = ph
+                nodes.append(ph)
+                self.extra.append(StateInput(self.pos[w], role, f, kind))
+            self._state_nodes[key] = nodes
+        return self._state_nodes[key]
+
+    def state(self, w: fx.Node, role: str, kind: str = "linear") -> list[fx.Node]:
+        """Delayed-scaling state placeholders of (weight, role); [] under current scaling."""
+        if not self.delayed:
+            return []
+        return self.state_placeholders(w, role, kind, STATE_FIELDS)
+
+    def record(self, state: list[fx.Node], amax: fx.Node, fmt: str) -> None:
+        """Emit ``delayed_record_`` of ``amax`` into ``state`` (nothing under current scaling)."""
+        if not state or fmt == "identity":
+            return
+        k = self.kw
+        self.graph.call_function(self.ops.delayed_record_.default,
+                                 (*state, amax, fmt, k["margin"], k["interval"], k["algo"], k["power_of_two"]))
+
+    def fp8_linear(self, x, w: fx.Node, b, before: fx.Node, w_t: bool = False) -> fx.Node:
+        """Emit an FP8 linear ``x @ w.T + b`` (with its records) before ``before``; returns ``y``.
+
+        ``w_t``: ``w`` is stored [in, out] (GPT-2's Conv1D); the op gets its transpose (a view).
+        """
+        xs, ws, gs = (self.state(w, r) for r in ROLES)
+        with self.graph.inserting_before(before):
+            weight = self.graph.call_function(torch.t, (w,)) if w_t else w
+            out = self.graph.call_function(self.ops.fp8_linear.default, (self.r(x), weight, b, xs, ws, gs),
+                                           dict(self.kw))
+            y = self.graph.call_function(operator.getitem, (out, 0))
+            if self.delayed:
+                self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
+                self.record(ws, self.graph.call_function(operator.getitem, (out, 2)), self.kw["fwd_format"])
+        keep_meta(y, before)
+        return y
+
+
+_VIEWS = {"view", "reshape", "transpose", "t", "permute", "narrow", "select", "unsqueeze", "squeeze", "expand",
+          "chunk", "split", "unbind", "flatten", "unflatten", "view_as", "reshape_as", "getitem", "__getitem__",
+          "contiguous", "T", "mT"}
+
+
+def _mutated_later(node: fx.Node) -> bool:
+    """Whether a later node mutates ``node``'s result or a view of it in place."""
+    todo, seen = [node], set()
+    while todo:
+        cur = todo.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        for user in cur.users:
+            name = getattr(user.target, "__name__", str(user.target))
+            if facts(user).side_effects and user.args and user.args[0] is cur:
+                return True
+            if name in _VIEWS:
+                todo.append(user)
+    return False
+
+
+def keep_meta(new: fx.Node, old: fx.Node) -> None:
+    """Carry the module stack and source line of a replaced node (explain and error messages)."""
+    new.meta.update({k: v for k, v in old.meta.items() if k in ("nn_module_stack", "stack_trace")})
+
+
+def finish(gm: fx.GraphModule, rewriters: list[GraphRewriter]) -> None:
+    """Erase the covered nodes left without users (never anything else), check and regenerate code."""
+    covered: set[fx.Node] = set()
+    for rw in rewriters:
+        covered |= rw.covered
+    graph = gm.graph
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node in covered and not node.users and node.op in ("call_function", "call_method") \
+                    and not facts(node).side_effects:
+                graph.erase_node(node)
+                covered.discard(node)
+                changed = True
+    graph.lint()
+    gm.recompile()

@@ -1,0 +1,89 @@
+"""The FP8 rewriter: planned linears into ``fp8_linear``, GLU MLPs into FP8 linears + ``swiglu_down``.
+
+Replacement of a linear site ``y = x @ W.T (+ b)`` (any form the patterns match)::
+
+    out = fp8pass::fp8_linear(x, W, b, x_state, w_state, g_state, <recipe scalars>)
+    y   = out[0]
+    fp8pass::delayed_record_(*x_state, out[1], ...)    # delayed scaling only: record the amaxes
+    fp8pass::delayed_record_(*w_state, out[2], ...)
+
+The ``*_state`` lists are ``[amax_history, scale, steps, skipped]`` of the weight's
+``LinearScalingState`` (fp8pass.runtime.state), extra placeholders (:mod:`.rewrite_base`). AOT
+autograd functionalizes the records into copies onto those inputs, so the state survives recompiles
+and ``torch._dynamo.reset()`` (it belongs to the weight, not to the graph). The backward of
+``fp8_linear`` records the grad_output amax itself.
+
+A GLU site ``down(act(gate(x)) * up(x))`` becomes FP8 linears for gate and up (one for a fused
+projection) and one ``fp8pass::swiglu_down`` with the matched activation (silu, gelu, gelu_tanh or
+relu: activation, product, Smooth-SwiGLU scaling and the FP8 down GEMM).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from .plan import GLUSite, LinearSite, Plan
+from .rewrite_base import ROLES, GraphRewriter, keep_meta
+
+__all__ = ["FP8Rewriter"]
+
+
+class FP8Rewriter(GraphRewriter):
+    """Dense linears and GLU MLPs in FP8 (``Config.recipe`` = DelayedScaling or CurrentScaling)."""
+
+    def replace_linear(self, site: LinearSite) -> None:
+        self.replace(site.node, self.fp8_linear(site.x, site.w, site.b, site.node, site.w_t), site.nodes)
+
+    def replace_glu(self, site: GLUSite) -> list[str]:
+        """Rewrite a GLU; returns the FQNs of the weights made FP8.
+
+        gate and up become FP8 linears (one for a fused projection; its original slicing then
+        yields the pieces). The activation, product and down projection of every GLU
+        (SwiGLU, GeGLU, ReGLU) become one ``swiglu_down`` with the matched activation
+        (Smooth-SwiGLU per ``Config.smooth_swiglu``; its argument holds for any GLU).
+        """
+        m = site.match
+        if site.fused:
+            fused_call = m["gate_up"]
+            self.replace(fused_call, self.fp8_linear(m["x"], m["gate_up_w"], m.get("gate_up_b"), fused_call,
+                                                     m.get("gate_up_layout") == "in_out"))
+            done = [site.gate]
+        else:
+            for p in ("gate", "up"):
+                self.replace(m[p], self.fp8_linear(m["x"], m[f"{p}_w"], m.get(f"{p}_b"), m[p],
+                                                   m.get(f"{p}_layout") == "in_out"))
+            done = [site.gate, site.up]
+        down, w = m["down"], m["down_w"]
+        a_s, b_s, g_s = (self.state(w, r) for r in ROLES)
+        k = self.kw
+        smooth = self.cfg.smooth_swiglu or "none"
+        with self.graph.inserting_before(down):
+            w_down = self.graph.call_function(torch.t, (w,)) if m.get("down_layout") == "in_out" else w
+            out = self.graph.call_function(
+                self.ops.swiglu_down.default,
+                (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s, site.act, smooth, k["fwd_format"],
+                 k["bwd_format"], k["granularity"], k["block"], k["power_of_two"], k["grad_rounding"], k["margin"],
+                 k["interval"], k["algo"]))
+            y = self.graph.call_function(operator.getitem, (out, 0))
+            if self.delayed:
+                self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])
+                if smooth != "channel":  # channel mode casts W_down / c with current scaling
+                    self.record(b_s, self.graph.call_function(operator.getitem, (out, 2)), k["fwd_format"])
+            if m.get("down_b") is not None:
+                y = self.graph.call_function(operator.add, (y, m["down_b"]))
+        keep_meta(y, down)
+        self.replace(down, y, m.nodes)
+        return done + [site.down]
+
+    def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
+        """Rewrite the plan's GLUs and linears; returns (weights made FP8, (where, reason) kept)."""
+        fp8: list[str] = []
+        for site in plan.glus:
+            fp8 += self.replace_glu(site)
+        for site in plan.linears:
+            self.replace_linear(site)
+            fp8.append(site.fqn)
+        return fp8, []

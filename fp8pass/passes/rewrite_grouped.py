@@ -1,0 +1,87 @@
+"""The MoE expert rewriter: grouped expert projections into per-expert-scaled FP8 grouped ops.
+
+An expert GLU ``down(act(gate) * up)`` over grouped projections (one offsets tensor) becomes::
+
+    out = fp8pass::fp8_grouped_linear(x, W_gate_up, offs, w_transposed, x_state, w_state, g_state, ...)
+    gate, up = <the original slicing of out[0]>
+    out = fp8pass::fp8_grouped_swiglu_down(gate, up, W_down, offs, w_transposed, a_state, b_state, g_state,
+                                           act, smooth, ...)          # per-expert Smooth-SwiGLU
+    fp8pass::delayed_record_(*state, out[1] / out[2], ...)           # per-expert amaxes [E]
+
+and an expert projection on its own becomes one ``fp8_grouped_linear``. The state of a 3-D expert
+weight holds one scale per expert (``StateInput.kind == "experts"``; the backend resolves it with
+``runtime.grouped_state_for``); the records take the ops' per-expert amax vectors.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from .plan import ExpertGLUSite, ExpertLinearSite, Plan
+from .rewrite_base import ROLES, GraphRewriter, keep_meta
+
+__all__ = ["GroupedRewriter", "EXPERTS_KIND"]
+
+EXPERTS_KIND = "experts"
+
+
+class GroupedRewriter(GraphRewriter):
+    """MoE expert stacks in FP8 with per-expert scales (FP8 recipes only)."""
+
+    def _kw(self) -> dict:
+        k = self.kw
+        return dict(fwd_format=k["fwd_format"], bwd_format=k["bwd_format"], power_of_two=k["power_of_two"],
+                    grad_rounding=k["grad_rounding"], margin=k["margin"], interval=k["interval"], algo=k["algo"])
+
+    def grouped_linear(self, x, w: fx.Node, offs, layout: str, before: fx.Node) -> fx.Node:
+        """Emit an FP8 grouped linear (and its per-expert records) before ``before``; returns ``y``."""
+        xs, ws, gs = (self.state(w, r, EXPERTS_KIND) for r in ROLES)
+        with self.graph.inserting_before(before):
+            out = self.graph.call_function(self.ops.fp8_grouped_linear.default,
+                                           (self.r(x), w, offs, layout == "in_out", xs, ws, gs), self._kw())
+            y = self.graph.call_function(operator.getitem, (out, 0))
+            if self.delayed:
+                self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
+                self.record(ws, self.graph.call_function(operator.getitem, (out, 2)), self.kw["fwd_format"])
+        keep_meta(y, before)
+        return y
+
+    def replace_expert_glu(self, site: ExpertGLUSite) -> list[str]:
+        m = site.match
+        if site.fused:
+            call = m["gate_up"]
+            self.replace(call, self.grouped_linear(m["x"], m["gate_up_w"], m["offs"], m["gate_up_layout"], call))
+            done = [site.gate]
+        else:
+            for p in ("gate", "up"):
+                self.replace(m[p], self.grouped_linear(m["x"], m[f"{p}_w"], m["offs"], m[f"{p}_layout"], m[p]))
+            done = [site.gate, site.up]
+        down, w = m["down"], m["down_w"]
+        a_s, b_s, g_s = (self.state(w, r, EXPERTS_KIND) for r in ROLES)
+        smooth = self.cfg.smooth_swiglu or "none"
+        k = self._kw()
+        with self.graph.inserting_before(down):
+            out = self.graph.call_function(
+                self.ops.fp8_grouped_swiglu_down.default,
+                (self.r(m["gate"]), self.r(m["up"]), w, m["offs"], m["down_layout"] == "in_out", a_s, b_s, g_s,
+                 site.act, smooth), k)
+            y = self.graph.call_function(operator.getitem, (out, 0))
+            if self.delayed:
+                self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])
+                if smooth != "channel":  # channel mode casts W_down / c with current scaling
+                    self.record(b_s, self.graph.call_function(operator.getitem, (out, 2)), k["fwd_format"])
+        keep_meta(y, down)
+        self.replace(down, y, m.nodes)
+        return done + [site.down]
+
+    def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
+        """Rewrite the plan's expert GLUs and expert linears; returns (weights made FP8, [])."""
+        done: list[str] = []
+        for site in plan.expert_glus:
+            done += self.replace_expert_glu(site)
+        for lin in plan.expert_linears:
+            self.replace(lin.node, self.grouped_linear(lin.x, lin.w, lin.offs, lin.layout, lin.node), lin.nodes)
+            done.append(lin.fqn)
+        return done, []
