@@ -170,3 +170,17 @@ def test_precision_follows_the_cpu_and_is_recorded(tmp_path, corpus, monkeypatch
         assert model(x, y).item() == r.losses[0]
     with pytest.raises(ValueError, match="unknown precision 'fp16'; valid: auto, bf16, fp32"):
         TrainConfig(precision="fp16")
+
+
+def test_precision_line_says_why(monkeypatch):
+    from fp8pass.runtime.kernels import cpu
+    from fp8pass.train.recipes import describe_precision
+
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)
+    monkeypatch.delenv("FP8PASS_CPU_GEMM_DTYPE", raising=False)
+    line = describe_precision("auto")
+    assert line.startswith("high precision fp32 (chosen for this CPU;") and "no native bf16 matmuls" in line
+    assert describe_precision("bf16").startswith("high precision bf16 (as asked;")
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    monkeypatch.setenv("FP8PASS_CPU_GEMM_DTYPE", "fp32")
+    assert describe_precision("auto").startswith("high precision fp32 (forced by FP8PASS_CPU_GEMM_DTYPE=fp32;")

@@ -73,7 +73,13 @@ def describe_precision(precision: str) -> str:
     caps = cpu_capability()
     resolved = resolve_precision(precision)
     why = "native bf16 matmuls" if caps["native_bf16"] else "no native bf16 matmuls: bf16 would be ~100x slower"
-    how = "chosen for this CPU" if precision == "auto" else "as asked"
+    forced = caps["FP8PASS_CPU_GEMM_DTYPE"].strip().lower()
+    if precision != "auto":
+        how = "as asked"
+    elif forced != "auto":
+        how = f"forced by FP8PASS_CPU_GEMM_DTYPE={forced}"
+    else:
+        how = "chosen for this CPU"
     return f"high precision {resolved} ({how}; CPU {caps['cpu_capability']}, {why})"
 
 
