@@ -113,7 +113,7 @@ def mlp_cases(t, d, f, device, dtype, smooth="channel"):
 
 def torchao_case(kind, tensors, device, force=False):
     if device.type == "cpu" and not force:
-        return None  # torchao's CPU path is torch._scaled_mm, ~10,000x slower (REFERENCES.md §5)
+        return None  # torchao's CPU path is torch._scaled_mm, ~10,000x slower (docs/background.md)
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError:

@@ -1,7 +1,11 @@
 """fp8pass: FP8 training of Llama-style models as a one-line change, ``torch.compile(model, backend="fp8")``.
 
-This module holds the public API only; see DESIGN.md for the layout.
+This module holds the public API only (docs/backend.md describes the layout). ``monitor``, ``train``
+and ``distributed`` load on first use: they pull in ``torch.distributed.checkpoint`` and friends,
+which a ``backend="fp8"`` compile never needs.
 """
+
+import importlib
 
 from .config import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling
 from .numerics import (
@@ -22,15 +26,27 @@ from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp
 from . import optim  # noqa: E402
 from .backend import backend, explain  # noqa: E402
 from .scaling_state import load_scaling_state_dict, scaling_state_dict  # noqa: E402
-from . import monitor, train  # noqa: E402
-from . import distributed  # noqa: E402
+from .checkpoint import checkpoint_state, load_checkpoint_state  # noqa: E402
 
 __version__ = "0.1.0"
 
+_LAZY_SUBMODULES = ("monitor", "train", "distributed")
+
 __all__ = [
     "Config", "CurrentScaling", "DelayedScaling", "backend", "explain", "ops", "optim",
-    "scaling_state_dict", "load_scaling_state_dict", "monitor", "train", "distributed",
+    "scaling_state_dict", "load_scaling_state_dict", "checkpoint_state", "load_checkpoint_state",
+    "monitor", "train", "distributed",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
     "NVFP4Scaling", "HotChannelPatching",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # the import also sets the attribute
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {k for k in globals() if k.startswith("__") and k.endswith("__")})

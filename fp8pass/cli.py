@@ -55,33 +55,65 @@ def _inspect(args) -> int:
 
     import torch
 
-    from .backend import explain
+    from . import explain
     from .passes.draw import draw_graph
 
     mod_name, _, factory_name = args.target.partition(":")
-    if not factory_name:
-        print("inspect: expected MODULE:FACTORY, e.g. mypkg.models:tiny_llama", file=sys.stderr)
-        return 2
-    factory = getattr(importlib.import_module(mod_name), factory_name)
-    built = factory()
+    if not mod_name or not factory_name:
+        return _fail(f"expected MODULE:FACTORY, e.g. mypkg.models:tiny_llama, got {args.target!r}")
+    try:
+        factory = getattr(importlib.import_module(mod_name), factory_name)
+    except ImportError as e:
+        return _fail(f"cannot import {mod_name!r}: {e}")
+    except AttributeError:
+        return _fail(f"module {mod_name!r} has no {factory_name!r}")
+    try:
+        built = factory()
+    except Exception as e:  # the user's code: one line here; run it directly for the traceback
+        return _fail(f"{args.target}() raised {type(e).__name__}: {e}")
     # a factory returns a model, or (model, example_inputs)
     if isinstance(built, tuple):
         model, inputs = built[0], tuple(built[1]) if isinstance(built[1], (tuple, list)) else (built[1],)
     else:
         model, inputs = built, None
+    if not isinstance(model, torch.nn.Module):
+        return _fail(f"{args.target}() returned {type(model).__name__}, not a torch.nn.Module or (module, inputs)")
     if inputs is None:
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if vocab is None:
-            print("inspect: the factory must return (model, example_inputs) unless the model has a "
-                  "config.vocab_size (token inputs are then made up)", file=sys.stderr)
-            return 2
-        inputs = (torch.randint(0, vocab, (1, 16)),)
+        inputs = example_inputs_for(model)
+        if inputs is None:
+            return _fail(f"{args.target}() returned a bare model whose inputs cannot be guessed (no embedding, "
+                         f"no linear layer); return (model, example_inputs)")
     report = explain(model, *inputs)
     print(report)
     if args.draw:
         draw_graph(report, args.draw)
         print(f"drew the rewritten graph to {args.draw}")
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"inspect: {message}", file=sys.stderr)
+    return 2
+
+
+def example_inputs_for(model):
+    """Made-up inputs for a bare model: tokens for a language model, else activations of its first linear.
+
+    Tokens [1, 16] below ``config.vocab_size`` or the first embedding's size; otherwise float
+    [2, 8, in_features] of the first ``nn.Linear``; None when neither exists.
+    """
+    import torch
+
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for m in model.modules():
+        if vocab is None and isinstance(m, torch.nn.Embedding):
+            vocab = m.num_embeddings
+        if vocab is not None:
+            return (torch.randint(0, vocab, (1, 16)),)
+        if isinstance(m, torch.nn.Linear):
+            param = m.weight
+            return (torch.randn(2, 8, m.in_features, dtype=param.dtype, device=param.device),)
+    return None
 
 
 def _bench(args) -> int:
@@ -107,8 +139,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("selfcheck", help="check the numerics core on this machine")
     p.set_defaults(func=_selfcheck)
     p = sub.add_parser("inspect", help="print what the fp8 backend does to a model (MODULE:FACTORY)")
-    p.add_argument("target", help="MODULE:FACTORY; FACTORY() returns a model or (model, example_inputs)")
-    p.add_argument("--draw", metavar="FILE.png|FILE.svg", help="draw the rewritten graph, matches highlighted")
+    p.add_argument("target", help="MODULE:FACTORY; FACTORY() returns (model, example_inputs) or a bare model "
+                   "(inputs made up: tokens for a model with an embedding, else activations of its first linear)")
+    p.add_argument("--draw", metavar="FILE.png|FILE.svg",
+                   help="draw one box per layer pattern (repeated blocks folded), FP8 and GLU matches colored")
     p.set_defaults(func=_inspect)
     p = sub.add_parser("bench", help="run the benchmark suite (from a source checkout); --help lists options",
                        add_help=False)

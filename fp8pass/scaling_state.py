@@ -1,31 +1,56 @@
-"""Save and restore the delayed-scaling state of a model as plain tensors keyed by parameter FQN.
+"""The scaling state of a model's weights as plain tensors: in ``model.state_dict()`` and on its own.
 
-The state lives beside the weights (``fp8pass.runtime.state``, keyed by the Parameter object), not
-in the module, so ``model.state_dict()`` is unchanged and still loads strictly into a model that
-never used fp8pass. Keys: ``"<param FQN>.<role>.<field>"`` with role ``input`` / ``weight`` /
-``grad_output`` and field ``amax_history`` / ``scale`` / ``steps`` / ``skipped``, e.g.
-``"layers.0.mlp.down_proj.weight.grad_output.amax_history"``. For tied weights the state is stored
-once, under the first FQN ``named_parameters()`` gives.
+The state lives beside the weights (``fp8pass.runtime.state``, keyed by the Parameter object). It
+travels two ways:
+
+* **in ``model.state_dict()``** (so Trainer, Lightning, DCP or a plain ``torch.save`` carry it):
+  state-dict hooks on the modules that own weights with state add
+  ``"<param FQN>.fp8_scaling.<role>.<field>"`` (delayed scaling; role ``input`` / ``weight`` /
+  ``grad_output``, field ``amax_history`` / ``scale`` / ``steps`` / ``skipped``) and
+  ``"<param FQN>.fp8_hcp.<field>"`` (NVFP4 hot-channel patching; ``err`` / ``hot`` / ``step``),
+  e.g. ``"model.layers.0.mlp.down_proj.weight.fp8_scaling.grad_output.scale"``. The
+  values are the live state tensors (like the weights in a state dict). The backend registers the
+  hooks when it first compiles a weight; :func:`attach` registers them on a model that has not been
+  compiled yet, so ``load_state_dict`` (``strict=True`` too) restores the state before the first step.
+* **on its own**: :func:`scaling_state_dict` gives the same tensors (cloned) keyed
+  ``"<param FQN>.<role>.<field>"``; :func:`load_scaling_state_dict` loads them.
+
+A model must have the hooks before it loads such a checkpoint (:func:`attach`;
+:func:`fp8pass.load_checkpoint_state` and the Trainer integration call it): without them
+``load_state_dict(strict=True)`` reports the keys as unexpected (the state would be lost). Into a
+model that is not to train in FP8 (a bf16 reference copy, an inference export), load
+:func:`without_scaling_state` of it. A checkpoint without the keys loads into any model and leaves
+the state as it is.
 
 Usage::
 
-    torch.save({"model": model.state_dict(), "fp8": fp8pass.scaling_state_dict(model)}, path)
-    ...
-    model.load_state_dict(ck["model"])
-    fp8pass.load_scaling_state_dict(model, ck["fp8"], config=cfg)   # before or after compiling
+    fp8pass.scaling_state.attach(model, cfg)        # only needed before the first compiled step
+    model.load_state_dict(torch.load(path, weights_only=True))
+    model.compile(backend=fp8pass.backend(cfg))
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+import gc
+import weakref
 
-from .config import Config, DelayedScaling, NVFP4Scaling
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .config import Config, DelayedScaling, HotChannelPatching, NVFP4Scaling
+from .numerics import get_format
+from .runtime import state as _linear_state
 from .runtime.hcp import _REGISTRY as _HCP_REGISTRY, HCP_FIELDS, hcp_state_for
 from .runtime.state import ROLES, _REGISTRY, state_for
 
-__all__ = ["scaling_state_dict", "load_scaling_state_dict"]
+__all__ = ["scaling_state_dict", "load_scaling_state_dict", "attach", "attach_weights", "without_scaling_state",
+           "SCALING_KEY", "HCP_KEY"]
 
 _FIELDS = ("amax_history", "scale", "steps", "skipped")
+SCALING_KEY = "fp8_scaling"  # "<param FQN>.fp8_scaling.<role>.<field>"
+HCP_KEY = "fp8_hcp"  # "<param FQN>.fp8_hcp.<field>"
+_HOOKED = "_fp8pass_state_dict_config"  # module attribute: hooks registered, and the Config they create state with
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -35,23 +60,202 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def scaling_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """All delayed-scaling state of ``model``'s weights (cloned plain tensors; empty before step 1).
+def _delayed_state(weight: torch.Tensor):
+    """The LinearScalingState of ``weight`` (per-expert for a stacked expert weight), or None."""
+    st = _REGISTRY.get(weight)
+    grouped = getattr(_linear_state, "_GROUPED_REGISTRY", None)  # per-expert state, where the runtime has it
+    if st is None and grouped is not None:
+        st = grouped.get(weight)
+    return st
 
-    ``model`` may be the compiled wrapper or the module itself (same keys).
+
+def _formats(cfg: Config) -> tuple[str, str]:
+    return (cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3",
+            cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2")
+
+
+# ---- hooks: the state in model.state_dict() ---------------------------------------------------
+
+def _save_hook(module, state_dict, prefix, local_metadata) -> None:
+    for name, p in module._parameters.items():
+        if p is None:
+            continue
+        st = _delayed_state(p)
+        if st is not None:
+            # DCP maps every key to an object by getattr along its dotted path; make the path real.
+            setattr(p, SCALING_KEY, st)
+            for role, s in st.roles().items():
+                for field in _FIELDS:
+                    state_dict[f"{prefix}{name}.{SCALING_KEY}.{role}.{field}"] = getattr(s, field)
+        hcp = _HCP_REGISTRY.get(p)
+        if hcp is not None:
+            setattr(p, HCP_KEY, hcp)
+            for field in HCP_FIELDS:
+                state_dict[f"{prefix}{name}.{HCP_KEY}.{field}"] = getattr(hcp, field)
+
+
+def _load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+               error_msgs) -> None:
+    cfg = module.__dict__.get(_HOOKED) or Config()
+    for name, p in module._parameters.items():
+        if p is None:
+            continue
+        base = f"{prefix}{name}.{SCALING_KEY}."
+        keys = {f"{role}.{field}": base + f"{role}.{field}" for role in ROLES for field in _FIELDS}
+        found = {k: state_dict.pop(full) for k, full in keys.items() if full in state_dict}
+        if found:
+            try:
+                _load_delayed(p, found, cfg)
+            except (KeyError, ValueError) as e:
+                error_msgs.append(f"{base[:-1]}: {e}")
+        base = f"{prefix}{name}.{HCP_KEY}."
+        found = {f"hcp.{f}": state_dict.pop(base + f) for f in HCP_FIELDS if base + f in state_dict}
+        if found:
+            try:
+                _load_hcp_one(p, found, cfg)
+            except (KeyError, ValueError) as e:
+                error_msgs.append(f"{base[:-1]}: {e}")
+
+
+def _load_delayed(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config) -> None:
+    missing = [f"{r}.{f}" for r in ROLES for f in _FIELDS if f"{r}.{f}" not in sd]
+    if missing:
+        raise KeyError(f"incomplete delayed-scaling state, missing {missing}")
+    st = _delayed_state(p)
+    if st is None:
+        recipe = cfg.recipe if isinstance(cfg.recipe, DelayedScaling) else DelayedScaling()
+        saved_len = sd["input.amax_history"].shape[-1]
+        if saved_len != recipe.history_len:
+            raise ValueError(f"saved amax_history has {saved_len} entries, the config's recipe "
+                             f"history_len={recipe.history_len}; attach the config the state was saved with")
+        if p.dim() == 3 and hasattr(_linear_state, "grouped_state_for"):
+            st = _linear_state.grouped_state_for(p, recipe, *_formats(cfg))
+        else:
+            st = state_for(p, recipe, *_formats(cfg))
+    st.load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+
+
+def _load_hcp_one(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config) -> None:
+    missing = [k for k in (f"hcp.{f}" for f in HCP_FIELDS) if k not in sd]
+    if missing:
+        raise KeyError(f"incomplete hot-channel-patching state, missing {missing}")
+    st = _HCP_REGISTRY.get(p)
+    if st is None:
+        hcp = cfg.recipe.hcp if isinstance(cfg.recipe, NVFP4Scaling) and cfg.recipe.hcp else HotChannelPatching()
+        st = hcp_state_for(p, hcp)
+    st.load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+
+
+def _hook_module(module: torch.nn.Module, config: Config | None) -> None:
+    """Register the state-dict hooks on ``module`` once (a deep copy carries them and the marker alike)."""
+    if _HOOKED in module.__dict__:
+        if config is not None:
+            module.__dict__[_HOOKED] = config
+        return
+    module.__dict__[_HOOKED] = config
+    module.register_state_dict_post_hook(_save_hook)
+    module.register_load_state_dict_pre_hook(_load_hook)
+
+
+def attach(model: torch.nn.Module, config: Config | None = None) -> torch.nn.Module:
+    """Put the scaling state of ``model``'s weights into its ``state_dict()`` / ``load_state_dict()``.
+
+    The backend does this itself on the first compiled step; call it before loading a checkpoint
+    into a model that has not run a compiled step yet. ``config`` (default ``Config()``) is the
+    recipe the loaded state is created with; pass the Config you compile with. Idempotent.
+
+    Returns:
+        ``model``.
+    """
+    for module in _unwrap(model).modules():
+        if module._parameters:
+            _hook_module(module, config)
+    return model
+
+
+_ATTACHED = WeakTensorKeyDictionary()  # weights whose owners got the hooks (so a recompile costs nothing)
+_OWNERS = WeakTensorKeyDictionary()  # parameter -> [(weakref(module), name)], from the last scan
+
+
+def _scan_owners() -> None:
+    """Map every registered parameter in the process to the modules holding it (one gc pass)."""
+    _OWNERS.clear()
+    for obj in gc.get_objects():
+        # type(), not isinstance: isinstance asks __class__, which proxies and lazy modules forward
+        if issubclass(type(obj), torch.nn.Module):
+            for name, p in obj._parameters.items():
+                if p is not None:
+                    _OWNERS.setdefault(p, []).append((weakref.ref(obj), name))
+
+
+def attach_weights(weights: list, config: Config) -> None:
+    """Backend side of :func:`attach`, for the weights of one graph (the backend never sees the model).
+
+    Finds the modules owning ``weights`` (a gc pass the first time a weight is seen: Dynamo hands
+    the backend tensors, not modules), registers the state-dict hooks on them, and lets state that
+    a checkpoint created before this compile (see :func:`attach`) take ``config``'s recipe.
+    """
+    pending = [w for w in weights if isinstance(w, torch.nn.Parameter) and w not in _ATTACHED]
+    if not pending:
+        return
+    if any(w not in _OWNERS for w in pending):
+        _scan_owners()
+    for w in pending:
+        for ref, _ in _OWNERS.get(w, []):
+            module = ref()
+            if module is not None:
+                _hook_module(module, config)
+        _ATTACHED[w] = True
+        _adopt_recipe(w, config)
+
+
+def _adopt_recipe(weight: torch.Tensor, cfg: Config) -> None:
+    """State loaded under another (or the default) Config takes the compiling Config's recipe.
+
+    The state tensors do not depend on the recipe beyond the history length, so only that must match.
+    """
+    st = _delayed_state(weight)
+    if st is None or not isinstance(cfg.recipe, DelayedScaling):
+        return
+    fwd, bwd = (get_format(f) for f in _formats(cfg))
+    if st.recipe == cfg.recipe and st.input.fmt == fwd and st.grad_output.fmt == bwd:
+        return
+    if st.recipe.history_len != cfg.recipe.history_len:
+        raise ValueError(f"fp8pass: a weight's loaded scaling state has history_len={st.recipe.history_len}, "
+                         f"the compile Config's recipe {cfg.recipe.history_len}; load the checkpoint with "
+                         f"fp8pass.scaling_state.attach(model, config) using the Config it was saved with")
+    st.recipe = cfg.recipe
+    st.fwd_format, st.bwd_format = fwd, bwd
+    for role, s in st.roles().items():
+        s.recipe = cfg.recipe
+        s.fmt = bwd if role == "grad_output" else fwd
+
+
+def without_scaling_state(state_dict: dict) -> dict:
+    """``state_dict`` less the scaling-state keys (for a model that will not train in FP8)."""
+    markers = (f".{SCALING_KEY}.", f".{HCP_KEY}.")
+    return type(state_dict)((k, v) for k, v in state_dict.items() if not any(m in k for m in markers))
+
+
+# ---- the state on its own ----------------------------------------------------------------------
+
+def scaling_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """All scaling state of ``model``'s weights (cloned plain tensors; empty before step 1).
+
+    The same tensors ``model.state_dict()`` carries, keyed by parameter FQN. ``model`` may be the
+    compiled wrapper or the module itself (same keys). Tied weights appear once, under the first
+    FQN ``named_parameters()`` gives.
     """
     model = _unwrap(model)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        st = _REGISTRY.get(p)
-        if st is None:
-            continue
-        for k, v in st.state_dict().items():
-            out[f"{name}.{k}"] = v
-    for name, p in model.named_parameters():  # NVFP4 hot-channel patching: "<param>.hcp.<field>"
-        st = _HCP_REGISTRY.get(p)
-        if st is not None and not any(k.startswith(name + ".hcp.") for k in out):
+        st = _delayed_state(p)
+        if st is not None:
             for k, v in st.state_dict().items():
+                out[f"{name}.{k}"] = v
+        hcp = _HCP_REGISTRY.get(p)
+        if hcp is not None:  # NVFP4 hot-channel patching: "<param>.hcp.<field>"
+            for k, v in hcp.state_dict().items():
                 out[f"{name}.{k}"] = v
     return out
 

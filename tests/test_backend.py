@@ -13,6 +13,7 @@ import torch
 
 import fp8pass
 from fp8pass.config import Config, CurrentScaling
+from fp8pass.scaling_state import without_scaling_state
 
 from _models import D, Fused, GeGLU, MatmulWT, ReGLU, SiluMul, tiny_titan_llama
 from test_patterns import VARIANTS
@@ -131,7 +132,8 @@ def test_checkpoint_resume_gives_same_next_step():
     ca = torch.compile(a, backend=fp8pass.backend(cfg), fullgraph=True)
     for scale in (10.0, 3.0):  # large early amaxes: the delayed scales remember them
         ca(x * scale).sum().backward()
-    ck = {"model": {k: v.clone() for k, v in a.state_dict().items()}, "fp8": fp8pass.scaling_state_dict(a)}
+    weights = without_scaling_state(a.state_dict())  # the state travels separately here
+    ck = {"model": {k: v.clone() for k, v in weights.items()}, "fp8": fp8pass.scaling_state_dict(a)}
     out_a = ca(x)
     b = make()
     b.load_state_dict(ck["model"])
@@ -146,8 +148,10 @@ def test_checkpoint_resume_gives_same_next_step():
     c.load_state_dict(ck["model"])
     out_c = torch.compile(c, backend=fp8pass.backend(cfg), fullgraph=True)(x)
     assert not torch.equal(out_a, out_c)
-    # the ordinary state_dict loads strictly into a model that never saw fp8pass
-    make().load_state_dict(a.state_dict(), strict=True)
+    # the state dict carries the scaling state: a model that never saw fp8pass takes the weights alone
+    with pytest.raises(RuntimeError, match="fp8_scaling"):
+        make().load_state_dict(a.state_dict(), strict=True)
+    make().load_state_dict(without_scaling_state(a.state_dict()), strict=True)
     with pytest.raises(KeyError, match="name no parameter"):
         fp8pass.load_scaling_state_dict(b, {"nope.input.scale": torch.ones(())})
 

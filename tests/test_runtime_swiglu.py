@@ -120,7 +120,7 @@ def test_fp8_gradients_within_bound_of_fp32(smooth, activation):
 
 
 def test_delayed_scaling_spike_saturates_plain_fp8_not_smoothed():
-    """REFERENCES.md §1: after batches that never excite an aligned channel, one batch along it makes
+    """docs/background.md, Smooth-SwiGLU: after batches that never excite an aligned channel, one batch along it makes
     h's amax jump ~100x; with delayed scales plain FP8 saturates, channel smoothing does not."""
     g = torch.Generator().manual_seed(3)
     d, f = 32, 64

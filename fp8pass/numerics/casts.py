@@ -12,7 +12,7 @@ width) is counted in units of the target's quantum ``2**(max(e, emin) - mbits)``
 
 The result is encoded as sign | exponent field | mantissa and clamped to the format's largest code,
 which saturates (Inf and values beyond ``max`` become +-max). NaN becomes the format's NaN code; E2M1
-has none and encodes NaN as 0 (the caller marks the group's scale NaN instead, see quantize.py).
+has none and encodes NaN as 0 (the caller marks the group's scale NaN instead, see quantized.py).
 
 ``saturating_cast`` uses torch's native fp32 -> float8 conversion for round-to-nearest-even where the
 format has a dtype (it is the fast path on CPU and is checked bit-exact against this algorithm and

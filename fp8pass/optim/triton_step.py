@@ -7,7 +7,7 @@ the finite values, and writes the parameter, the codes and the scales. Per eleme
 moments read and written instead of torch AdamW's 8, and no fp32 moment ever reaches memory.
 
 Codes are computed with integer operations (the algorithm of ``fp8pass.numerics.casts.encode``), never
-with Triton's fp32 -> fp8 conversion, which the interpreter gets wrong (REFERENCES.md §5); decoding is
+with Triton's fp32 -> fp8 conversion, which the interpreter gets wrong (docs/background.md, Traps); decoding is
 integer too, so the kernel also runs on GPUs without native FP8 types. ``torch_step.adam_step_torch`` is
 the reference: the tests compare the two bit for bit under ``TRITON_INTERPRET=1``.
 """

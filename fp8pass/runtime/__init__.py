@@ -51,8 +51,8 @@ Delayed-scaling state (how it enters and how it is updated)
     ``delayed_record_`` right after the op. ``g_state`` is read in backward, and the backward formula
     itself calls ``delayed_record_`` on it with ``dy``'s amax (AOT autograd supports mutating a forward
     input in the backward graph; the op with ``register_autograd`` cannot declare ``mutates_args``,
-    REFERENCES.md §6, so recording is a separate op). In a compiled graph, the state tensors are graph
-    inputs (not buffers of Dynamo's GraphModule); functionalization turns ``delayed_record_`` into
+    see docs/background.md, torch.compile facts; so recording is a separate op). In a compiled graph,
+    the state tensors are graph inputs (not buffers of Dynamo's GraphModule); functionalization turns ``delayed_record_`` into
     copies onto those inputs; the op is never dead-code-eliminated because it mutates its inputs.
     :class:`LinearScalingState` holds the input/weight/grad_output states of one linear
     (``op_args()`` gives the three lists, ``record_forward(x_amax, w_amax)`` records, and

@@ -3,7 +3,7 @@
 An operand is what a GEMM needs and what backward saves: ``data`` (FP8 codes, 1 byte/element),
 ``scale`` (fp32 encode scale: ``[]`` per tensor, ``[rows, 1]`` per row, ``[nr, nc]`` per tile) and the
 tensor's ``amax`` (fp32 scalar, what delayed scaling records). Values are ``data / scale``
-(DESIGN.md convention), so a GEMM of two operands is ``(a.data @ b.data.T) / (a.scale * b.scale)``.
+(the convention of docs/numerics.md, Scales), so a GEMM of two operands is ``(a.data @ b.data.T) / (a.scale * b.scale)``.
 
 Identity format (testing hook): the format name ``"identity"`` turns quantization off. ``data`` is
 then the tensor itself in its own dtype and ``scale`` is 1, so every op computes the unquantized math;

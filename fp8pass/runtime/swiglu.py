@@ -18,7 +18,7 @@ The non-silu activations run as eager fp32 torch math on every device (no compil
 fused Triton kernel; the FP8 casts and GEMMs are the same kernels as for silu).
 
 Smoothing modes (scales are constants for autograd, which is exact because they cancel in exact
-arithmetic; REFERENCES.md §1; ``silu`` below stands for the activation):
+arithmetic; docs/background.md, Smooth-SwiGLU; ``silu`` below stands for the activation):
 
 ===========  =======================================================================================
 ``channel``  the paper's form: ``c_i = 2**-floor(log2 max_t |h_ti|)`` per channel (power of two, so

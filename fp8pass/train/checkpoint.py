@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checkpoint import set_torch_rng_state, torch_rng_state
+
 __all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_NAME", "rng_state", "set_rng_state"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -21,14 +23,16 @@ FORMAT_VERSION = 1
 
 
 def rng_state() -> dict:
+    """torch's generators (what stochastic rounding draws from), Python's and NumPy's."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+    torch_state = torch_rng_state()
+    return {"torch": torch_state["cpu"], "torch_cuda": torch_state["cuda"], "python": random.getstate(),
             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached": float(cached)}}
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    set_torch_rng_state({"cpu": state["torch"], "cuda": state.get("torch_cuda", [])})
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..scaling_state import attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
@@ -202,6 +203,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                           rounding=cfg.moment_rounding)
     start = 0
     if ckpt is not None:
+        if recipe.fp8:  # the saved model state carries the scaling state; create it on load
+            attach_scaling_state(model, fp8_config(recipe, cfg.scaling, cfg.smooth, cfg.compiler))
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         start = ckpt["step"]

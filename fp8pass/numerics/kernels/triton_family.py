@@ -2,7 +2,7 @@
 
 The cast never uses Triton's fp32 -> fp8 conversion: Triton 3.9's interpreter drops the mantissa
 carry and rounds ties away from zero, and GPUs have had double-rounding bugs in the same cast
-(REFERENCES.md §5). ``_encode`` computes the codes with the integer algorithm documented in
+(docs/background.md, Traps). ``_encode`` computes the codes with the integer algorithm documented in
 ``fp8pass/numerics/casts.py`` (``encode`` there is its torch reference), so the result is exact on
 the interpreter and on every GPU. Scales use the correctly rounded ``div_rn`` as torch does.
 

@@ -10,7 +10,7 @@
                                ``_scaled_mm`` wants column-major) and per-tile max ``|x|``
 =============================  ===========================================================================
 
-Codes never come from Triton's fp32 -> fp8 conversion (REFERENCES.md §5: the interpreter drops the
+Codes never come from Triton's fp32 -> fp8 conversion (docs/background.md, Traps: the interpreter drops the
 mantissa carry, rounds ties away from zero, and loses NaN for E4M3). ``_encode`` rounds onto the
 format's grid in fp32 arithmetic, exactly, then writes the code bits of that representable value::
 
