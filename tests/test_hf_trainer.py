@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer recipe of docs/integrations.md: train, checkpoint, resume with the same scales."""
+"""The recipes of docs/integrations.md: HF Trainer and Accelerate checkpoint, resume with the same scales."""
 
 import warnings
 
@@ -66,3 +66,35 @@ def test_trainer_checkpoint_carries_the_scales_and_resume_continues_with_them(tm
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+def test_accelerate_save_state_and_load_state_continue_with_the_same_scales(tmp_path):
+    import accelerate
+
+    torch._dynamo.reset()
+    batch = RandomTokens()[slice(0, 4)]
+
+    def run(model, steps, load=None, save=None):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        acc = accelerate.Accelerator(cpu=True)
+        model, opt = acc.prepare(model, opt)
+        if load:
+            acc.load_state(load)
+        losses = []
+        for step in range(steps):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if save and step == 1:
+                acc.save_state(save)
+        return losses
+
+    torch.manual_seed(5)
+    model = _model()
+    full = run(model, 3, save=str(tmp_path / "state"))
+    resumed_model = _model()
+    assert run(resumed_model, 1, load=str(tmp_path / "state")) == full[2:]
+    want, got = fp8pass.scaling_state_dict(model), fp8pass.scaling_state_dict(resumed_model)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
