@@ -174,3 +174,19 @@ def test_resume_in_a_fresh_process_is_bit_identical_with_stochastic_rounding(tmp
     resumed = run("resume")
     assert first == full[:2]
     assert resumed == full[2:]
+
+
+def test_nvfp4_hot_channel_state_travels_in_the_state_dict():
+    from fp8pass.runtime.hcp import hcp_state_for
+
+    hcp = fp8pass.HotChannelPatching(fraction=0.25)
+    cfg = fp8pass.Config(recipe=fp8pass.NVFP4Scaling(hcp=hcp, keep_last_blocks=0), compiler="aot_eager")
+    model = tiny_titan_llama()
+    model.compile(backend=fp8pass.backend(cfg))
+    model(TOKENS)
+    sd = model.state_dict()
+    assert sum(f".{scaling_state.HCP_KEY}." in k for k in sd) == 3 * 10  # err, hot, step of 10 NVFP4 linears
+    fresh = scaling_state.attach(tiny_titan_llama(), cfg)
+    fresh.load_state_dict(sd, strict=True)
+    st = hcp_state_for(fresh.layers["0"].attention.wq.weight, hcp)
+    assert torch.equal(st.hot, sd["layers.0.attention.wq.weight.fp8_hcp.hot"]) and int(st.step) == 1
