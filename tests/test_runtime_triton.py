@@ -24,7 +24,7 @@ from fp8pass.runtime.swiglu import channel_scales, swiglu_operand, token_scales 
 def _hard_values(n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-24, 14, (n,), generator=g).float())
-    # ties, the mantissa carry the interpreter gets wrong (REFERENCES.md §5), saturation, specials
+    # ties, the mantissa carry the interpreter gets wrong (docs/background.md, Traps), saturation, specials
     special = [1.0625, 1.1875, 2.125, 1.9977, 31.7, 500.0, -1e9, float("inf"), -float("inf"), -0.0, 0.0,
                2.0**-10, 3 * 2.0**-11, 2.0**-7 * 1.5, 57344.0 * 1.2]
     x[: len(special)] = torch.tensor(special)
