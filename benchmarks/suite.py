@@ -59,6 +59,7 @@ SUITES = {s.name: s for s in (
     Suite("train", "train_step.py", ("--steps", "3"), (),
           "tiny Llama training step fp8 / bf16, saved-activation and optimizer bytes"),
     Suite("nvfp4", "nvfp4.py", ("--repeat", "3"), (), "NVFP4 emulation cost and hot-channel patching overhead"),
+    Suite("moe", "moe.py", ("--quick",), (), "MoE experts (8 x top-2) fwd+bwd: fp8 grouped ops vs bf16 grouped"),
 )}
 DEFAULT = ("roofline", "quantize", "linear", "optim", "compile", "train")
 QUICK_TIMEOUT, FULL_TIMEOUT = 100.0, 1800.0  # seconds per suite: --quick's six defaults end within ~10 min
@@ -75,6 +76,7 @@ GOALS = (
          {"optimizer": "fp8pass AdamW default"}),
     Goal("compile", "fp8_over_inductor", "<=", 1.3, "compile time fp8 / inductor (4 layers)"),
     Goal("nvfp4", "linear hcp(split) / nvfp4", "<=", 1.10, "hot-channel patching overhead / NVFP4"),
+    Goal("moe", "fp8_current/bf16", "<=", 1.3, "CPU MoE experts fwd+bwd fp8 grouped / bf16 grouped"),
 )
 
 

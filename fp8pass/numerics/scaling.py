@@ -69,17 +69,23 @@ def delayed_scaling_update(
     A non-finite amax is not written into the history (it is counted in ``skipped``), so a NaN or
     Inf in one step never poisons the scales of the following steps.
 
+    Broadcasts over leading dims, so one call updates a stack of independent states (per-expert
+    scaling): ``history`` [..., H], ``amax``/``scale``/``skipped`` [...] (``amax`` may be any shape
+    with that many elements; a scalar state has ``[]``), ``steps`` [...] or ``[]`` (a step count
+    shared by the stack).
+
     Returns:
         (history, scale, steps, skipped), new tensors.
     """
-    amax = amax.to(torch.float32).reshape(())
+    lead = history.shape[:-1]
+    amax = amax.to(torch.float32).reshape(lead)
     finite = torch.isfinite(amax)
-    rolled = torch.cat([amax.reshape(1), history[:-1]])
-    new_history = torch.where(finite, rolled, history)
+    rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
+    new_history = torch.where(finite.unsqueeze(-1), rolled, history)
     had_valid = steps > skipped
     new_steps = steps + 1
     new_skipped = skipped + (~finite).to(skipped.dtype)
-    reduced = new_history.max() if recipe.algo == "max" else new_history[0]
+    reduced = new_history.amax(dim=-1) if recipe.algo == "max" else new_history[..., 0]
     recomputed = scale_from_amax(reduced, fmt, recipe.margin, recipe.power_of_two)
     first_valid = finite & ~had_valid
     update = ((new_steps % recipe.interval) == 0) | first_valid
@@ -97,21 +103,30 @@ class DelayedScalingState:
         steps: int64 scalar, how many amaxes were offered to :meth:`record`.
         skipped: int64 scalar, how many of them were NaN/Inf and left out of the history.
 
+    With ``experts=E`` the object is a stack of E independent states (one per MoE expert): history
+    [E, history_len], scale/steps/skipped [E], and :meth:`record` takes an [E] amax.
+
     Args:
         recipe: the DelayedScaling recipe.
         fmt: the format this tensor is cast to.
         device: where the state tensors live.
+        experts: None for one state, or the number of stacked per-expert states.
     """
 
     _warned: set[int] = set()
 
-    def __init__(self, recipe: DelayedScaling, fmt: Format | str, device: torch.device | str = "cpu"):
+    def __init__(self, recipe: DelayedScaling, fmt: Format | str, device: torch.device | str = "cpu",
+                 experts: int | None = None):
+        if experts is not None and (int(experts) != experts or experts < 1):
+            raise ValueError(f"experts must be None or an int >= 1, got {experts!r}")
         self.recipe = recipe
         self.fmt = get_format(fmt)
-        self.amax_history = torch.zeros(recipe.history_len, dtype=torch.float32, device=device)
-        self.scale = torch.ones((), dtype=torch.float32, device=device)
-        self.steps = torch.zeros((), dtype=torch.int64, device=device)
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.experts = experts
+        lead = () if experts is None else (int(experts),)
+        self.amax_history = torch.zeros(*lead, recipe.history_len, dtype=torch.float32, device=device)
+        self.scale = torch.ones(lead, dtype=torch.float32, device=device)
+        self.steps = torch.zeros(lead, dtype=torch.int64, device=device)
+        self.skipped = torch.zeros(lead, dtype=torch.int64, device=device)
 
     @property
     def has_history(self) -> torch.Tensor:
@@ -134,7 +149,7 @@ class DelayedScalingState:
         self.scale.copy_(s)
         self.steps.copy_(n)
         if self.skipped.device.type == "cpu":  # a GPU check would sync every step; see warn_skipped
-            skipped_now = bool(k > self.skipped)
+            skipped_now = bool((k > self.skipped).any())
             self.skipped.copy_(k)
             if skipped_now:
                 self.warn_skipped()
@@ -143,12 +158,12 @@ class DelayedScalingState:
 
     def warn_skipped(self) -> None:
         """Warn (once per state) that NaN/Inf amaxes were left out of the history."""
-        if id(self) in DelayedScalingState._warned or int(self.skipped) == 0:
+        if id(self) in DelayedScalingState._warned or int(self.skipped.sum()) == 0:
             return
         DelayedScalingState._warned.add(id(self))
         warnings.warn(
             f"fp8pass: a non-finite amax (NaN/Inf in the tensor) was skipped in a delayed-scaling "
-            f"history ({int(self.skipped)} so far); the scale kept its last finite value. "
+            f"history ({int(self.skipped.sum())} so far); the scale kept its last finite value. "
             f"Check the model for NaN/Inf; the count is in the state's 'skipped' entry.",
             RuntimeWarning,
             stacklevel=3,
@@ -175,5 +190,9 @@ class DelayedScalingState:
             getattr(self, k).copy_(sd[k])
 
     def __repr__(self) -> str:
+        if self.experts is not None:
+            return (f"DelayedScalingState({self.fmt.name}, experts={self.experts}, "
+                    f"scale={[round(v, 6) for v in self.scale.tolist()]}, steps={self.steps.tolist()}, "
+                    f"skipped={self.skipped.tolist()})")
         return (f"DelayedScalingState({self.fmt.name}, scale={float(self.scale):.6g}, "
                 f"steps={int(self.steps)}, skipped={int(self.skipped)})")

@@ -24,10 +24,28 @@ a_scale, b_data, b_scale, smooth_scales)``
     eager torch math with exact derivatives); ``gate``/``up`` [..., ffn] come from ``fp8_linear`` calls
     (one fused gate/up linear + ``chunk(2, -1)`` is fine). ``a`` is the operand built from ``h``,
     ``b`` the (column-scaled) ``W_down``; outputs 4-8 are for backward.
+``fp8_grouped_linear(x, weight, offs, w_transposed, x_state, w_state, g_state, fwd_format, bwd_format,
+power_of_two, grad_rounding, margin, interval, algo) -> (y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
+    MoE experts (:mod:`fp8pass.runtime.grouped`): ``x`` [S, K] rows sorted by expert, ``offs`` int32
+    [E] cumulative group ends as ``torch._grouped_mm`` takes them (rows past ``offs[-1]``: zero output
+    and gradient), ``weight`` [E, N, K] (``y_g = x_g W_e^T``) or, ``w_transposed``, [E, K, N]
+    (``y_g = x_g W_e``); ``y`` [S, N] in ``x``'s dtype. Per-expert scales: ``x_amax``/``w_amax`` are
+    fp32 [E] (amax of each expert's rows / weight; 0 for an empty group), and delayed states are
+    stacks of E (history [E, H], scale/steps/skipped [E]; :func:`grouped_state_for`). Always
+    per-tensor-per-expert (no granularity/block arguments). Outputs 4-7: saved codes and [E] scales.
+``fp8_grouped_swiglu_down(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, activation,
+smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin, interval, algo) -> (y, a_amax, b_amax,
+a_data, a_scale, b_data, b_scale, smooth_scales)``
+    ``swiglu_down`` for grouped rows: ``gate``/``up`` [S, F], ``w_down`` [E, D, F] (or [E, F, D]
+    with ``w_transposed``), ``y`` [S, D]. Smooth-SwiGLU per expert: ``channel`` scales are
+    ``smooth_scales`` [E, F] from each expert's own rows, folded into that expert's ``W_down``
+    columns (current-scaled); ``token`` gives [S, 1], ``none`` [].
 ``delayed_record_(history, scale, steps, skipped, amax, fmt, margin, interval, algo, power_of_two) -> None``
     Records one amax into one delayed-scaling state in place (``mutates_args`` = the four state
-    tensors; no autograd). This is the only op that mutates state.
-``fp8_linear_backward`` / ``swiglu_down_backward``: the ops the backward formulas call; internal.
+    tensors; no autograd). This is the only op that mutates state. It broadcasts over leading dims:
+    history [E, H] with scale/steps/skipped/amax [E] records E per-expert states in one call.
+``fp8_linear_backward`` / ``swiglu_down_backward`` / ``fp8_grouped_linear_backward`` /
+``fp8_grouped_swiglu_down_backward``: the ops the backward formulas call; internal.
 ``nvfp4_linear(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,
 hcp_mode) -> (y, chan_err)``
     The NVFP4 recipe (:mod:`fp8pass.runtime.nvfp4`, docs/nvfp4.md): E2M1 operands with E4M3 16-element
@@ -73,11 +91,13 @@ Kernels
 
 from .casting import IDENTITY
 from .linear import fp8_linear_op
-from .state import ROLES, LinearScalingState, delayed_record_, record, state_for
+from .state import ROLES, LinearScalingState, delayed_record_, grouped_state_for, record, state_for
 from .hcp import HCPState, hcp_state_for
 from .nvfp4 import nvfp4_linear_op, nvfp4_values
 from .swiglu import ACTIVATIONS, SMOOTH_MODES, channel_scales, fold_channel_scales, swiglu_down_op, token_scales
+from .grouped import fp8_grouped_linear_op, fp8_grouped_swiglu_down_op
 
 __all__ = ["IDENTITY", "fp8_linear_op", "swiglu_down_op", "delayed_record_", "record", "ROLES",
            "LinearScalingState", "state_for", "SMOOTH_MODES", "ACTIVATIONS", "channel_scales", "token_scales",
-           "fold_channel_scales", "nvfp4_linear_op", "nvfp4_values", "HCPState", "hcp_state_for"]
+           "fold_channel_scales", "nvfp4_linear_op", "nvfp4_values", "HCPState", "hcp_state_for",
+           "fp8_grouped_linear_op", "fp8_grouped_swiglu_down_op", "grouped_state_for"]

@@ -25,7 +25,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..config import DelayedScaling
 from ..numerics import E4M3, E5M2, DelayedScalingState, Format, delayed_scaling_update, get_format
 
-__all__ = ["delayed_record_", "record", "LinearScalingState", "state_for", "ROLES"]
+__all__ = ["delayed_record_", "record", "LinearScalingState", "state_for", "grouped_state_for", "ROLES"]
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -43,8 +43,15 @@ def delayed_record_(
     algo: str,
     power_of_two: bool,
 ) -> None:
-    """Record ``amax`` into one delayed-scaling state, in place (the recipe is passed as scalars)."""
-    recipe = DelayedScaling(history_len=history.numel(), margin=margin, interval=interval, algo=algo,
+    """Record ``amax`` into one delayed-scaling state, in place (the recipe is passed as scalars).
+
+    Also records a stack of per-expert states in one call: ``history`` [E, H], ``scale``/``steps``/
+    ``skipped``/``amax`` [E] (see :func:`fp8pass.numerics.delayed_scaling_update`).
+    """
+    if amax.numel() != scale.numel() or history.shape[:-1] != scale.shape:
+        raise ValueError(f"delayed_record_: history {tuple(history.shape)} must be [..., H] with scale "
+                         f"{tuple(scale.shape)} = [...] and as many amaxes, got amax {tuple(amax.shape)}")
+    recipe = DelayedScaling(history_len=history.shape[-1], margin=margin, interval=interval, algo=algo,
                             power_of_two=power_of_two)
     h, s, n, k = delayed_scaling_update(amax, history, scale, steps, skipped, recipe, fmt)
     history.copy_(h)
@@ -76,6 +83,9 @@ class LinearScalingState:
         recipe: the DelayedScaling recipe (shared by the three roles).
         device: where the state tensors live.
         fwd_format, bwd_format: formats of input/weight and of grad_output.
+        experts: None for a linear; E for the grouped (MoE) ops, whose every role is a stack of E
+            per-expert states (history [E, H], scale/steps/skipped [E]; each expert's step count
+            advances on every call, also when the expert got no rows).
 
     Attributes:
         input, weight, grad_output: :class:`DelayedScalingState` each.
@@ -88,12 +98,13 @@ class LinearScalingState:
     device: torch.device | str = "cpu"
     fwd_format: Format | str = E4M3
     bwd_format: Format | str = E5M2
+    experts: int | None = None
 
     def __post_init__(self):
         fwd, bwd = get_format(self.fwd_format), get_format(self.bwd_format)
-        self.input = DelayedScalingState(self.recipe, fwd, self.device)
-        self.weight = DelayedScalingState(self.recipe, fwd, self.device)
-        self.grad_output = DelayedScalingState(self.recipe, bwd, self.device)
+        self.input = DelayedScalingState(self.recipe, fwd, self.device, self.experts)
+        self.weight = DelayedScalingState(self.recipe, fwd, self.device, self.experts)
+        self.grad_output = DelayedScalingState(self.recipe, bwd, self.device, self.experts)
 
     def roles(self) -> dict[str, DelayedScalingState]:
         return {"input": self.input, "weight": self.weight, "grad_output": self.grad_output}
@@ -138,5 +149,31 @@ def state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E4M3, bwd
         raise ValueError(
             f"this weight already has delayed-scaling state for {st.recipe} "
             f"({st.input.fmt.name}/{st.grad_output.fmt.name}); pass state= explicitly to use another recipe"
+        )
+    return st
+
+
+_GROUPED_REGISTRY = WeakTensorKeyDictionary()  # expert weight [E, ...] -> LinearScalingState(experts=E)
+
+
+def grouped_state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E4M3, bwd_format=E5M2
+                      ) -> LinearScalingState:
+    """Per-expert delayed-scaling state kept for a stacked expert weight ``[E, ...]`` (like :func:`state_for`).
+
+    The state has ``experts = weight.shape[0]``; its ``op_args()`` are the ``x_state``/``w_state``/
+    ``g_state`` (or ``a_state``/``b_state``/``g_state``) lists of the grouped ops.
+    """
+    if weight.dim() != 3:
+        raise ValueError(f"grouped_state_for needs a stacked expert weight [E, rows, cols], got {tuple(weight.shape)}")
+    st = _GROUPED_REGISTRY.get(weight)
+    if st is None:
+        st = LinearScalingState(recipe, weight.device, fwd_format, bwd_format, experts=int(weight.shape[0]))
+        _GROUPED_REGISTRY[weight] = st
+    elif (st.recipe != recipe or st.input.fmt != get_format(fwd_format)
+          or st.grad_output.fmt != get_format(bwd_format) or st.experts != weight.shape[0]):
+        raise ValueError(
+            f"this expert weight already has delayed-scaling state for {st.recipe} "
+            f"({st.input.fmt.name}/{st.grad_output.fmt.name}, {st.experts} experts); pass state= explicitly "
+            f"to use another recipe"
         )
     return st

@@ -35,7 +35,8 @@ from ...numerics import Format
 from ...numerics.kernels import torch_family
 
 __all__ = ["fused_enabled", "cast", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
-           "cpu_capability", "gemm_dtype", "gemm_tensor_scaled"]
+           "cpu_capability", "gemm_dtype", "gemm_tensor_scaled",
+           "row_amax", "cast_rows", "grouped_gemm", "grouped_gemm_wgrad"]
 
 _BROKEN: list[str] = []  # set once when Inductor fails, so we warn once and stay eager
 
@@ -211,13 +212,14 @@ def cast_stochastic(x: torch.Tensor, scale: torch.Tensor, fmt: Format, generator
 
 
 def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 codes -> ``dtype`` (exact); a transposed view is upcast through its contiguous base."""
+    """FP8 codes -> ``dtype`` (exact); a view with its last two dims transposed is upcast through its
+    contiguous base (2-D ``.t()`` and 3-D ``.transpose(1, 2)`` of expert weights alike)."""
     if codes.dtype == dtype:
         return codes
     if not codes.dtype.is_floating_point or codes.element_size() != 1:
         return codes.to(dtype)
-    if codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous():
-        return upcast(codes.t(), dtype).t()
+    if codes.dim() >= 2 and not codes.is_contiguous() and codes.transpose(-2, -1).is_contiguous():
+        return upcast(codes.transpose(-2, -1), dtype).transpose(-2, -1)
     codes = codes.contiguous()
     if codes.numel() == 0:
         return codes.to(dtype)
@@ -303,4 +305,142 @@ def gemm_tensor_scaled(
             out = torch.addmm(a_up.new_zeros(()).expand(m, n), a_up, b_up.t(), beta=0, alpha=alpha)
     else:
         out = torch.addmm(bias.to(dtype), a_up, b_up.t(), alpha=alpha)
+    return out.to(out_dtype)
+
+
+# --- grouped (MoE expert) kernels: rows of ``a`` grouped by expert, one scale per expert ---------
+
+
+def _row_amax_math(x2d):
+    return x2d.float().abs().amax(dim=1)
+
+
+@functools.cache
+def _compiled_row_amax(src: torch.dtype):
+    return compile_variant(_row_amax_math, _tag("rowamax", src))
+
+
+def row_amax(x2d: torch.Tensor) -> torch.Tensor:
+    """``max_j |x_ij|`` per row, fp32 [rows] (0 for rows without columns)."""
+    if x2d.shape[1] == 0 or x2d.shape[0] == 0:
+        return torch.zeros(x2d.shape[0], dtype=torch.float32, device=x2d.device)
+    x2d = x2d.contiguous()
+    if x2d.numel() < MIN_COMPILED or x2d.dtype == torch.float64:
+        return _row_amax_math(x2d)
+    return _run_compiled(_compiled_row_amax(x2d.dtype), _row_amax_math, x2d)
+
+
+def _cast_rows_math(x2d, row_scale, fmax: float, dtype):
+    return (x2d.float() * row_scale[:, None]).clamp(-fmax, fmax).to(dtype)
+
+
+def _cast_rows_sr_math(x2d, row_scale, seed, fmax: float, mbits: int, emin: int, dtype):
+    # The per-row scale broadcast to elements; Inductor fuses the expand, eager materialises it.
+    scale = row_scale[:, None].expand(x2d.shape).reshape(-1)
+    return _stochastic_cast_math(x2d.reshape(-1), scale, seed, fmax, mbits, emin, dtype)[0].view(x2d.shape)
+
+
+@functools.cache
+def _compiled_cast_rows(fmax: float, dtype: torch.dtype, src: torch.dtype):
+    def cast_rows_kernel(x2d, row_scale):
+        return _cast_rows_math(x2d, row_scale, fmax, dtype)
+
+    return compile_variant(cast_rows_kernel, _tag("rows", fmax, dtype, src))
+
+
+@functools.cache
+def _compiled_cast_rows_sr(fmax: float, mbits: int, emin: int, dtype: torch.dtype, src: torch.dtype):
+    def cast_rows_sr_kernel(x2d, row_scale, seed):
+        return _cast_rows_sr_math(x2d, row_scale, seed, fmax, mbits, emin, dtype)
+
+    return compile_variant(cast_rows_sr_kernel, _tag("rows_sr", fmax, dtype, src))
+
+
+def cast_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fmt: Format, rounding: str = "nearest",
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Codes ``saturating_cast(x[i] * row_scale[i])`` of a 2-D tensor, one fp32 scale per row.
+
+    Bit-identical to :func:`cast` / :func:`cast_stochastic` of each row with its scalar scale (the
+    same math; stochastic rounding draws its bits from one seed of ``generator``, like
+    :func:`cast_stochastic` of the flattened tensor). One compiled loop above ``MIN_COMPILED`` elements.
+    """
+    x2d = x2d.contiguous()
+    row_scale = row_scale.to(torch.float32).contiguous()
+    if x2d.numel() == 0:
+        return torch.empty(x2d.shape, dtype=fmt.torch_dtype, device=x2d.device)
+    eager_only = x2d.numel() < MIN_COMPILED or x2d.dtype == torch.float64
+    if rounding == "nearest":
+        args = (fmt.max, fmt.torch_dtype)
+        eager = lambda a, s: _cast_rows_math(a, s, *args)  # noqa: E731
+        if eager_only:
+            return eager(x2d, row_scale)
+        return _run_compiled(_compiled_cast_rows(*args, x2d.dtype), eager, x2d, row_scale)
+    if x2d.numel() >= 2 ** 31:
+        raise ValueError("cast_rows: stochastic rounding supports fewer than 2**31 elements")
+    seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x2d.device)
+    args = (fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype)
+    eager = lambda a, s, sd: _cast_rows_sr_math(a, s, sd, *args)  # noqa: E731
+    if eager_only:
+        return eager(x2d, row_scale, seed)
+    return _run_compiled(_compiled_cast_rows_sr(*args, x2d.dtype), eager, x2d, row_scale, seed)
+
+
+def group_bounds(offs: torch.Tensor, rows: int) -> list[tuple[int, int]]:
+    """Host ``[(start, end)]`` row ranges of the groups from ``offs`` (cumulative ends), checked."""
+    ends = offs.tolist()
+    bounds, start = [], 0
+    for end in ends:
+        if end < start or end > rows:
+            raise ValueError(f"grouped GEMM: offs must be non-decreasing ends within [0, {rows}], got {ends}")
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _alphas(a_scale: torch.Tensor, b_scale: torch.Tensor) -> list[float]:
+    # As gemm_tensor_scaled: 1 / (sa * sb) in double, one rounding of the fp32 accumulator.
+    return (1.0 / (a_scale.double() * b_scale.double())).tolist()
+
+
+def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per group ``out[g] = (a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``; rows past ``offs[-1]`` are 0.
+
+    Args:
+        a: [S, K] codes, rows grouped by expert (group e = rows ``offs[e-1]:offs[e]``).
+        a_scale, b_scale: fp32 [E] encode scales.
+        b: [E, N, K] codes (any strides; a transposed view is upcast through its base).
+        offs: int32 [E] cumulative group ends.
+        out_dtype: dtype of the [S, N] result.
+
+    One upcast of each operand to :func:`gemm_dtype`, then a GEMM per group written in place with
+    ``alpha`` on the fp32 accumulator. A loop of E matmuls measured as fast as ``torch._grouped_mm``
+    on the same bf16 operands (8 experts, 8192 x 1024 x 5632) and rounds only once.
+    """
+    dtype = gemm_dtype(out_dtype, a, b)
+    bounds = group_bounds(offs, a.shape[0])
+    a_up, b_up = upcast(a, dtype), upcast(b, dtype)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=dtype, device=a.device)
+    out[bounds[-1][1] if bounds else 0:].zero_()
+    for e, ((lo, hi), alpha) in enumerate(zip(bounds, _alphas(a_scale, b_scale))):
+        if hi > lo:
+            out[lo:hi].addmm_(a_up[lo:hi], b_up[e].t(), beta=0, alpha=alpha)
+    return out.to(out_dtype)
+
+
+def grouped_gemm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                       offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per expert ``out[e] = (a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N].
+
+    The weight-gradient GEMM (contraction over each group's rows); experts without rows get zeros.
+    """
+    dtype = gemm_dtype(out_dtype, a, b)
+    bounds = group_bounds(offs, a.shape[0])
+    a_up, b_up = upcast(a, dtype), upcast(b, dtype)
+    out = torch.empty(len(bounds), a.shape[1], b.shape[1], dtype=dtype, device=a.device)
+    for e, ((lo, hi), alpha) in enumerate(zip(bounds, _alphas(a_scale, b_scale))):
+        if hi > lo:
+            out[e].addmm_(a_up[lo:hi].t(), b_up[lo:hi], beta=0, alpha=alpha)
+        else:
+            out[e].zero_()
     return out.to(out_dtype)

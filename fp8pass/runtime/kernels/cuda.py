@@ -4,6 +4,12 @@
 both operands E5M2; it takes decode scales (``1 / encode scale``) and accumulates in fp32. Operands
 it cannot take (other shapes, the identity testing format) go through the fallback: dequantize to
 fp32 and multiply there, which is correct for every shape, only slower. Never used on CPU.
+
+Grouped (MoE) GEMMs: the forward (E4M3 x E4M3) uses ``torch._scaled_grouped_mm`` where torch has it
+and the GPU takes it (sm90+, dims multiples of 16), with no host sync; otherwise, and for the
+backward GEMMs (E5M2 operands, which ``_scaled_grouped_mm`` does not take), a loop of
+:func:`gemm_tensor_scaled` per group, which reads the group offsets on the host (one sync per call).
+The per-row casts are eager torch math here (no Triton kernel yet).
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import torch
 from ...numerics import Format
 from . import triton_kernels
 
-__all__ = ["cast", "upcast", "gemm_tensor_scaled", "transpose_cast"]
+__all__ = ["cast", "upcast", "gemm_tensor_scaled", "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
+           "grouped_gemm_wgrad"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -56,3 +63,61 @@ def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None):
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+def row_amax(x2d: torch.Tensor) -> torch.Tensor:
+    """``max_j |x_ij|`` per row, fp32 [rows]."""
+    if x2d.shape[1] == 0:
+        return torch.zeros(x2d.shape[0], dtype=torch.float32, device=x2d.device)
+    return x2d.float().abs().amax(dim=1)
+
+
+def cast_rows(x2d, row_scale, fmt: Format, rounding="nearest", generator=None):
+    """Codes of ``x[i] * row_scale[i]`` (same math as the CPU module's ``cast_rows``, eager)."""
+    from . import cpu
+
+    if x2d.numel() == 0:
+        return torch.empty(x2d.shape, dtype=fmt.torch_dtype, device=x2d.device)
+    row_scale = row_scale.to(torch.float32)
+    if rounding == "nearest":
+        return cpu._cast_rows_math(x2d, row_scale, fmt.max, fmt.torch_dtype)
+    seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x2d.device)
+    return cpu._cast_rows_sr_math(x2d.contiguous(), row_scale, seed, fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype)
+
+
+def _scaled_grouped_mm_ok(a, b, out_dtype) -> bool:
+    return (hasattr(torch, "_scaled_grouped_mm") and a.is_cuda
+            and torch.cuda.get_device_capability(a.device) >= (9, 0)
+            and a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
+            and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0)
+
+
+def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype):
+    """Per group ``(a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``: a [S, K], b [E, N, K]; rows past offs[-1] = 0."""
+    rows = torch.arange(a.shape[0], device=a.device)
+    if _scaled_grouped_mm_ok(a, b, out_dtype):
+        # Decode scales: one per row of a (its expert's), one per (expert, output column) of b.
+        ids = torch.searchsorted(offs, rows.to(offs.dtype), right=True).clamp(max=offs.numel() - 1)
+        inv_a = torch.reciprocal(a_scale.float())[ids].contiguous()
+        inv_b = torch.reciprocal(b_scale.float())[:, None].expand(b.shape[0], b.shape[1]).contiguous()
+        bt = b.contiguous().transpose(1, 2)  # [E, K, N], column-major as the kernel wants
+        out = torch._scaled_grouped_mm(a.contiguous(), bt, inv_a, inv_b, offs=offs, out_dtype=out_dtype)
+        return out.masked_fill((rows >= offs[-1])[:, None], 0)  # the kernel leaves those rows unwritten
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = gemm_tensor_scaled(a[start:end], a_scale[e], b[e], b_scale[e], out_dtype)
+        start = end
+    return out
+
+
+def grouped_gemm_wgrad(a, a_scale, b, b_scale, offs, out_dtype):
+    """Per expert ``(a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N]."""
+    out = torch.zeros(offs.numel(), a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[e] = gemm_tensor_scaled(a[start:end].t(), a_scale[e], b[start:end].t(), b_scale[e], out_dtype)
+        start = end
+    return out

@@ -1,0 +1,559 @@
+"""Grouped (MoE expert) FP8 ops: ``fp8pass::fp8_grouped_linear`` and ``fp8pass::fp8_grouped_swiglu_down``.
+
+The tokens routed to E experts arrive as one 2-D tensor ``x`` [S, K] whose rows are sorted by expert;
+``offs`` (int32 [E]) holds the cumulative END row of each expert's group, exactly as
+``torch._grouped_mm(x, w, offs=offs)`` takes it: group e is rows ``offs[e-1]:offs[e]`` (``offs[-1]``
+for e = 0 is 0), groups may be empty, and rows past ``offs[-1]`` (padding) give zeros in ``y`` and
+get zero gradient. Expert weights are stacked: ``[E, N, K]`` (each expert an ``nn.Linear`` weight,
+``y_g = x_g W_e^T``) or, with ``w_transposed``, ``[E, K, N]`` (``y_g = x_g W_e``).
+
+Scaling is per expert: the rows of expert e are cast with one scale from their own amax (``x_amax``
+[E]; an empty group has amax 0 and scale 1) and each expert's weight with its own (``w_amax`` [E]);
+``dy`` in backward likewise. Delayed scaling keeps a stack of E states per role (history [E, H],
+scale/steps/skipped [E]; :func:`fp8pass.runtime.grouped_state_for`), read by the ops and recorded by
+the same ``fp8pass::delayed_record_`` op as the dense ops (it broadcasts over the expert dim). An
+expert whose history is still empty casts with its current amax's scale (``torch.where``, no host
+sync). Saved for backward: the FP8 codes (1 byte/element) and the [E] scales; the GLU op also keeps
+``gate``/``up`` for the activation derivative, as :mod:`fp8pass.runtime.swiglu` does.
+
+Kernels (:mod:`fp8pass.runtime.kernels`): CPU = compiled per-row casts + one GEMM per group on the
+upcast codes (bf16 or fp32, :func:`fp8pass.runtime.kernels.cpu.gemm_dtype`); the GLU op's channel and
+none modes also compute ``A``'s codes, ``W_down / c``'s codes and the GLU backward in compiled passes
+that never materialise fp32 [S, F] temporaries (same bits as the generic path, tested). CUDA =
+``torch._scaled_grouped_mm`` for the forward where available, else a ``torch._scaled_mm`` loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ALGOS
+from ..numerics import ROUNDINGS, Format, scale_from_amax
+from . import kernels
+from .casting import as_bytes, from_bytes, resolve_format
+from .swiglu import (ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math, channel_scales,
+                     glu_activation, glu_activation_backward, swiglu_operand)
+
+__all__ = ["fp8_grouped_linear_op", "fp8_grouped_swiglu_down_op", "group_ids", "GroupedOperand",
+           "cast_grouped_rows", "cast_experts"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_common(op, x, weight, offs, fwd_format, bwd_format, grad_rounding, algo):
+    if x.dim() != 2:
+        raise ValueError(f"{op}: needs 2-D rows grouped by expert [S, K], got {tuple(x.shape)}")
+    if weight.dim() != 3:
+        raise ValueError(f"{op}: needs stacked expert weights [E, rows, cols], got {tuple(weight.shape)}")
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.numel() != weight.shape[0]:
+        raise ValueError(f"{op}: offs must be int32 [E] = [{weight.shape[0]}] cumulative group ends, got "
+                         f"{offs.dtype} {tuple(offs.shape)}")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{op}: {name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+    resolve_format(fwd_format)
+    resolve_format(bwd_format)
+    if grad_rounding not in ROUNDINGS:
+        raise ValueError(f"unknown grad_rounding {grad_rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    if algo not in ALGOS:
+        raise ValueError(f"unknown algo {algo!r}; valid: {', '.join(ALGOS)}")
+
+
+def _out_features(weight, w_transposed):
+    """(contraction, output) sizes of one expert of a stacked weight."""
+    return (weight.shape[1], weight.shape[2]) if w_transposed else (weight.shape[2], weight.shape[1])
+
+
+def _check_state(op, name, state, experts):
+    if state and (len(state) != 4 or tuple(state[1].shape) != (experts,)):
+        raise ValueError(f"{op}: {name} must be [] or [history [E, H], scale [E], steps, skipped] with "
+                         f"E = {experts}; got {[tuple(t.shape) for t in state]}")
+
+
+def check_grouped_linear_args(x, weight, offs, w_transposed, states, fwd_format, bwd_format, grad_rounding, algo):
+    """Clear errors for bad arguments of ``fp8_grouped_linear`` (what was wrong and what is valid)."""
+    op = "fp8_grouped_linear"
+    _check_common(op, x, weight, offs, fwd_format, bwd_format, grad_rounding, algo)
+    k, _ = _out_features(weight, w_transposed)
+    if x.shape[1] != k:
+        layout = "[E, K, N]" if w_transposed else "[E, N, K]"
+        raise ValueError(f"{op}: x has {x.shape[1]} features, weight {tuple(weight.shape)} ({layout}, "
+                         f"w_transposed={w_transposed}) expects K = {k}")
+    for name, st in zip(("x_state", "w_state", "g_state"), states):
+        _check_state(op, name, st, weight.shape[0])
+
+
+def group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Expert index of every row (int64 [rows]); rows past ``offs[-1]`` get E (no expert)."""
+    r = torch.arange(rows, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, r, right=True)
+
+
+def _group_amax(row_amax: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Per-expert max of per-row amaxes, fp32 [E] (0 for empty groups; padding rows left out)."""
+    out = torch.zeros(experts + 1, dtype=torch.float32, device=row_amax.device)
+    out = out.scatter_reduce(0, ids, row_amax, "amax", include_self=True)
+    return out[:experts]
+
+
+def _expert_scales(amax: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin, power_of_two):
+    """fp32 [E] scales: current from ``amax``, or the delayed state's (current while its history is empty)."""
+    current = scale_from_amax(amax, fmt, margin, power_of_two)
+    if not state:
+        return current
+    _, scale, steps, skipped = state
+    return torch.where(steps > skipped, scale.to(torch.float32), current)
+
+
+@dataclass
+class GroupedOperand:
+    data: torch.Tensor  # codes (or the values themselves for the identity format)
+    scale: torch.Tensor  # fp32 [E] encode scales
+    amax: torch.Tensor  # fp32 [E]
+
+    def gemm_input(self, kern, out_dtype):
+        """The codes as the device's GEMM takes them. CPU: upcast once here when the operand feeds two
+        GEMMs (dy in backward), instead of once inside each GEMM."""
+        if not hasattr(kern, "gemm_dtype"):
+            return self.data
+        return kern.upcast(self.data, kern.gemm_dtype(out_dtype, self.data))
+
+
+def _with_ones(t):
+    """``t`` [E, ...] with a row of ones appended: the value for padding rows (group id E)."""
+    return torch.cat([t, t.new_ones(1, *t.shape[1:])])
+
+
+def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, rounding="nearest") -> GroupedOperand:
+    """Cast rows grouped by expert, each group with its expert's scale (padding rows get scale 1).
+
+    Args:
+        x2d: [S, K] rows; ids: :func:`group_ids` of the rows; experts: E.
+        fmt: FP8 Format, or None (identity format: the values themselves, scales 1).
+        state: [] (current scaling) or the per-expert delayed state ``[history, scale, steps, skipped]``.
+        margin, power_of_two, rounding: cast options.
+    """
+    kern = kernels.for_device(x2d.device)
+    amax = _group_amax(kern.row_amax(x2d), ids, experts)
+    if fmt is None:
+        return GroupedOperand(x2d.clone(), torch.ones(experts, dtype=torch.float32, device=x2d.device), amax)
+    scale = _expert_scales(amax, state, fmt, margin, power_of_two)
+    return GroupedOperand(kern.cast_rows(x2d, _with_ones(scale)[ids], fmt, rounding), scale, amax)
+
+
+def cast_experts(w, fmt, state, margin, power_of_two) -> GroupedOperand:
+    """Cast stacked expert weights [E, ...] with one scale per expert."""
+    kern = kernels.for_device(w.device)
+    flat = w.reshape(w.shape[0], -1)
+    amax = kern.row_amax(flat)
+    if fmt is None:
+        return GroupedOperand(w.clone(), torch.ones(w.shape[0], dtype=torch.float32, device=w.device), amax)
+    scale = _expert_scales(amax, state, fmt, margin, power_of_two)
+    return GroupedOperand(kern.cast_rows(flat, scale, fmt).view(w.shape), scale, amax)
+
+
+def _fwd_b(w, w_transposed):
+    """The expert weight as the ``[E, N, K]`` right operand of ``a @ b^T`` (forward)."""
+    return w.transpose(1, 2) if w_transposed else w
+
+
+def _dgrad_b(w, w_transposed):
+    """The expert weight as the ``[E, K, N]`` right operand of ``dy @ b^T`` (input gradient)."""
+    return w if w_transposed else w.transpose(1, 2)
+
+
+def _wgrad(kern, xo_data, xo_scale, go_data, go_scale, offs, w_transposed, out_dtype):
+    """Per-expert weight gradient in the weight's layout: ``dy_g^T x_g`` [N, K] or ``x_g^T dy_g`` [K, N]."""
+    if w_transposed:
+        return kern.grouped_gemm_wgrad(xo_data, xo_scale, go_data, go_scale, offs, out_dtype)
+    return kern.grouped_gemm_wgrad(go_data, go_scale, xo_data, xo_scale, offs, out_dtype)
+
+
+# --- fp8_grouped_linear ------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fp8pass::fp8_grouped_linear", mutates_args=())
+def fp8_grouped_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    w_transposed: bool,
+    x_state: list[torch.Tensor],
+    w_state: list[torch.Tensor],
+    g_state: list[torch.Tensor],
+    fwd_format: str,
+    bwd_format: str,
+    power_of_two: bool,
+    grad_rounding: str,
+    margin: float,
+    interval: int,
+    algo: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``; see the module doc."""
+    check_grouped_linear_args(x, weight, offs, w_transposed, (x_state, w_state, g_state), fwd_format, bwd_format,
+                              grad_rounding, algo)
+    fmt = resolve_format(fwd_format)
+    experts = weight.shape[0]
+    kern = kernels.for_device(x.device)
+    xo = cast_grouped_rows(x, group_ids(offs, x.shape[0]), experts, fmt, x_state, margin, power_of_two)
+    wo = cast_experts(weight, fmt, w_state, margin, power_of_two)
+    y = kern.grouped_gemm(xo.data, xo.scale, _fwd_b(wo.data, w_transposed), wo.scale, offs, x.dtype)
+    return y, xo.amax, wo.amax, as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone()
+
+
+@fp8_grouped_linear_op.register_fake
+def _(x, weight, offs, w_transposed, x_state, w_state, g_state, fwd_format, bwd_format, power_of_two, grad_rounding,
+      margin, interval, algo):
+    check_grouped_linear_args(x, weight, offs, w_transposed, (x_state, w_state, g_state), fwd_format, bwd_format,
+                              grad_rounding, algo)
+    fmt = resolve_format(fwd_format)
+    experts = weight.shape[0]
+    _, n = _out_features(weight, w_transposed)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (x.new_empty(x.shape[0], n), torch.empty(experts, **f32), torch.empty(experts, **f32),
+            x.new_empty(x.shape, dtype=x.dtype if fmt is None else torch.uint8), torch.empty(experts, **f32),
+            weight.new_empty(weight.shape, dtype=weight.dtype if fmt is None else torch.uint8),
+            torch.empty(experts, **f32))
+
+
+@torch.library.custom_op("fp8pass::fp8_grouped_linear_backward", mutates_args=())
+def fp8_grouped_linear_backward_op(
+    dy: torch.Tensor,
+    x_data: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    g_state: list[torch.Tensor],
+    w_transposed: bool,
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+    fwd_format: str,
+    bwd_format: str,
+    power_of_two: bool,
+    grad_rounding: str,
+    margin: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dW, dy_amax [E])`` from ``dy`` and the saved FP8 operands (no state mutation)."""
+    fmt = resolve_format(bwd_format)
+    x_data = from_bytes(x_data, resolve_format(fwd_format))
+    w_data = from_bytes(w_data, resolve_format(fwd_format))
+    kern = kernels.for_device(dy.device)
+    go = cast_grouped_rows(dy, group_ids(offs, dy.shape[0]), w_data.shape[0], fmt, g_state, margin, power_of_two,
+                           grad_rounding)
+    g_in = go.gemm_input(kern, x_dtype)
+    dx = kern.grouped_gemm(g_in, go.scale, _dgrad_b(w_data, w_transposed), w_scale, offs, x_dtype)
+    dw = _wgrad(kern, x_data, x_scale, g_in, go.scale, offs, w_transposed, w_dtype)
+    return dx, dw, go.amax
+
+
+@fp8_grouped_linear_backward_op.register_fake
+def _(dy, x_data, x_scale, w_data, w_scale, offs, g_state, w_transposed, x_dtype, w_dtype, fwd_format, bwd_format,
+      power_of_two, grad_rounding, margin):
+    return (dy.new_empty(x_data.shape, dtype=x_dtype), dy.new_empty(w_data.shape, dtype=w_dtype),
+            dy.new_empty(w_data.shape[0], dtype=torch.float32))
+
+
+def _record_grad(ctx, g_amax, bwd_format):
+    if ctx.g_state and resolve_format(bwd_format) is not None:
+        m, interval, algo, p2 = ctx.recipe
+        torch.ops.fp8pass.delayed_record_(*ctx.g_state, g_amax, bwd_format, m, interval, algo, p2)
+
+
+def _linear_setup_context(ctx, inputs, output):
+    (x, weight, offs, w_transposed, x_state, w_state, g_state, fwd_format, bwd_format, power_of_two, grad_rounding,
+     margin, interval, algo) = inputs
+    _, _, _, x_data, x_scale, w_data, w_scale = output
+    ctx.save_for_backward(x_data, x_scale, w_data, w_scale, offs)
+    ctx.g_state = list(g_state)
+    ctx.n_states = (len(x_state), len(w_state), len(g_state))
+    ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+    ctx.args = (w_transposed, fwd_format, bwd_format, power_of_two, grad_rounding, margin)
+    ctx.recipe = (margin, interval, algo, power_of_two)
+
+
+def _linear_backward(ctx, dy, *unused):
+    x_data, x_scale, w_data, w_scale, offs = ctx.saved_tensors
+    w_transposed, fwd_format, bwd_format, power_of_two, grad_rounding, margin = ctx.args
+    dx, dw, g_amax = torch.ops.fp8pass.fp8_grouped_linear_backward(
+        dy, x_data, x_scale, w_data, w_scale, offs, ctx.g_state, w_transposed, ctx.x_dtype, ctx.w_dtype, fwd_format,
+        bwd_format, power_of_two, grad_rounding, margin)
+    _record_grad(ctx, g_amax, bwd_format)
+    nx, nw, ng = ctx.n_states
+    return (dx, dw, None, None, [None] * nx, [None] * nw, [None] * ng) + (None,) * 7
+
+
+fp8_grouped_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+# --- fp8_grouped_swiglu_down ---------------------------------------------------------------------
+
+
+def check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, states, activation, smooth, fwd_format,
+                              bwd_format, grad_rounding, algo):
+    """Clear errors for bad arguments of ``fp8_grouped_swiglu_down``."""
+    op = "fp8_grouped_swiglu_down"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown GLU activation {activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
+    if smooth not in SMOOTH_MODES:
+        raise ValueError(f"unknown smooth mode {smooth!r}; valid: {', '.join(map(repr, SMOOTH_MODES))}")
+    if gate.shape != up.shape:
+        raise ValueError(f"{op}: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    _check_common(op, gate, w_down, offs, fwd_format, bwd_format, grad_rounding, algo)
+    f, _ = _out_features(w_down, w_transposed)
+    if gate.shape[1] != f:
+        layout = "[E, F, D]" if w_transposed else "[E, D, F]"
+        raise ValueError(f"{op}: gate/up have {gate.shape[1]} channels, w_down {tuple(w_down.shape)} ({layout}, "
+                         f"w_transposed={w_transposed}) expects F = {f}")
+    for name, st in zip(("a_state", "b_state", "g_state"), states):
+        _check_state(op, name, st, w_down.shape[0])
+
+
+def _grouped_operand(gate, up, ids, experts, smooth, activation):
+    """The down GEMM's left operand ``A`` (fp32 [S, F]) and the smoothing scales.
+
+    ``channel``: per-expert per-channel ``c`` [E, F] from each expert's own rows (:func:`channel_scales`
+    of the per-expert channel amax; 1 for an expert without rows); ``token``: ``r`` [S, 1]; ``none``: [].
+    """
+    if smooth != "channel":
+        return swiglu_operand(gate, up, smooth, activation)
+    h, _ = swiglu_operand(gate, up, "none", activation)
+    amax = torch.zeros(experts + 1, h.shape[1], dtype=torch.float32, device=h.device)
+    amax = amax.scatter_reduce(0, ids[:, None].expand(h.shape), h.abs(), "amax", include_self=True)[:experts]
+    c = channel_scales(amax)
+    return h * _row_scales(c, ids), c
+
+
+def _row_scales(c, ids):
+    """Each row's expert channel scales ``c[e]`` ([S, F]; 1 for padding rows)."""
+    return _with_ones(c)[ids]
+
+
+def _per_channel(c, w_transposed):
+    """``c`` [E, F] shaped to broadcast over the F dim of ``w_down`` ([E, D, F] or [E, F, D])."""
+    return c[:, :, None] if w_transposed else c[:, None, :]
+
+
+# --- CPU fast path of the GLU operand (channel / none): two reads of gate/up, no fp32 [S, F] temporaries.
+# The generic path materialises h, |h|, the gathered per-row c and A = h c (fp32, 4 bytes/element each);
+# here one compiled pass per group gives the per-expert channel amax, and one compiled pass casts
+# ((act(g) u) c) s straight to codes, the same operations in the same order (same bits).
+
+_FUSED: dict = {}
+
+
+def _run_fused(fn, tensors, static):
+    """``fn(*tensors, *static)``; on CPU above ``MIN_COMPILED`` elements as one compiled loop nest."""
+    from .kernels import cpu
+
+    first = tensors[0]
+    if first.device.type != "cpu" or first.numel() < cpu.MIN_COMPILED or not cpu.fused_enabled():
+        return fn(*tensors, *static)
+    key = (fn, static, tuple(t.dtype for t in tensors))
+    if key not in _FUSED:
+        _FUSED[key] = cpu.compile_variant(fn, cpu._tag(*static, *key[2]))
+    return cpu._run_compiled(_FUSED[key], fn, *tensors, *static)
+
+
+def _glu_col_amax(gate, up, activation):
+    return (glu_activation(gate.float(), activation) * up.float()).abs().amax(dim=0)
+
+
+def _glu_cast_rows(gate, up, col_scale, ids, row_scale, activation, fmax, dtype):
+    a = (glu_activation(gate.float(), activation) * up.float()) * col_scale[ids]
+    return (a * row_scale[ids][:, None]).clamp(-fmax, fmax).to(dtype)
+
+
+def _glu_backward_rows(da, gate, up, col_scale, ids, activation, gate_dtype, up_dtype):
+    # the ops of swiglu._glu_backward_math (autograd's own activation backward), c gathered per row
+    g = gate.float()
+    dh = da.float() * col_scale[ids]
+    dgate = glu_activation_backward(dh * up.float(), g, activation)
+    return dgate.to(gate_dtype), (dh * glu_activation(g, activation)).to(up_dtype)
+
+
+def _scaled_expert_amax(w, inv_c):
+    return (w.float() * inv_c).abs().amax(dim=(1, 2))
+
+
+def _scaled_expert_cast(w, inv_c, scale, fmax, dtype):
+    return ((w.float() * inv_c) * scale[:, None, None]).clamp(-fmax, fmax).to(dtype)
+
+
+def _times(t, factor):
+    return t * factor
+
+
+def _cpu_fast(t):
+    return t.device.type == "cpu" and not kernels.uses_triton(t.device) and t.shape[1] > 0
+
+
+def _fused_glu_operand(gate, up, offs, ids, experts, smooth, activation, fmt, a_state, margin, power_of_two):
+    """CPU, ``channel``/``none``: (GroupedOperand of A, smoothing scales) without materialising A."""
+    from .kernels import cpu
+
+    zeros = gate.new_zeros(gate.shape[1], dtype=torch.float32)
+    col_amax = torch.stack([_run_fused(_glu_col_amax, (gate[lo:hi], up[lo:hi]), (activation,)) if hi > lo else zeros
+                            for lo, hi in cpu.group_bounds(offs, gate.shape[0])])
+    c = channel_scales(col_amax) if smooth == "channel" else torch.ones_like(col_amax)
+    amax = (col_amax * c).amax(dim=1)  # = max |h c| per expert, exactly (c is a power of two)
+    scale = _expert_scales(amax, a_state, fmt, margin, power_of_two)
+    codes = _run_fused(_glu_cast_rows, (gate, up, _with_ones(c), ids, _with_ones(scale)),
+                       (activation, fmt.max, fmt.torch_dtype))
+    s = c if smooth == "channel" else torch.ones((), dtype=torch.float32, device=gate.device)
+    return GroupedOperand(codes, scale, amax), s
+
+
+@torch.library.custom_op("fp8pass::fp8_grouped_swiglu_down", mutates_args=())
+def fp8_grouped_swiglu_down_op(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    w_down: torch.Tensor,
+    offs: torch.Tensor,
+    w_transposed: bool,
+    a_state: list[torch.Tensor],
+    b_state: list[torch.Tensor],
+    g_state: list[torch.Tensor],
+    activation: str,
+    smooth: str,
+    fwd_format: str,
+    bwd_format: str,
+    power_of_two: bool,
+    grad_rounding: str,
+    margin: float,
+    interval: int,
+    algo: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``; see the module doc."""
+    check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state), activation, smooth,
+                              fwd_format, bwd_format, grad_rounding, algo)
+    fmt = resolve_format(fwd_format)
+    experts = w_down.shape[0]
+    ids = group_ids(offs, gate.shape[0])
+    kern = kernels.for_device(gate.device)
+    if fmt is not None and smooth != "token" and _cpu_fast(gate):
+        ao, s = _fused_glu_operand(gate, up, offs, ids, experts, smooth, activation, fmt, a_state, margin,
+                                   power_of_two)
+    else:
+        a, s = _grouped_operand(gate, up, ids, experts, smooth, activation)
+        ao = cast_grouped_rows(a, ids, experts, fmt, a_state, margin, power_of_two)
+    if smooth == "channel" and fmt is not None and _cpu_fast(gate):
+        # B = W_down / c without materialising it: amax and codes of W * (1/c) in compiled passes
+        inv_c = _per_channel(1 / s, w_transposed)
+        b_amax = _run_fused(_scaled_expert_amax, (w_down, inv_c), ())
+        b_scale = scale_from_amax(b_amax, fmt, margin, power_of_two)
+        codes = _run_fused(_scaled_expert_cast, (w_down, inv_c, b_scale), (fmt.max, fmt.torch_dtype))
+        bo = GroupedOperand(codes, b_scale, b_amax)
+    elif smooth == "channel":  # B = W_down / c per expert: changes every call, so current-scaled
+        # times 1/c: the same bits as dividing (c is a power of two), and a multiply is cheaper
+        b = w_down * _per_channel(1 / s, w_transposed).to(w_down.dtype)
+        bo = cast_experts(b, fmt, [], margin, power_of_two)
+    else:
+        bo = cast_experts(w_down, fmt, b_state, margin, power_of_two)
+    y = kern.grouped_gemm(ao.data, ao.scale, _fwd_b(bo.data, w_transposed), bo.scale, offs, gate.dtype)
+    if smooth == "token":
+        y = (y.float() * s).to(gate.dtype)
+    return (y, ao.amax, bo.amax, as_bytes(ao.data), ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(),
+            s.clone())
+
+
+@fp8_grouped_swiglu_down_op.register_fake
+def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format,
+      power_of_two, grad_rounding, margin, interval, algo):
+    check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state), activation, smooth,
+                              fwd_format, bwd_format, grad_rounding, algo)
+    fmt = resolve_format(fwd_format)
+    experts, rows, f = w_down.shape[0], gate.shape[0], gate.shape[1]
+    _, n = _out_features(w_down, w_transposed)
+    f32 = dict(dtype=torch.float32, device=gate.device)
+    s_shape = {"channel": (experts, f), "token": (rows, 1), "none": ()}[smooth]
+    return (gate.new_empty(rows, n), torch.empty(experts, **f32), torch.empty(experts, **f32),
+            gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8), torch.empty(experts, **f32),
+            w_down.new_empty(w_down.shape, dtype=w_down.dtype if fmt is None else torch.uint8),
+            torch.empty(experts, **f32), torch.empty(s_shape, **f32))
+
+
+@torch.library.custom_op("fp8pass::fp8_grouped_swiglu_down_backward", mutates_args=())
+def fp8_grouped_swiglu_down_backward_op(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    smooth_scales: torch.Tensor,
+    offs: torch.Tensor,
+    g_state: list[torch.Tensor],
+    w_transposed: bool,
+    w_dtype: torch.dtype,
+    activation: str,
+    smooth: str,
+    fwd_format: str,
+    bwd_format: str,
+    power_of_two: bool,
+    grad_rounding: str,
+    margin: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dgate, dup, dW_down, dy_amax [E])`` (no state mutation)."""
+    fmt = resolve_format(bwd_format)
+    a_data = from_bytes(a_data, resolve_format(fwd_format))
+    b_data = from_bytes(b_data, resolve_format(fwd_format))
+    kern = kernels.for_device(dy.device)
+    experts = b_data.shape[0]
+    ids = group_ids(offs, dy.shape[0])
+    s = smooth_scales
+    g = dy.float() * s if smooth == "token" else dy
+    go = cast_grouped_rows(g, ids, experts, fmt, g_state, margin, power_of_two, grad_rounding)
+    g_in = go.gemm_input(kern, gate.dtype)
+    da = kern.grouped_gemm(g_in, go.scale, _dgrad_b(b_data, w_transposed), b_scale, offs, gate.dtype)  # dA [S, F]
+    db = _wgrad(kern, a_data, a_scale, g_in, go.scale, offs, w_transposed, w_dtype)  # dB, w_down's layout
+    if smooth == "channel":  # B = W / c => dW = dB / c (exact: powers of two)
+        db = _run_fused(_times, (db, _per_channel(1 / s, w_transposed).to(db.dtype)), ())
+    if smooth != "token" and _cpu_fast(gate):
+        col = _with_ones(s) if smooth == "channel" else gate.new_ones(experts + 1, gate.shape[1], dtype=torch.float32)
+        dgate, dup = _run_fused(_glu_backward_rows, (da, gate, up, col, ids), (activation, gate.dtype, up.dtype))
+        return dgate, dup, db, go.amax
+    if smooth == "channel":
+        s = _row_scales(s, ids)
+    if activation == "silu":
+        dgate, dup = _on_cpu(_swiglu_backward_math, da, gate, up, s, smooth)
+    else:  # eager torch math, as swiglu_down
+        dgate, dup = _glu_backward_math(da, gate, up, s, smooth, activation)
+    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+
+
+@fp8_grouped_swiglu_down_backward_op.register_fake
+def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state, w_transposed, w_dtype, activation,
+      smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin):
+    return (gate.new_empty(gate.shape), up.new_empty(up.shape), dy.new_empty(b_data.shape, dtype=w_dtype),
+            dy.new_empty(b_data.shape[0], dtype=torch.float32))
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    (gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format,
+     power_of_two, grad_rounding, margin, interval, algo) = inputs
+    _, _, _, a_data, a_scale, b_data, b_scale, s = output
+    ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s, offs)
+    ctx.g_state = list(g_state)
+    ctx.n_states = (len(a_state), len(b_state), len(g_state))
+    ctx.w_dtype = w_down.dtype
+    ctx.args = (w_transposed, activation, smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin)
+    ctx.recipe = (margin, interval, algo, power_of_two)
+
+
+def _swiglu_backward(ctx, dy, *unused):
+    gate, up, a_data, a_scale, b_data, b_scale, s, offs = ctx.saved_tensors
+    w_transposed, activation, smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin = ctx.args
+    dgate, dup, dw, g_amax = torch.ops.fp8pass.fp8_grouped_swiglu_down_backward(
+        dy, gate, up, a_data, a_scale, b_data, b_scale, s, offs, ctx.g_state, w_transposed, ctx.w_dtype, activation,
+        smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin)
+    _record_grad(ctx, g_amax, bwd_format)
+    na, nb, ng = ctx.n_states
+    return (dgate, dup, dw, None, None, [None] * na, [None] * nb, [None] * ng) + (None,) * 9
+
+
+fp8_grouped_swiglu_down_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)

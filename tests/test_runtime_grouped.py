@@ -1,0 +1,393 @@
+"""Grouped (MoE expert) FP8 ops against per-group references built from ``fp8pass.quantize``.
+
+Casts are compared bit for bit (codes and scales). GEMM results are compared with the bound of an
+fp32 GEMM of the same dequantized operands: both sides multiply exact FP8 values (products exact in
+fp32) and differ only in the order of the fp32 accumulation and in where the scales enter (the op
+applies ``1/(sa*sb)`` once to the accumulator, the reference divides each operand first: one fp32
+rounding per element), so ``|op - ref| <= (K + 2) 2**-24 (|A| |B|^T)`` elementwise.
+"""
+
+import pytest
+import torch
+
+import fp8pass
+from fp8pass import E4M3, E5M2, quantize
+from fp8pass.numerics import DelayedScalingState
+from fp8pass.runtime import LinearScalingState, grouped_state_for
+from fp8pass.runtime.kernels import cpu
+
+LIN = torch.ops.fp8pass.fp8_grouped_linear
+GLU = torch.ops.fp8pass.fp8_grouped_swiglu_down
+FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max")
+IDENT = ("identity", "identity", False, "nearest", 0.0, 1, "max")
+OFFS = [10, 10, 33, 40]  # expert 1 empty; rows 40..43 are padding past offs[-1]
+
+
+def _groups(offs):
+    start = 0
+    for e, end in enumerate(offs):
+        yield e, start, end
+        start = end
+
+
+def _data(seed, rows=44, k=32, n=48, experts=4, transposed=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    # each expert's rows at a different magnitude, so per-expert scales differ
+    mag = torch.tensor([1.0, 3.0, 0.05, 20.0])[:experts]
+    ids = torch.searchsorted(torch.tensor(OFFS), torch.arange(rows), right=True).clamp(max=experts - 1)
+    x = (torch.randn(rows, k, generator=g) * mag[ids, None]).to(dtype)
+    shape = (experts, k, n) if transposed else (experts, n, k)
+    w = (torch.randn(*shape, generator=g) / 10 * mag[:, None, None]).to(dtype)
+    dy = torch.randn(rows, n, generator=g).to(dtype)
+    return x, w, torch.tensor(OFFS, dtype=torch.int32), dy
+
+
+def _w_nk(w, e, transposed):
+    """Expert e's weight as [N, K] (the layout is [E, K, N] when transposed)."""
+    return w[e].t() if transposed else w[e]
+
+
+def _assert_gemm(c, a, b):
+    """``c`` equals ``a @ b.T`` (fp64) within the fp32-accumulation bound of the module doc."""
+    a, b = a.double(), b.double()
+    tol = (a.shape[1] + 2) * 2.0**-24 * (a.abs() @ b.abs().T) + 1e-30
+    assert ((c.double() - a @ b.T).abs() <= tol).all()
+
+
+def _q(t, fmt, scale=None):
+    return quantize(t, fmt, scale=scale)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_forward_codes_and_result_match_per_group_quantize(transposed):
+    x, w, offs, _ = _data(0, transposed=transposed)
+    y, x_amax, w_amax, x_data, x_scale, w_data, w_scale = LIN(x, w, offs, transposed, [], [], [], *FP8)
+    x_codes = x_data.view(torch.float8_e4m3fn)
+    w_codes = w_data.view(torch.float8_e4m3fn)
+    for e, lo, hi in _groups(OFFS):
+        wq = _q(w[e], E4M3)
+        assert torch.equal(w_codes[e].view(torch.uint8), wq.data.view(torch.uint8))
+        assert w_scale[e] == wq.scale and w_amax[e] == w[e].abs().max()
+        if hi == lo:  # empty group: amax 0 -> scale 1, no output rows
+            assert x_amax[e] == 0 and x_scale[e] == 1
+            continue
+        xq = _q(x[lo:hi], E4M3)
+        assert torch.equal(x_codes[lo:hi].view(torch.uint8), xq.data.view(torch.uint8))
+        assert x_scale[e] == xq.scale and x_amax[e] == x[lo:hi].abs().max()
+        wv = wq.data.float() / wq.scale
+        _assert_gemm(y[lo:hi], xq.data.float() / xq.scale, wv.t() if transposed else wv)
+    assert torch.equal(y[OFFS[-1]:], torch.zeros_like(y[OFFS[-1]:]))
+    assert len(set(x_scale[[0, 2, 3]].tolist())) == 3  # per-expert magnitudes -> per-expert scales
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_backward_matches_per_group_reference(transposed):
+    x, w, offs, dy = _data(1, transposed=transposed)
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    LIN(xx, ww, offs, transposed, [], [], [], *FP8)[0].backward(dy)
+    for e, lo, hi in _groups(OFFS):
+        if hi == lo:
+            assert torch.equal(ww.grad[e], torch.zeros_like(ww.grad[e]))
+            continue
+        xq, wq, gq = _q(x[lo:hi], E4M3), _q(_w_nk(w, e, transposed), E4M3), _q(dy[lo:hi], E5M2)
+        xv, wv, gv = (q.data.float() / q.scale for q in (xq, wq, gq))
+        _assert_gemm(xx.grad[lo:hi], gv, wv.t())  # dx = dy W
+        dw = ww.grad[e].t() if transposed else ww.grad[e]
+        _assert_gemm(dw, gv.t(), xv.t())  # dW = dy^T x
+    assert torch.equal(xx.grad[OFFS[-1]:], torch.zeros_like(xx.grad[OFFS[-1]:]))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_identity_format_is_the_exact_grouped_matmul(transposed):
+    x, w, offs, dy = _data(2, transposed=transposed)
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = LIN(xx, ww, offs, transposed, [], [], [], *IDENT)[0]
+    y.backward(dy)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = torch.cat([xr[lo:hi] @ _w_nk(wr, e, transposed).t() for e, lo, hi in _groups(OFFS)]
+                    + [torch.zeros(x.shape[0] - OFFS[-1], y.shape[1])])
+    ref.backward(dy)
+    torch.testing.assert_close(y, ref, rtol=2**-22, atol=0)  # fp32 rounding: same products, same sums
+    torch.testing.assert_close(xx.grad, xr.grad, rtol=2**-22, atol=1e-30)
+    torch.testing.assert_close(ww.grad, wr.grad, rtol=2**-22, atol=1e-30)
+    # bf16: torch._grouped_mm (fp32 accumulation, one rounding) to one bf16 rounding
+    xb, wb = x.bfloat16(), w.bfloat16()
+    yb = LIN(xb, wb, offs, transposed, [], [], [], *IDENT)[0]
+    gm = torch._grouped_mm(xb, wb if transposed else wb.transpose(1, 2), offs=offs)
+    n = OFFS[-1]
+    torch.testing.assert_close(yb[:n].float(), gm[:n].float(), rtol=2**-8, atol=0)
+    assert torch.equal(yb[n:], torch.zeros_like(yb[n:]))
+
+
+def test_delayed_scaling_per_expert_state_evolves_like_separate_states():
+    recipe = fp8pass.DelayedScaling(history_len=4)
+    x, w, offs, dy = _data(3)
+    w = w.clone().requires_grad_()
+    st = grouped_state_for(w, recipe)
+    assert st is grouped_state_for(w, recipe) and st.experts == 4
+    assert {k: tuple(v.amax_history.shape) for k, v in st.roles().items()} == {
+        "input": (4, 4), "weight": (4, 4), "grad_output": (4, 4)}
+    alone = [DelayedScalingState(recipe, E4M3) for _ in range(4)]
+    codes = []
+    for step, factor in enumerate((torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.tensor([0.5, 1.0, 8.0, 2.0]))):
+        ids = torch.searchsorted(offs, torch.arange(x.shape[0], dtype=torch.int32), right=True).clamp(max=3)
+        xs = (x * factor[ids, None]).requires_grad_()
+        out = LIN(xs, w, offs, False, *st.op_args(), *FP8)
+        st.record_forward(out[1], out[2])
+        out[0].backward(dy)
+        codes.append((xs.detach(), out[3].view(torch.float8_e4m3fn)))
+        for e, lo, hi in _groups(OFFS):
+            alone[e].record(xs[lo:hi].abs().max() if hi > lo else torch.zeros(()))
+    for e in range(4):  # the stacked state equals each expert's own DelayedScalingState
+        assert torch.equal(st.input.amax_history[e], alone[e].amax_history)
+        assert st.input.scale[e] == alone[e].scale and st.input.steps[e] == 2
+    assert len(set(st.input.scale.tolist())) == 4
+    # step 2 cast each expert with the scale recorded at step 1 (not its current amax's)
+    xs2, c2 = codes[1]
+    lo, hi = 0, 10
+    first = DelayedScalingState(recipe, E4M3)
+    first.record(x[lo:hi].abs().max())
+    assert torch.equal(c2[lo:hi].view(torch.uint8), _q(xs2[lo:hi], E4M3, first.scale).data.view(torch.uint8))
+    # grad_output recorded per expert by the backward (dy's per-group amax; empty expert: 0)
+    assert torch.equal(st.grad_output.amax_history[:, 0],
+                       torch.stack([dy[lo:hi].abs().max() if hi > lo else torch.zeros(()) for _, lo, hi in
+                                    _groups(OFFS)]))
+    sd = st.state_dict()
+    other = LinearScalingState(recipe, experts=4)
+    other.load_state_dict(sd)
+    assert torch.equal(other.input.scale, st.input.scale)
+    with pytest.raises(ValueError, match="amax_history"):
+        LinearScalingState(recipe, experts=3).load_state_dict(sd)
+
+
+def test_delayed_record_broadcasts_over_experts_and_keeps_scalar_behaviour():
+    recipe = fp8pass.DelayedScaling(history_len=3, interval=2)
+    stacked = DelayedScalingState(recipe, E5M2, experts=3)
+    alone = [DelayedScalingState(recipe, E5M2) for _ in range(3)]
+    amaxes = torch.tensor([[1.0, float("nan"), 4.0], [2.0, 3.0, 0.0], [0.5, 7.0, float("inf")]])
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        for row in amaxes:
+            fp8pass.runtime.record([stacked.amax_history, stacked.scale, stacked.steps, stacked.skipped], row,
+                                   E5M2, recipe)
+            for e in range(3):
+                alone[e].record(row[e])
+    for e in range(3):
+        for k in ("amax_history", "scale", "steps", "skipped"):
+            assert torch.equal(getattr(stacked, k)[e], getattr(alone[e], k)), (e, k)
+
+
+def test_opcheck_both_ops():
+    x, w, offs, _ = _data(4, k=16, n=32)
+    st = LinearScalingState(fp8pass.DelayedScaling(), experts=4)
+    for states, fmts in (([[], [], []], FP8), (list(st.op_args()), FP8), ([[], [], []], IDENT)):
+        torch.library.opcheck(LIN.default, (x.clone().requires_grad_(), w.clone().requires_grad_(), offs, False,
+                                            *states, *fmts))
+    g = torch.Generator().manual_seed(5)
+    gate, up = torch.randn(44, 16, generator=g), torch.randn(44, 16, generator=g)
+    wd = torch.randn(4, 16, 16, generator=g)
+    for smooth in ("channel", "token", "none"):
+        torch.library.opcheck(GLU.default, (gate.clone().requires_grad_(), up.clone().requires_grad_(),
+                                            wd.clone().requires_grad_(), offs, True, [], [], [], "silu", smooth,
+                                            *FP8))
+
+
+def test_compiled_aot_eager_equals_eager_with_state_records():
+    recipe = fp8pass.DelayedScaling(history_len=4)
+    x, w, offs, dy = _data(6, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(6)
+    wd = (torch.randn(4, 24, 24, generator=g) / 5).bfloat16()
+
+    def model(x, w, wd, st, st2):
+        out = LIN(x, w, offs, False, *st.op_args(), *FP8)
+        st.record_forward(out[1], out[2])
+        gate, up = out[0].chunk(2, dim=-1)
+        o2 = GLU(gate, up, wd, offs, False, *st2.op_args(), "silu", "channel", *FP8)
+        st2.record_forward(o2[1], o2[2])
+        return o2[0]
+
+    results = []
+    for compiled in (False, True):
+        st, st2 = LinearScalingState(recipe, experts=4), LinearScalingState(recipe, experts=4)
+        fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        grads = []
+        for _ in range(2):
+            xx, ww, wdd = (t.clone().requires_grad_() for t in (x, w, wd))
+            y = fn(xx, ww, wdd, st, st2)
+            y.backward(dy[:, :24])
+            grads.append((y, xx.grad, ww.grad, wdd.grad))
+        results.append((grads, st.state_dict(), st2.state_dict()))
+    (ge, se, se2), (gc, sc, sc2) = results
+    for a, b in zip(ge, gc):
+        for t, u in zip(a, b):
+            assert torch.equal(t, u)
+    for d, e in ((se, sc), (se2, sc2)):
+        assert d.keys() == e.keys() and all(torch.equal(d[k], e[k]) for k in d)
+    assert int(sc["grad_output.steps"][0]) == 2
+
+
+def _glu_ref(gate, up, wd, transposed):
+    """Plain per-group GLU MLP tail in fp32 autograd (silu)."""
+    h = torch.nn.functional.silu(gate) * up
+    parts = [h[lo:hi] @ (wd[e] if transposed else wd[e].t()) for e, lo, hi in _groups(OFFS)]
+    return torch.cat(parts + [h.new_zeros(h.shape[0] - OFFS[-1], parts[0].shape[1])])
+
+
+@pytest.mark.parametrize("smooth", ["channel", "token", "none"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_swiglu_identity_format_is_the_plain_glu_for_every_smoothing(smooth, transposed):
+    # the smoothing scales cancel exactly (powers of two for channel; r multiplies back for token)
+    g = torch.Generator().manual_seed(7)
+    gate, up, dy = (torch.randn(44, 24, generator=g) for _ in range(3))
+    dy = dy[:, :16]
+    wd = torch.randn(4, 24, 16, generator=g) if transposed else torch.randn(4, 16, 24, generator=g)
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    a = [t.clone().requires_grad_() for t in (gate, up, wd)]
+    y = GLU(*a, offs, transposed, [], [], [], "silu", smooth, *IDENT)[0]
+    y.backward(dy)
+    r = [t.clone().requires_grad_() for t in (gate, up, wd)]
+    ref = _glu_ref(*r, transposed)
+    ref.backward(dy)
+    rtol = 2**-20 if smooth == "token" else 2**-22  # token: an extra division and product by r
+    torch.testing.assert_close(y, ref, rtol=rtol, atol=1e-6)
+    for t, u in zip(a, r):
+        torch.testing.assert_close(t.grad, u.grad, rtol=rtol, atol=1e-6)
+    assert torch.equal(a[0].grad[OFFS[-1]:], torch.zeros_like(a[0].grad[OFFS[-1]:]))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_swiglu_channel_fp8_codes_and_result_match_per_expert_reference(transposed):
+    g = torch.Generator().manual_seed(8)
+    gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g) * 3
+    wd = torch.randn(4, 24, 16, generator=g) if transposed else torch.randn(4, 16, 24, generator=g)
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    y, _, _, a_data, a_scale, b_data, b_scale, c = GLU(gate, up, wd, offs, transposed, [], [], [], "silu",
+                                                       "channel", *FP8)
+    h = torch.nn.functional.silu(gate) * up
+    for e, lo, hi in _groups(OFFS):
+        w_df = wd[e].t() if transposed else wd[e]  # [D, F]
+        if hi == lo:
+            assert torch.equal(c[e], torch.ones_like(c[e]))
+            continue
+        ce = fp8pass.runtime.channel_scales(h[lo:hi].abs().amax(0))
+        assert torch.equal(c[e], ce)
+        aq, bq = _q(h[lo:hi] * ce, E4M3), _q(w_df / ce, E4M3)
+        assert torch.equal(a_data[lo:hi], aq.data.view(torch.uint8)) and a_scale[e] == aq.scale
+        b_codes = b_data[e].t() if transposed else b_data[e]
+        assert torch.equal(b_codes, bq.data.view(torch.uint8)) and b_scale[e] == bq.scale
+        _assert_gemm(y[lo:hi], aq.data.float() / aq.scale, bq.data.float() / bq.scale)
+
+
+def test_channel_outlier_in_one_expert_changes_only_its_scales():
+    g = torch.Generator().manual_seed(9)
+    gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g)
+    wd = torch.randn(4, 16, 24, generator=g)
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    base = GLU(gate, up, wd, offs, False, [], [], [], "silu", "channel", *FP8)[7]
+    up2 = up.clone()
+    up2[3, 5] = 1000.0  # row 3 belongs to expert 0
+    out = GLU(gate, up2, wd, offs, False, [], [], [], "silu", "channel", *FP8)[7]
+    assert out[0, 5] < base[0, 5] / 100  # the outlier channel is scaled down in expert 0
+    assert torch.equal(out[1:], base[1:])  # the other experts' scales are unchanged
+    assert torch.equal(out[0, :5], base[0, :5]) and torch.equal(out[0, 6:], base[0, 6:])
+
+
+def test_stochastic_grad_rounding_picks_a_neighbour_of_the_nearest_code():
+    x, w, offs, dy = _data(10, rows=44, k=64, n=512)  # dy has 44 x 512 elements: the compiled cast path
+    scale = torch.tensor([3.0, 1.0, 0.25, 7.0])
+    ids = torch.searchsorted(offs, torch.arange(44, dtype=torch.int32), right=True)
+    row_scale = torch.cat([scale, torch.ones(1)])[ids]
+    sr = cpu.cast_rows(dy, row_scale, E5M2, "stochastic").view(torch.uint8).int()
+    rn = cpu.cast_rows(dy, row_scale, E5M2, "nearest")
+    ref = quantize(dy * row_scale[:, None], E5M2, scale=1.0).data
+    assert torch.equal(rn.view(torch.uint8), ref.view(torch.uint8))  # per-row cast == per-tensor cast
+    # same sign: the code bytes of the two neighbours differ by one
+    assert ((sr - rn.view(torch.uint8).int()).abs() <= 1).all()
+    assert (sr != rn.view(torch.uint8).int()).any()  # it does round some values up/down differently
+
+
+def test_saves_only_one_byte_codes():
+    x, w, offs, _ = _data(11, dtype=torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        LIN(x.requires_grad_(), w.requires_grad_(), offs, False, [], [], [], *FP8)
+    big = [t for t in saved if t.numel() > 4]
+    assert {tuple(t.shape) for t in big} == {tuple(x.shape), tuple(w.shape)}
+    assert all(t.element_size() == 1 for t in big)
+
+
+def test_gemm_dtype_follows_the_bf16_capability(monkeypatch):
+    bf, f32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    monkeypatch.delenv("FP8PASS_CPU_GEMM_DTYPE", raising=False)  # auto: decided by the capability
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert cpu.gemm_dtype(torch.bfloat16, bf, bf) == torch.bfloat16
+    assert cpu.gemm_dtype(torch.float32, bf, bf) == torch.float32
+    assert cpu.gemm_dtype(torch.bfloat16, f32, bf) == torch.float32  # identity-format values stay fp32
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert cpu.gemm_dtype(torch.bfloat16, bf, bf) == torch.float32
+    x, w, offs, _ = _data(12, dtype=torch.bfloat16)
+    y = LIN(x, w, offs, False, [], [], [], *FP8)[0]  # still correct on the fp32 path
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+
+
+def test_bad_arguments_raise_clear_errors():
+    x, w, offs, _ = _data(13)
+    with pytest.raises(ValueError, match="offs must be int32"):
+        LIN(x, w, offs.long(), False, [], [], [], *FP8)
+    with pytest.raises(ValueError, match="expects K"):
+        LIN(x, w, offs, True, [], [], [], *FP8)
+    with pytest.raises(ValueError, match="offs must be non-decreasing"):
+        LIN(x, w, torch.tensor([10, 5, 33, 40], dtype=torch.int32), False, [], [], [], *FP8)
+    with pytest.raises(ValueError, match="x_state"):
+        LIN(x, w, offs, False, list(LinearScalingState(fp8pass.DelayedScaling()).op_args()[0]), [], [], *FP8)
+    with pytest.raises(ValueError, match="smooth"):
+        GLU(x, x, w, offs, True, [], [], [], "silu", "rows", *FP8)
+    with pytest.raises(ValueError, match="grouped_state_for"):
+        grouped_state_for(w[0], fp8pass.DelayedScaling())
+
+
+def test_cuda_kernel_module_fallback_agrees_on_cpu(monkeypatch):
+    """FP8PASS_KERNELS=triton runs the CUDA kernel module on CPU tensors: its per-row casts and its
+    per-group GEMM loop (the fallback taken without ``_scaled_grouped_mm``) against the CPU module."""
+    x, w, offs, dy = _data(14)
+    g = torch.Generator().manual_seed(14)
+    gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g)
+    wd = torch.randn(4, 24, 16, generator=g)
+    results = []
+    for family in ("torch", "triton"):
+        monkeypatch.setenv("FP8PASS_KERNELS", family)
+        a = [t.clone().requires_grad_() for t in (x, w)]
+        out = LIN(*a, offs, False, [], [], [], *FP8)
+        out[0].backward(dy)
+        b = [t.clone().requires_grad_() for t in (gate, up, wd)]
+        out2 = GLU(*b, offs, True, [], [], [], "silu", "channel", *FP8)
+        out2[0].backward(dy[:, :16])
+        results.append((out, out2, [t.grad for t in a + b]))
+    (o1, p1, g1), (o2, p2, g2) = results
+    for i in (3, 4, 5, 6):  # codes and scales bit-identical
+        assert torch.equal(o1[i], o2[i]) and torch.equal(p1[i], p2[i])
+    for u, v in [(o1[0], o2[0]), (p1[0], p2[0])] + list(zip(g1, g2)):
+        torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)  # same exact products, fp32 sums
+
+
+@pytest.mark.parametrize("smooth", ["channel", "none"])
+def test_cpu_fused_glu_path_gives_the_generic_paths_bits(monkeypatch, smooth):
+    """Large enough for the compiled CPU kernels: the fused GLU operand/backward (no fp32 [S, F]
+    temporaries) against the generic path (h, c gathered per row, A = h c, then cast)."""
+    from fp8pass.runtime import grouped
+
+    g = torch.Generator().manual_seed(15)
+    offs = torch.tensor([700, 700, 1500, 2000], dtype=torch.int32)
+    gate, up = (torch.randn(2048, 96, generator=g).bfloat16() for _ in range(2))
+    up[5, 7] = 300.0  # an outlier channel in expert 0
+    wd = (torch.randn(4, 64, 96, generator=g) / 8).bfloat16()
+    dy = torch.randn(2048, 64, generator=g).bfloat16()
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(grouped, "_cpu_fast", lambda t, fast=fast: fast)
+        a = [t.clone().requires_grad_() for t in (gate, up, wd)]
+        out = GLU(*a, offs, False, [], [], [], "silu", smooth, *FP8)
+        out[0].backward(dy)
+        results.append(([o.detach() for o in out], [t.grad for t in a]))
+    (o1, g1), (o2, g2) = results
+    for u, v in zip(o1 + g1, o2 + g2):
+        assert torch.equal(u, v)
