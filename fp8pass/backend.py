@@ -28,16 +28,17 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
-from torch._dynamo.backends.debugging import ExplainWithBackend
 
 from .config import Config
-from .passes.annotate import annotate
-from .passes.explain import Report, SwiGLUEntry
-from .passes.names import frame_names, frame_root
+from .passes.annotate import annotate, relative_param_names
+from .passes.explain import ExpertsEntry, Report, SwiGLUEntry
+from .passes.names import FrameNames, frame_names, frame_root, names_for
 from .passes.plan import plan_graph
+from .passes.policy import module_fqn
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
-from .runtime.state import state_for
+from .runtime.state import grouped_state_for, state_for
+from .scaling_state import attach_weights
 from .passes.rewrite import StateInput, apply_plan, copy_graph_module
 
 __all__ = ["Backend", "backend", "fp8_backend", "explain", "GraphBreakError"]
@@ -105,45 +106,71 @@ class Backend:
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
         extras = _resolve_state(record.extra_inputs, example_inputs, self.config)
         compiled = self._compile(new_gm, list(example_inputs) + extras, mode, options)
-        if not extras:
+        relative = relative_param_names(gm.graph, example_inputs)
+        if not extras and not relative:
             return compiled
 
         # Dynamo calls what a backend returns with positional arguments (compile_fx's result takes
         # them too, though it carries a copied ``_boxed_call`` attribute); append the state.
-        # Dynamo reuses one compiled frame for every module instance of the same structure (e.g. the
-        # blocks of a per-block compile, whose weights are graph inputs), so the state is looked up
-        # from the weights actually passed, not the ones seen at compile time.
-        positions = sorted({s.weight_pos for s in record.extra_inputs})
-        cache = {"weights": [weakref.ref(example_inputs[i]) for i in positions], "extras": extras}
-        cfg = self.config
-        extra_inputs = record.extra_inputs
+        # Dynamo reuses one compiled frame for every module instance of the same structure (the
+        # decoder layers of a model whose layers break the graph, the blocks of a per-block compile;
+        # their weights are graph inputs). Per set of weights passed: the state is looked up from
+        # those weights, and the plan is made again under their absolute names; where the policy
+        # decides differently (``keep_high_precision=("layers.2.*",)``) that set gets its own graph.
+        params = sorted(relative)
+        variants: dict[tuple, tuple] = {}
+
+        def key_of(args) -> tuple:
+            return tuple(id(args[i]) for i in params)
+
+        variants[key_of(example_inputs)] = ([weakref.ref(example_inputs[i]) for i in params], compiled, extras)
 
         def run(*args):
-            if any(r() is not args[i] for r, i in zip(cache["weights"], positions)):
-                cache["extras"] = _resolve_state(extra_inputs, args, cfg)
-                cache["weights"] = [weakref.ref(args[i]) for i in positions]
-            return compiled(*args, *cache["extras"])
+            hit = variants.get(key_of(args))
+            if hit is None or any(r() is not args[i] for r, i in zip(hit[0], params)):
+                hit = self._variant(gm, list(args), record, new_gm, compiled, relative, mode, options)
+                if len(variants) > _MAX_RECORDS:
+                    variants.clear()
+                variants[key_of(args)] = hit
+            return hit[1](*args, *hit[2])
 
         return run
 
+    def _variant(self, gm, args, record, new_gm, compiled, relative, mode, options):
+        """(weight refs, compiled fn, state tensors) for a compiled frame called with other weights."""
+        names = names_for(args, relative)
+        refs = [weakref.ref(args[i]) for i in sorted(relative)]
+        if names is None:  # weights of a module never seen: the graph as planned, their own state
+            return refs, compiled, _resolve_state(record.extra_inputs, args, self.config)
+        gm2, rec2 = self.transform(gm, args, names=names)
+        self.records.append(rec2)
+        del self.records[:-_MAX_RECORDS]
+        extras = _resolve_state(rec2.extra_inputs, args, self.config)
+        if gm2.code == new_gm.code:  # the same rewrite: reuse the compiled graph
+            return refs, compiled, extras
+        return refs, self._compile(gm2, list(args) + extras, mode, options), extras
+
     def transform(self, gm: fx.GraphModule, example_inputs: list | None = None,
-                  root: torch.nn.Module | None = None) -> tuple[fx.GraphModule, GraphRecord]:
+                  root: torch.nn.Module | None = None, names: FrameNames | None = None,
+                  ) -> tuple[fx.GraphModule, GraphRecord]:
         """Plan and rewrite a copy of ``gm``; returns (rewritten copy, record). ``gm`` is untouched.
 
         Args:
             gm: Dynamo's graph.
             example_inputs: its real inputs (parameters among them are named by identity).
             root: the compiled frame's ``self`` module (absolute names across graph breaks).
+            names: the frame's names, when known otherwise (a reused frame, see ``__call__``).
         """
         cfg = self.config
         new_gm = copy_graph_module(gm)
-        names = frame_names(root, example_inputs or [])
+        names = names if names is not None else frame_names(root, example_inputs or [])
         annotate(new_gm.graph, names, example_inputs)
         before = gm.code  # Dynamo already generated it; the copy's code would cost a codegen
         plan = plan_graph(new_gm.graph, cfg, self._split_modules)
         self._split_modules.update(plan.split_modules)
         report = Report(
             swiglus=[SwiGLUEntry(s.gate, s.up, s.down, s.variant, len(self.records)) for s in plan.glus],
+            experts=_expert_entries(plan, len(self.records)),
             skipped=list(plan.skipped), graph_breaks=list(plan.graph_breaks), graph_before=before,
             num_graphs=1, config=cfg,
         )
@@ -197,6 +224,7 @@ def merge_reports(reports: list[Report], config=None) -> Report:
     out = Report(config=config, num_graphs=len(reports))
     for i, r in enumerate(reports):
         out.swiglus += [SwiGLUEntry(s.gate, s.up, s.down, s.variant, i) for s in r.swiglus]
+        out.experts += [ExpertsEntry(e.module, e.weights, e.variant, i) for e in r.experts]
         out.linears += [f for f in r.linears if f not in out.linears]
         out.skipped += r.skipped
         out.graph_breaks += r.graph_breaks
@@ -205,10 +233,24 @@ def merge_reports(reports: list[Report], config=None) -> Report:
     return out
 
 
+def _expert_entries(plan, graph: int) -> list[ExpertsEntry]:
+    """One entry per expert stack (module) the plan makes FP8."""
+    stacks: dict[str, tuple[list[str], str]] = {}
+    for site in plan.expert_glus:
+        weights = list(dict.fromkeys([site.gate, site.up, site.down]))
+        stacks[module_fqn(site.down)] = (weights, site.variant + " experts")
+    for lin in plan.expert_linears:
+        weights, variant = stacks.setdefault(module_fqn(lin.fqn), ([], "grouped linears"))
+        weights.append(lin.fqn)
+    return [ExpertsEntry(mod, tuple(w), v, graph) for mod, (w, v) in stacks.items()]
+
+
 def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config) -> list[torch.Tensor]:
     """The live state tensors for the extra inputs (created on the weight's first use)."""
     if not extra:
         return []
+    # the weights' modules carry their scaling state in model.state_dict() from now on
+    attach_weights([example_inputs[s.weight_pos] for s in extra], cfg)
     out = []
     fwd = cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3"
     bwd = cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2"
@@ -218,8 +260,6 @@ def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config) -
             out.append(hcp_state_for(weight, cfg.recipe.hcp).op_args()[s.field])
             continue
         if s.kind == "experts":  # one scale per expert of a 3-D expert weight (passes/rewrite_grouped.py)
-            from .runtime.grouped import grouped_state_for
-
             st = grouped_state_for(weight, cfg.recipe, fwd, bwd)
         else:
             st = state_for(weight, cfg.recipe, fwd, bwd)
@@ -263,14 +303,27 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
         ``graph_breaks`` (Dynamo's break reasons plus GLUs a break split), ``graph_before`` /
         ``graph_after``; ``print(report)`` shows a table.
     """
+    # imported here: it loads all of Dynamo, which ``import fp8pass`` should not pay for (1.5 s goal)
+    from torch._dynamo.backends.debugging import ExplainWithBackend
+
     be = Backend(config)
     records = []
 
     def plan_only(gm: fx.GraphModule, inputs: list):
         _, rec = be.transform(gm, inputs, frame_root())
-        be.records.append(rec)
         records.append(rec.report)
-        return gm.forward  # the original graph runs: no FP8 op, no state change
+        relative = relative_param_names(gm.graph, inputs)
+        seen = {tuple(id(inputs[i]) for i in sorted(relative))}
+
+        def run(*args):  # the original graph runs: no FP8 op, no state change
+            key = tuple(id(args[i]) for i in sorted(relative))
+            names = names_for(list(args), relative) if key not in seen else None
+            if names is not None:  # Dynamo reuses this frame for another module: plan it under its names
+                seen.add(key)
+                records.append(be.transform(gm, list(args), names=names)[1].report)
+            return gm.forward(*args)
+
+        return run
 
     recorder = ExplainWithBackend(plan_only)
     torch._dynamo.reset()  # as torch._dynamo.explain: every frame is traced anew, nothing cached reused

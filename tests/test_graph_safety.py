@@ -231,3 +231,60 @@ def test_generated_models_cover_every_block_kind():
     """The seeds above exercise each block kind at least once (the generator's coverage)."""
     seen = {k for s in range(24) for k in Generated(s).kinds}
     assert seen == set(BLOCKS)
+
+
+# ---- names: absolute across graph breaks --------------------------------------------------------
+
+class BreakingLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(D, D)
+        self.o_proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        x = self.q_proj(x)
+        torch._dynamo.graph_break()  # each layer's halves become frames of their own
+        return self.o_proj(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.layers = nn.ModuleList(BreakingLayer() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_weight_names_are_absolute_across_graph_breaks():
+    """Every layer compiles as its own frames; names stay model paths, so no two layers collide and
+    keep_high_precision globs with layer paths match."""
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(2, 3, D)
+    rep = fp8pass.explain(model, x, config=Config(min_dim=16))
+    expected = [f"layers.{i}.{p}.weight" for i in range(4) for p in ("q_proj", "o_proj")]
+    assert sorted(rep.linears) == sorted(expected)
+    rep = fp8pass.explain(model, x, config=Config(min_dim=16, keep_high_precision=("layers.2.*",)))
+    assert sorted(rep.linears) == sorted(w for w in expected if not w.startswith("layers.2."))
+    assert sorted(w for w, r in rep.skipped if "keep_high_precision" in r) == ["layers.2.o_proj.weight",
+                                                                              "layers.2.q_proj.weight"]
+
+
+def test_policy_applies_per_layer_when_dynamo_reuses_a_frame():
+    """Dynamo compiles the layer frames once and reuses them for every layer; the layer a glob keeps
+    high precision must run without FP8 (no scaling state, output equal to the eager layer)."""
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(2, 3, D)
+    be = fp8pass.backend(Config(min_dim=16, compiler="eager", keep_high_precision=("layers.2.*",),
+                                grad_stochastic_rounding=False))
+    torch.compile(model, backend=be)(x).sum().backward()
+    sd = fp8pass.scaling_state_dict(model)
+    layers_with_state = sorted({k.split(".")[1] for k in sd})
+    assert layers_with_state == ["0", "1", "3"]
+    rep = be.report()
+    assert sorted(w for w, r in rep.skipped if "keep_high_precision" in r) == ["layers.2.o_proj.weight",
+                                                                              "layers.2.q_proj.weight"]

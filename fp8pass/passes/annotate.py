@@ -21,7 +21,7 @@ from torch import fx
 
 from .names import FrameNames
 
-__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "META_KEY"]
+__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "relative_param_names", "META_KEY"]
 
 META_KEY = "fp8pass"
 
@@ -199,3 +199,14 @@ def facts(node: fx.Node) -> NodeFacts:
         got = _compute(node, None, None)
         node.meta[META_KEY] = got
     return got
+
+
+def relative_param_names(graph: fx.Graph, example_inputs: list) -> dict[int, str]:
+    """Input position -> parameter path from the frame root (Dynamo's source), for the parameters."""
+    out = {}
+    for pos, (node, real) in enumerate(zip([n for n in graph.nodes if n.op == "placeholder"], example_inputs)):
+        if isinstance(real, torch.nn.Parameter):
+            rel = _source_fqn(node, node.meta.get("example_value"), real)
+            if rel is not None and rel != node.name:
+                out[pos] = rel
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SwiGLUEntry", "Report"]
+__all__ = ["SwiGLUEntry", "ExpertsEntry", "Report"]
 
 
 @dataclass(frozen=True)
@@ -18,12 +18,24 @@ class SwiGLUEntry:
     graph: int = 0
 
 
+@dataclass(frozen=True)
+class ExpertsEntry:
+    """One MoE expert stack made FP8: its module, its 3-D expert weights and the form ("swiglu
+    experts (fused gate_up)", "grouped linears")."""
+
+    module: str
+    weights: tuple[str, ...]
+    variant: str
+    graph: int = 0
+
+
 @dataclass
 class Report:
     """What ``fp8pass.explain`` (or a compile with the fp8 backend) found, graph by graph.
 
     Attributes:
-        swiglus: one :class:`SwiGLUEntry` per matched GLU MLP (SwiGLU, GeGLU, ReGLU).
+        swiglus: one :class:`SwiGLUEntry` per matched dense GLU MLP (SwiGLU, GeGLU, ReGLU).
+        experts: one :class:`ExpertsEntry` per MoE expert stack made FP8 (grouped, per-expert scales).
         linears: FQNs of the weights whose linear became FP8 (GLU projections included).
         skipped: ``(where, reason)`` for linear ops left in high precision.
         graph_breaks: Dynamo's graph-break reasons and GLUs split by a break.
@@ -32,6 +44,7 @@ class Report:
     """
 
     swiglus: list[SwiGLUEntry] = field(default_factory=list)
+    experts: list[ExpertsEntry] = field(default_factory=list)
     linears: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)
@@ -43,6 +56,7 @@ class Report:
     def __str__(self) -> str:
         kind = "NVFP4" if type(getattr(self.config, "recipe", None)).__name__ == "NVFP4Scaling" else "FP8"
         lines = [f"fp8pass report: {self.num_graphs} graph(s), {len(self.swiglus)} GLU MLP(s) fused, "
+                 f"{len(self.experts)} MoE expert stack(s), "
                  f"{len(self.linears)} {kind} linear weight(s), {len(self.skipped)} op(s) kept in high "
                  f"precision, {len(self.graph_breaks)} graph-break note(s)"]
         if self.config is not None:
@@ -52,6 +66,11 @@ class Report:
             lines += ["", f"GLU MLPs ({treatment}):"]
             lines += _table(["variant", "gate", "up", "down"],
                             [[s.variant, s.gate, s.up, s.down] for s in self.swiglus])
+        if self.experts:
+            lines += ["", f"MoE expert stacks ({kind}, one scale per expert):"]
+            lines += _table(["variant", "module", "weights"],
+                            [[e.variant, e.module, ", ".join(w.rsplit(".", 1)[-1] for w in e.weights)]
+                             for e in self.experts])
         if self.linears:
             lines += ["", f"{kind} linears (weight FQN):"]
             lines += ["  " + f for f in self.linears]
@@ -64,7 +83,7 @@ class Report:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"Report(swiglus={len(self.swiglus)}, linears={len(self.linears)}, "
+        return (f"Report(swiglus={len(self.swiglus)}, experts={len(self.experts)}, linears={len(self.linears)}, "
                 f"skipped={len(self.skipped)}, graph_breaks={len(self.graph_breaks)})")
 
 

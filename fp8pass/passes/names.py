@@ -11,12 +11,14 @@ names every parameter by its path from there, as ``model.named_parameters()`` na
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["FrameNames", "frame_names", "frame_root"]
+__all__ = ["FrameNames", "frame_names", "frame_root", "names_for"]
 
 
 @dataclass
@@ -94,14 +96,46 @@ def _top(root: nn.Module, max_frames: int = 256) -> tuple[nn.Module, str]:
     return best, best_path
 
 
+# every parameter of every outermost module seen, by identity: a compiled frame that Dynamo reuses
+# for another module of the same structure (the next decoder layer) is named from here
+_ABSOLUTE = WeakTensorKeyDictionary()
+_TOPS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _remember(top: nn.Module) -> None:
+    if top in _TOPS:
+        return
+    _TOPS.add(top)
+    for name, p in top.named_parameters(remove_duplicate=False):
+        if p not in _ABSOLUTE:
+            _ABSOLUTE[p] = name
+
+
 def frame_names(root: nn.Module | None, example_inputs: list) -> FrameNames:
     """Absolute names of the parameters among ``example_inputs`` of a frame rooted at ``root``."""
     if root is None:
         return FrameNames()
     top, prefix = _top(root)
+    _remember(top)
     wanted = {id(v) for v in example_inputs if isinstance(v, torch.Tensor)}
     params: dict[int, str] = {}
     for name, p in top.named_parameters(remove_duplicate=False):
         if id(p) in wanted and id(p) not in params:
             params[id(p)] = name
     return FrameNames(params, prefix)
+
+
+def names_for(inputs: list, relative: dict[int, str]) -> FrameNames | None:
+    """Names for a compiled frame called with other parameters (``relative``: input position ->
+    the parameter's path from the frame root); None when a parameter was never seen."""
+    params: dict[int, str] = {}
+    prefix = None
+    for pos, rel in relative.items():
+        p = inputs[pos]
+        name = _ABSOLUTE.get(p) if isinstance(p, torch.Tensor) else None
+        if name is None:
+            return None
+        params[id(p)] = name
+        if prefix is None:
+            prefix = name[: -len(rel) - 1] if name.endswith("." + rel) else "" if name == rel else None
+    return FrameNames(params, prefix or "")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from .matcher import (
-    MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_param_placeholder,
+    ANY, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_param_placeholder,
 )
 
 __all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "GROUPED_LINEAR", "EXPERT_GLU", "MATMUL_LIKE",
@@ -37,6 +37,7 @@ __all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "GROUPED_LINEAR", "EXP
 
 MATMUL = (operator.matmul, torch.matmul, "matmul")
 MM = (torch.mm, "mm")
+BMM = (torch.bmm, "bmm", torch.matmul, operator.matmul, "matmul")
 ADDMM = (torch.addmm, "addmm")
 ADD = (operator.add, torch.add, "add")
 SIGMOID = (torch.sigmoid, F.sigmoid, "sigmoid")
@@ -107,7 +108,8 @@ def grouped_linear(p: str, x: Pattern | None = None, offs: Pattern | None = None
     """An expert projection ``y[g] = x[g] W[e]^T`` over a 3-D expert weight with group offsets.
 
     Binds ``p``, ``p_x``, ``p_w`` (the 3-D parameter), ``p_layout`` ("out_in": ``W`` [E, out, in],
-    "in_out": ``W`` [E, in, out]) and ``offs`` (the cumulative group ends).
+    "in_out": ``W`` [E, in, out]), ``form_p`` and, for grouped GEMMs, ``offs`` (the cumulative group
+    ends); the "bmm" form (fixed capacity, ``x`` [E, C, in]) has no offsets: every expert has C rows.
     """
     x = x if x is not None else Bind(f"{p}_x")
     offs = offs if offs is not None else Bind("offs")
@@ -116,9 +118,36 @@ def grouped_linear(p: str, x: Pattern | None = None, offs: Pattern | None = None
                 Op(("transpose", torch.transpose), w, Const((-2, 1)), Const((-1, 2))),
                 Op(("transpose", torch.transpose), w, Const((-1, 2)), Const((-2, 1))))
     operand = OneOf(Tag(f"{p}_layout", "out_in", w_t), Tag(f"{p}_layout", "in_out", w))
-    return Bind(p, Tag("form_" + p, "grouped_mm", Op(
-        grouped_mm_targets(), x, operand, offs=(2, None, offs), bias=(None, None, Const((None,))),
-        out_dtype=(None, None, Const((None,))))))
+    return Bind(p, OneOf(
+        Tag("form_" + p, "grouped_mm", _GroupedMM(
+            x, operand, offs=(2, None, offs), bias=(None, None, Const((None,))), out_dtype=(None, None, Const((None,))))),
+        # stacked experts with a fixed capacity, x [E, C, in] (Llama4): every expert's C rows
+        # (the plan checks x is [E, C, in]; a 2-D x would broadcast every row to every expert)
+        Tag("form_" + p, "bmm", Op(BMM, x, operand)),
+    ))
+
+
+class _NoopCast(Pattern):
+    """``pattern`` on a cast node whose output dtype equals its input's."""
+
+    def __init__(self, pattern: Pattern):
+        self.pattern = pattern
+
+    def match(self, value, m):
+        if isinstance(value, fx.Node) and _same_dtype_as_input(value):
+            yield from self.pattern.match(value, m)
+
+
+class _GroupedMM(Op):
+    """A grouped GEMM call; the targets are looked up per match, since transformers registers its
+    ``grouped_mm_fallback`` op only when it is imported (possibly after fp8pass)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(grouped_mm_targets(), *args, **kwargs)
+
+    def match(self, value, m):
+        self.targets = grouped_mm_targets()
+        yield from super().match(value, m)
 
 
 # ---- fused gate+up: which weight rows a slice of the projection output selects -------------------
@@ -258,10 +287,22 @@ LINEAR = linear("lin")
 # sharing one offsets tensor (transformers' grouped_mm experts: fused gate_up, then ``chunk(2, -1)``)
 _GROUPED_FUSED = tuple(FusedPart(p, grouped_linear("gate_up", x=Bind("x"))) for p in ("gate", "up"))
 _GROUPED_SEPARATE = (grouped_linear("gate", x=Bind("x")), grouped_linear("up", x=Bind("x")))
-EXPERT_GLU = grouped_linear("down", x=Bind("h", OneOf(
+_EXPERT_PRODUCT = Bind("h", OneOf(
     Tag("proj", "separate", Op(MUL, activation(_GROUPED_SEPARATE[0]), _GROUPED_SEPARATE[1], commutative=True)),
     Tag("proj", "fused", Op(MUL, activation(_GROUPED_FUSED[0]), _GROUPED_FUSED[1], commutative=True)),
-)))
+))
+
+
+def _same_dtype_as_input(node: fx.Node) -> bool:
+    out, inp = example_value(node), example_value(node.args[0]) if node.args else None
+    return isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.dtype == inp.dtype
+
+
+# transformers casts the grouped GEMM's input to the weight dtype (``x.to(W.dtype)``): a no-op cast
+# between the product and the down projection is part of the match; a real cast is not
+_NOOP_CAST = Op(("to", "type"), _EXPERT_PRODUCT, varargs=True, dtype=(None, None, ANY), copy=(None, False, Const((False,))),
+                non_blocking=(None, False, ANY))
+EXPERT_GLU = grouped_linear("down", x=OneOf(_EXPERT_PRODUCT, Bind("h_cast", _NoopCast(_NOOP_CAST))))
 
 # one expert projection on its own (non-GLU experts, or a gate the patterns do not know)
 GROUPED_LINEAR = grouped_linear("lin")

@@ -69,7 +69,7 @@ class ExpertLinearSite:
     node: fx.Node
     x: fx.Node
     w: fx.Node
-    offs: fx.Node
+    offs: fx.Node | None   # None: batched form, x [E, C, in]
     layout: str
     fqn: str
     nodes: list[fx.Node] = field(default_factory=list)
@@ -209,9 +209,28 @@ def _ensure_annotated(graph: fx.Graph) -> None:
         annotate(graph)
 
 
+def _stacked_form_ok(m: Match, projections) -> str | None:
+    """Why a match's expert projections cannot share one grouping (None when they can)."""
+    forms = {m.get(f"form_{p}") for p in projections}
+    if len(forms) != 1:
+        return f"expert projections mix grouped and batched forms ({', '.join(sorted(map(str, forms)))})"
+    if forms == {"bmm"}:
+        for p in projections:
+            x = example_value(m["h"] if p == "down" else m.get(f"{p}_x", m.get("x")))
+            w = example_value(m[f"{p}_w"])
+            if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 3
+                    and x.shape[0] == w.shape[0]):
+                return "batched expert GEMM whose input is not [experts, capacity, features]"
+    return None
+
+
 def _glu_kind_decision(cfg: Config, m: Match, experts: bool) -> Decision:
     if experts and isinstance(cfg.recipe, NVFP4Scaling):
         return Decision(False, "the NVFP4 recipe has no grouped expert op: experts stay in high precision")
+    if experts:
+        why = _stacked_form_ok(m, ["gate_up", "down"] if m.get("proj") == "fused" else ["gate", "up", "down"])
+        if why:
+            return Decision(False, why)
     return _glu_decision(cfg, m, experts)
 
 
@@ -264,7 +283,10 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                 plan.skipped.append((where, "input is a GLU output cut off by a graph break; an "
                                             "unsmoothed FP8 cast of it is the outlier case"))
                 break
-            d = decide_linear(cfg, node, m["lin_x"], w, m.get("lin_b"))
+            if _is_router(node):
+                d = Decision(False, "MoE router (its output picks the experts: topk): kept in high precision by policy")
+            else:
+                d = decide_linear(cfg, node, m["lin_x"], w, m.get("lin_b"))
             if d.fp8:
                 plan.linears.append(LinearSite(node, m["lin_x"], w, m.get("lin_b"), where, list(dict.fromkeys(m.nodes)),
                                                m.get("lin_layout") == "in_out"))
@@ -277,16 +299,41 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                 w = m["lin_w"]
                 where = param_fqn(w) or w.name
                 d = decide_linear(cfg, node, m["lin_x"], w, None, experts=True)
+                why = _stacked_form_ok(m, ["lin"])
+                if d.fp8 and why:
+                    d = Decision(False, why)
                 if d.fp8 and isinstance(cfg.recipe, NVFP4Scaling):
                     d = Decision(False, "the NVFP4 recipe has no grouped expert op: experts stay in high precision")
                 if d.fp8:
-                    plan.expert_linears.append(ExpertLinearSite(node, m["lin_x"], w, m["offs"], m["lin_layout"], where,
-                                                                list(dict.fromkeys(m.nodes))))
+                    plan.expert_linears.append(ExpertLinearSite(node, m["lin_x"], w, m.get("offs"), m["lin_layout"],
+                                                                where, list(dict.fromkeys(m.nodes))))
                 else:
                     plan.skipped.append((where, d.reason))
                 break
     plan.skipped += _unplanned_matmuls(graph, decided)
     return plan
+
+
+_TOPK = (torch.topk, "topk")
+# what may sit between a router's logits and its top-k: casts, normalisations, a bias, views
+_ROUTER_PATH = {"softmax", "sigmoid", "log_softmax", "float", "to", "type", "view", "reshape", "add", "sub", "mul",
+                "truediv", "div", "relu", "getitem", "squeeze", "unsqueeze", "flatten", "_softmax", "contiguous"}
+
+
+def _is_router(linear_call: fx.Node, depth: int = 5) -> bool:
+    """Whether a linear's output reaches a ``topk`` through a few elementwise / view steps (MoE routing)."""
+    frontier = [linear_call]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if is_call(u, _TOPK):
+                    return True
+                name = getattr(u.target, "__name__", str(u.target)).lstrip("_")
+                if name in _ROUTER_PATH or str(u.target) in _ROUTER_PATH:
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 def _module_of(weight_fqn: str) -> str:
@@ -305,13 +352,22 @@ def _operands(node: fx.Node) -> list:
     return list(node.args[:2])
 
 
+# what a weight may go through on its way into a matmul and still be "the weight"
+_WEIGHT_VIEWS = {"view", "reshape", "transpose", "t", "permute", "T", "mT", "contiguous", "expand", "getitem",
+                 "__getitem__", "select", "narrow", "index_select", "type", "to", "float", "bfloat16", "half",
+                 "squeeze", "unsqueeze", "flatten", "unflatten", "chunk", "split"}
+
+
 def _param_under(value, depth: int = 4) -> fx.Node | None:
-    """The parameter placeholder a matmul operand is a view / slice / gather of, if any."""
+    """The parameter placeholder a matmul operand is a view / slice / gather / cast of, if any."""
     for _ in range(depth):
         if not isinstance(value, fx.Node):
             return None
         if value.op == "placeholder":
             return value if param_fqn(value) is not None else None
+        name = getattr(value.target, "__name__", str(value.target))
+        if value.op not in ("call_function", "call_method") or name not in _WEIGHT_VIEWS:
+            return None
         value = value.args[0] if value.args else None
     return None
 
@@ -340,7 +396,9 @@ def _unplanned_matmuls(graph: fx.Graph, decided: set[fx.Node]) -> list[tuple[str
         w = weights[0]
         ev = example_value(w)
         dims = f"{ev.dim()}-D " if isinstance(ev, torch.Tensor) else ""
-        if is_call(node, grouped_mm_targets()):
+        if _is_router(node):
+            why = "MoE router (its output picks the experts: topk): kept in high precision by policy"
+        elif is_call(node, grouped_mm_targets()):
             why = "grouped expert GEMM in a form the patterns do not know (bias, out_dtype or a reshaped weight)"
         elif isinstance(ev, torch.Tensor) and ev.dim() == 3:
             why = (f"{name} over a gathered or stacked 3-D expert weight (per-token weight gather or fixed "

@@ -1,6 +1,7 @@
 """The MoE expert rewriter: grouped expert projections into per-expert-scaled FP8 grouped ops.
 
-An expert GLU ``down(act(gate) * up)`` over grouped projections (one offsets tensor) becomes::
+An expert GLU ``down(act(gate) * up)`` over grouped projections (one offsets tensor; or batched
+``bmm`` over ``x`` [E, C, in], which becomes the same ops with every expert given C rows) becomes::
 
     out = fp8pass::fp8_grouped_linear(x, W_gate_up, offs, w_transposed, x_state, w_state, g_state, ...)
     gate, up = <the original slicing of out[0]>
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx
 
+from .matcher import example_value
 from .plan import ExpertGLUSite, ExpertLinearSite, Plan
 from .rewrite_base import ROLES, GraphRewriter, keep_meta
 
@@ -35,13 +38,32 @@ class GroupedRewriter(GraphRewriter):
         return dict(fwd_format=k["fwd_format"], bwd_format=k["bwd_format"], power_of_two=k["power_of_two"],
                     grad_rounding=k["grad_rounding"], margin=k["margin"], interval=k["interval"], algo=k["algo"])
 
+    def rows_and_offsets(self, x: fx.Node, w: fx.Node, offs):
+        """``(x2d, offs, shape_back)``: the grouped op's operands for either expert form.
+
+        grouped: ``x`` is already [S, in] sorted by expert with ``offs``. batched (``offs`` None):
+        ``x`` is [E, C, in]; its rows are flattened and every expert gets C of them,
+        ``offs = [C, 2C, ..., E C]``; ``shape_back(y2d)`` restores [E, C, out].
+        """
+        if offs is not None:
+            return x, offs, lambda y: y
+        experts = int(example_value(w).shape[0])
+        g = self.graph
+        cap = g.call_method("size", (x, 1))
+        x2d = g.call_method("reshape", (x, (-1, g.call_method("size", (x, -1)))))
+        device = g.call_function(getattr, (x, "device"))
+        ends = g.call_function(torch.arange, (1, experts + 1), {"dtype": torch.int32, "device": device})
+        offs = g.call_function(operator.mul, (ends, cap))
+        return x2d, offs, lambda y: g.call_method("reshape", (y, (experts, cap, -1)))
+
     def grouped_linear(self, x, w: fx.Node, offs, layout: str, before: fx.Node) -> fx.Node:
         """Emit an FP8 grouped linear (and its per-expert records) before ``before``; returns ``y``."""
         xs, ws, gs = (self.state(w, r, EXPERTS_KIND) for r in ROLES)
         with self.graph.inserting_before(before):
+            x2d, offs, back = self.rows_and_offsets(self.r(x), w, offs)
             out = self.graph.call_function(self.ops.fp8_grouped_linear.default,
-                                           (self.r(x), w, offs, layout == "in_out", xs, ws, gs), self._kw())
-            y = self.graph.call_function(operator.getitem, (out, 0))
+                                           (x2d, w, offs, layout == "in_out", xs, ws, gs), self._kw())
+            y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
                 self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
                 self.record(ws, self.graph.call_function(operator.getitem, (out, 2)), self.kw["fwd_format"])
@@ -52,22 +74,24 @@ class GroupedRewriter(GraphRewriter):
         m = site.match
         if site.fused:
             call = m["gate_up"]
-            self.replace(call, self.grouped_linear(m["x"], m["gate_up_w"], m["offs"], m["gate_up_layout"], call))
+            self.replace(call, self.grouped_linear(m["x"], m["gate_up_w"], m.get("offs"), m["gate_up_layout"], call))
             done = [site.gate]
         else:
             for p in ("gate", "up"):
-                self.replace(m[p], self.grouped_linear(m["x"], m[f"{p}_w"], m["offs"], m[f"{p}_layout"], m[p]))
+                self.replace(m[p], self.grouped_linear(m["x"], m[f"{p}_w"], m.get("offs"), m[f"{p}_layout"], m[p]))
             done = [site.gate, site.up]
         down, w = m["down"], m["down_w"]
         a_s, b_s, g_s = (self.state(w, r, EXPERTS_KIND) for r in ROLES)
         smooth = self.cfg.smooth_swiglu or "none"
         k = self._kw()
         with self.graph.inserting_before(down):
+            gate, offs, back = self.rows_and_offsets(self.r(m["gate"]), w, m.get("offs"))
+            up = self.r(m["up"]) if m.get("offs") is not None else self.graph.call_method(
+                "reshape", (self.r(m["up"]), (-1, self.graph.call_method("size", (self.r(m["up"]), -1)))))
             out = self.graph.call_function(
                 self.ops.fp8_grouped_swiglu_down.default,
-                (self.r(m["gate"]), self.r(m["up"]), w, m["offs"], m["down_layout"] == "in_out", a_s, b_s, g_s,
-                 site.act, smooth), k)
-            y = self.graph.call_function(operator.getitem, (out, 0))
+                (gate, up, w, offs, m["down_layout"] == "in_out", a_s, b_s, g_s, site.act, smooth), k)
+            y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
                 self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])
                 if smooth != "channel":  # channel mode casts W_down / c with current scaling
