@@ -29,7 +29,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import fp8pass  # noqa: E402
 from _models import TitanLlama  # noqa: E402
 from benchmarks.common import baseline_dtype, dtype_name  # noqa: E402
-from fp8pass.backend import Backend  # noqa: E402
+from fp8pass.compile_backend import Backend  # noqa: E402
 from fp8pass.config import Config  # noqa: E402
 
 DIM, HIDDEN, VOCAB, HEADS = 256, 512, 512, 4

@@ -239,7 +239,7 @@ def test_config_validation():
 
 
 def test_mode_and_options_reach_inductor():
-    from fp8pass.backend import _inductor_patches
+    from fp8pass.compile_backend import _inductor_patches
 
     p = _inductor_patches("max-autotune-no-cudagraphs", None, None)
     assert p.get("max_autotune") is True
@@ -280,7 +280,7 @@ def test_entry_point_resolves_without_import(tmp_path):
         "assert 'fp8pass' not in sys.modules\n"
         "from torch._dynamo.backends.registry import lookup_backend\n"
         "fn = lookup_backend('fp8')\n"
-        "assert fn.__module__ == 'fp8pass.backend', fn\n"
+        "assert fn.__module__ == 'fp8pass.compile_backend', fn\n"
         "import fp8pass  # importing afterwards registers nothing twice\n"
         "assert lookup_backend('fp8') is fn\n"
         "print('ok')\n"
