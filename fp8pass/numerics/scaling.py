@@ -1,6 +1,6 @@
 """Scales from amaxes, and the delayed-scaling amax history.
 
-Convention (DESIGN.md): ``data = saturating_cast(x * scale)``, ``x ~= data / scale``, and current
+Convention (docs/numerics.md, Scales): ``data = saturating_cast(x * scale)``, ``x ~= data / scale``, and current
 scaling uses ``scale = fmt.max / amax`` per group. Edge cases, each a documented safe behaviour:
 
 * amax == 0 (an all-zero group): scale 1, so the data are zeros and the scale stays finite.

@@ -5,7 +5,7 @@ products of two of them are exact in fp32, and oneDNN's bf16 matmul accumulates 
 without native bf16 matmuls (AVX2 only) they are fp32 matmuls of the same exact values instead, since
 a bf16 matmul there is ~100x slower (:func:`gemm_dtype`; ``FP8PASS_CPU_GEMM_DTYPE`` overrides). The
 scales enter as the GEMM's ``alpha`` (applied to the fp32 accumulator, one rounding to the output dtype).
-``torch._scaled_mm`` is never used on CPU (REFERENCES.md §5: ~10,000x slower).
+``torch._scaled_mm`` is never used on CPU (docs/background.md, Traps: ~10,000x slower).
 
 Eager elementwise casts cost several passes over memory (widen, multiply, clamp, convert) and the
 fp8 -> bf16 conversion is scalar code in eager torch; they would decide the CPU speed ratio. Each
