@@ -94,13 +94,23 @@ class Backend:
         self.config = config or Config()
         self.records: list[GraphRecord] = []
         self._split_modules: dict[str, str] = {}
+        self._warned: set[str] = set()
         self.__name__ = "fp8"
 
     # torch.compile calls backend(gm, example_inputs, **{"mode": .., "options": ..})
     def __call__(self, gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
                  options: dict | None = None) -> Callable:
+        if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in example_inputs):
+            # nothing is computed on meta tensors (shape inference, FLOP counting): no FP8 to apply
+            self._warn_once("meta", "fp8pass: the model's tensors are on the meta device; this graph is compiled "
+                                    "without FP8. Materialize the model (model.to_empty(device=...) and initialize "
+                                    "it, or load a checkpoint) before compiling it for training.")
+            return self._compile(gm, list(example_inputs), mode, options)
         t0 = time.perf_counter()
         new_gm, record = self.transform(gm, example_inputs, frame_root())
+        if any("float64" in reason for _, reason in record.report.skipped):
+            self._warn_once("float64", "fp8pass: float64 weights or activations stay in float64 (FP8 applies to "
+                                       "fp32/bf16/fp16 models); fp8pass.explain(model, ...) lists what was kept.")
         record.pass_seconds = time.perf_counter() - t0
         self.records.append(record)
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
@@ -206,6 +216,11 @@ class Backend:
 
         patches = _inductor_patches(mode, options, None)
         return compile_fx(gm, inputs, config_patches=patches or None)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def reset(self):
         """Called by ``torch._dynamo.reset()``: forget graph records (the scaling state is kept)."""

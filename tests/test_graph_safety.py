@@ -288,3 +288,26 @@ def test_policy_applies_per_layer_when_dynamo_reuses_a_frame():
     rep = be.report()
     assert sorted(w for w, r in rep.skipped if "keep_high_precision" in r) == ["layers.2.o_proj.weight",
                                                                               "layers.2.q_proj.weight"]
+
+
+# ---- models the backend leaves alone, and says so ----------------------------------------------
+
+def test_meta_device_model_compiles_without_fp8_and_says_so():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D))
+    be = fp8pass.backend(Config(min_dim=16))
+    with pytest.warns(RuntimeWarning, match="meta device"):
+        y = torch.compile(model, backend=be)(torch.randn(2, D, device="meta"))
+    assert y.device.type == "meta" and y.shape == (2, D)
+    assert be.records == []  # nothing planned or rewritten
+
+
+def test_float64_model_warns_once_at_compile():
+    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D)).double()
+    be = fp8pass.backend(Config(min_dim=16, compiler="eager"))
+    with pytest.warns(RuntimeWarning, match="float64") as got:
+        cm = torch.compile(model, backend=be)
+        cm(torch.randn(2, D, dtype=torch.float64))
+        cm(torch.randn(3, D, dtype=torch.float64))  # a recompile: no second warning
+    assert sum("float64" in str(w.message) for w in got) == 1
+    assert be.report().linears == []
