@@ -67,3 +67,31 @@ def test_per_block_compile_with_one_backend_keeps_each_blocks_state():
     for i, b in enumerate(blocks):
         assert int(sd[f"{i}.proj.weight.weight.steps"]) == 1
         assert sd[f"{i}.proj.weight.weight.amax_history"][0] == b.proj.weight.detach().abs().max()
+
+
+def test_expert_states_join_the_all_reduce(monkeypatch):
+    """Per-expert ([E, history]) states are reduced with the dense ones: after a (simulated) 2-rank
+    MAX all-reduce, each expert's history is the max over ranks and its scale follows from it."""
+    import torch.distributed as dist
+
+    from fp8pass.runtime.state import grouped_state_for
+
+    recipe = fp8pass.DelayedScaling(history_len=4)
+    model = torch.nn.Module()
+    model.experts = torch.nn.Parameter(torch.randn(3, 32, 16))
+    st = grouped_state_for(model.experts, recipe)
+    st.record_forward(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0.5, 0.5, 0.5]))
+    other_rank = {"input": torch.tensor([[8.0, 0, 0, 0], [1.0, 0, 0, 0], [2.0, 0, 0, 0]])}
+
+    def fake_all_reduce(buf, op=None, group=None):
+        remote = buf.clone()
+        remote[: 12] = other_rank["input"].reshape(-1)  # the input role comes first
+        torch.maximum(buf, remote, out=buf)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    n = fp8pass.distributed.AmaxSync(model).sync()
+    assert n == 3  # input, weight, grad_output of the one expert stack
+    assert st.input.amax_history[:, 0].tolist() == [8.0, 2.0, 4.0]
+    assert torch.equal(st.input.scale, 448.0 / torch.tensor([8.0, 2.0, 4.0]))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..numerics import DelayedScalingState, scale_from_amax
-from ..runtime.state import _REGISTRY
+from ..runtime.state import _GROUPED_REGISTRY, _REGISTRY
 
 __all__ = ["scaling_states", "sync_scaling_state", "AmaxSync", "note_weight_amax"]
 
@@ -71,6 +71,8 @@ def scaling_states(model: torch.nn.Module) -> list[tuple[str, DelayedScalingStat
     out = []
     for name, p in _module_params(model):
         st = _REGISTRY.get(p)
+        if st is None:  # a MoE expert stack: one history row per expert ([E, history])
+            st = _GROUPED_REGISTRY.get(p)
         if st is None:
             continue
         for role, s in st.roles().items():
@@ -81,7 +83,7 @@ def scaling_states(model: torch.nn.Module) -> list[tuple[str, DelayedScalingStat
 @dataclass
 class _Layout:
     states: list[DelayedScalingState]
-    buffer: torch.Tensor  # [sum(history_len) + len(states)] fp32
+    buffer: torch.Tensor  # [sum(history numel) + sum(skipped numel)] fp32
 
 
 class AmaxSync:
@@ -105,7 +107,7 @@ class AmaxSync:
 
     def _build(self) -> _Layout:
         states = [s for _, s in scaling_states(self.model)]
-        n = sum(s.amax_history.numel() for s in states) + len(states)
+        n = sum(s.amax_history.numel() + s.skipped.numel() for s in states)
         dev = states[0].amax_history.device if states else torch.device("cpu")
         return _Layout(states, torch.empty(n, dtype=torch.float32, device=dev))
 
@@ -121,27 +123,34 @@ class AmaxSync:
             noted = _WEIGHT_AMAX.pop(id(s), None)
             if noted is not None and noted[0] is s:
                 # entries recorded since the last sync (one per forward; the weight did not change)
-                k = min(int(s.steps) - self._synced_steps.get(id(s), 0), s.amax_history.numel())
+                k = min(_steps(s) - self._synced_steps.get(id(s), 0), s.amax_history.numel())
                 if k > 0 and int(s.skipped) == 0:
                     s.amax_history[:k] = noted[1]
         hists = [s.amax_history for s in lay.states]
-        skipped = torch.stack([s.skipped for s in lay.states]).to(torch.float32)
+        skipped = [s.skipped.reshape(-1).to(torch.float32) for s in lay.states]
         buf = lay.buffer
-        torch.cat(hists + [skipped], out=buf)
+        torch.cat([h.reshape(-1) for h in hists] + skipped, out=buf)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
             self.calls += 1
         off = 0
         for s in lay.states:
             n = s.amax_history.numel()
-            s.amax_history.copy_(buf[off:off + n])
+            s.amax_history.copy_(buf[off:off + n].view(s.amax_history.shape))
             off += n
-        for i, s in enumerate(lay.states):
-            s.skipped.copy_(buf[off + i].to(s.skipped.dtype))
+        for s in lay.states:
+            n = s.skipped.numel()
+            s.skipped.copy_(buf[off:off + n].view(s.skipped.shape).to(s.skipped.dtype))
+            off += n
         _recompute_scales(lay.states)
         for s in lay.states:
-            self._synced_steps[id(s)] = int(s.steps)
+            self._synced_steps[id(s)] = _steps(s)
         return len(lay.states)
+
+
+def _steps(s: DelayedScalingState) -> int:
+    """Records so far (per-expert states advance every expert at every call: they agree)."""
+    return int(s.steps.max()) if s.steps.numel() else 0
 
 
 def _recompute_scales(states: list[DelayedScalingState]) -> None:
@@ -154,12 +163,13 @@ def _recompute_scales(states: list[DelayedScalingState]) -> None:
     groups: dict[tuple, list[DelayedScalingState]] = {}
     for s in states:
         r = s.recipe
-        groups.setdefault((s.fmt.name, r.margin, r.power_of_two, r.algo, r.interval), []).append(s)
-    for (fmt, margin, p2, algo, interval), ss in groups.items():
-        hist = torch.stack([s.amax_history for s in ss])
+        key = (s.fmt.name, r.margin, r.power_of_two, r.algo, r.interval, tuple(s.amax_history.shape))
+        groups.setdefault(key, []).append(s)
+    for (fmt, margin, p2, algo, interval, _), ss in groups.items():
+        hist = torch.stack([s.amax_history for s in ss])   # [N, H] or, per expert, [N, E, H]
         steps = torch.stack([s.steps for s in ss])
         skipped = torch.stack([s.skipped for s in ss])
-        reduced = hist.amax(dim=1) if algo == "max" else hist[:, 0]
+        reduced = hist.amax(dim=-1) if algo == "max" else hist[..., 0]
         fresh = scale_from_amax(reduced, fmt, margin, p2)
         update = (((steps % interval) == 0) | ((steps - skipped) == 1)) & (steps > skipped)
         new = torch.where(update, fresh, torch.stack([s.scale for s in ss]))
