@@ -103,7 +103,8 @@ def finished_run(cfg) -> dict | None:
 
     out = Path(cfg.out)
     try:
-        same = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
+        # runs save their configuration with precision="auto" resolved for the machine
+        same = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.resolved().to_dict()))
     except (OSError, ValueError):
         return None
     recs = read_metrics(out / "metrics.jsonl")

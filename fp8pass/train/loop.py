@@ -112,6 +112,10 @@ class TrainConfig:
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup >= 0):
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, warmup >= 0")
 
+    def resolved(self) -> "TrainConfig":
+        """This configuration with ``precision="auto"`` resolved for this machine (what a run saves)."""
+        return replace(self, precision=resolve_precision(self.precision))
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["betas"] = list(self.betas)
@@ -187,7 +191,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     recipe = get_recipe(cfg.recipe)
-    cfg = replace(cfg, precision=resolve_precision(cfg.precision))  # saved resolved: resumes compute alike
+    cfg = cfg.resolved()  # saved with the precision resolved: a resume computes alike on any machine
     data = data or load_text_data(cfg.data, cfg.max_data_bytes)
     ckpt = load_checkpoint(out) if resume else None
     if ckpt is not None and ckpt["data"]["fingerprint"] != data.fingerprint:
