@@ -26,6 +26,29 @@ def time_fn(fn, warmup: int = 2, repeat: int = 7) -> dict:
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_rounds(cases: dict, device, repeat: int, warmup: int = 2) -> dict:
+    """Seconds of every round per case; the cases run in turn each round, so that load changes on a
+    shared machine hit all of them alike (the ratios are what the benchmarks report)."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in cases}
+    for _ in range(repeat):
+        for k, fn in cases.items():
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t)
+    return times
+
+
 def baseline_dtype(device="cpu") -> torch.dtype:
     """The high-precision dtype every baseline (and the activations the FP8 ops take) runs in.
 

@@ -29,43 +29,26 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8pass  # noqa: E402
-from benchmarks.common import baseline_dtype, cpu_state, dtype_name  # noqa: E402
+from benchmarks.common import baseline_dtype, cpu_state, dtype_name, sync, time_rounds  # noqa: E402
 from fp8pass import ops  # noqa: E402
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timeit(fn, device, repeat: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
 def time_interleaved(cases: dict, device, repeat: int, warmup: int = 2) -> dict:
-    """Median seconds per case, the cases run in turn each round so that load changes on a shared
-    machine hit all of them alike (the ratios are what this benchmark reports)."""
-    for fn in cases.values():
-        for _ in range(warmup):
-            fn()
-    times = {k: [] for k in cases}
-    for _ in range(repeat):
-        for k, fn in cases.items():
-            _sync(device)
-            t = time.perf_counter()
-            fn()
-            _sync(device)
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median seconds per case over interleaved rounds (:func:`benchmarks.common.time_rounds`)."""
+    return {k: statistics.median(v) for k, v in time_rounds(cases, device, repeat, warmup).items()}
 
 
 def linear_cases(t, d_in, d_out, device, dtype):

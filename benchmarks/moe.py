@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,25 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8pass  # noqa: E402,F401  (registers the ops)
 from fp8pass.runtime import LinearScalingState  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
-from benchmarks.linear import _sync  # noqa: E402
+from benchmarks.common import time_rounds  # noqa: E402
 
 FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max")
 
-
-def time_rounds(cases: dict, device, repeat: int, warmup: int = 2) -> dict:
-    """Seconds of every round per case, the cases run in turn each round (load changes hit all alike)."""
-    for fn in cases.values():
-        for _ in range(warmup):
-            fn()
-    times = {k: [] for k in cases}
-    for _ in range(repeat):
-        for k, fn in cases.items():
-            _sync(device)
-            t = time.perf_counter()
-            fn()
-            _sync(device)
-            times[k].append(time.perf_counter() - t)
-    return times
 
 
 def routed_offsets(tokens: int, experts: int, topk: int, seed: int = 0) -> torch.Tensor:

@@ -248,28 +248,20 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
     plan = Plan()
     covered: set[fx.Node] = set()
     # MoE expert GLUs first: their projections are grouped GEMMs no dense pattern matches
-    experts, rejected_experts = find_expert_glus(graph)
-    for m in experts:
-        d = _glu_kind_decision(cfg, m, experts=True)
-        site = _glu_site(m, ExpertGLUSite)
-        if d.fp8:
-            plan.expert_glus.append(site)
-            covered |= set(m.nodes)
-        else:
-            plan.skipped.append((f"experts {_module_of(site.down)}", f"not FP8: {d.reason}"))
-    for m, reason in rejected_experts:
-        plan.skipped.append((f"experts at {_where(m['down'], m['down_w'])}", f"GLU not fused: {reason}"))
-    glus, rejected = find_glu_mlps(graph)
-    for m in glus:
-        d = _glu_decision(cfg, m)
-        site = _glu_site(m)
-        if d.fp8:
-            plan.glus.append(site)
-            covered |= set(m.nodes)
-        else:
-            plan.skipped.append((f"GLU {_module_of(site.down)}", f"not fused: {d.reason}"))
-    for m, reason in rejected:
-        plan.skipped.append((f"GLU at {_where(m['down'], m['down_w'])}", f"not fused: {reason}"))
+    for experts, found, cls, sites in ((True, find_expert_glus(graph), ExpertGLUSite, plan.expert_glus),
+                                       (False, find_glu_mlps(graph), GLUSite, plan.glus)):
+        what = "experts" if experts else "GLU"
+        matches, rejected = found
+        for m in matches:
+            d = _glu_kind_decision(cfg, m, experts)
+            site = _glu_site(m, cls)
+            if d.fp8:
+                sites.append(site)
+                covered |= set(m.nodes)
+            else:
+                plan.skipped.append((f"{what} {_module_of(site.down)}", f"not fused: {d.reason}"))
+        for m, reason in rejected:
+            plan.skipped.append((f"{what} at {_where(m['down'], m['down_w'])}", f"not fused: {reason}"))
     unsafe = _find_breaks(graph, covered, plan, dict(split_before or {}))
     decided: set[fx.Node] = set(covered)
     for node in graph.nodes:

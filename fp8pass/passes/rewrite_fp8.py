@@ -23,7 +23,6 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch import fx
 
 from .plan import GLUSite, LinearSite, Plan
 from .rewrite_base import ROLES, GraphRewriter, keep_meta

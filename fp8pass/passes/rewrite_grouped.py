@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from .matcher import example_value
-from .plan import ExpertGLUSite, ExpertLinearSite, Plan
+from .plan import ExpertGLUSite, Plan
 from .rewrite_base import ROLES, GraphRewriter, keep_meta
 
 __all__ = ["GroupedRewriter", "EXPERTS_KIND"]
