@@ -34,7 +34,6 @@ from .passes.annotate import annotate, relative_param_names
 from .passes.explain import ExpertsEntry, Report, SwiGLUEntry
 from .passes.names import FrameNames, frame_names, frame_root, names_for
 from .passes.plan import plan_graph
-from .passes.policy import module_fqn
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
 from .runtime.state import grouped_state_for, state_for
@@ -193,7 +192,7 @@ class Backend:
                 warnings.warn(msg + ". The cut GLU's down projection stays in high precision; "
                                     "see fp8pass.explain(model, ...).", RuntimeWarning, stacklevel=2)
         extra: list[StateInput] = []
-        if plan.glus or plan.linears:
+        if plan.glus or plan.linears or plan.expert_glus or plan.expert_linears:
             new_gm, extra, fp8, kept = apply_plan(new_gm, plan, cfg)
             report.linears = fp8
             report.skipped += kept
@@ -248,14 +247,19 @@ def merge_reports(reports: list[Report], config=None) -> Report:
     return out
 
 
+def _owner(weight_fqn: str) -> str:
+    """The module holding a weight ("<root>" for the compiled module's own parameters)."""
+    return weight_fqn.rsplit(".", 1)[0] if "." in weight_fqn else "<root>"
+
+
 def _expert_entries(plan, graph: int) -> list[ExpertsEntry]:
     """One entry per expert stack (module) the plan makes FP8."""
     stacks: dict[str, tuple[list[str], str]] = {}
     for site in plan.expert_glus:
         weights = list(dict.fromkeys([site.gate, site.up, site.down]))
-        stacks[module_fqn(site.down)] = (weights, site.variant + " experts")
+        stacks[_owner(site.down)] = (weights, site.variant + " experts")
     for lin in plan.expert_linears:
-        weights, variant = stacks.setdefault(module_fqn(lin.fqn), ([], "grouped linears"))
+        weights, variant = stacks.setdefault(_owner(lin.fqn), ([], "grouped linears"))
         weights.append(lin.fqn)
     return [ExpertsEntry(mod, tuple(w), v, graph) for mod, (w, v) in stacks.items()]
 

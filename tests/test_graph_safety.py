@@ -311,3 +311,42 @@ def test_float64_model_warns_once_at_compile():
         cm(torch.randn(3, D, dtype=torch.float64))  # a recompile: no second warning
     assert sum("float64" in str(w.message) for w in got) == 1
     assert be.report().linears == []
+
+
+# ---- MoE expert stacks in the fixed-capacity forms ---------------------------------------------
+
+class StackedExperts(nn.Module):
+    """Experts as one 3-D weight each, every expert with the same number of rows (capacity)."""
+
+    def __init__(self, form: str, experts: int = 4, ffn: int = 32):
+        super().__init__()
+        self.form = form
+        self.gate_up = nn.Parameter(torch.randn(experts, D, 2 * ffn) / D ** 0.5)   # [E, in, out]
+        self.down = nn.Parameter(torch.randn(experts, D, ffn) / ffn ** 0.5)         # [E, out, in]
+
+    def forward(self, x):  # x [E, C, D]
+        if self.form == "bmm":
+            gate, up = torch.bmm(x, self.gate_up).chunk(2, dim=-1)
+            return torch.bmm(up * F.silu(gate), self.down.transpose(1, 2))
+        gate, up = torch.einsum("ecd,edf->ecf", x, self.gate_up).chunk(2, dim=-1)
+        return torch.einsum("ecf,edf->ecd", F.silu(gate) * up, self.down)
+
+
+@pytest.mark.parametrize("form", ["bmm", "einsum"])
+def test_stacked_expert_forms_become_one_fp8_expert_glu(form):
+    torch.manual_seed(0)
+    model = StackedExperts(form)
+    rep = _assert_same(model, torch.randn(4, 6, D), _identity(smooth="channel"), min_rewritten=2)
+    assert len(rep.experts) == 1 and rep.experts[0].variant.startswith("swiglu (fused gate_up)")
+    assert "fp8pass.fp8_grouped_swiglu_down.default(" in rep.graph_after
+    assert "torch.bmm(" not in rep.graph_after and "einsum(" not in rep.graph_after
+
+
+def test_einsum_layouts():
+    from fp8pass.passes.patterns import einsum_layout
+
+    assert einsum_layout("ecd,edf->ecf") == "in_out"
+    assert einsum_layout("e c d, e f d -> e c f") == "out_in"
+    assert einsum_layout("ecd,edf->ecd") is None       # not a GEMM over d
+    assert einsum_layout("bcd,edf->bcf") is None       # no shared expert index
+    assert einsum_layout("...d,edf->...f") is None

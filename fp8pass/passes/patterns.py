@@ -14,7 +14,8 @@ Forms covered (all verified on real Dynamo graphs in tests/test_patterns.py):
   and weights stored ``[in, out]``: ``torch.addmm(b, x, W)`` (GPT-2's ``Conv1D``), ``x @ W``, ``torch.mm(x, W)``;
 * MoE expert projections over a 3-D expert weight with group offsets: ``torch._grouped_mm`` /
   ``F.grouped_mm`` / transformers' ``grouped_mm_fallback`` of ``(x, W.transpose(-2, -1), offs)``
-  (``W`` [E, out, in]) or ``(x, W, offs)`` (``W`` [E, in, out]);
+  (``W`` [E, out, in]) or ``(x, W, offs)`` (``W`` [E, in, out]); or with a fixed capacity, ``x``
+  [E, C, in]: ``torch.bmm`` / ``matmul`` with ``W`` or its transpose, ``torch.einsum("ecd,edf->ecf")``;
 * a fused gate+up projection followed by ``chunk``, ``split``, last-dim slicing or
   ``view(..., 2, n).unbind(-2)`` (blocked) / ``view(..., n, 2).unbind(-1)`` (interleaved);
 * the down projection of the GLU output (any projection form above).
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from .matcher import (
-    ANY, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_param_placeholder,
+    ANY, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_call, is_param_placeholder,
 )
 
 __all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "GROUPED_LINEAR", "EXPERT_GLU", "MATMUL_LIKE",
@@ -124,7 +125,49 @@ def grouped_linear(p: str, x: Pattern | None = None, offs: Pattern | None = None
         # stacked experts with a fixed capacity, x [E, C, in] (Llama4): every expert's C rows
         # (the plan checks x is [E, C, in]; a 2-D x would broadcast every row to every expert)
         Tag("form_" + p, "bmm", Op(BMM, x, operand)),
+        Tag("form_" + p, "bmm", _StackedEinsum(p, x, w)),
     ))
+
+
+def einsum_layout(equation) -> str | None:
+    """"in_out" / "out_in" when ``equation`` is a per-expert GEMM ``ecK,e{K,N}->ecN``, else None.
+
+    ``ecd,edf->ecf`` (W [E, in, out]) is "in_out", ``ecd,efd->ecf`` (W [E, out, in]) is "out_in"; any
+    letters, spaces allowed.
+    """
+    if not isinstance(equation, str) or "->" not in equation or "." in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2 or not all(len(t) == 3 for t in (*ops, out)) or len(set(ops[0])) != 3:
+        return None
+    (a, b), c = ops, out
+    e, cap, k = a
+    if b[0] != e or c[0] != e or c[1] != cap or k in c or len({*b}) != 3:
+        return None
+    n = c[2]
+    if b[1:] == k + n:
+        return "in_out"
+    if b[1:] == n + k:
+        return "out_in"
+    return None
+
+
+class _StackedEinsum(Pattern):
+    """``torch.einsum("ecd,edf->ecf", x, W)`` (or ``efd``): a fixed-capacity expert GEMM; binds ``p_layout``."""
+
+    def __init__(self, p: str, x: Pattern, w: Pattern):
+        self.p, self.x, self.w = p, x, w
+
+    def match(self, value, m):
+        if not isinstance(value, fx.Node) or not is_call(value, (torch.einsum,)) or len(value.args) != 3:
+            return
+        layout = einsum_layout(value.args[0])
+        if layout is None:
+            return
+        for m2 in self.x.match(value.args[1], m.extend(node=value)):
+            for m3 in self.w.match(value.args[2], m2):
+                yield m3.extend(f"{self.p}_layout", layout)
 
 
 class _NoopCast(Pattern):
