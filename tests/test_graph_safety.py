@@ -350,3 +350,35 @@ def test_einsum_layouts():
     assert einsum_layout("ecd,edf->ecd") is None       # not a GEMM over d
     assert einsum_layout("bcd,edf->bcf") is None       # no shared expert index
     assert einsum_layout("...d,edf->...f") is None
+
+
+def test_names_are_the_models_own_inside_a_ddp_style_wrapper():
+    """A model compiled in place and called through a wrapper that holds it as ``module`` (DDP,
+    DataParallel) keeps its own names: the default ``lm_head`` glob still keeps the head."""
+
+    class DistributedDataParallel(nn.Module):  # the wrapper's shape, without a process group
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return self.module(x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(D, D)
+            self.lm_head = nn.Linear(D, D)
+
+        def forward(self, x):
+            return self.lm_head(self.proj(x))
+
+    torch.manual_seed(0)
+    model = Model()
+    be = fp8pass.backend(Config(min_dim=16, compiler="eager"))
+    model.compile(backend=be)
+    wrapped = DistributedDataParallel(model)
+    wrapped(torch.randn(2, D))
+    rep = be.report()
+    assert rep.linears == ["proj.weight"]
+    assert [w for w, _ in rep.skipped] == ["lm_head.weight"]

@@ -60,11 +60,19 @@ def frame_root() -> nn.Module | None:
     return None
 
 
+# wrappers that stand for the model they hold: names stay the model's own (``lm_head``, not
+# ``module.lm_head``), so the default keep_high_precision globs match under DDP / FSDP1 / compile too
+_WRAPPERS = {"OptimizedModule": "_orig_mod", "DistributedDataParallel": "module", "DataParallel": "module",
+             "FullyShardedDataParallel": "_fsdp_wrapped_module"}
+
+
 def _unwrapped(module: nn.Module) -> nn.Module:
-    """``torch.compile``'s OptimizedModule stands for the user's model it wraps (``_orig_mod``)."""
-    while type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
-        module = module._orig_mod
-    return module
+    """The user's model inside ``torch.compile`` / DDP / DataParallel / FSDP1 wrappers."""
+    while True:
+        inner = getattr(module, _WRAPPERS.get(type(module).__name__, ""), None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
 
 
 def _top(root: nn.Module, max_frames: int = 256) -> tuple[nn.Module, str]:
