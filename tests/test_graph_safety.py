@@ -382,3 +382,23 @@ def test_names_are_the_models_own_inside_a_ddp_style_wrapper():
     rep = be.report()
     assert rep.linears == ["proj.weight"]
     assert [w for w, _ in rep.skipped] == ["lm_head.weight"]
+
+
+def test_names_when_the_wrapper_itself_is_compiled():
+    """torch.compile(DDP(model)): the frame root is the wrapper; names are still the model's own."""
+
+    class DistributedDataParallel(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return self.module(x)
+
+    model = nn.Module()
+    model.proj, model.lm_head = nn.Linear(D, D), nn.Linear(D, D)
+    model.forward = lambda x: model.lm_head(model.proj(x))
+    be = fp8pass.backend(Config(min_dim=16, compiler="eager"))
+    torch.compile(DistributedDataParallel(model), backend=be)(torch.randn(2, D))
+    rep = be.report()
+    assert rep.linears == ["proj.weight"] and [w for w, _ in rep.skipped] == ["lm_head.weight"]

@@ -33,9 +33,12 @@ class FrameNames:
 
     params: dict[int, str] = field(default_factory=dict)
     prefix: str = ""
+    strip: str = ""  # the frame root is a wrapper: its attribute path to the model ("module.")
 
     def module(self, relative: str) -> str:
         """An ``nn_module_stack`` path (relative to the frame root) made absolute."""
+        if self.strip and (relative + ".").startswith(self.strip):
+            relative = relative[len(self.strip):]
         if not self.prefix:
             return relative
         return f"{self.prefix}.{relative}" if relative else self.prefix
@@ -124,13 +127,18 @@ def frame_names(root: nn.Module | None, example_inputs: list) -> FrameNames:
     if root is None:
         return FrameNames()
     top, prefix = _top(root)
+    strip = ""
+    if top is root:  # compiled through a wrapper (torch.compile(DDP(model))): the model's own names
+        inner = _unwrapped(root)
+        strip = next((n + "." for n, m in root.named_modules() if m is inner and n), "")
+        top = inner
     _remember(top)
     wanted = {id(v) for v in example_inputs if isinstance(v, torch.Tensor)}
     params: dict[int, str] = {}
     for name, p in top.named_parameters(remove_duplicate=False):
         if id(p) in wanted and id(p) not in params:
             params[id(p)] = name
-    return FrameNames(params, prefix)
+    return FrameNames(params, prefix, strip)
 
 
 def names_for(inputs: list, relative: dict[int, str]) -> FrameNames | None:
