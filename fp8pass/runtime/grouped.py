@@ -341,20 +341,10 @@ def _per_channel(c, w_transposed):
 # here one compiled pass per group gives the per-expert channel amax, and one compiled pass casts
 # ((act(g) u) c) s straight to codes, the same operations in the same order (same bits).
 
-_FUSED: dict = {}
-
-
 def _run_fused(fn, tensors, static):
-    """``fn(*tensors, *static)``; on CPU above ``MIN_COMPILED`` elements as one compiled loop nest."""
     from .kernels import cpu
 
-    first = tensors[0]
-    if first.device.type != "cpu" or first.numel() < cpu.MIN_COMPILED or not cpu.fused_enabled():
-        return fn(*tensors, *static)
-    key = (fn, static, tuple(t.dtype for t in tensors))
-    if key not in _FUSED:
-        _FUSED[key] = cpu.compile_variant(fn, cpu._tag(*static, *key[2]))
-    return cpu._run_compiled(_FUSED[key], fn, *tensors, *static)
+    return cpu.run_fused(fn, tensors, static)
 
 
 def _glu_col_amax(gate, up, activation):

@@ -306,20 +306,11 @@ def _glu_backward_math(da, gate2d, up2d, s, smooth: str, activation: str):
     return glu_activation_backward(dh * u, g, activation), dh * glu_activation(g, activation)
 
 
-_COMPILED: dict = {}
-
-
 def _on_cpu(fn, *args):
-    """Large CPU inputs: run ``fn`` as one Inductor-compiled loop nest (eager: many fp32 passes)."""
+    """``fn(*tensors, mode)`` as one compiled loop nest on large CPU inputs (``cpu.run_fused``)."""
     from .kernels import cpu
 
-    first = args[0]
-    if first.device.type != "cpu" or first.numel() < cpu.MIN_COMPILED or not cpu.fused_enabled():
-        return fn(*args)
-    key = (fn, args[-1], *(a.dtype for a in args if isinstance(a, torch.Tensor)))
-    if key not in _COMPILED:
-        _COMPILED[key] = cpu.compile_variant(fn, cpu._tag(*key[1:]))
-    return cpu._run_compiled(_COMPILED[key], fn, *args)
+    return cpu.run_fused(fn, args[:-1], args[-1:])
 
 
 @swiglu_down_backward_op.register_fake

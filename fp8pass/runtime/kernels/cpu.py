@@ -34,7 +34,7 @@ import torch
 from ...numerics import Format
 from ...numerics.kernels import torch_family
 
-__all__ = ["fused_enabled", "cast", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
+__all__ = ["fused_enabled", "run_fused", "cast", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
            "cpu_capability", "gemm_dtype", "gemm_tensor_scaled",
            "row_amax", "cast_rows", "grouped_gemm", "grouped_gemm_wgrad"]
 
@@ -98,6 +98,22 @@ def _run_compiled(fn, eager, *args):
             warnings.warn(f"fp8pass: compiled CPU casts unavailable ({err!r:.200}); using eager casts",
                           RuntimeWarning, stacklevel=3)
     return eager(*args)
+
+
+_FUSED: dict = {}
+
+
+def run_fused(fn, tensors: tuple, static: tuple = ()):
+    """``fn(*tensors, *static)``; CPU tensors above :data:`MIN_COMPILED` elements run it as one
+    Inductor-compiled loop nest (one variant per function, static arguments and tensor dtypes), so an
+    elementwise chain reads and writes memory once instead of once per eager op."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.numel() < MIN_COMPILED or not fused_enabled():
+        return fn(*tensors, *static)
+    key = (fn, static, tuple(t.dtype for t in tensors))
+    if key not in _FUSED:
+        _FUSED[key] = compile_variant(fn, _tag(*static, *key[2]))
+    return _run_compiled(_FUSED[key], fn, *tensors, *static)
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None):
