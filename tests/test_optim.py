@@ -95,15 +95,16 @@ def _assert_within_one_ulp(stored, scale, expected_value, fmt, block):
     return (stored.reshape(-1).view(torch.uint8) != q.data.reshape(-1).view(torch.uint8)).float().mean().item()
 
 
+@pytest.mark.parametrize("block_size", [128, None])
 @pytest.mark.parametrize("v_sqrt", [True, False])
 @pytest.mark.parametrize("m_format,v_format", [("e4m3", "e5m2"), ("e5m2", "e4m3")])
-def test_fp8_moments_are_one_ulp_from_torch_round_trip(m_format, v_format, v_sqrt):
+def test_fp8_moments_are_one_ulp_from_torch_round_trip(m_format, v_format, v_sqrt, block_size):
     """At every one of 20 steps: from the same (dequantized) state and gradient, torch's AdamW gives
-    moments whose FP8 round trip (same per-block rule) is within one ulp of what we store."""
-    block = 128
+    moments whose FP8 round trip (same per-block rule; one block per tensor for block_size=None) is
+    within one ulp of what we store."""
     params = _params()
     opt = fo.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, m_format=m_format, v_format=v_format,
-                   v_sqrt=v_sqrt, kernels="torch")
+                   v_sqrt=v_sqrt, block_size=block_size, kernels="torch")
     mf, vf = fo.moments.MomentSpec("exp_avg", m_format).format, fo.moments.MomentSpec("exp_avg_sq", v_format).format
     mismatch = []
     for t in range(20):
@@ -120,6 +121,8 @@ def test_fp8_moments_are_one_ulp_from_torch_round_trip(m_format, v_format, v_sqr
         opt.step()
         for p, q in zip(params, shadow):
             st, rs = opt.state[p], ref.state[q]
+            block = block_size or p.numel()
+            assert st["exp_avg_scale"].shape == (-(-p.numel() // block),)
             mismatch.append(_assert_within_one_ulp(st["exp_avg_codes"], st["exp_avg_scale"], rs["exp_avg"], mf,
                                                    block))
             if v_sqrt:
@@ -187,14 +190,15 @@ def test_tiny_model_300_steps_fp8_within_1pct_of_fp32_moments():
     assert abs(fp8 - ref) / ref <= 0.01
 
 
-def test_state_dict_round_trip_exact_and_weights_only_load():
-    params, opt = _run(lambda ps: fo.AdamW(ps, lr=1e-2), steps=3)
+@pytest.mark.parametrize("storage", [{}, {"block_size": None, "v_sqrt": False}])
+def test_state_dict_round_trip_exact_and_weights_only_load(storage):
+    params, opt = _run(lambda ps: fo.AdamW(ps, lr=1e-2, **storage), steps=3)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
     clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt2 = fo.AdamW(clone, lr=1e-2)
+    opt2 = fo.AdamW(clone, lr=1e-2)  # the loaded param groups' storage options win, as in torch
     opt2.load_state_dict(sd)
     for p, q in zip(params, clone):
         a, b = opt.state[p], opt2.state[q]
@@ -215,6 +219,85 @@ def test_state_dict_round_trip_exact_and_weights_only_load():
     # the state dict holds plain tensors only
     for st in opt.state_dict()["state"].values():
         assert all(type(v) is torch.Tensor for v in st.values())
+
+
+def test_per_tensor_scales_are_one_block_of_the_whole_tensor():
+    """block_size=None: one fp32 scale per tensor, bit-identical to a block as large as each tensor."""
+    per_tensor, opt = _run(lambda ps: fo.AdamW(ps, lr=1e-2, block_size=None, v_sqrt=False, kernels="torch"), steps=5)
+    for p in per_tensor:
+        st = opt.state[p]
+        assert st["exp_avg_scale"].shape == (1,) and st["exp_avg_sq_scale"].shape == (1,)
+        assert st["exp_avg_codes"].shape == p.shape
+    for i, shape in enumerate(SHAPES):  # one tensor at a time, with its own block size
+        def only(ps, i=i):
+            return fo.AdamW([ps[i]], lr=1e-2, block_size=max(ps[i].numel(), 1), v_sqrt=False, kernels="torch")
+        blocked, _ = _run(only, steps=5)
+        assert torch.equal(blocked[i], per_tensor[i]), shape
+    m, v = opt.moments(per_tensor[0])
+    assert m.shape == v.shape == SHAPES[0] and (v >= 0).all()
+
+
+@pytest.mark.parametrize("options", [
+    dict(v_sqrt=False), dict(v_sqrt=True, m_format="e5m2", v_format="e4m3"), dict(m_format="bf16", v_format="e5m2"),
+    dict(v_sqrt=False, maximize=True), dict(v_sqrt=True, block_size=1000)])
+def test_blocks_larger_than_a_chunk_take_two_passes_with_the_same_result(monkeypatch, options):
+    """A scale block spanning several chunks (per tensor on a large tensor) is updated in two passes
+    over its chunks; the result is bit-identical to one chunk holding the whole block."""
+    from fp8pass.optim import adam as adam_mod
+    from fp8pass.optim import torch_step
+
+    def run(cls, **kw):
+        options.setdefault("block_size", None)
+        return _run(lambda ps: cls(ps, lr=1e-2, weight_decay=0.1, kernels="torch", **options, **kw), steps=4)
+
+    ref_p, ref = run(fo.AdamW)
+    monkeypatch.setattr(torch_step, "CHUNK", 256)  # (300, 7) and (64, 64) now span 9 and 16 chunks
+    monkeypatch.setattr(adam_mod, "CHUNK", 256)
+    out_p, out = run(fo.AdamW)
+    for p, q in zip(out_p, ref_p):
+        assert torch.equal(p, q)
+        for k, t in out.state[p].items():
+            u = ref.state[q][k]
+            assert torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t,
+                               u.view(torch.uint8) if u.dtype.itemsize == 1 else u), k
+    # Adam with L2 decay (the gradient reads the parameter in both passes) and bf16 parameters
+    monkeypatch.setattr(torch_step, "CHUNK", 1 << 18)
+    monkeypatch.setattr(adam_mod, "CHUNK", 1 << 18)
+    ref_l2, _ = _run(lambda ps: fo.Adam(ps, lr=1e-2, weight_decay=0.1, block_size=None, kernels="torch"), steps=3,
+                     dtype=torch.bfloat16)
+    monkeypatch.setattr(torch_step, "CHUNK", 256)
+    monkeypatch.setattr(adam_mod, "CHUNK", 256)
+    out_l2, _ = _run(lambda ps: fo.Adam(ps, lr=1e-2, weight_decay=0.1, block_size=None, kernels="torch"), steps=3,
+                     dtype=torch.bfloat16)
+    assert all(torch.equal(p, q) for p, q in zip(out_l2, ref_l2))
+
+
+def test_per_tensor_scales_route_large_blocks_away_from_fused_kernels(monkeypatch):
+    """kernels="compiled"/"triton" fuse whole blocks per chunk/program; blocks too large for them
+    (one scale for a large tensor) take the torch path, smaller ones still reach them."""
+    from fp8pass.optim import adam as adam_mod
+    from fp8pass.optim import compiled_step, triton_step
+    from fp8pass.optim.torch_step import adam_step_torch
+
+    calls = []
+
+    def spy(name):
+        def step(p, *args, **kwargs):
+            calls.append((name, p.numel()))
+            return adam_step_torch(p, *args, **kwargs)
+        return step
+
+    monkeypatch.setattr(compiled_step, "adam_step_compiled", spy("compiled"))
+    monkeypatch.setattr(triton_step, "adam_step_triton", spy("triton"))
+    monkeypatch.setattr(adam_mod, "CHUNK", 256)
+    monkeypatch.setattr(adam_mod, "TRITON_MAX_BLOCK", 256)
+    ref, _ = _run(lambda ps: fo.AdamW(ps, lr=1e-2, block_size=None, kernels="torch"), steps=2)
+    small = sorted(math.prod(s) for s in SHAPES if math.prod(s) <= 256)
+    for kernels in ("compiled", "triton"):
+        calls.clear()
+        out, _ = _run(lambda ps: fo.AdamW(ps, lr=1e-2, block_size=None, kernels=kernels), steps=2)
+        assert sorted(n for name, n in calls if name == kernels) == sorted(small * 2), kernels
+        assert all(torch.equal(p, q) for p, q in zip(out, ref))
 
 
 def test_bf16_params_state_dict_keeps_fp32_scales():
@@ -247,6 +330,10 @@ def test_to_and_from_torch_state_dicts():
         _assert_within_one_ulp(st["exp_avg_codes"], st["exp_avg_scale"], topt.state[p]["exp_avg"], E4M3, 128)
         _assert_within_one_ulp(st["exp_avg_sq_sqrt_codes"], st["exp_avg_sq_sqrt_scale"],
                                topt.state[p]["exp_avg_sq"].double().sqrt().float(), E5M2, 128)
+    per_tensor = fo.from_torch_state_dict(topt.state_dict(), v_sqrt=False, block_size=None)
+    assert per_tensor["state"][0]["exp_avg_sq_scale"].shape == (1,)
+    back = fo.to_torch_state_dict(per_tensor)["state"][0]
+    assert _rel(back["exp_avg"], topt.state[tparams[0]]["exp_avg"]) < 0.07  # E4M3: 2^-4 relative at most
     sd = fo.from_torch_state_dict(topt.state_dict(), v_sqrt=False, block_size=64)
     assert sd["param_groups"][0]["block_size"] == 64
     assert sd["state"][0]["exp_avg_sq_codes"].dtype == torch.float8_e5m2
@@ -310,6 +397,10 @@ def test_bad_inputs_give_clear_errors():
         fo.AdamW(ps, m_format="int8")
     with pytest.raises(ValueError, match="block_size"):
         fo.AdamW(ps, block_size=0)
+    with pytest.raises(ValueError, match="or None .one scale per tensor"):
+        fo.AdamW(ps, block_size="tensor")
+    with pytest.raises(ValueError, match="needs the parameter's numel"):
+        fo.moment_specs({"m_format": "e4m3", "v_format": "e5m2", "block_size": None, "v_sqrt": True})
     with pytest.raises(ValueError, match="rounding"):
         fo.AdamW(ps, rounding="up")
     with pytest.raises(ValueError, match="differentiable"):

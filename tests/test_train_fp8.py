@@ -88,3 +88,88 @@ def test_compiled_identity_pipeline_tracks_eager_across_optimizer_steps(tmp_path
     report = fp8pass.scaling_state_dict(model)
     assert report  # the backend really rewrote the linears (state exists for them)
     torch._dynamo.reset()
+
+
+# -- the FP8 optimizer's options through TrainConfig, build_optimizer, the CLI and the checkpoint --
+
+def test_every_moment_option_reaches_the_fp8_optimizer(tmp_path, corpus):
+    from fp8pass.train import TinyLlama
+    from fp8pass.train.recipes import build_optimizer, get_recipe
+
+    c = cfg(tmp_path, corpus, "x", recipe="bf16-fp8adam", m_format="e5m2", v_format="e4m3", v_sqrt=False,
+            moment_block_size=None, moment_rounding="stochastic", moment_stochastic_flush=True)
+    opt = build_optimizer(TinyLlama(SMALL), get_recipe(c.recipe), lr=c.lr, weight_decay=c.weight_decay,
+                          m_format=c.m_format, v_format=c.v_format, block_size=c.moment_block_size,
+                          v_sqrt=c.v_sqrt, rounding=c.moment_rounding, stochastic_flush=c.moment_stochastic_flush)
+    for g in opt.param_groups:
+        assert (g["m_format"], g["v_format"], g["v_sqrt"], g["block_size"], g["rounding"], g["stochastic_flush"]) == \
+            ("e5m2", "e4m3", False, None, "stochastic", True)
+    # the defaults are the optimizer's own
+    import fp8pass.optim as fo
+    d, o = TrainConfig(), fo.AdamW([torch.nn.Parameter(torch.zeros(1))]).defaults
+    assert (d.m_format, d.v_format, d.v_sqrt, d.moment_block_size, d.moment_rounding, d.moment_stochastic_flush) == \
+        (o["m_format"], o["v_format"], o["v_sqrt"], o["block_size"], o["rounding"], o["stochastic_flush"])
+
+
+def test_moment_option_errors_and_old_field_name():
+    for kw, msg in ((dict(m_format="int8"), "unknown m_format 'int8'; valid: e4m3, e5m2, bf16, fp32"),
+                    (dict(v_format="e3m4"), "unknown v_format"),
+                    (dict(moment_block_size=0), "moment_block_size must be a positive int .* or None"),
+                    (dict(moment_block_size="tensor"), "moment_block_size must be"),
+                    (dict(v_sqrt="no"), "v_sqrt must be True or False"),
+                    (dict(moment_stochastic_flush=1), "moment_stochastic_flush must be True or False"),
+                    (dict(moment_rounding="up"), "unknown moment_rounding 'up'")):
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig(**kw)
+    # a config saved before the field was named moment_block_size resumes with its block size
+    old = {k: v for k, v in TrainConfig().to_dict().items() if k != "moment_block_size"}
+    assert TrainConfig.from_dict({**old, "block_size": 64}).moment_block_size == 64
+
+
+def test_paper_form_moments_round_trip_through_the_checkpoint(tmp_path, corpus):
+    """m E5M2 / v E5M2 stored directly with one scale per tensor, stochastic rounding and flush: the
+    resumed run continues exactly (codes, per-tensor scales and the rounding RNG)."""
+    kw = dict(recipe="bf16-fp8adam", m_format="e5m2", v_format="e5m2", v_sqrt=False, moment_block_size=None,
+              moment_rounding="stochastic", moment_stochastic_flush=True)
+    full = train(cfg(tmp_path, corpus, "full", **kw))
+    part = train(cfg(tmp_path, corpus, "part", steps=2, **kw))
+    torch.manual_seed(99)
+    resumed = train(cfg(tmp_path, corpus, "part", **kw), resume=True)
+    assert part.losses + resumed.losses == full.losses
+    ck = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
+    assert ck["config"]["moment_block_size"] is None and ck["config"]["v_sqrt"] is False
+    for g in ck["optimizer"]["param_groups"]:
+        assert g["block_size"] is None and g["v_sqrt"] is False and g["stochastic_flush"] is True
+    for st in ck["optimizer"]["state"].values():
+        assert st["exp_avg_codes"].dtype == st["exp_avg_sq_codes"].dtype == torch.float8_e5m2
+        assert st["exp_avg_scale"].shape == st["exp_avg_sq_scale"].shape == (1,)
+    other = train(cfg(tmp_path, corpus, "block", **{**kw, "moment_block_size": 128}))
+    assert other.losses[-1] != full.losses[-1]  # per tensor is not the block-128 optimizer
+
+
+def test_optimizer_flags_of_the_cli(tmp_path, corpus, capsys):
+    from fp8pass.cli import main
+
+    n = torch.get_num_threads()
+    out = tmp_path / "cli"
+    base = ["train", "--recipe", "bf16-fp8adam", "--steps", "2", "--out", str(out), "--data", corpus,
+            "--batch-size", "2", "--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+            "--ffn", "64", "--eval-every", "2", "--monitor-every", "0", "--no-progress", "--no-plots"]
+    try:
+        assert main(base + ["--m-format", "e5m2", "--v-format", "e4m3", "--no-v-sqrt", "--moment-block-size",
+                            "tensor", "--moment-rounding", "stochastic", "--moment-stochastic-flush"]) == 0
+        import json
+        saved = json.loads((out / "bf16-fp8adam" / "config.json").read_text())
+        assert {k: saved[k] for k in ("m_format", "v_format", "v_sqrt", "moment_block_size", "moment_rounding",
+                                      "moment_stochastic_flush")} == {
+            "m_format": "e5m2", "v_format": "e4m3", "v_sqrt": False, "moment_block_size": None,
+            "moment_rounding": "stochastic", "moment_stochastic_flush": True}
+        assert main(["train", "--resume", str(out / "bf16-fp8adam"), "--v-sqrt"]) == 2
+        assert "only --steps may change (got --v-sqrt)" in capsys.readouterr().err
+        assert main(base + ["--moment-block-size", "0"]) == 2
+        assert "moment_block_size must be a positive int" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main(base + ["--moment-block-size", "per-tensor"])
+        assert "expected a positive integer or 'tensor', got 'per-tensor'" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(n)

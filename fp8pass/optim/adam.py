@@ -6,7 +6,7 @@ of a parameter holds plain tensors only (see ``moments.py`` for the layout)::
 
     step                      fp32 scalar (on the parameter's device when capturable), as in torch
     exp_avg_codes             float8_e4m3fn, the parameter's shape     (m_format="e4m3")
-    exp_avg_scale             fp32 [ceil(numel / block_size)]
+    exp_avg_scale             fp32 [ceil(numel / block_size)]          ([1] with block_size=None)
     exp_avg_sq_sqrt_codes     float8_e5m2, the parameter's shape       (v_format="e5m2", v_sqrt=True)
     exp_avg_sq_sqrt_scale     fp32 [ceil(numel / block_size)]
 
@@ -24,7 +24,7 @@ import torch
 from ..numerics import ROUNDINGS
 from ..numerics.kernels import family_name
 from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
-from .torch_step import adam_step_torch, hyper_params
+from .torch_step import CHUNK, adam_step_torch, hyper_params
 from .sharded import init_sharded_moment, is_dtensor, local_view
 
 __all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
@@ -33,13 +33,21 @@ KERNELS = ("auto", "torch", "compiled", "triton")
 # kernels="auto" on CPU compiles the chunk update for tensors this large (4 chunks); smaller ones,
 # where a minute of compilation would not pay off, stay eager.
 AUTO_COMPILE_NUMEL = 1 << 20
+# The Triton kernel holds one scale block per program in registers; larger blocks (one scale for a
+# whole large tensor) take the torch path, which handles them in two passes over chunks.
+TRITON_MAX_BLOCK = 1 << 13
 # Keys fp8pass adds to a torch Adam(W) param group.
 FP8_GROUP_KEYS = ("m_format", "v_format", "block_size", "v_sqrt", "rounding", "stochastic_flush", "kernels")
 
 
-def moment_specs(group: dict) -> tuple[MomentSpec, MomentSpec]:
-    """The (first, second) moment storage a param group asks for."""
+def moment_specs(group: dict, numel: int | None = None) -> tuple[MomentSpec, MomentSpec]:
+    """The (first, second) moment storage a param group asks for, for a parameter of ``numel``
+    elements (needed when ``block_size`` is None: one scale per tensor is one block of ``numel``)."""
     b = group["block_size"]
+    if b is None:
+        if numel is None:
+            raise ValueError("moment_specs: block_size=None (one scale per tensor) needs the parameter's numel")
+        b = max(1, numel)
     return (MomentSpec("exp_avg", group["m_format"], b),
             MomentSpec("exp_avg_sq", group["v_format"], b, sqrt=group["v_sqrt"]))
 
@@ -63,8 +71,9 @@ def _check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_form
     for what, fmt in (("m_format", m_format), ("v_format", v_format)):
         if fmt not in MOMENT_FORMATS:
             raise ValueError(f"unknown {what} {fmt!r}; valid: {', '.join(MOMENT_FORMATS)}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int (elements per fp32 scale), got {block_size!r}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be a positive int (elements per fp32 scale) or None (one scale "
+                         f"per tensor), got {block_size!r}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
     if kernels not in KERNELS:
@@ -81,8 +90,9 @@ class Adam(torch.optim.Optimizer):
         amsgrad: must be False (a clear error otherwise).
         m_format: first-moment storage: "e4m3" (default), "e5m2", "bf16" or "fp32".
         v_format: second-moment storage: "e5m2" (default), "e4m3", "bf16" or "fp32".
-        block_size: elements per fp32 block scale (default 128). Blocks run over the flattened
-            parameter; a tensor smaller than a block, or the tail of one, is a partial block.
+        block_size: elements per fp32 block scale (default 128), or None for one scale per tensor
+            (the paper's granularity). Blocks run over the flattened parameter; a tensor smaller
+            than a block, or the tail of one, is a partial block.
         v_sqrt: store ``sqrt(v)`` instead of ``v`` when ``v_format`` is FP8 (default True; why, and
             what was measured, in docs/optim.md).
         rounding: "nearest" (default) or "stochastic" for the FP8 moments.
@@ -101,7 +111,7 @@ class Adam(torch.optim.Optimizer):
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, decoupled_weight_decay: bool = False,
-                 m_format: str = "e4m3", v_format: str = "e5m2", block_size: int = 128, v_sqrt: bool = True,
+                 m_format: str = "e4m3", v_format: str = "e5m2", block_size: int | None = 128, v_sqrt: bool = True,
                  rounding: str = "nearest", stochastic_flush: bool = False, kernels: str = "auto",
                  generator: torch.Generator | None = None, foreach: bool | None = None,
                  fused: bool | None = None):
@@ -133,7 +143,7 @@ class Adam(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
         """Create the state of ``p``, or convert torch-layout moments (``to_fp8`` mid-training)."""
-        specs = moment_specs(group)
+        specs = moment_specs(group, p.numel())
         if "step" not in state:
             dev = p.device if group["capturable"] else "cpu"
             state["step"] = torch.zeros((), dtype=torch.float32, device=dev)
@@ -200,7 +210,6 @@ class Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            m_spec, v_spec = moment_specs(group)
             beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = bool(group.get("decoupled_weight_decay", False))
             coupled_wd = not decoupled and group["weight_decay"] != 0
@@ -210,6 +219,7 @@ class Adam(torch.optim.Optimizer):
                     continue
                 grad = p.grad
                 _check_grad(p, grad)
+                m_spec, v_spec = moment_specs(group, p.numel())
                 state = self.state[p]
                 if not state or any(k not in state for k in (*m_spec.keys, *v_spec.keys)):
                     self._init_state(p, group, state)
@@ -239,7 +249,10 @@ class Adam(torch.optim.Optimizer):
                 kind = "compiled"
         opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                     stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
-        if kind == "triton" and p.is_contiguous():  # the kernel wants flat memory; others take the torch path
+        if kind == "compiled" and m_spec.block > CHUNK:
+            kind = "torch"  # the compiled chunk holds whole blocks; larger ones take the two-pass torch path
+        if kind == "triton" and p.is_contiguous() and m_spec.block <= TRITON_MAX_BLOCK:
+            # the kernel wants flat memory and blocks that fit one program; others take the torch path
             from .triton_step import adam_step_triton
 
             adam_step_triton(p, grad.contiguous(), state, m_spec, v_spec, hp, **opts)
@@ -264,7 +277,7 @@ class Adam(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if not state or "step" not in state:
                     return torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)
-                return tuple(read_moment(state, s) for s in moment_specs(group))
+                return tuple(read_moment(state, s) for s in moment_specs(group, p.numel()))
         raise ValueError("this tensor is not a parameter of the optimizer")
 
 

@@ -23,7 +23,7 @@ __all__ = ["to_fp8", "to_torch_state_dict", "from_torch_state_dict", "is_torch_s
 
 
 def to_fp8(optimizer: torch.optim.Optimizer, *, m_format: str = "e4m3", v_format: str = "e5m2",
-           block_size: int = 128, v_sqrt: bool = True, rounding: str = "nearest",
+           block_size: int | None = 128, v_sqrt: bool = True, rounding: str = "nearest",
            stochastic_flush: bool = False, kernels: str = "auto",
            generator: torch.Generator | None = None) -> torch.optim.Optimizer:
     """Convert a ``torch.optim.Adam`` / ``AdamW`` to FP8 moment storage, in place; returns it.
@@ -114,7 +114,8 @@ def to_torch_state_dict(sd: dict) -> dict:
     by_id = _param_groups_by_id(sd)
     state = {}
     for i, st in sd["state"].items():
-        specs = moment_specs(by_id[i])
+        numel = next(v.numel() for k, v in st.items() if k.endswith("_codes") or k in ("exp_avg", "exp_avg_sq"))
+        specs = moment_specs(by_id[i], numel)
         out = {"step": st["step"].clone()}
         for spec in specs:
             out[spec.name] = read_moment(st, spec)
@@ -127,7 +128,7 @@ def to_torch_state_dict(sd: dict) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def from_torch_state_dict(sd: dict, *, m_format: str = "e4m3", v_format: str = "e5m2", block_size: int = 128,
+def from_torch_state_dict(sd: dict, *, m_format: str = "e4m3", v_format: str = "e5m2", block_size: int | None = 128,
                           v_sqrt: bool = True, rounding: str = "nearest", stochastic_flush: bool = False,
                           kernels: str = "auto") -> dict:
     """A torch Adam(W) state dict as an fp8pass one: moments quantized with the given storage.
@@ -154,7 +155,7 @@ def from_torch_state_dict(sd: dict, *, m_format: str = "e4m3", v_format: str = "
             raise ValueError("the torch state holds amsgrad's max_exp_avg_sq; fp8pass.optim has no amsgrad")
         out = {"step": st["step"].clone() if isinstance(st["step"], torch.Tensor)
                else torch.tensor(float(st["step"]))}
-        for spec in moment_specs(by_id[i]):
+        for spec in moment_specs(by_id[i], st["exp_avg"].numel()):
             write_moment(out, spec, st[spec.name].to(torch.float32), rounding)
         new["state"][i] = out
     return new

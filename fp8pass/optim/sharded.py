@@ -12,7 +12,8 @@ reshards it like the parameter itself:
   ranks loads into M ranks (or one process) bit for bit.
 
 A parameter whose shards would split a block (uneven rows, or a shard not a multiple of
-``block_size``), or that is sharded on another dim, gets a clear error naming the fix.
+``block_size``; one scale per tensor, ``block_size=None``, on a sharded parameter), or that is
+sharded on another dim, gets a clear error naming the fix.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def _scale_placements(p, spec: MomentSpec):
                 f"fp8pass.optim: FP8 moments of a DTensor parameter need it replicated or sharded on dim 0 "
                 f"(FSDP2's layout); got placements {p.placements}. Use m_format/v_format='bf16' for it.")
         rows, per_row = p.shape[0], p.numel() // max(p.shape[0], 1)
+        if dim_size > 1 and spec.block >= p.numel():
+            raise ValueError(
+                f"fp8pass.optim: one scale per tensor (block_size=None, or a block_size >= the parameter's "
+                f"{p.numel()} elements) needs the amax of the whole tensor, which no shard of a parameter of shape "
+                f"{tuple(p.shape)} sharded {dim_size} ways holds. Use a block_size that divides the shards (e.g. "
+                f"128), or put this parameter in a group with m_format='bf16', v_format='bf16'.")
         if rows % dim_size or ((rows // dim_size) * per_row) % spec.block:
             raise ValueError(
                 f"fp8pass.optim: a parameter of shape {tuple(p.shape)} sharded {dim_size} ways has shards of "

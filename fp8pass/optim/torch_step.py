@@ -94,6 +94,13 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
                     workspace: _Workspace | None = None) -> _Workspace:
     """One Adam/AdamW update of ``p`` (in place) and its moments in ``state`` (in place).
 
+    Blocks of at most ``CHUNK`` elements are processed whole, several per chunk, in one pass. A
+    larger block (one scale per tensor of a large tensor) spans several chunks, and its scale needs
+    the amax of the whole block's new moments: each such block takes two passes over its chunks,
+    the first computing the new moments for their amax only, the second computing them again (the
+    same ops, so the same values) and writing the parameter and the codes. The fp32 moments never
+    exist for more than one chunk, at the price of computing them twice.
+
     Args:
         p: the parameter (any float dtype; updated in fp32 and written back).
         grad: its dense gradient.
@@ -110,37 +117,78 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
     Returns:
         the workspace, to pass to the next call.
     """
-    b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = hp.unbind()
     n = p.numel()
     block = m_spec.block
-    chunk = max(block, (CHUNK // block) * block)
-    ws = workspace if workspace is not None and workspace.g.numel() >= min(chunk, n) + block else None
+    whole = block <= CHUNK  # chunks of whole blocks; else every block spans several chunks
+    chunk = (CHUNK // block) * block if whole else CHUNK
+    size = min(chunk, n) + (block if whole else 0)  # room for a partial block's zero padding
+    ws = workspace if workspace is not None and workspace.g.numel() >= size else None
     if ws is None:
-        ws = _Workspace(min(chunk, n) + block, p.device)
+        ws = _Workspace(size, p.device)
     direct_p = p.dtype == torch.float32 and p.is_contiguous()
     p_flat = p.view(-1) if direct_p else p.detach().reshape(-1).float()
-    g_flat = grad.reshape(-1)
-    copy_g = maximize or coupled_wd or grad.dtype != torch.float32
-    flats = {k: v.view(-1) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    run = _Chunks(p_flat, grad.reshape(-1), state, m_spec, v_spec, hp, ws, maximize, coupled_wd,
+                  rounding, stochastic_flush, generator)
+    if whole:
+        for s in range(0, n, chunk):
+            k = min(n, s + chunk) - s
+            nb = -(-k // block)
+            run.update(s, k, nb, block)
+    else:
+        fp8 = [spec for spec in (m_spec, v_spec) if spec.fp8]
+        for b0 in range(0, n, block):
+            spans = [(s, min(n, b0 + block, s + chunk) - s) for s in range(b0, min(n, b0 + block), chunk)]
+            scales = None
+            if fp8:  # pass 1: the block's amax of each new FP8 moment
+                amax = {spec.name: torch.zeros(1, dtype=torch.float32, device=p.device) for spec in fp8}
+                for s, k in spans:
+                    for spec, x in run.update(s, k, 1, k, measure_only=True):
+                        if spec.fp8:
+                            torch.maximum(amax[spec.name], finite_block_amax(x.view(1, k), out=ws.u[:k].view(1, k)),
+                                          out=amax[spec.name])
+                scales = {spec.name: scale_from_amax(amax[spec.name], spec.format) for spec in fp8}
+            for s, k in spans:  # pass 2: update and store the codes with the block's new scales
+                run.update(s, k, 1, k, scales=scales)
+            for spec in fp8:  # only now: every span of pass 2 decoded its old codes with the old scale
+                run.flats[spec.scale_key][b0 // block].copy_(scales[spec.name][0])
+    if not direct_p:
+        p.copy_(p_flat.view(p.shape))
+    return ws
 
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        k = e - s
-        nb = -(-k // block)
-        padded = nb * block
-        pc = p_flat[s:e]
-        if copy_g:
+
+class _Chunks:
+    """The update of one chunk of a parameter: elements [s, s+k) seen as ``rows`` x ``width`` scale
+    blocks (whole blocks, the last one zero-padded), or as one span of a larger block (rows = 1)."""
+
+    def __init__(self, p_flat, g_flat, state, m_spec, v_spec, hp, ws, maximize, coupled_wd, rounding,
+                 stochastic_flush, generator):
+        self.p_flat, self.g_flat, self.ws = p_flat, g_flat, ws
+        self.flats = {k: v.view(-1) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        self.m_spec, self.v_spec, self.hp = m_spec, v_spec, hp.unbind()
+        self.maximize, self.coupled_wd = maximize, coupled_wd
+        self.copy_g = maximize or coupled_wd or g_flat.dtype != torch.float32
+        self.cast = (rounding, stochastic_flush, generator)
+
+    def update(self, s: int, k: int, rows: int, width: int, measure_only: bool = False, scales=None):
+        """Update elements [s, s+k). ``measure_only``: compute the new moments and return
+        ``[(spec, values)]`` (values as stored: sqrt(v) for a sqrt-storing v) without writing
+        anything. Otherwise write the parameter and the moments, each FP8 moment with the scale of
+        ``scales[name]`` if given, else with the amax of each of its ``rows`` blocks."""
+        b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = self.hp
+        ws, flats, m_spec, v_spec = self.ws, self.flats, self.m_spec, self.v_spec
+        pc = self.p_flat[s : s + k]
+        if self.copy_g:
             g = ws.g[:k]
-            g.copy_(g_flat[s:e])
-            if maximize:
+            g.copy_(self.g_flat[s : s + k])
+            if self.maximize:
                 g.neg_()
-            if coupled_wd:
+            if self.coupled_wd:
                 torch.mul(pc, l2, out=ws.t[:k])
                 g.add_(ws.t[:k])
         else:
-            g = g_flat[s:e]
-        m = _load(ws.m, flats, m_spec, s, k, nb, padded)
-        v = _load(ws.v, flats, v_spec, s, k, nb, padded)
+            g = self.g_flat[s : s + k]
+        m = _load(ws.m, flats, m_spec, s, k, rows, width)
+        v = _load(ws.v, flats, v_spec, s, k, rows, width)
         t, u = ws.t[:k], ws.u[:k]
         # m = m * b1 + g * (1 - b1)
         m.mul_(b1)
@@ -151,20 +199,21 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
         torch.mul(g, g, out=t)
         t.mul_(omb2)
         v.add_(t)
+        _sqrt_rn(v, t)  # kept in t: it is what a sqrt-storing v moment stores
+        v_src = ws.t if v_spec.stores_sqrt else ws.v
+        if measure_only:
+            return [(m_spec, m), (v_spec, v_src[:k])]
         # p = p * decay - (m / (sqrt(v) * inv_bc2_sqrt + eps)) * step_size
         pc.mul_(decay)
-        _sqrt_rn(v, t)  # kept in t: it is what a sqrt-storing v moment stores
         torch.mul(t, inv_bc2s, out=u)
         u.add_(eps)
         torch.div(m, u, out=u)
         u.mul_(step_size)
         pc.sub_(u)
-        _store(ws.m, ws.u, flats, state, m_spec, s, k, nb, padded, rounding, stochastic_flush, generator)
-        v_src = ws.t if v_spec.stores_sqrt else ws.v
-        _store(v_src, ws.u, flats, state, v_spec, s, k, nb, padded, rounding, stochastic_flush, generator)
-    if not direct_p:
-        p.copy_(p_flat.view(p.shape))
-    return ws
+        for src, spec in ((ws.m, m_spec), (v_src, v_spec)):
+            _store(src, ws.u, flats, spec, s, k, rows, width, *self.cast,
+                   scale=None if scales is None else scales.get(spec.name))
+        return None
 
 
 def _sqrt_rn(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -176,34 +225,45 @@ def _sqrt_rn(x: torch.Tensor, out: torch.Tensor) -> None:
         torch.sqrt(x, out=out)
 
 
-def _load(buf, flats, spec: MomentSpec, s: int, k: int, nb: int, padded: int) -> torch.Tensor:
-    """fp32 values of the moment's elements [s, s+k) in ``buf[:k]`` (exact decode, then / scale)."""
+def _load(buf, flats, spec: MomentSpec, s: int, k: int, rows: int, width: int) -> torch.Tensor:
+    """fp32 values of the moment's elements [s, s+k) in ``buf[:k]`` (exact decode, then / scale).
+
+    The elements are ``rows`` consecutive scale blocks of ``width`` (the last one zero-padded), or,
+    with ``rows=1``, a span of one block larger than a chunk."""
     if not spec.fp8:
         buf[:k].copy_(flats[spec.name][s : s + k])
         return buf[:k]
+    padded = rows * width
     buf[:k].copy_(flats[spec.codes_key][s : s + k])  # fp8 -> fp32 is exact (numerics.decode)
     if padded > k:
         buf[k:padded].zero_()
     b0 = s // spec.block
-    buf[:padded].view(nb, spec.block).div_(flats[spec.scale_key][b0 : b0 + nb, None])
+    buf[:padded].view(rows, width).div_(flats[spec.scale_key][b0 : b0 + rows, None])
     if spec.stores_sqrt:
         buf[:k].mul_(buf[:k])
     return buf[:k]
 
 
-def _store(src, tmp, flats, state, spec: MomentSpec, s: int, k: int, nb: int, padded: int, rounding: str,
-           stochastic_flush: bool, generator) -> None:
-    """Write fp32 values ``src[:k]`` as the moment's elements [s, s+k) (requantized per block)."""
+def _store(src, tmp, flats, spec: MomentSpec, s: int, k: int, rows: int, width: int, rounding: str,
+           stochastic_flush: bool, generator, scale: torch.Tensor | None = None) -> None:
+    """Write fp32 values ``src[:k]`` as the moment's elements [s, s+k), requantized per block of
+    ``width`` (``rows`` of them) and their new scales stored; or, with ``scale`` ([1], the new scale
+    of a block larger than the chunk), only the codes: the caller stores that scale after the
+    block's last chunk."""
     if not spec.fp8:
         flats[spec.name][s : s + k].copy_(src[:k])
         return
+    padded = rows * width
     if padded > k:
         src[k:padded].zero_()
-    blocks = src[:padded].view(nb, spec.block)
-    scratch = tmp[:padded].view(nb, spec.block)
-    scale = scale_from_amax(finite_block_amax(blocks, out=scratch), spec.format)
+    blocks = src[:padded].view(rows, width)
+    scratch = tmp[:padded].view(rows, width)
+    new_scale = scale is None
+    if new_scale:
+        scale = scale_from_amax(finite_block_amax(blocks, out=scratch), spec.format)
     torch.mul(blocks, scale[:, None], out=scratch)
     flats[spec.codes_key][s : s + k].copy_(
         cast_moment(tmp[:k], spec, rounding, stochastic_flush, generator))
-    b0 = s // spec.block
-    flats[spec.scale_key][b0 : b0 + nb].copy_(scale)
+    if new_scale:
+        b0 = s // spec.block
+        flats[spec.scale_key][b0 : b0 + rows].copy_(scale)

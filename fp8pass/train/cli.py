@@ -2,23 +2,49 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import fields
 from pathlib import Path
 
+from ..optim import MOMENT_FORMATS
 from .model import ModelConfig
-from .recipes import PRECISIONS, RECIPES, describe_precision
+from .recipes import MOMENT_ROUNDINGS, PRECISIONS, RECIPES, describe_precision
 
 DEFAULT_RECIPES = "bf16,fp8-smooth-fp8adam"
 # Flags that map 1:1 onto TrainConfig / ModelConfig fields (flag name = field name with dashes).
 _MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "ffn")
 _TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": float, "min_lr_ratio": float,
-          "warmup": int, "weight_decay": float, "grad_clip": float, "block_size": int, "eval_every": int,
+          "warmup": int, "weight_decay": float, "grad_clip": float, "eval_every": int,
           "eval_batches": int, "ckpt_every": int, "monitor_every": int, "max_data_bytes": int,
           "d_model": int, "n_layers": int, "n_heads": int, "ffn": int}
 _CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed", "current"),
-            "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "m_format": ("e4m3", "e5m2"), "v_format": ("e4m3", "e5m2"),
-            "moment_rounding": ("nearest", "stochastic"), "precision": PRECISIONS}
+            "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "precision": PRECISIONS}
+
+
+def _moment_block_size(text: str):
+    """--moment-block-size: a positive int, or "tensor" (one scale per tensor, TrainConfig's None)."""
+    if text == "tensor":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'tensor', got {text!r}") from None
+
+
+# The FP8 optimizer's knobs (recipes ending in -fp8adam): flag name = TrainConfig field with dashes.
+_OPTIM = {
+    "m_format": dict(choices=MOMENT_FORMATS, help="first-moment storage"),
+    "v_format": dict(choices=MOMENT_FORMATS, help="second-moment storage"),
+    "v_sqrt": dict(action=argparse.BooleanOptionalAction, help="store sqrt(v) (--v-sqrt) or v itself "
+                   "(--no-v-sqrt, the paper's form) when v is FP8"),
+    "moment_block_size": dict(type=_moment_block_size, metavar="N|tensor",
+                              help="elements per fp32 moment scale, or 'tensor' for one scale per tensor "
+                                   "(the paper's granularity)"),
+    "moment_rounding": dict(choices=MOMENT_ROUNDINGS, help="rounding of the FP8 moments"),
+    "moment_stochastic_flush": dict(action=argparse.BooleanOptionalAction,
+                                    help="round values below the smallest subnormal stochastically to 0 or it"),
+}
 
 
 def add_train_parser(sub) -> None:
@@ -40,6 +66,11 @@ def add_train_parser(sub) -> None:
     for name, choices in _CHOICES.items():
         p.add_argument("--" + name.replace("_", "-"), choices=choices, default=None,
                        help=f"(default {getattr(d, name)})")
+    opt = p.add_argument_group("FP8 optimizer (recipes ending in -fp8adam; docs/optim.md)")
+    for name, kw in _OPTIM.items():
+        default = getattr(d, name)
+        opt.add_argument("--" + name.replace("_", "-"), default=None,
+                         **{**kw, "help": f"{kw['help']} (default {'tensor' if default is None else default})"})
     p.add_argument("--fused-gate-up", action="store_true", help="one gate_up_proj linear in the MLP")
     p.add_argument("--compile-bf16", action="store_true", help="compile the bf16 recipe with Inductor too")
     p.add_argument("--threads", type=int, default=1,
@@ -55,6 +86,8 @@ def _config_from_args(args, recipe: str, out: Path):
     kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
           if getattr(args, f.name, None) is not None
           and f.name not in ("recipe", "out", "model", "compile_bf16", "progress")}
+    if kw.get("moment_block_size") == "tensor":
+        kw["moment_block_size"] = None
     mk = {n: getattr(args, n) for n in _MODEL_FIELDS if getattr(args, n) is not None}
     model = ModelConfig(fused_gate_up=args.fused_gate_up, **mk)
     if args.data is not None:
@@ -75,7 +108,7 @@ def run_train(args) -> int:
         return 2
     torch.set_num_threads(args.threads)
     if args.resume is not None:
-        changed = [n for n in list(_TYPES) + list(_CHOICES) + ["recipe", "out", "data"]
+        changed = [n for n in list(_TYPES) + list(_CHOICES) + list(_OPTIM) + ["recipe", "out", "data"]
                    if n != "steps" and getattr(args, n) is not None]
         if changed:
             print(f"error: --resume continues the saved configuration; only --steps may change "

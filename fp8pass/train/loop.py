@@ -15,7 +15,8 @@ from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
 from .model import ModelConfig, TinyLlama
-from .recipes import PRECISIONS, autocast, build_optimizer, fp8_config, get_recipe, prepare_model, resolve_precision
+from .recipes import (PRECISIONS, autocast, build_optimizer, check_moment_options, fp8_config, get_recipe,
+                      prepare_model, resolve_precision)
 
 __all__ = ["TrainConfig", "TrainResult", "train", "lr_at"]
 
@@ -39,8 +40,11 @@ class TrainConfig:
         betas, eps, grad_clip: AdamW and global-norm clipping (0 disables clipping).
         scaling: fp8 scaling recipe, "delayed" | "current".
         smooth: Smooth-SwiGLU form for the -smooth recipes, "channel" (paper) | "token" (reference code).
-        m_format, v_format, block_size, moment_rounding: FP8 moment formats, scaling block and
-            rounding ("nearest" | "stochastic") for the -fp8adam recipes.
+        m_format, v_format, v_sqrt, moment_block_size, moment_rounding, moment_stochastic_flush: the
+            -fp8adam recipes' moment storage (``fp8pass.optim.AdamW``'s m_format, v_format, v_sqrt,
+            block_size, rounding, stochastic_flush): formats "e4m3" | "e5m2" | "bf16" | "fp32", v
+            stored as sqrt(v) or itself, elements per fp32 scale (None = one scale per tensor),
+            "nearest" | "stochastic" rounding, stochastic flush-to-zero (docs/optim.md).
         model: the TinyLlama shape.
         eval_every, eval_batches: validation cadence and size (fixed validation batches).
         ckpt_every: checkpoint cadence (a checkpoint is always written at the end).
@@ -74,8 +78,10 @@ class TrainConfig:
     smooth: str = "channel"
     m_format: str = "e4m3"
     v_format: str = "e5m2"
-    block_size: int = 128
+    v_sqrt: bool = True
+    moment_block_size: int | None = 128
     moment_rounding: str = "nearest"
+    moment_stochastic_flush: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     eval_every: int = 40
     eval_batches: int = 8
@@ -100,8 +106,8 @@ class TrainConfig:
             raise ValueError(f"unknown smooth mode {self.smooth!r}; valid: channel, token")
         if self.compiler not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"unknown compiler {self.compiler!r}; valid: inductor, aot_eager, eager")
-        if self.moment_rounding not in ("nearest", "stochastic"):
-            raise ValueError(f"unknown moment_rounding {self.moment_rounding!r}; valid: nearest, stochastic")
+        check_moment_options(self.m_format, self.v_format, self.moment_block_size, self.v_sqrt,
+                             self.moment_rounding, self.moment_stochastic_flush)
         if self.scaling not in ("delayed", "current"):
             raise ValueError(f"unknown scaling {self.scaling!r}; valid: delayed, current")
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every"):
@@ -124,6 +130,8 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in fields(cls)}
+        if "block_size" in d and "moment_block_size" not in d:  # the field's name before issue 18
+            d = {**d, "moment_block_size": d["block_size"]}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -203,8 +211,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
     torch.manual_seed(cfg.seed)
     model = TinyLlama(cfg.model)
     opt = build_optimizer(model, recipe, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
-                          m_format=cfg.m_format, v_format=cfg.v_format, block_size=cfg.block_size,
-                          rounding=cfg.moment_rounding)
+                          m_format=cfg.m_format, v_format=cfg.v_format, block_size=cfg.moment_block_size,
+                          v_sqrt=cfg.v_sqrt, rounding=cfg.moment_rounding,
+                          stochastic_flush=cfg.moment_stochastic_flush)
     start = 0
     if ckpt is not None:
         if recipe.fp8:  # the saved model state carries the scaling state; create it on load

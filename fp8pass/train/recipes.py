@@ -10,6 +10,11 @@
 
 ``bf16-fp8adam`` isolates the optimizer: the moment-format ablation (experiments/moments.py) uses it.
 
+The FP8 moments' storage (the -fp8adam recipes) is set by ``TrainConfig``'s ``m_format``,
+``v_format``, ``v_sqrt`` (store sqrt(v) or v itself), ``moment_block_size`` (elements per fp32 scale,
+None = one scale per tensor: the paper's granularity), ``moment_rounding`` and
+``moment_stochastic_flush``; :func:`build_optimizer` passes them to ``fp8pass.optim.AdamW``.
+
 Master weights stay fp32 in every recipe and everything the FP8 backend leaves in high precision
 (embeddings, LM head, norms, attention scores) runs under bf16 autocast, so the recipes differ only
 in what the table says.
@@ -27,10 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "build_optimizer", "prepare_model", "param_groups", "PRECISIONS",
-           "resolve_precision", "describe_precision", "autocast"]
+from .. import optim as fp8optim
+
+__all__ = ["RECIPES", "Recipe", "get_recipe", "build_optimizer", "check_moment_options", "prepare_model",
+           "param_groups", "PRECISIONS", "MOMENT_ROUNDINGS", "resolve_precision", "describe_precision", "autocast"]
 
 PRECISIONS = ("auto", "bf16", "fp32")
+MOMENT_ROUNDINGS = ("nearest", "stochastic")
 
 
 @dataclass(frozen=True)
@@ -138,16 +146,43 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def check_moment_options(m_format: str, v_format: str, block_size: int | None, v_sqrt: bool, rounding: str,
+                         stochastic_flush: bool) -> None:
+    """Raise ValueError, naming the valid values, for FP8 moment options ``fp8pass.optim`` would reject."""
+    for what, fmt in (("m_format", m_format), ("v_format", v_format)):
+        if fmt not in fp8optim.MOMENT_FORMATS:
+            raise ValueError(f"unknown {what} {fmt!r}; valid: {', '.join(fp8optim.MOMENT_FORMATS)}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"moment_block_size must be a positive int (elements per fp32 scale) or None (one scale "
+                         f"per tensor), got {block_size!r}")
+    for what, flag in (("v_sqrt", v_sqrt), ("moment_stochastic_flush", stochastic_flush)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{what} must be True or False, got {flag!r}")
+    if rounding not in MOMENT_ROUNDINGS:
+        raise ValueError(f"unknown moment_rounding {rounding!r}; valid: {', '.join(MOMENT_ROUNDINGS)}")
+
+
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, *, lr: float, weight_decay: float,
                     betas=(0.9, 0.95), eps: float = 1e-8, m_format: str = "e4m3", v_format: str = "e5m2",
-                    block_size: int = 128, rounding: str = "nearest"):
+                    block_size: int | None = 128, v_sqrt: bool = True, rounding: str = "nearest",
+                    stochastic_flush: bool = False):
+    """AdamW over ``param_groups(model, weight_decay)``: ``fp8pass.optim.AdamW`` with the given moment
+    storage for the -fp8adam recipes, ``torch.optim.AdamW`` (fp32 moments) otherwise.
+
+    Args:
+        model: the model to optimize.
+        recipe: the run's recipe (``recipe.fp8_adam`` picks the FP8 optimizer).
+        lr, weight_decay, betas, eps: AdamW's hyper-parameters.
+        m_format, v_format: moment storage, "e4m3" | "e5m2" | "bf16" | "fp32".
+        block_size: elements per fp32 moment scale; None = one scale per tensor.
+        v_sqrt: store sqrt(v) instead of v (FP8 v_format only).
+        rounding: "nearest" | "stochastic" for the FP8 moments.
+        stochastic_flush: round values below the smallest subnormal stochastically to 0 or it.
+    """
+    check_moment_options(m_format, v_format, block_size, v_sqrt, rounding, stochastic_flush)
     groups = param_groups(model, weight_decay)
     if recipe.fp8_adam:
-        try:
-            from .. import optim as fp8optim
-        except ImportError as e:
-            raise RuntimeError(f"recipe {recipe.name!r} needs fp8pass.optim, which this installation lacks "
-                               f"({e}); use --recipe fp8-smooth") from None
         return fp8optim.AdamW(groups, lr=lr, betas=betas, eps=eps, m_format=m_format, v_format=v_format,
-                              block_size=block_size, rounding=rounding)
+                              block_size=block_size, v_sqrt=v_sqrt, rounding=rounding,
+                              stochastic_flush=stochastic_flush)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
