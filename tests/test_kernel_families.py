@@ -85,3 +85,78 @@ def test_bad_family_name(monkeypatch):
     monkeypatch.setenv("FP8PASS_KERNELS", "cuda")
     with pytest.raises(ValueError, match="auto, torch, triton"):
         fp8pass.quantize(torch.ones(4), E4M3)
+
+
+@pytest.mark.parametrize("n", [1, 7, 2 * (1 << 16) + 3])  # the last: the final program's last byte alone
+def test_packed_e2m1_odd_count_stays_in_bounds_and_is_exact(n, strict_interpreter):
+    """An odd element count: ceil(n/2) bytes, the last high nibble 0, nothing read or written past the
+    end (the interpreter checks every access), codes equal to the torch family's on the zero-padded x."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 3
+    s = torch.tensor(1.5)
+    codes, amax = R.cast_flat(x, s, E2M1, want_amax=True)
+    ref, _ = T.cast_scaled(torch.cat([x, x.new_zeros(1)]), s, E2M1)
+    assert codes.numel() == (n + 1) // 2
+    assert same(codes, ref)
+    assert int(codes[-1]) >> 4 == 0
+    assert amax == x.abs().max()
+
+
+def test_packed_e2m1_odd_last_dim_is_refused_like_the_torch_family():
+    x = torch.randn(4, 7)
+    for fam in (T, R):
+        with pytest.raises(ValueError, match="even last dimension"):
+            fam.cast_scaled(x, torch.tensor(1.0), E2M1)
+    with pytest.raises(ValueError, match="even last dimension"):
+        R.quantize_groups(x, (1, 2), E2M1)
+
+
+def test_every_kernel_widens_program_ids_to_int64():
+    """Static check: each program id is widened before index math, in every Triton kernel module."""
+    import inspect
+    import re
+
+    from fp8pass.optim import triton_step
+    from fp8pass.runtime.kernels import triton_kernels
+
+    for mod in (R, triton_kernels, triton_step):
+        src = inspect.getsource(mod)
+        ids = re.findall(r"tl\.program_id\(\d\)(\.to\(tl\.int64\))?", src)
+        assert ids and all(ids), f"{mod.__name__}: a tl.program_id(...) is used without .to(tl.int64)"
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E2M1], ids=lambda f: f.name)
+def test_flat_kernels_address_past_2_31_exactly(fmt, strict_interpreter):
+    """Programs whose first element is past 2**31 (program ids raised in the interpreter, pointers moved
+    back to match): the addresses must stay exact, so the codes and amax equal the torch family's. With
+    int32 offsets they wrap, and the bounds check fails."""
+    shift, pid_shift = strict_interpreter
+    block = R._FLAT_INTERPRET.kwargs["BLOCK"]
+    programs = (1 << 31) // block + 3  # first element of the first program run: 2**31 + 3 * block
+    m = block + 77  # two programs: a full one and a partial one
+    per = 2 if fmt.packed else 1
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(m * per, generator=g) * 40
+    nout = m
+    out = torch.empty(nout, dtype=torch.uint8)
+    partial = torch.empty(2, dtype=torch.float32)
+    s = torch.tensor(0.5)
+    shift.update({x: programs * block * per, out: programs * block, partial: programs})
+    pid_shift[0] = programs
+    n = programs * block * per + x.numel()
+    assert programs * block * per > 2**31
+    R._cast_tensor_kernel[(2,)](x, out, s, partial, s, n, R.size_class(n), STOCHASTIC=False, PACKED=fmt.packed,
+                                WANT_AMAX=True, **R._fmt_args(fmt))
+    ref, _ = T.cast_scaled(x, s, fmt)
+    assert same(out, ref)
+    assert partial.max() == x.abs().max()
+    amax = torch.empty(triton_cdiv(x.numel(), block), dtype=torch.float32)
+    shift.clear()
+    shift.update({x: programs * block, amax: programs})
+    n = programs * block + x.numel()
+    R._amax_kernel[(triton_cdiv(x.numel(), block),)](x, amax, n, R.size_class(n))
+    assert amax.max() == x.abs().max()
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)

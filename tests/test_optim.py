@@ -287,8 +287,14 @@ def test_per_tensor_scales_route_large_blocks_away_from_fused_kernels(monkeypatc
             return adam_step_torch(p, *args, **kwargs)
         return step
 
+    def spy_multi(params, grads, states, hps, m_spec, v_spec, **kwargs):  # the batched Triton launch
+        for p, g, st, hp in zip(params, grads, states, hps):
+            calls.append(("triton", p.numel()))
+            adam_step_torch(p, g, st, m_spec, v_spec, hp, **kwargs)
+
     monkeypatch.setattr(compiled_step, "adam_step_compiled", spy("compiled"))
     monkeypatch.setattr(triton_step, "adam_step_triton", spy("triton"))
+    monkeypatch.setattr(triton_step, "adam_step_triton_multi", spy_multi)
     monkeypatch.setattr(adam_mod, "CHUNK", 256)
     monkeypatch.setattr(adam_mod, "TRITON_MAX_BLOCK", 256)
     ref, _ = _run(lambda ps: fo.AdamW(ps, lr=1e-2, block_size=None, kernels="torch"), steps=2)

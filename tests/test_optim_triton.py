@@ -1,12 +1,9 @@
-"""The fused Triton Adam kernel against the torch path, bit for bit, under TRITON_INTERPRET=1 on CPU."""
-
-import os
+"""The fused multi-tensor Triton Adam kernel against the torch path, bit for bit, under the interpreter
+(TRITON_INTERPRET=1, set by conftest.py for the CPU suite)."""
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 triton = pytest.importorskip("triton")
 
 import fp8pass.optim as fo  # noqa: E402
@@ -99,3 +96,107 @@ def test_triton_kernel_rejects_non_contiguous():
     init_moment(st, vs, p)
     with pytest.raises(ValueError, match="contiguous"):
         adam_step_triton(p, torch.randn(16, 16).t(), st, ms, vs, hyper_params(1e-3, 0.9, 0.99, 1e-8, 0, 1, True, "cpu"))
+
+
+def _grads(params, g, t):
+    for p in params:
+        spread = torch.logspace(-6, 0, p.numel()).reshape(p.shape) if p.numel() else torch.zeros(p.shape)
+        p.grad = (torch.randn(p.shape, generator=g) * spread * 0.1 * (t + 1)).to(p.dtype)
+
+
+def _run_many(kernels, shapes, dtypes, steps=2, **kw):
+    g = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in zip(shapes, dtypes)]
+    opt = fo.AdamW(params, lr=1e-2, kernels=kernels, **kw)
+    for t in range(steps):
+        _grads(params, g, t)
+        opt.step()
+    return params, opt
+
+
+def _check_same(a, oa, b, ob):
+    for p, q in zip(a, b):
+        assert _same(p.detach(), q.detach())
+        for k in oa.state[p]:
+            assert _same(oa.state[p][k], ob.state[q][k]), k
+
+
+MANY = [(3, 100), (0,), (7,), (2, 3, 40), (129,), (64, 64)]
+
+
+@pytest.mark.parametrize("kw", [{}, dict(v_sqrt=False, m_format="e5m2", v_format="e4m3"),
+                                dict(m_format="bf16", v_format="fp32"), dict(capturable=True)],
+                         ids=["default", "swapped", "dense moments", "capturable"])
+def test_multi_tensor_one_launch_per_dtype_pair(kw, monkeypatch):
+    """All parameters of a group go through one launch per (device, param dtype, grad dtype), bit for
+    bit the torch path: here six fp32 tensors (one empty, one below a block) and two bf16 ones."""
+    from fp8pass.optim import triton_step
+
+    launches = []
+    real = triton_step._launch
+    monkeypatch.setattr(triton_step, "_launch", lambda items, *a, **k: (launches.append(len(items)),
+                                                                        real(items, *a, **k)))
+    shapes = MANY + [(5, 30), (300,)]
+    dtypes = [torch.float32] * len(MANY) + [torch.bfloat16] * 2
+    a, oa = _run_many("torch", shapes, dtypes, **kw)
+    b, ob = _run_many("triton", shapes, dtypes, **kw)
+    _check_same(a, oa, b, ob)
+    assert launches == [5, 2] * 2  # per step: the five non-empty fp32 tensors, the two bf16 ones
+
+
+@pytest.mark.parametrize("kw", [{}, dict(v_sqrt=False), dict(m_format="e5m2", v_format="e4m3", maximize=True)])
+def test_blocks_wider_than_a_span_two_passes(kw):
+    """A block of 5000 elements (wider than MAX_SPAN = 4096 lanes) is walked in spans, once for its
+    amax and once to write: the same bits as the torch path."""
+    from fp8pass.optim.triton_step import MAX_SPAN
+
+    assert 5000 > MAX_SPAN
+    shapes = [(3, 4000), (4500,)]  # 3 blocks (last partial), one partial block
+    a, oa = _run_many("torch", shapes, [torch.float32] * 2, block_size=5000, **kw)
+    b, ob = _run_many("triton", shapes, [torch.float32] * 2, block_size=5000, **kw)
+    _check_same(a, oa, b, ob)
+
+
+def test_step_has_no_host_sync(monkeypatch):
+    """Stochastic rounding draws its seed on the device: no .item()/.tolist() in the Triton step."""
+    g = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MANY]
+    opt = fo.AdamW(params, kernels="triton", capturable=True, rounding="stochastic", stochastic_flush=True,
+                   generator=torch.Generator().manual_seed(3))
+    _grads(params, g, 0)
+    opt.step()  # state creation may sync; the steady-state step must not
+
+    def refuse(*a, **k):
+        raise AssertionError("host synchronisation in the optimizer step")
+
+    _grads(params, g, 1)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    opt.step()
+
+
+def test_stochastic_streams_differ_between_tensors_and_steps():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1000, generator=g)
+    params = [torch.nn.Parameter(x.clone()) for _ in range(2)]
+    opt = fo.AdamW(params, kernels="triton", rounding="stochastic", generator=torch.Generator().manual_seed(4))
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3) * torch.linspace(0.5, 1.5, 1000)
+    opt.step()
+    ca, cb = (opt.state[p]["exp_avg_codes"].view(torch.uint8) for p in params)
+    assert not torch.equal(ca, cb)  # same values, independent draws per tensor
+
+
+def test_live_tuning_is_refused():
+    from fp8pass.optim import triton_step
+
+    with pytest.raises(RuntimeError, match="autotuned on live tensors"):
+        triton_step._refuse_live_tuning({})
+
+
+def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
+    from fp8pass.numerics.kernels import triton_family
+
+    monkeypatch.setattr(triton_family, "INTERPRETING", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_family.check_interpretable(torch.device("cpu"))

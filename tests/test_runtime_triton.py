@@ -1,16 +1,11 @@
 """Triton kernels of the runtime ops under the interpreter, against the torch reference.
 
-Runs in a subprocess-free way: TRITON_INTERPRET must be set before triton is imported. conftest.py
-sets it on machines without CUDA; this module never sets it itself (a process-wide variable would turn
-every later Triton kernel of a GPU run into interpreted code), and skips where it is not set."""
-
-import os
+TRITON_INTERPRET=1 is set by conftest.py for the CPU suite on every host (CUDA hosts too); the same
+kernels compiled for a GPU are checked in tests/gpu."""
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 (set by conftest.py without CUDA)", allow_module_level=True)
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
@@ -136,3 +131,72 @@ def test_gpu_code_path_on_cpu_matches_torch_path(monkeypatch):
         got, _ = run(smooth, act)
         for a, b in zip(got, ref):
             assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(37, 50), (1, 129), (130, 3)])
+def test_transpose_cast_stays_in_bounds(shape, strict_interpreter):
+    """Partial tiles at both edges: every load and store (both layouts) inside the tensors."""
+    x = _hard_values(shape[0] * shape[1], 1).reshape(shape)
+    codes, codes_t, amax = tk.transpose_cast(x, torch.tensor(2.0), E4M3)
+    assert torch.equal(codes.view(torch.uint8), saturating_cast(x * 2.0, E4M3).view(torch.uint8))
+    assert torch.equal(codes_t.view(torch.uint8), codes.view(torch.uint8).t())
+    assert amax == x.abs().max()
+
+
+def test_swiglu_colamax_propagates_nan():
+    gate, up = torch.randn(70, 20), torch.randn(70, 20)
+    gate[65, 3] = float("nan")  # in the third row tile
+    col = tk.swiglu_colamax(gate, up)
+    assert col[3].isnan() and not col[torch.arange(20) != 3].isnan().any()
+
+
+from fp8pass.runtime.kernels import cuda as cuda_kernels  # noqa: E402
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def test_scaled_mm_plan():
+    """torch._scaled_mm needs K and N multiples of 16 (M is free): the plan pads K and N with zero codes;
+    two E5M2 operands, other dtypes, empty dims and CPU tensors take the fallback."""
+    plan = cuda_kernels.scaled_mm_plan
+    e4, e5 = FP8
+    assert plan(4095, 4096, 4096, e4, e4, torch.bfloat16, "cuda") == (0, 0)
+    assert plan(7, 32, 48, e4, e5, torch.float32, "cuda") == (0, 0)
+    assert plan(4096, 4095, 4096, e5, e4, torch.bfloat16, "cuda") == (1, 0)
+    assert plan(100, 72, 40, e4, e4, torch.float16, "cuda") == (8, 8)
+    assert plan(64, 64, 64, e5, e5, torch.bfloat16, "cuda") is None
+    assert plan(64, 64, 64, e4, e4, torch.bfloat16, "cpu") is None
+    assert plan(64, 64, 64, torch.bfloat16, e4, torch.bfloat16, "cuda") is None
+    assert plan(0, 64, 64, e4, e4, torch.bfloat16, "cuda") is None
+    assert plan(64, 64, 64, e4, e4, torch.int32, "cuda") is None
+
+
+def _fake_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
+    """torch._scaled_mm's checks (K, N multiples of 16; a row-major, b column-major; bias dtype) and
+    its math, on CPU, so the padding around it is tested without a GPU."""
+    assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+    assert a.is_contiguous() and b.t().is_contiguous()
+    assert not (a.dtype == b.dtype == torch.float8_e5m2)
+    assert bias is None or (bias.dtype == torch.bfloat16 and out_dtype == torch.bfloat16)
+    out = (a.float() @ b.float()) * (scale_a * scale_b)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@pytest.mark.parametrize("mkn", [(33, 72, 40), (16, 32, 48), (5, 17, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_pads_for_scaled_mm(mkn, bias, monkeypatch):
+    m, k, n = mkn
+    g = torch.Generator().manual_seed(7)
+    a = (torch.randn(m, k, generator=g) * 8).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, generator=g) * 8).to(torch.float8_e5m2)
+    sa, sb = torch.tensor(4.0), torch.tensor(0.5)
+    bv = torch.randn(n, generator=g) if bias else None
+    ref = cuda_kernels.gemm_tensor_scaled(a, sa, b, sb, torch.bfloat16, bv)  # CPU: the fallback
+    real_plan = cuda_kernels.scaled_mm_plan
+    monkeypatch.setattr(cuda_kernels, "scaled_mm_plan", lambda *args: real_plan(*args[:-1], "cuda"))
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm)
+    got = cuda_kernels.gemm_tensor_scaled(a, sa, b, sb, torch.bfloat16, bv)
+    assert got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-2)

@@ -214,6 +214,7 @@ class Adam(torch.optim.Optimizer):
             decoupled = bool(group.get("decoupled_weight_decay", False))
             coupled_wd = not decoupled and group["weight_decay"] != 0
             hps: dict = {}
+            batches: dict = {}  # (m_spec, v_spec) -> [(p, grad, state, hp)]: one Triton launch each
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -236,17 +237,30 @@ class Adam(torch.optim.Optimizer):
                     hp = hps[key]
                 if is_dtensor(p):  # FSDP2 shard: update the local shard and its blocks
                     self._update(*local_view(p, grad, state), group, m_spec, v_spec, hp, coupled_wd)
+                elif self._kind(group, p) == "triton" and p.is_contiguous() and m_spec.block <= TRITON_MAX_BLOCK:
+                    batches.setdefault((m_spec, v_spec), []).append((p, grad.contiguous(), state, hp))
                 else:
                     self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd)
+            for (m_spec, v_spec), batch in batches.items():
+                from .triton_step import adam_step_triton_multi
+
+                adam_step_triton_multi(*zip(*batch), m_spec, v_spec, maximize=group["maximize"], coupled_wd=coupled_wd,
+                                       rounding=group["rounding"], stochastic_flush=group["stochastic_flush"],
+                                       generator=self.generator)
         return loss
 
-    def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd) -> None:
+    def _kind(self, group, p) -> str:
+        """The kernels that update ``p``: the group's choice, "auto" resolved for p's device and size."""
         kind = group["kernels"]
         if kind == "auto":
             kind = family_name(p.device)
             forced = os.environ.get("FP8PASS_KERNELS", "auto").lower() != "auto"
             if kind == "torch" and not forced and p.device.type == "cpu" and p.numel() >= AUTO_COMPILE_NUMEL:
                 kind = "compiled"
+        return kind
+
+    def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd) -> None:
+        kind = self._kind(group, p)
         opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                     stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
         if kind == "compiled" and m_spec.block > CHUNK:

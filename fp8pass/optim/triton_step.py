@@ -1,30 +1,61 @@
-"""Fused Triton kernel of the FP8 Adam step: dequantize -> update -> requantize in one pass.
+"""Fused multi-tensor Triton kernel of the FP8 Adam step: dequantize -> update -> requantize, one pass.
 
-One program per block of ``BLOCK`` elements (the scale block): it reads the parameter, the gradient,
-both moments' codes and block scales, applies exactly the update of ``torch_step`` (same fp32 ops in
-the same order, IEEE ``sqrt_rn`` / ``div_rn``, FMA contraction off), takes the new block amaxes over
-the finite values, and writes the parameter, the codes and the scales. Per element that is 2 bytes of
-moments read and written instead of torch AdamW's 8, and no fp32 moment ever reaches memory.
+One launch updates many parameters (``adam_step_triton_multi``; ``adam_step_triton`` is the one-tensor
+case). A table on the device, built once per set of tensors and cached, holds per tensor the element
+offsets of its parameter, gradient, moments and block scales from the launch's base tensors, its
+hyper-parameter vector, its size and its first scale block. Each program takes ``NB`` consecutive
+scale blocks of the whole set (a binary search in the table finds each block's tensor), reads the
+parameter, the gradient, both moments' codes and block scales, applies exactly the update of
+``torch_step`` (same fp32 ops in the same order, IEEE ``sqrt_rn`` / ``div_rn``, FMA contraction off),
+takes the new block amaxes over the finite values, and writes the parameter, the codes and the scales.
+A block wider than ``MAX_SPAN`` elements (one scale for a large tensor) is walked in spans twice: once
+for its amaxes, once to write (the same ops, so the same values). Per element that is 2 bytes of
+moments read and written instead of torch AdamW's 16, and no fp32 moment ever reaches memory.
 
 Codes are computed with integer operations (the algorithm of ``fp8pass.numerics.casts.encode``), never
-with Triton's fp32 -> fp8 conversion, which the interpreter gets wrong (docs/background.md, Traps); decoding is
-integer too, so the kernel also runs on GPUs without native FP8 types. ``torch_step.adam_step_torch`` is
-the reference: the tests compare the two bit for bit under ``TRITON_INTERPRET=1``.
+with Triton's fp32 -> fp8 conversion, which the interpreter gets wrong (docs/background.md, Traps); decoding
+is integer too, so the kernel also runs on GPUs without native FP8 types. ``torch_step.adam_step_torch`` is
+the reference: the tests compare the two bit for bit (under ``TRITON_INTERPRET=1`` on CPU, on CUDA in
+tests/gpu). Stochastic rounding draws one seed per launch on the device (no host synchronisation) and keys
+Philox by each element's index in the launch.
+
+Autotuning (``triton.autotune`` over blocks per program and warps, keyed on the launch's size class, the
+block size, the formats and the dtypes) never benchmarks live tensors: the kernel updates in place, so
+the first launch of a key tunes on scratch tensors of the same dtypes (at most 2**24 elements) and only
+then runs on the real ones; a tuning attempt on live tensors raises. Under the interpreter there is one
+fixed config and no tuning.
 """
 
 from __future__ import annotations
+
+import collections
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ..numerics.kernels.triton_family import _encode  # the one exact in-kernel cast
+from ..numerics.kernels.triton_family import (  # the one exact in-kernel cast and the shared helpers
+    INTERPRETING,
+    _encode,
+    _random_bits,
+    autotune,
+    check_interpretable,
+    random_seed,
+    size_class,
+)
 from ..numerics.scaling import MAX_SCALE
 from .moments import MomentSpec
 
-__all__ = ["adam_step_triton"]
+__all__ = ["adam_step_triton", "adam_step_triton_multi", "MAX_SPAN"]
 
 _KIND = {"e4m3": 0, "e5m2": 0, "bf16": 1, "fp32": 2}
+# Lanes of one pass over a block: wider blocks are walked in spans of this many elements.
+MAX_SPAN = 4096
+# Columns of the launch table (int64, one row per tensor).
+_COLS = ("p", "g", "m", "m_scale", "v", "v_scale", "hp", "numel", "first_block", "first_elem")
+_W = len(_COLS)
+_TUNING_SCRATCH = 2**24
 
 
 @triton.jit
@@ -59,91 +90,199 @@ def _store_float(ptr, x, mask):
 
 
 @triton.jit
-def _load_moment(ptr, scale_ptr, offs, mask, pid, KIND: tl.constexpr, SQRT: tl.constexpr,
-                 MBITS: tl.constexpr, BIAS: tl.constexpr, IEEE_SPECIALS: tl.constexpr):
+def _load_moment(ptr, scale_ptr, e, mask, blk_ok, KIND: tl.constexpr, SQRT: tl.constexpr, MBITS: tl.constexpr,
+                 BIAS: tl.constexpr, IEEE_SPECIALS: tl.constexpr):
+    """fp32 moment values at ``ptr + e`` ([NB, SPAN]); FP8 codes are divided by their block's scale."""
     if KIND == 0:
-        c = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-        x = tl.math.div_rn(_decode(c, MBITS, BIAS, IEEE_SPECIALS), tl.load(scale_ptr + pid))
+        c = tl.load(ptr + e, mask=mask, other=0).to(tl.int32)
+        s = tl.load(scale_ptr, mask=blk_ok, other=1.0)
+        x = tl.math.div_rn(_decode(c, MBITS, BIAS, IEEE_SPECIALS), s[:, None])
         if SQRT:
             x = x * x
     else:
-        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(ptr + e, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
 @triton.jit
-def _store_moment(x, ptr, scale_ptr, offs, mask, pid, rbits, KIND: tl.constexpr, MBITS: tl.constexpr,
-                  BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr, FMAX: tl.constexpr,
-                  MIN_SUB: tl.constexpr, SCALE_CAP: tl.constexpr, STOCHASTIC: tl.constexpr,
-                  SFLUSH: tl.constexpr):
+def _block_scale(amax, FMAX: tl.constexpr, SCALE_CAP: tl.constexpr):
+    """numerics.scale_from_amax per block: FMAX / amax capped, 1 for an all-zero block."""
+    scale = tl.minimum(tl.math.div_rn(FMAX + amax * 0.0, amax), SCALE_CAP)
+    return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def _finite_amax(x, mask):
+    """Per-row max |x| over the finite values (moments.finite_block_amax)."""
+    a = tl.abs(x)
+    return tl.max(tl.where(mask & (a < float("inf")), a, 0.0), axis=1)
+
+
+@triton.jit
+def _store_moment(x, ptr, e, mask, scale, rbits, KIND: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                  MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr, MIN_SUB: tl.constexpr,
+                  STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr):
     if KIND == 0:
-        a = tl.abs(x)
-        a = tl.where(mask & (a < float("inf")), a, 0.0)  # finite values only (moments.finite_block_amax)
-        amax = tl.max(a, axis=0)
-        # numerics.scale_from_amax: FMAX / amax capped, 1 for an all-zero block
-        scale = tl.minimum(tl.math.div_rn(FMAX + amax * 0.0, amax), SCALE_CAP)
-        scale = tl.where(amax > 0, scale, 1.0)
-        y = x * scale
+        y = x * scale[:, None]
         code = _encode(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC)
         if SFLUSH:
             if not STOCHASTIC:
                 sr = _encode(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, True)
                 code = tl.where(tl.abs(y) < MIN_SUB, sr, code)
-        tl.store(ptr + offs, code.to(tl.uint8), mask=mask)
-        tl.store(scale_ptr + pid, scale)
+        tl.store(ptr + e, code.to(tl.uint8), mask=mask)
     else:
-        _store_float(ptr + offs, x, mask)
+        _store_float(ptr + e, x, mask)
 
 
 @triton.jit
-def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, n, seed,
+def _span_update(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, e, mask, blk_ok, b1, omb1, b2, omb2, inv_bc2s, eps,
+                 step_size, decay, l2,
+                 M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_IEEE: tl.constexpr,
+                 V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_IEEE: tl.constexpr,
+                 V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr):
+    """The Adam(W) update of one [NB, SPAN] span (math: torch_step module doc): new p, m, v, sqrt(v)."""
+    p = tl.load(p_ptr + e, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + e, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    if COUPLED_WD:
+        g = g + p * l2
+    m = _load_moment(m_ptr, ms_ptr, e, mask, blk_ok, M_KIND, False, M_MBITS, M_BIAS, M_IEEE)
+    v = _load_moment(v_ptr, vs_ptr, e, mask, blk_ok, V_KIND, V_SQRT, V_MBITS, V_BIAS, V_IEEE)
+    m = m * b1 + g * omb1
+    v = v * b2 + (g * g) * omb2
+    r = tl.math.sqrt_rn(v)
+    p = p * decay
+    p = p - tl.math.div_rn(m, r * inv_bc2s + eps) * step_size
+    return p, m, v, r
+
+
+_ADAM_CONFIGS = [triton.Config({"NB": nb}, num_warps=w) for nb in (1, 2, 4, 8, 16, 32) for w in (4, 8)]
+_ADAM_INTERPRET = triton.Config({"NB": 8}, num_warps=4)
+
+
+def _prune_adam_configs(configs, named_args, **kwargs):
+    """Tiles of 1024-8192 elements per program (one span per program for the widest blocks)."""
+    span = kwargs["SPAN"]
+    kept = [c for c in configs if 1024 <= c.kwargs["NB"] * span <= 8192 or (span >= 4096 and c.kwargs["NB"] == 1)]
+    return kept or configs[:1]
+
+
+_TUNING = [False]  # True while the kernel is tuned on scratch tensors
+
+
+def _refuse_live_tuning(nargs, reset_only=False):
+    """Autotuning runs the kernel several times: on live tensors that would apply the update twice."""
+    if not _TUNING[0]:
+        raise RuntimeError("fp8pass.optim: the in-place Adam kernel was about to be autotuned on live tensors; "
+                           "this is a bug in fp8pass (tuning happens on scratch tensors first), please report it")
+
+
+@autotune(_ADAM_CONFIGS, interpret=_ADAM_INTERPRET,
+          key=["rows_class", "BLOCK", "M_KIND", "V_KIND", "V_SQRT", "STOCHASTIC", "SFLUSH"],
+          prune_configs_by={"early_config_prune": _prune_adam_configs}, pre_hook=_refuse_live_tuning)
+@triton.jit
+def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, table_ptr, n_tensors, n_rows,
+                 rows_class,
                  M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                  M_NAN_CODE: tl.constexpr, M_FMAX: tl.constexpr, M_MIN_SUB: tl.constexpr, M_IEEE: tl.constexpr,
                  V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_MAX_CODE: tl.constexpr,
                  V_NAN_CODE: tl.constexpr, V_FMAX: tl.constexpr, V_MIN_SUB: tl.constexpr, V_IEEE: tl.constexpr,
                  V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr,
                  STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, SCALE_CAP: tl.constexpr,
-                 BLOCK: tl.constexpr, BP: tl.constexpr):
-    """Adam(W) on one scale block (math: torch_step module doc)."""
-    pid = tl.program_id(0)
-    lane = tl.arange(0, BP)
-    offs = pid * BLOCK + lane
-    mask = (lane < BLOCK) & (offs < n)
-    b1 = tl.load(hp_ptr + 0)
-    omb1 = tl.load(hp_ptr + 1)
-    b2 = tl.load(hp_ptr + 2)
-    omb2 = tl.load(hp_ptr + 3)
-    inv_bc2s = tl.load(hp_ptr + 4)
-    eps = tl.load(hp_ptr + 5)
-    step_size = tl.load(hp_ptr + 6)
-    decay = tl.load(hp_ptr + 7)
-    l2 = tl.load(hp_ptr + 8)
+                 BLOCK: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr, ALIGNED: tl.constexpr,
+                 W: tl.constexpr, NB: tl.constexpr):
+    """Adam(W) on NB scale blocks ("rows") of the launch's tensors (see the module doc)."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * NB + tl.arange(0, NB)
+    row_ok = rows < n_rows
+    # The tensor of each row: the last t with first_block[t] <= row (binary search in the table).
+    lo = tl.zeros([NB], dtype=tl.int64)
+    hi = lo + n_tensors
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(table_ptr + mid * W + 8, mask=row_ok, other=0) <= rows
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    t = table_ptr + lo * W
+    p_off = tl.load(t + 0, mask=row_ok, other=0)
+    g_off = tl.load(t + 1, mask=row_ok, other=0)
+    m_off = tl.load(t + 2, mask=row_ok, other=0)
+    v_off = tl.load(t + 4, mask=row_ok, other=0)
+    if ALIGNED:  # every tensor starts 16 elements apart from its base: vector loads and stores
+        p_off = tl.multiple_of(p_off, 16)
+        g_off = tl.multiple_of(g_off, 16)
+        m_off = tl.multiple_of(m_off, 16)
+        v_off = tl.multiple_of(v_off, 16)
+    hp = hp_ptr + tl.load(t + 6, mask=row_ok, other=0)
+    numel = tl.load(t + 7, mask=row_ok, other=0)
+    blk = rows - tl.load(t + 8, mask=row_ok, other=0)
+    first_elem = tl.load(t + 9, mask=row_ok, other=0)
+    ms = ms_ptr + tl.load(t + 3, mask=row_ok, other=0) + blk
+    vs = vs_ptr + tl.load(t + 5, mask=row_ok, other=0) + blk
+    b1 = tl.load(hp + 0, mask=row_ok, other=0.0)[:, None]
+    omb1 = tl.load(hp + 1, mask=row_ok, other=0.0)[:, None]
+    b2 = tl.load(hp + 2, mask=row_ok, other=0.0)[:, None]
+    omb2 = tl.load(hp + 3, mask=row_ok, other=0.0)[:, None]
+    inv_bc2s = tl.load(hp + 4, mask=row_ok, other=0.0)[:, None]
+    eps = tl.load(hp + 5, mask=row_ok, other=1.0)[:, None]
+    step_size = tl.load(hp + 6, mask=row_ok, other=0.0)[:, None]
+    decay = tl.load(hp + 7, mask=row_ok, other=1.0)[:, None]
+    l2 = tl.load(hp + 8, mask=row_ok, other=0.0)[:, None]
+    seed = 0
+    if STOCHASTIC or SFLUSH:
+        seed = tl.load(seed_ptr)
+    lane = tl.arange(0, SPAN)
 
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    if COUPLED_WD:
-        g = g + p * l2
-    m = _load_moment(m_ptr, ms_ptr, offs, mask, pid, M_KIND, False, M_MBITS, M_BIAS, M_IEEE)
-    v = _load_moment(v_ptr, vs_ptr, offs, mask, pid, V_KIND, V_SQRT, V_MBITS, V_BIAS, V_IEEE)
-    m = m * b1 + g * omb1
-    v = v * b2 + (g * g) * omb2
-    r = tl.math.sqrt_rn(v)
-    p = p * decay
-    p = p - tl.math.div_rn(m, r * inv_bc2s + eps) * step_size
-    _store_float(p_ptr + offs, p, mask)
+    m_scale = tl.zeros([NB], dtype=tl.float32) + 1.0
+    v_scale = tl.zeros([NB], dtype=tl.float32) + 1.0
+    if BLOCK > SPAN:  # pass 1 over a wide block: its amaxes only
+        m_amax = tl.zeros([NB], dtype=tl.float32)
+        v_amax = tl.zeros([NB], dtype=tl.float32)
+        for s0 in range(0, BLOCK, SPAN):
+            e = blk[:, None] * BLOCK + (s0 + lane)[None, :]
+            mask = row_ok[:, None] & ((s0 + lane) < BLOCK)[None, :] & (e < numel[:, None])
+            p, m, v, r = _span_update(p_ptr + p_off[:, None], g_ptr + g_off[:, None], m_ptr + m_off[:, None], ms,
+                                      v_ptr + v_off[:, None], vs, e, mask, row_ok, b1, omb1, b2, omb2, inv_bc2s,
+                                      eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS,
+                                      V_BIAS, V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
+            m_amax = tl.maximum(m_amax, _finite_amax(m, mask))
+            if V_SQRT:
+                v_amax = tl.maximum(v_amax, _finite_amax(r, mask))
+            else:
+                v_amax = tl.maximum(v_amax, _finite_amax(v, mask))
+        m_scale = _block_scale(m_amax, M_FMAX, SCALE_CAP)
+        v_scale = _block_scale(v_amax, V_FMAX, SCALE_CAP)
 
-    rbits = (tl.randint(seed, offs) & 0x3FFFFFFF).to(tl.int32)
-    _store_moment(m, m_ptr, ms_ptr, offs, mask, pid, rbits, M_KIND, M_MBITS, M_BIAS, M_MAX_CODE, M_NAN_CODE,
-                  M_FMAX, M_MIN_SUB, SCALE_CAP, STOCHASTIC, SFLUSH)
-    rbits = (tl.randint(seed + 1, offs) & 0x3FFFFFFF).to(tl.int32)
-    if V_SQRT:
-        v = r
-    _store_moment(v, v_ptr, vs_ptr, offs, mask, pid, rbits, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE,
-                  V_FMAX, V_MIN_SUB, SCALE_CAP, STOCHASTIC, SFLUSH)
+    for s0 in range(0, BLOCK, SPAN):  # the update, written (one span when the block fits a tile)
+        e = blk[:, None] * BLOCK + (s0 + lane)[None, :]
+        mask = row_ok[:, None] & ((s0 + lane) < BLOCK)[None, :] & (e < numel[:, None])
+        p, m, v, r = _span_update(p_ptr + p_off[:, None], g_ptr + g_off[:, None], m_ptr + m_off[:, None], ms,
+                                  v_ptr + v_off[:, None], vs, e, mask, row_ok, b1, omb1, b2, omb2, inv_bc2s, eps,
+                                  step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS, V_BIAS,
+                                  V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
+        _store_float(p_ptr + p_off[:, None] + e, p, mask)
+        if V_SQRT:
+            v = r
+        if BLOCK <= SPAN:
+            m_scale = _block_scale(_finite_amax(m, mask), M_FMAX, SCALE_CAP)
+            v_scale = _block_scale(_finite_amax(v, mask), V_FMAX, SCALE_CAP)
+        r_m = 0
+        r_v = 0
+        if STOCHASTIC or SFLUSH:
+            r_m = _random_bits(seed, first_elem[:, None] + e)
+            r_v = _random_bits(seed + 1, first_elem[:, None] + e)
+        _store_moment(m, m_ptr + m_off[:, None], e, mask, m_scale, r_m, M_KIND, M_MBITS, M_BIAS, M_MAX_CODE,
+                      M_NAN_CODE, M_MIN_SUB, STOCHASTIC, SFLUSH)
+        _store_moment(v, v_ptr + v_off[:, None], e, mask, v_scale, r_v, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE,
+                      V_NAN_CODE, V_MIN_SUB, STOCHASTIC, SFLUSH)
+    if M_KIND == 0:
+        tl.store(ms, m_scale, mask=row_ok)
+    if V_KIND == 0:
+        tl.store(vs, v_scale, mask=row_ok)
 
 
+@functools.lru_cache(maxsize=None)
 def _fmt_args(spec: MomentSpec, prefix: str) -> dict:
     kind = _KIND[spec.fmt]
     args = dict(KIND=kind, MBITS=3, BIAS=7, MAX_CODE=0x7E, NAN_CODE=0x7F, FMAX=448.0, MIN_SUB=2.0**-9, IEEE=False)
@@ -155,11 +294,130 @@ def _fmt_args(spec: MomentSpec, prefix: str) -> dict:
 
 
 def _storage(state: dict, spec: MomentSpec):
-    """(element pointer tensor, scale tensor) for the kernel; FP8 codes are passed as uint8."""
+    """(element tensor, scale tensor) for the kernel; FP8 codes are passed as uint8."""
     if spec.fp8:
         return state[spec.codes_key].view(torch.uint8), state[spec.scale_key]
     t = state[spec.name]
-    return t, t  # the scale pointer is unused for bf16/fp32 moments
+    return t, t  # the scale pointer is never read for bf16/fp32 moments
+
+
+def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    """Elements from ``base``'s first element to ``t``'s (both of one dtype)."""
+    delta = t.data_ptr() - base.data_ptr()
+    if delta % t.element_size():
+        raise ValueError("the Triton Adam kernel needs element-aligned tensors; use kernels='torch' for these")
+    return delta // t.element_size()
+
+
+# Launch tables on the device, keyed by their content (relative offsets and sizes): rebuilt only when
+# the tensors move (a new gradient allocation at another address, a new parameter set).
+_TABLES: collections.OrderedDict = collections.OrderedDict()
+_MAX_TABLES = 32
+
+
+def _table(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    key = (device, tuple(rows))
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        _TABLES[key] = table
+        if len(_TABLES) > _MAX_TABLES:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
+
+
+_TUNED: set = set()
+
+
+def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_class: int | None = None) -> None:
+    """One kernel launch over ``items``: (param, grad, state, hp) of one device and one pair of dtypes."""
+    p0, g0, st0, hp0 = items[0]
+    device = p0.device
+    m0, ms0 = _storage(st0, m_spec)
+    v0, vs0 = _storage(st0, v_spec)
+    block = m_spec.block
+    rows, first_block, first_elem, aligned = [], 0, 0, block % 16 == 0
+    for p, g, st, hp in items:
+        m, ms = _storage(st, m_spec)
+        v, vs = _storage(st, v_spec)
+        offs = (_offset(p, p0), _offset(g, g0), _offset(m, m0), _offset(ms, ms0), _offset(v, v0), _offset(vs, vs0),
+                _offset(hp, hp0))
+        aligned = aligned and all(o % 16 == 0 for o in (offs[0], offs[1], offs[2], offs[4]))
+        rows.append((*offs, p.numel(), first_block, first_elem))
+        first_block += -(-p.numel() // block)
+        first_elem += p.numel()
+    table = _table(rows, device)
+    stochastic = opts["rounding"] == "stochastic"
+    sflush = opts["stochastic_flush"]
+    gen = opts["generator"]
+    seed = random_seed(gen if gen is not None and gen.device == device else None, device) \
+        if (stochastic or sflush) else hp0
+    rows_class = size_class(first_block) if rows_class is None else rows_class
+    span = min(triton.next_power_of_2(block), MAX_SPAN)
+    meta = dict(**_fmt_args(m_spec, "M"), **_fmt_args(v_spec, "V"), V_SQRT=v_spec.stores_sqrt,
+                MAXIMIZE=opts["maximize"], COUPLED_WD=opts["coupled_wd"], STOCHASTIC=stochastic, SFLUSH=sflush,
+                SCALE_CAP=MAX_SCALE, BLOCK=block, SPAN=span, SEARCH_STEPS=max(1, len(items).bit_length()),
+                ALIGNED=aligned, W=_W)
+    key = (device, p0.dtype, g0.dtype, m0.dtype, v0.dtype, seed.dtype, rows_class, block, m_spec.fmt, v_spec.fmt,
+           v_spec.stores_sqrt, stochastic, sflush)
+    if not INTERPRETING and key not in _TUNED and not _TUNING[0]:
+        _tune_on_scratch(items[0], m_spec, v_spec, opts, rows_class, min(first_elem, _TUNING_SCRATCH))
+        _TUNED.add(key)
+    n_rows = first_block
+    _adam_kernel[lambda cfg: (triton.cdiv(n_rows, cfg["NB"]),)](
+        p0, g0, m0, ms0, v0, vs0, hp0, seed, table, len(items), n_rows, rows_class, **meta,
+        enable_fp_fusion=False,  # no FMA: bit-identical to the torch path's single-rounding ops
+    )
+
+
+def _tune_on_scratch(item, m_spec, v_spec, opts, rows_class: int, numel: int) -> None:
+    """Autotune the kernel for this key on scratch tensors shaped like ``item`` (never on live ones)."""
+    from .moments import init_moment
+
+    p, g, _, hp = item
+    sp = torch.zeros(numel, dtype=p.dtype, device=p.device)
+    sg = torch.full((numel,), 1e-3, dtype=g.dtype, device=g.device)
+    st: dict = {}
+    init_moment(st, m_spec, sp)
+    init_moment(st, v_spec, sp)
+    _TUNING[0] = True
+    try:
+        _launch([(sp, sg, st, hp.clone())], m_spec, v_spec, opts, rows_class)
+    finally:
+        _TUNING[0] = False
+
+
+def _check(p: torch.Tensor, grad: torch.Tensor) -> None:
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        raise ValueError("the Triton Adam kernel needs contiguous parameters and gradients; "
+                         "use kernels='torch' for non-contiguous ones")
+    check_interpretable(p.device)
+
+
+def adam_step_triton_multi(params, grads, states, hps, m_spec: MomentSpec, v_spec: MomentSpec,
+                           maximize: bool = False, coupled_wd: bool = False, rounding: str = "nearest",
+                           stochastic_flush: bool = False, generator: torch.Generator | None = None) -> None:
+    """``torch_step.adam_step_torch`` for many parameters: one kernel launch per (device, parameter
+    dtype, gradient dtype) among them.
+
+    Args:
+        params, grads, states, hps: per parameter its tensor, dense gradient, state dict (moments in the
+            layout of ``m_spec`` / ``v_spec``) and fp32 hyper-parameter vector (``torch_step.hyper_params``).
+        m_spec, v_spec, maximize, coupled_wd, rounding, stochastic_flush: as in ``adam_step_torch``.
+        generator: for stochastic rounding, used for the tensors on its device (the device's default
+            generator for the others).
+    """
+    opts = dict(maximize=maximize, coupled_wd=coupled_wd, rounding=rounding, stochastic_flush=stochastic_flush,
+                generator=generator)
+    groups: dict = {}
+    for p, g, st, hp in zip(params, grads, states, hps):
+        _check(p, g)
+        if p.numel():
+            groups.setdefault((p.device, p.dtype, g.dtype), []).append((p, g, st, hp.to(p.device)))
+    for items in groups.values():
+        _launch(items, m_spec, v_spec, opts)
 
 
 def adam_step_triton(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: MomentSpec,
@@ -167,21 +425,6 @@ def adam_step_triton(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: M
                      rounding: str = "nearest", stochastic_flush: bool = False,
                      generator: torch.Generator | None = None) -> None:
     """Same contract as ``torch_step.adam_step_torch``, in one kernel launch (contiguous tensors)."""
-    if not (p.is_contiguous() and grad.is_contiguous()):
-        raise ValueError("the Triton Adam kernel needs contiguous parameters and gradients; "
-                         "use kernels='torch' for non-contiguous ones")
-    n = p.numel()
-    block = m_spec.block
-    m_ptr, ms_ptr = _storage(state, m_spec)
-    v_ptr, vs_ptr = _storage(state, v_spec)
-    needs_random = rounding == "stochastic" or stochastic_flush
-    seed = int(torch.randint(0, 2**31 - 2, (), generator=generator).item()) if needs_random else 0
-    grid = (-(-n // block),)
-    _adam_kernel[grid](
-        p, grad, m_ptr, ms_ptr, v_ptr, vs_ptr, hp, n, seed,
-        **_fmt_args(m_spec, "M"), **_fmt_args(v_spec, "V"),
-        V_SQRT=v_spec.stores_sqrt, MAXIMIZE=maximize, COUPLED_WD=coupled_wd,
-        STOCHASTIC=rounding == "stochastic", SFLUSH=stochastic_flush, SCALE_CAP=MAX_SCALE,
-        BLOCK=block, BP=triton.next_power_of_2(block),
-        enable_fp_fusion=False,  # no FMA: bit-identical to the torch path's single-rounding ops
-    )
+    adam_step_triton_multi([p], [grad], [state], [hp], m_spec, v_spec, maximize, coupled_wd, rounding,
+                           stochastic_flush, generator)
+

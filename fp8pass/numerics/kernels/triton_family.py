@@ -10,13 +10,22 @@ Kernels:
     ``_amax_kernel``          partial max |x| per program (NaN-propagating, like torch.aminmax).
     ``_cast_tensor_kernel``   codes of ``x * scale`` for one scale, optionally the partial amaxes of
                               x in the same read (delayed scaling records the amax while casting);
-                              E2M1 codes are packed two per byte in the kernel.
-    ``_quantize_tiles_kernel`` one program per tile: amax over the tile, scale, cast (current
-                              scaling, rows or blocks), or the cast alone with given per-tile scales.
+                              E2M1 codes are packed two per byte in the kernel (an odd element count
+                              leaves the high nibble of the last byte 0 and reads nothing past the end).
+    ``_quantize_tiles_kernel`` one program per group of tiles: amax over each tile, scale, cast
+                              (current scaling, rows or blocks), or the cast alone with given scales.
+
+Every index is int64 (``program_id`` widened before it is multiplied), so tensors of more than 2**31
+elements are addressed exactly. Stochastic rounding draws its seed on the tensor's device (no host
+synchronisation) and keys Philox by the element's 64-bit index. ``_amax_kernel`` and
+``_cast_tensor_kernel`` are autotuned (``triton.autotune``, keyed on the size class ``n.bit_length()``);
+under Triton's interpreter each has one fixed config, so the CPU tests never benchmark.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 import torch
@@ -27,10 +36,56 @@ from ..formats import Format
 from ..scaling import MAX_SCALE
 from . import torch_family
 
-__all__ = ["tensor_amax", "cast_scaled", "group_amax", "quantize_groups"]
+__all__ = ["tensor_amax", "cast_scaled", "cast_flat", "group_amax", "quantize_groups", "random_seed",
+           "INTERPRETING", "autotune", "size_class", "check_interpretable"]
 
-# The interpreter runs each program as numpy calls: large blocks amortise its per-program overhead.
-_BLOCK = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+
+def _interpreting() -> bool:
+    """Whether ``triton.jit`` builds interpreted kernels in this process (TRITON_INTERPRET=1)."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # triton < 3.4 reads the variable directly
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRETING = _interpreting()
+
+# Tiles of the tile kernel per program, in elements. The interpreter runs each program as numpy
+# calls: large blocks amortise its per-program overhead.
+_BLOCK = 1 << 16 if INTERPRETING else 1024
+
+
+def _quick_bench(kernel_call, quantiles):
+    """Autotuning benchmark: a few ms per config (triton's default spends ~125 ms on each)."""
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def autotune(configs: list, key: list[str], interpret: triton.Config, **kwargs):
+    """``triton.autotune`` over ``configs`` keyed on ``key``; under the interpreter only ``interpret``.
+
+    One config means no benchmarking, so the CPU tests never time anything; the choice is explicit
+    (``INTERPRETING``), never inferred from the absence of CUDA.
+    """
+    if "do_bench" in inspect.signature(triton.autotune).parameters:
+        kwargs.setdefault("do_bench", _quick_bench)
+    return triton.autotune(configs=[interpret] if INTERPRETING else configs, key=key, **kwargs)
+
+
+def size_class(n: int) -> int:
+    """The autotuning key of a size: its bit length (one tuning per power-of-two range)."""
+    return int(n).bit_length()
+
+
+def check_interpretable(device: torch.device) -> None:
+    """A clear error when a compiled Triton kernel would get CPU tensors (it would fault instead)."""
+    if torch.device(device).type == "cpu" and not INTERPRETING:
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
+            "triton is first imported (or use the torch kernels: FP8PASS_KERNELS=torch, kernels='torch')")
 
 
 @triton.jit
@@ -89,46 +144,71 @@ def _nan_max(a, b):
 
 
 @triton.jit
-def _amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
+def _random_bits(seed, offs):
+    """30 random bits per element: Philox keyed by ``seed`` with the element's int64 index as counter
+    (low word, high word), so no two elements of a tensor share bits; for indices below 2**32 these
+    are exactly ``tl.randint(seed, offs)``'s bits."""
+    lo = offs.to(tl.uint32)
+    hi = (offs >> 32).to(tl.uint32)
+    zero = lo * 0
+    r, _, _, _ = tl.philox(seed, lo, hi, zero, zero)
+    return (r & 0x3FFFFFFF).to(tl.int32)
+
+
+_FLAT_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))]
+_FLAT_INTERPRET = triton.Config({"BLOCK": 1 << 16}, num_warps=4)
+_MIN_FLAT_BLOCK = min(c.kwargs["BLOCK"] for c in ([_FLAT_INTERPRET] if INTERPRETING else _FLAT_CONFIGS))
+
+
+@autotune(_FLAT_CONFIGS, key=["n_class"], interpret=_FLAT_INTERPRET)
+@triton.jit
+def _amax_kernel(x_ptr, partial_ptr, n, n_class, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(partial_ptr + pid, _abs_max(x))
 
 
+@autotune(_FLAT_CONFIGS, key=["n_class", "PACKED", "STOCHASTIC"], interpret=_FLAT_INTERPRET)
 @triton.jit
-def _random_bits(seed, offs):
-    return (tl.randint(seed, offs) & 0x3FFFFFFF).to(tl.int32)
-
-
-@triton.jit
-def _cast_tensor_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, n, seed,
+def _cast_tensor_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, seed_ptr, n, n_class,
                         MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
                         NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr,
                         PACKED: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
+    """Codes of ``x[i] * scale`` for i < n (one program per BLOCK codes or BLOCK packed bytes)."""
+    pid = tl.program_id(0).to(tl.int64)
     scale = tl.load(scale_ptr)
+    seed = 0
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr)
     if PACKED:
-        # BLOCK output bytes, each holding elements 2i (low nibble) and 2i+1 (high nibble).
+        # BLOCK output bytes, each holding elements 2i (low nibble) and 2i+1 (high nibble); with n odd
+        # the last byte's high element does not exist: masked, so it reads as 0 and encodes as 0.
         pairs = pid * BLOCK + tl.arange(0, BLOCK)
         lo_offs = 2 * pairs
-        mask = lo_offs < n
-        lo = tl.load(x_ptr + lo_offs, mask=mask, other=0.0).to(tl.float32)
-        hi = tl.load(x_ptr + lo_offs + 1, mask=mask, other=0.0).to(tl.float32)
+        lo_mask = lo_offs < n
+        hi_mask = lo_offs + 1 < n
+        lo = tl.load(x_ptr + lo_offs, mask=lo_mask, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + lo_offs + 1, mask=hi_mask, other=0.0).to(tl.float32)
         if WANT_AMAX:
             tl.store(partial_ptr + pid, _nan_max(_abs_max(lo), _abs_max(hi)))
-        r_lo = _random_bits(seed, lo_offs)
-        r_hi = _random_bits(seed, lo_offs + 1)
+        r_lo = 0
+        r_hi = 0
+        if STOCHASTIC:
+            r_lo = _random_bits(seed, lo_offs)
+            r_hi = _random_bits(seed, lo_offs + 1)
         c_lo = _encode(lo * scale, r_lo, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
         c_hi = _encode(hi * scale, r_hi, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
-        tl.store(out_ptr + pairs, (c_lo | (c_hi << 4)).to(tl.uint8), mask=mask)
+        tl.store(out_ptr + pairs, (c_lo | (c_hi << 4)).to(tl.uint8), mask=lo_mask)
     else:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if WANT_AMAX:
             tl.store(partial_ptr + pid, _abs_max(x))
-        rbits = _random_bits(seed, offs)
+        rbits = 0
+        if STOCHASTIC:
+            rbits = _random_bits(seed, offs)
         code = _encode(x * scale, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
 
@@ -148,8 +228,8 @@ def _tile_scale(amax, FMAX: tl.constexpr, MAX_SCALE_C: tl.constexpr, POW2: tl.co
 
 
 @triton.jit
-def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, rows, cols, n_row_tiles, n_col_tiles,
-                           seed, TR: tl.constexpr, TC: tl.constexpr, TRP: tl.constexpr,
+def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, seed_ptr, rows, cols, n_row_tiles, n_col_tiles,
+                           TR: tl.constexpr, TC: tl.constexpr, TRP: tl.constexpr,
                            TCP: tl.constexpr, GR: tl.constexpr, GC: tl.constexpr,
                            MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
                            NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
@@ -161,26 +241,33 @@ def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, rows, cols, n_r
     The block is [GR, TRP, GC, TCP] (TRP, TCP: TR, TC rounded up to powers of two, masked); the
     per-tile amax is a max over axes 3 and 1. MODE 0: amax -> scale -> cast (current scaling);
     1: cast with the given per-tile scales; 2: per-tile amax only. For PACKED (E2M1) formats TCP
-    counts byte columns, each holding elements 2b (low nibble) and 2b+1 (high nibble) of the tile.
+    counts byte columns, each holding elements 2b (low nibble) and 2b+1 (high nibble) of the tile
+    (``cols`` is even there: the caller checks).
     """
-    gr = tl.program_id(0) * GR + tl.arange(0, GR)[:, None, None, None]
-    gc = tl.program_id(1) * GC + tl.arange(0, GC)[None, None, :, None]
+    pid_r = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1).to(tl.int64)
+    gr = pid_r * GR + tl.arange(0, GR)[:, None, None, None]
+    gc = pid_c * GC + tl.arange(0, GC)[None, None, :, None]
     i = tl.arange(0, TRP)[None, :, None, None]
     j = tl.arange(0, TCP)[None, None, None, :]
     r = gr * TR + i
+    seed = 0
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr)
     if PACKED:
         c = gc * TC + 2 * j
         m = (i < TR) & (2 * j < TC) & (r < rows) & (c < cols) & (gr < n_row_tiles) & (gc < n_col_tiles)
+        m_hi = m & (c + 1 < cols)
         lo = tl.load(x_ptr + r * cols + c, mask=m, other=0.0).to(tl.float32)
-        hi = tl.load(x_ptr + r * cols + c + 1, mask=m, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + r * cols + c + 1, mask=m_hi, other=0.0).to(tl.float32)
         a = _nan_max(tl.abs(lo), tl.abs(hi))
     else:
         c = gc * TC + j
         m = (i < TR) & (j < TC) & (r < rows) & (c < cols) & (gr < n_row_tiles) & (gc < n_col_tiles)
         x = tl.load(x_ptr + r * cols + c, mask=m, other=0.0).to(tl.float32)
         a = tl.abs(x)
-    tiles_r = tl.program_id(0) * GR + tl.arange(0, GR)[:, None]
-    tiles_c = tl.program_id(1) * GC + tl.arange(0, GC)[None, :]
+    tiles_r = pid_r * GR + tl.arange(0, GR)[:, None]
+    tiles_c = pid_c * GC + tl.arange(0, GC)[None, :]
     tile = tiles_r * n_col_tiles + tiles_c
     tile_ok = (tiles_r < n_row_tiles) & (tiles_c < n_col_tiles)
     if MODE != 1:
@@ -196,17 +283,23 @@ def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, rows, cols, n_r
         scale = tl.load(scales_ptr + tile, mask=tile_ok, other=1.0)
     s = scale[:, None, :, None]
     if PACKED:
-        c_lo = _encode(lo * s, _random_bits(seed, r * cols + c), MBITS, BIAS, MAX_CODE, NAN_CODE,
-                       SIGN_SHIFT, STOCHASTIC)
-        c_hi = _encode(hi * s, _random_bits(seed, r * cols + c + 1), MBITS, BIAS, MAX_CODE, NAN_CODE,
-                       SIGN_SHIFT, STOCHASTIC)
+        r_lo = 0
+        r_hi = 0
+        if STOCHASTIC:
+            r_lo = _random_bits(seed, r * cols + c)
+            r_hi = _random_bits(seed, r * cols + c + 1)
+        c_lo = _encode(lo * s, r_lo, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
+        c_hi = _encode(hi * s, r_hi, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
         tl.store(out_ptr + r * (cols // 2) + c // 2, (c_lo | (c_hi << 4)).to(tl.uint8), mask=m)
     else:
-        code = _encode(x * s, _random_bits(seed, r * cols + c), MBITS, BIAS, MAX_CODE, NAN_CODE,
-                       SIGN_SHIFT, STOCHASTIC)
+        rbits = 0
+        if STOCHASTIC:
+            rbits = _random_bits(seed, r * cols + c)
+        code = _encode(x * s, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
         tl.store(out_ptr + r * cols + c, code.to(tl.uint8), mask=m)
 
 
+@functools.lru_cache(maxsize=None)
 def _fmt_args(fmt: Format) -> dict:
     return dict(
         MBITS=fmt.mbits,
@@ -217,10 +310,18 @@ def _fmt_args(fmt: Format) -> dict:
     )
 
 
-def _seed(rounding: str, generator: torch.Generator | None, device) -> int:
-    if rounding != "stochastic":
-        return 0
-    return int(torch.randint(0, 2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu"))
+def random_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """A Philox seed as an int64 [1] tensor on ``device``, drawn without a host synchronisation:
+    from ``generator`` (on its own device) or from ``device``'s default generator."""
+    device = torch.device(device)
+    where = generator.device if generator is not None else device
+    seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=where, dtype=torch.int64)
+    return seed if where == device else seed.to(device, non_blocking=True)
+
+
+def _seed_arg(rounding: str, generator, device, unused: torch.Tensor) -> torch.Tensor:
+    """The kernels' seed pointer: a drawn seed for stochastic rounding; otherwise any tensor (unread)."""
+    return random_seed(generator, device) if rounding == "stochastic" else unused
 
 
 def _storage(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -232,35 +333,56 @@ def _supported(x: torch.Tensor) -> bool:
     return x.dtype != torch.float64 and x.numel() > 0
 
 
+def _check_even(x: torch.Tensor, fmt: Format) -> None:
+    """E2M1 packs along the last dim: the same error as the torch family's ``pack_e2m1``."""
+    if fmt.packed and (x.dim() == 0 or x.shape[-1] % 2):
+        raise ValueError(f"E2M1 packing needs an even last dimension, got shape {tuple(x.shape)}")
+
+
+def _programs_used(kernel, n: int) -> int:
+    """Programs the autotuned flat ``kernel`` just ran over n work items (its chosen BLOCK)."""
+    return triton.cdiv(n, kernel.best_config.kwargs["BLOCK"])
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as an fp32 scalar: per-program partial maxima, then one small torch reduction."""
     if not _supported(x):
         return torch_family.tensor_amax(x)
+    check_interpretable(x.device)
     flat = x.contiguous().view(-1)
-    grid = triton.cdiv(flat.numel(), _BLOCK)
-    partial = torch.empty(grid, dtype=torch.float32, device=x.device)
-    _amax_kernel[(grid,)](flat, partial, flat.numel(), BLOCK=_BLOCK)
-    return partial.max()
+    n = flat.numel()
+    partial = torch.empty(triton.cdiv(n, _MIN_FLAT_BLOCK), dtype=torch.float32, device=x.device)
+    _amax_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](flat, partial, n, size_class(n))
+    return partial[: _programs_used(_amax_kernel, n)].max()
+
+
+def cast_flat(flat: torch.Tensor, scale: torch.Tensor, fmt: Format, rounding="nearest", generator=None,
+              want_amax=False):
+    """Codes of a contiguous 1-D ``flat * scale``: uint8 [n] or, for E2M1, [ceil(n / 2)] packed bytes
+    (an odd n leaves the last byte's high nibble 0); and the amax of ``flat`` if ``want_amax``."""
+    check_interpretable(flat.device)
+    n = flat.numel()
+    nout = triton.cdiv(n, 2) if fmt.packed else n
+    out = torch.empty(nout, dtype=torch.uint8, device=flat.device)
+    partial = torch.empty(triton.cdiv(nout, _MIN_FLAT_BLOCK) if want_amax else 1, dtype=torch.float32,
+                          device=flat.device)
+    s = scale.to(device=flat.device, dtype=torch.float32).reshape(1)
+    _cast_tensor_kernel[lambda meta: (triton.cdiv(nout, meta["BLOCK"]),)](
+        flat, out, s, partial, _seed_arg(rounding, generator, flat.device, s), n, size_class(n),
+        STOCHASTIC=rounding == "stochastic", PACKED=fmt.packed, WANT_AMAX=want_amax, **_fmt_args(fmt),
+    )
+    amax = partial[: _programs_used(_cast_tensor_kernel, nout)].max() if want_amax else None
+    return out, amax
 
 
 def cast_scaled(x, scale, fmt: Format, rounding="nearest", generator=None, want_amax=False):
     """Codes of ``x * scale`` (one scale); with ``want_amax``, the amax of x from the same read."""
     if not _supported(x):
         return torch_family.cast_scaled(x, scale, fmt, rounding, generator, want_amax)
-    flat = x.contiguous().view(-1)
-    n = flat.numel()
-    nout = n // 2 if fmt.packed else n
-    grid = triton.cdiv(nout, _BLOCK)
-    out = torch.empty(nout, dtype=torch.uint8, device=x.device)
-    partial = torch.empty(grid if want_amax else 1, dtype=torch.float32, device=x.device)
-    s = scale.to(device=x.device, dtype=torch.float32).reshape(1)
-    _cast_tensor_kernel[(grid,)](
-        flat, out, s, partial, n, _seed(rounding, generator, x.device),
-        STOCHASTIC=rounding == "stochastic", PACKED=fmt.packed, WANT_AMAX=want_amax, BLOCK=_BLOCK,
-        **_fmt_args(fmt),
-    )
+    _check_even(x, fmt)
+    out, amax = cast_flat(x.contiguous().view(-1), scale, fmt, rounding, generator, want_amax)
     shape = (*x.shape[:-1], x.shape[-1] // 2) if fmt.packed else x.shape
-    return _storage(out, fmt).view(shape), (partial.max() if want_amax else None)
+    return _storage(out, fmt).view(shape), amax
 
 
 def _tiles_per_program(tile: tuple[int, int], packed: bool) -> tuple[int, int, int, int]:
@@ -276,6 +398,7 @@ def _tiles_per_program(tile: tuple[int, int], packed: bool) -> tuple[int, int, i
 
 
 def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, rounding="nearest", generator=None):
+    check_interpretable(x2d.device)
     rows, cols = x2d.shape
     nr, nc = -(-rows // tile[0]), -(-cols // tile[1])
     x2d = x2d.contiguous()
@@ -288,7 +411,7 @@ def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, roundin
     trp, tcp, gr, gc = _tiles_per_program(tile, fmt.packed)
     grid = (triton.cdiv(nr, gr), triton.cdiv(nc, gc))
     _quantize_tiles_kernel[grid](
-        x2d, out, scales, amax, rows, cols, nr, nc, _seed(rounding, generator, x2d.device),
+        x2d, out, scales, amax, _seed_arg(rounding, generator, x2d.device, amax), rows, cols, nr, nc,
         TR=tile[0], TC=tile[1], TRP=trp, TCP=tcp, GR=gr, GC=gc, STOCHASTIC=rounding == "stochastic",
         PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=power_of_two,
         NAN_SCALE=fmt.nan_code is None, MODE=mode, **_fmt_args(fmt),
@@ -311,6 +434,7 @@ def quantize_groups(x2d, block, fmt: Format, scales=None, power_of_two=False, ro
         return torch_family.quantize_groups(x2d, block, fmt, scales, power_of_two, rounding, generator)
     if fmt.packed and block[1] % 2:
         raise ValueError(f"E2M1 tiles need an even column count to pack two codes per byte, got {block}")
+    _check_even(x2d, fmt)
     out, scales, _ = _launch_tiles(x2d, block, fmt, 1 if scales is not None else 0, scales, power_of_two,
                                    rounding, generator)
     return _storage(out, fmt), scales

@@ -1,9 +1,13 @@
 """CUDA kernels of the runtime ops: Triton casts and ``torch._scaled_mm`` FP8 GEMMs.
 
-``_scaled_mm`` wants ``a`` row-major and ``b`` column-major, dims that are multiples of 16, and not
-both operands E5M2; it takes decode scales (``1 / encode scale``) and accumulates in fp32. Operands
-it cannot take (other shapes, the identity testing format) go through the fallback: dequantize to
-fp32 and multiply there, which is correct for every shape, only slower. Never used on CPU.
+``_scaled_mm`` wants ``a`` [M, K] row-major and ``b`` column-major, K and N multiples of 16 (M is
+free), and not both operands E5M2; it takes decode scales (``1 / encode scale``) and accumulates in
+fp32. :func:`scaled_mm_plan` decides: FP8 operands on CUDA always take it, K and N that are not
+multiples of 16 padded with zero codes (a zero adds exactly nothing to an fp32 sum), so a token
+count of 4095 in a wgrad GEMM costs one small copy, not a dequantize + fp32 matmul. What it cannot
+take (two E5M2 operands, the identity testing format, empty dims, CPU tensors) goes through the
+fallback: dequantize to fp32 and multiply there, correct for every shape, only slower. Never used
+on CPU.
 
 Grouped (MoE) GEMMs: the forward (E4M3 x E4M3) uses ``torch._scaled_grouped_mm`` where torch has it
 and the GPU takes it (sm90+, dims multiples of 16), with no host sync; otherwise, and for the
@@ -19,7 +23,7 @@ import torch
 from ...numerics import Format
 from . import triton_kernels
 
-__all__ = ["cast", "upcast", "gemm_tensor_scaled", "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
+__all__ = ["cast", "upcast", "gemm_tensor_scaled", "scaled_mm_plan", "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
            "grouped_gemm_wgrad"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -40,21 +44,39 @@ def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return codes.to(dtype)
 
 
-def _scaled_mm_ok(a: torch.Tensor, b: torch.Tensor, out_dtype) -> bool:
-    return (a.is_cuda and a.dtype in _FP8 and b.dtype in _FP8 and not (a.dtype == b.dtype == torch.float8_e5m2)
-            and all(d % 16 == 0 for d in (*a.shape, b.shape[0]))
-            and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
+def scaled_mm_plan(m: int, k: int, n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
+                   device_type: str) -> tuple[int, int] | None:
+    """``(pad_k, pad_n)``: the zero columns that make K and N multiples of 16 for ``torch._scaled_mm``,
+    or None where it cannot take the GEMM (the fallback then runs).
+
+    torch checks ``mat1.size(1) % 16`` and both dims of ``mat2`` (K and N); M may be anything.
+    """
+    if device_type != "cuda" or a_dtype not in _FP8 or b_dtype not in _FP8:
+        return None
+    if a_dtype == b_dtype == torch.float8_e5m2:  # cuBLASLt has no E5M2 x E5M2 kernel
+        return None
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or 0 in (m, k, n):
+        return None
+    return (-k) % 16, (-n) % 16
 
 
 def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None):
     """``(a / a_scale) @ (b / b_scale).T (+ bias)``; ``a`` [M, K], ``b`` [N, K], scalar scales."""
-    if _scaled_mm_ok(a, b, out_dtype):
+    plan = scaled_mm_plan(a.shape[0], a.shape[1], b.shape[0], a.dtype, b.dtype, out_dtype, a.device.type)
+    if plan is not None:
+        pad_k, pad_n = plan
+        a, b = a.contiguous(), b.contiguous()
+        if pad_k or pad_n:  # zero codes are 0.0 in both FP8 formats
+            a = torch.nn.functional.pad(a.view(torch.uint8), (0, pad_k)).view(a.dtype)
+            b = torch.nn.functional.pad(b.view(torch.uint8), (0, pad_k, 0, pad_n)).view(b.dtype)
         inv_a = torch.reciprocal(a_scale.to(torch.float32)).reshape(())
         inv_b = torch.reciprocal(b_scale.to(torch.float32)).reshape(())
-        bias_arg = bias.to(out_dtype) if bias is not None and out_dtype == torch.bfloat16 else None
-        out = torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=inv_a, scale_b=inv_b,
-                               bias=bias_arg, out_dtype=out_dtype)
-        if bias is not None and bias_arg is None:
+        fuse_bias = bias is not None and out_dtype == torch.bfloat16 and not pad_n
+        out = torch._scaled_mm(a, b.t(), scale_a=inv_a, scale_b=inv_b,
+                               bias=bias.to(out_dtype) if fuse_bias else None, out_dtype=out_dtype)
+        if pad_n:
+            out = out[:, : out.shape[1] - pad_n].contiguous()
+        if bias is not None and not fuse_bias:
             out = (out.float() + bias.float()).to(out_dtype)
         return out
     av = a.to(torch.float32) / a_scale.to(torch.float32)
