@@ -319,7 +319,10 @@ def _table(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
     key = (device, tuple(rows))
     table = _TABLES.get(key)
     if table is None:
-        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        host = torch.tensor(rows, dtype=torch.int64)
+        if device.type == "cuda":  # pinned: an asynchronous copy, no host synchronisation
+            host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
         _TABLES[key] = table
         if len(_TABLES) > _MAX_TABLES:
             _TABLES.popitem(last=False)

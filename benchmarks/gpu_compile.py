@@ -1,0 +1,143 @@
+"""Compile every fp8pass Triton kernel for an NVIDIA GPU, without one: frontend, TTIR, TTGIR, PTX, cubin.
+
+    python benchmarks/gpu_compile.py [--arch 90] [--json FILE]
+
+Triton compiles ahead of time for a target (``GPUTarget("cuda", arch, 32)``, ptxas ships in the
+triton wheel), so the kernels' GPU builds are checked on a CPU-only machine: type errors, constexpr
+branches, int64 index math, ``tl.trans`` layouts, register pressure that ptxas rejects. It runs in its
+own process with TRITON_INTERPRET unset (the interpreter skips compilation entirely). Every config of
+every autotuned kernel is compiled, for each format and flag combination the code can take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("gpu_compile.py compiles kernels: run it with TRITON_INTERPRET unset")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when it is unset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fp8pass.numerics import E2M1, E4M3, E5M2  # noqa: E402
+from fp8pass.numerics.kernels import triton_family as tf  # noqa: E402
+from fp8pass.numerics.scaling import MAX_SCALE  # noqa: E402
+from fp8pass.optim import triton_step as ts  # noqa: E402
+from fp8pass.optim.moments import MomentSpec  # noqa: E402
+from fp8pass.runtime.kernels import triton_kernels as tk  # noqa: E402
+
+
+def _jit(kernel):
+    """The JITFunction under an autotuner (or the kernel itself)."""
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def _configs(kernel) -> list:
+    return list(getattr(kernel, "configs", [None]))
+
+
+def cases():
+    """(name, kernel, runtime-arg types, constexprs) for every kernel variant worth compiling."""
+    out = []
+    for fmt in (E4M3, E5M2, E2M1):
+        for stochastic in (False, True):
+            for cfg in _configs(tf._cast_tensor_kernel):
+                sig = {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "partial_ptr": "*fp32",
+                       "seed_ptr": "*i64", "n": "i64", "n_class": "i32"}
+                c = dict(STOCHASTIC=stochastic, PACKED=fmt.packed, WANT_AMAX=True, **tf._fmt_args(fmt), **cfg.kwargs)
+                out.append((f"cast {fmt.name} sr={stochastic} {cfg.kwargs}", tf._cast_tensor_kernel, sig, c, cfg))
+    for cfg in _configs(tf._amax_kernel):
+        out.append((f"amax {cfg.kwargs}", tf._amax_kernel,
+                    {"x_ptr": "*fp32", "partial_ptr": "*fp32", "n": "i64", "n_class": "i32"}, dict(cfg.kwargs), cfg))
+    for fmt, tile in ((E4M3, (1, 128)), (E4M3, (128, 128)), (E2M1, (1, 16)), (E5M2, (3, 7))):
+        for mode in (0, 1, 2):
+            trp, tcp, gr, gc = tf._tiles_per_program(tile, fmt.packed)
+            sig = {"x_ptr": "*fp32", "out_ptr": "*u8", "scales_ptr": "*fp32", "amax_ptr": "*fp32",
+                   "seed_ptr": "*i64", "rows": "i32", "cols": "i32", "n_row_tiles": "i32", "n_col_tiles": "i32"}
+            c = dict(TR=tile[0], TC=tile[1], TRP=trp, TCP=tcp, GR=gr, GC=gc, STOCHASTIC=mode == 0,
+                     PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=False,
+                     NAN_SCALE=fmt.nan_code is None, MODE=mode, **tf._fmt_args(fmt))
+            out.append((f"tiles {fmt.name} {tile} mode={mode}", tf._quantize_tiles_kernel, sig, c, None))
+    for transpose in (False, True):
+        for cfg in _configs(tk._transpose_cast_kernel):
+            sig = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_ptr": "*fp32",
+                   "R": "i32", "C": "i32", "r_class": "i32", "c_class": "i32"}
+            c = dict(TRANSPOSE=transpose, **tk._fmt_kw(E4M3), **cfg.kwargs)
+            out.append((f"transpose_cast T={transpose} {cfg.kwargs}", tk._transpose_cast_kernel, sig, c, cfg))
+    for mode in (0, 1, 2):
+        sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "c_ptr": "*fp32", "r_ptr": "*fp32", "scale_ptr": "*fp32",
+               "out_ptr": "*u8", "amax_ptr": "*fp32", "T": "i32", "F": "i32"}
+        out.append((f"swiglu_cast mode={mode}", tk._swiglu_cast_kernel, sig,
+                    dict(MODE=mode, STORE=True, BT=32, BF=64, **tk._fmt_kw(E4M3)), None))
+    out.append(("swiglu_colamax", tk._swiglu_colamax_kernel,
+                {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "F": "i32"}, dict(BT=32, BF=64),
+                None))
+    moments = {"e4m3": "*u8", "e5m2": "*u8", "bf16": "*bf16", "fp32": "*fp32"}
+    for mf, vf, block in (("e4m3", "e5m2", 128), ("e5m2", "e4m3", 128), ("bf16", "fp32", 128),
+                          ("e4m3", "e5m2", 8192)):
+        ms, vs = MomentSpec("exp_avg", mf, block), MomentSpec("exp_avg_sq", vf, block, sqrt=True)
+        for stochastic in (False, True):
+            span = min(triton.next_power_of_2(block), ts.MAX_SPAN)
+            for cfg in ts._prune_adam_configs(_configs(ts._adam_kernel), {}, SPAN=span):
+                sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": moments[mf],
+                       "ms_ptr": "*fp32" if ms.fp8 else moments[mf], "v_ptr": moments[vf],
+                       "vs_ptr": "*fp32" if vs.fp8 else moments[vf], "hp_ptr": "*fp32", "seed_ptr": "*i64",
+                       "table_ptr": "*i64", "n_tensors": "i32", "n_rows": "i32", "rows_class": "i32"}
+                c = dict(**ts._fmt_args(ms, "M"), **ts._fmt_args(vs, "V"), V_SQRT=True, MAXIMIZE=False,
+                         COUPLED_WD=False, STOCHASTIC=stochastic, SFLUSH=False, SCALE_CAP=MAX_SCALE, BLOCK=block,
+                         SPAN=span, SEARCH_STEPS=4, ALIGNED=True, W=ts._W, **cfg.kwargs)
+                out.append((f"adam {mf}/{vf} block={block} sr={stochastic} {cfg.kwargs}", ts._adam_kernel, sig, c,
+                            cfg))
+    return out
+
+
+def compile_all(arch: int = 90, only: str | None = None) -> list[dict]:
+    target = GPUTarget("cuda", arch, 32)
+    rows = []
+    for name, kernel, sig, consts, cfg in cases():
+        if only and only not in name:
+            continue
+        fn = _jit(kernel)
+        full = dict(sig, **{k: "constexpr" for k in consts})
+        opts = {"num_warps": cfg.num_warps} if cfg is not None else {}
+        if kernel is ts._adam_kernel:
+            opts["enable_fp_fusion"] = False
+        t = time.perf_counter()
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=target, options=opts)
+            rows.append({"kernel": name, "ok": True, "s": round(time.perf_counter() - t, 2), "ptx_lines":
+                         k.asm["ptx"].count("\n") if "ptx" in k.asm else None})
+        except Exception as e:  # noqa: BLE001 - report every failing kernel, not only the first
+            rows.append({"kernel": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        r = rows[-1]
+        print(("ok  " if r["ok"] else "FAIL") + f" {name}" + ("" if r["ok"] else f"\n     {r['error']}"), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
+    ap.add_argument("--only", default=None, help="compile only kernels whose name contains this")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    rows = compile_all(a.arch, a.only)
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)}/{len(rows)} kernel variants compiled for sm_{a.arch} (triton {triton.__version__})")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"arch": a.arch, "triton": triton.__version__, "rows": rows}, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
