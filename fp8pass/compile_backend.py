@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .config import Config
+from .config import Config, DelayedScaling
 from .passes.annotate import annotate, relative_param_names
 from .passes.explain import ExpertsEntry, Report, SwiGLUEntry
 from .passes.names import FrameNames, frame_names, frame_root, names_for
@@ -95,6 +95,23 @@ class Backend:
         self._split_modules: dict[str, str] = {}
         self._warned: set[str] = set()
         self.__name__ = "fp8"
+        self._amax_reducer = None
+
+    @property
+    def _reducer(self):
+        """The automatic cross-rank amax reduction (None: not a delayed recipe, or turned off).
+
+        Made on first use: ``fp8pass.distributed`` loads with the first compiled graph that has
+        delayed-scaling state, not with ``import fp8pass``.
+        """
+        reduction = self.config.amax_reduction
+        if not isinstance(self.config.recipe, DelayedScaling) or reduction in ("off", None):
+            return None
+        if self._amax_reducer is None:
+            from .distributed.auto_reduce import shared_reducer
+
+            self._amax_reducer = shared_reducer(reduction)
+        return self._amax_reducer
 
     # torch.compile calls backend(gm, example_inputs, **{"mode": .., "options": ..})
     def __call__(self, gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
@@ -113,7 +130,7 @@ class Backend:
         record.pass_seconds = time.perf_counter() - t0
         self.records.append(record)
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
-        extras = _resolve_state(record.extra_inputs, example_inputs, self.config)
+        extras = _resolve_state(record.extra_inputs, example_inputs, self.config, self._reducer)
         compiled = self._compile(new_gm, list(example_inputs) + extras, mode, options)
         relative = relative_param_names(gm.graph, example_inputs)
         if not extras and not relative:
@@ -133,6 +150,7 @@ class Backend:
             return tuple(id(args[i]) for i in params)
 
         variants[key_of(example_inputs)] = ([weakref.ref(example_inputs[i]) for i in params], compiled, extras)
+        reducer = self._reducer if extras else None
 
         def run(*args):
             hit = variants.get(key_of(args))
@@ -141,7 +159,12 @@ class Backend:
                 if len(variants) > _MAX_RECORDS:
                     variants.clear()
                 variants[key_of(args)] = hit
-            return hit[1](*args, *hit[2])
+            if reducer is None:
+                return hit[1](*args, *hit[2])
+            reducer.before_forward()
+            out = hit[1](*args, *hit[2])
+            reducer.after_forward(out)
+            return out
 
         return run
 
@@ -150,11 +173,11 @@ class Backend:
         names = names_for(args, relative)
         refs = [weakref.ref(args[i]) for i in sorted(relative)]
         if names is None:  # weights of a module never seen: the graph as planned, their own state
-            return refs, compiled, _resolve_state(record.extra_inputs, args, self.config)
+            return refs, compiled, _resolve_state(record.extra_inputs, args, self.config, self._reducer)
         gm2, rec2 = self.transform(gm, args, names=names)
         self.records.append(rec2)
         del self.records[:-_MAX_RECORDS]
-        extras = _resolve_state(rec2.extra_inputs, args, self.config)
+        extras = _resolve_state(rec2.extra_inputs, args, self.config, self._reducer)
         if gm2.code == new_gm.code:  # the same rewrite: reuse the compiled graph
             return refs, compiled, extras
         return refs, self._compile(gm2, list(args) + extras, mode, options), extras
@@ -264,8 +287,12 @@ def _expert_entries(plan, graph: int) -> list[ExpertsEntry]:
     return [ExpertsEntry(mod, tuple(w), v, graph) for mod, (w, v) in stacks.items()]
 
 
-def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config) -> list[torch.Tensor]:
-    """The live state tensors for the extra inputs (created on the weight's first use)."""
+def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config,
+                   reducer=None) -> list[torch.Tensor]:
+    """The live state tensors for the extra inputs (created on the weight's first use).
+
+    The delayed-scaling states are handed to ``reducer`` (the automatic cross-rank reduction).
+    """
     if not extra:
         return []
     # the weights' modules carry their scaling state in model.state_dict() from now on
@@ -283,7 +310,9 @@ def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config) -
         else:
             st = state_for(weight, cfg.recipe, fwd, bwd)
         role = st.roles()[s.role]
-        out.append([role.amax_history, role.scale, role.steps, role.skipped][s.field])
+        if reducer is not None:
+            reducer.add(role)
+        out.append(role.op_tensors()[s.field])
     return out
 
 

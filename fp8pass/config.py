@@ -13,6 +13,7 @@ __all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatchi
 
 GRANULARITIES = ("tensor", "row", "block")
 ALGOS = ("max", "most_recent")
+ON_OVERFLOW = ("saturate", "current")
 
 
 def _check_choice(what: str, value, valid) -> None:
@@ -56,6 +57,12 @@ class DelayedScaling:
         interval: recompute the scale every ``interval`` steps (>= 1).
         algo: "max" or "most_recent".
         power_of_two: round scales down to a power of two (the paper's reference implementation).
+        on_overflow: what a cast does when the tensor outgrew its delayed scale (``amax * scale`` past
+            the format's max, the lag of delayed scaling after a jump): "saturate" (default, as
+            Transformer Engine: values past the range clip to +-max, the next steps' scales catch up)
+            or "current" (the overflow guard: that cast uses the tensor's own current scale instead;
+            it costs one amax pass before each delayed-scaled cast on CPU, none extra on GPU).
+            Either way the event is counted in the state's ``overflows`` (see ``fp8pass.monitor``).
     """
 
     history_len: int = 16
@@ -63,9 +70,11 @@ class DelayedScaling:
     interval: int = 1
     algo: str = "max"
     power_of_two: bool = False
+    on_overflow: str = "saturate"
 
     def __post_init__(self):
         _check_choice("algo", self.algo, ALGOS)
+        _check_choice("on_overflow", self.on_overflow, ON_OVERFLOW)
         if int(self.history_len) != self.history_len or self.history_len < 1:
             raise ValueError(f"history_len must be an int >= 1, got {self.history_len}")
         if int(self.interval) != self.interval or self.interval < 1:
@@ -183,6 +192,7 @@ class NVFP4Scaling:
 SMOOTH_SWIGLU = ("channel", "token", None)
 COMPILERS = ("inductor", "aot_eager", "eager")
 ON_GRAPH_BREAK = ("warn", "error", "ignore")
+AMAX_REDUCTIONS = ("auto", "off")  # or a torch.distributed.ProcessGroup
 DEFAULT_KEEP_HIGH_PRECISION = ("lm_head", "output", "*embed*", "*wte*", "*wpe*")
 
 
@@ -217,6 +227,13 @@ class Config:
         on_graph_break: what to do when a graph break splits a GLU across graphs: "warn" (default:
             warn, report it in ``explain``, keep the split GLU's linears in high precision),
             "error" (raise) or "ignore" (same handling, no warning).
+        amax_reduction: agreement of delayed-scaling state across data-parallel ranks. "auto"
+            (default): when ``torch.distributed`` is initialised with more than one rank, the amaxes
+            recorded in a step are max-reduced over the world in one collective at the end of each
+            backward, so every rank casts with the same scales (a single process: nothing happens);
+            a ``torch.distributed.ProcessGroup``: the same over that group (the data-parallel group
+            of a 2-D mesh); "off": each rank keeps its own state (reduce it yourself with
+            ``fp8pass.distributed.AmaxSync``).
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -229,6 +246,7 @@ class Config:
     bwd_format: str = "e5m2"
     compiler: str = "inductor"
     on_graph_break: str = "warn"
+    amax_reduction: object = "auto"
 
     def __post_init__(self):
         if not isinstance(self.recipe, (CurrentScaling, DelayedScaling, NVFP4Scaling)):
@@ -240,6 +258,8 @@ class Config:
         _check_choice("smooth_swiglu", self.smooth_swiglu, SMOOTH_SWIGLU)
         _check_choice("compiler", self.compiler, COMPILERS)
         _check_choice("on_graph_break", self.on_graph_break, ON_GRAPH_BREAK)
+        if isinstance(self.amax_reduction, str) or self.amax_reduction is None:
+            _check_choice("amax_reduction", self.amax_reduction, AMAX_REDUCTIONS)
         keep = self.keep_high_precision
         if isinstance(keep, str):  # a lone glob would otherwise be iterated character by character
             keep = (keep,)

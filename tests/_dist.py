@@ -23,9 +23,10 @@ def tiny_config(**kw):
     return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, ffn=64, max_seq_len=SEQ, **kw)
 
 
-def fp8_config():
+def fp8_config(amax_reduction="auto"):
     recipe = fp8pass.CurrentScaling() if os.environ.get("FP8PASS_TEST_RECIPE") == "current" else fp8pass.DelayedScaling()
-    return fp8pass.Config(compiler="aot_eager", grad_stochastic_rounding=False, recipe=recipe)
+    return fp8pass.Config(compiler="aot_eager", grad_stochastic_rounding=False, recipe=recipe,
+                          amax_reduction=amax_reduction)
 
 
 def global_batch(step: int):
@@ -105,6 +106,36 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int, 
     if ckpt_step:
         fp8pass.distributed.save_checkpoint(os.path.join(out_dir, "ckpt"), ddp, opt)
         run_steps(model, compiled, opt, sync, steps - first, rank, world, out, first=first)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def plain_loop_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int, kind: str, reduction: str):
+    """The plain loop with no AmaxSync call: DDP(model) compiled with backend fp8 (``kind="ddp"``), or
+    FSDP2 over per-block compiles (``kind="fsdp"``); each rank trains on its own data."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init(rank, world, init_file)
+    model = make_model()
+    cfg = fp8_config(reduction)
+    if kind == "ddp":
+        wrapped = DDP(model)
+        compiled = torch.compile(wrapped, backend=fp8pass.backend(cfg))
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers:
+            block.compile(backend=fp8pass.backend(cfg))  # a backend per block: still one reduction
+            fully_shard(block, mesh=mesh)
+        wrapped = compiled = fully_shard(model, mesh=mesh)
+    opt = make_optimizer(wrapped.parameters(), "adamw")
+    out = {"loss": [], "scales": []}
+    run_steps(model, compiled, opt, None, steps, rank, world, out)
+    from fp8pass.distributed.auto_reduce import shared_reducer
+
+    out["reductions"] = shared_reducer().reductions
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

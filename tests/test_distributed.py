@@ -57,6 +57,23 @@ def test_ddp_matches_single_process_and_resumes_on_one_rank(tmp_path):
             torch.testing.assert_close(outs[0]["scales"][step][k], v, rtol=rtol, atol=0, msg=f"{step} {k}")
 
 
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_plain_loop_without_a_sync_call_keeps_ranks_identical(tmp_path, kind):
+    """DDP / FSDP2 + backend fp8 with no AmaxSync: the backend reduces amaxes by itself (one
+    collective per backward); with amax_reduction="off" the ranks' states drift apart."""
+    steps = 3
+    for sub in ("auto", "off"):
+        (tmp_path / sub).mkdir()
+    outs = _dist.spawn(_dist.plain_loop_worker, 2, tmp_path / "auto", steps, kind, "auto")
+    _check_scales_identical(outs)
+    assert outs[0]["reductions"] == steps  # one per backward, a backend per block included
+    if kind == "ddp":
+        off = _dist.spawn(_dist.plain_loop_worker, 2, tmp_path / "off", steps, kind, "off")
+        assert off[0]["reductions"] == 0
+        differ = [k for k in off[0]["scales"][-1] if not torch.equal(off[0]["scales"][-1][k], off[1]["scales"][-1][k])]
+        assert differ  # different data per rank: without the reduction the states disagree
+
+
 def test_fsdp2_fp8_all_gather_matches_single_process_and_resumes_on_one_rank(tmp_path):
     """fully_shard on per-block-compiled blocks, FP8 all-gather, fp8pass.optim.AdamW on DTensor shards,
     DCP at step 3 from 2 ranks; one process (no FSDP) resumes steps 4-5."""

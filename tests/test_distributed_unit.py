@@ -84,6 +84,8 @@ def test_expert_states_join_the_all_reduce(monkeypatch):
     other_rank = {"input": torch.tensor([[8.0, 0, 0, 0], [1.0, 0, 0, 0], [2.0, 0, 0, 0]])}
 
     def fake_all_reduce(buf, op=None, group=None):
+        if buf.numel() == 2:  # AmaxSync's one-time layout check: the other rank has the same layout
+            return
         remote = buf.clone()
         remote[: 12] = other_rank["input"].reshape(-1)  # the input role comes first
         torch.maximum(buf, remote, out=buf)
@@ -95,3 +97,25 @@ def test_expert_states_join_the_all_reduce(monkeypatch):
     assert n == 3  # input, weight, grad_output of the one expert stack
     assert st.input.amax_history[:, 0].tolist() == [8.0, 2.0, 4.0]
     assert torch.equal(st.input.scale, 448.0 / torch.tensor([8.0, 2.0, 4.0]))
+
+
+def test_ranks_with_different_states_get_a_clear_error_not_a_mix(monkeypatch):
+    import torch.distributed as dist
+
+    from fp8pass.runtime.state import state_for
+
+    model = torch.nn.Linear(32, 32)
+    state_for(model.weight, fp8pass.DelayedScaling())
+    calls = []
+
+    def fake_all_reduce(buf, op=None, group=None):
+        calls.append(buf.numel())
+        if buf.numel() == 2:  # the layout check: another rank holds 16 values more
+            buf[0] += 16
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    with pytest.raises(RuntimeError, match="ranks hold different sets of delayed-scaling state"):
+        fp8pass.distributed.AmaxSync(model).sync()
+    assert calls == [2]  # the data collective never ran

@@ -167,7 +167,7 @@ def test_delayed_record_broadcasts_over_experts_and_keeps_scalar_behaviour():
     amaxes = torch.tensor([[1.0, float("nan"), 4.0], [2.0, 3.0, 0.0], [0.5, 7.0, float("inf")]])
     with pytest.warns(RuntimeWarning, match="non-finite"):
         for row in amaxes:
-            fp8pass.runtime.record([stacked.amax_history, stacked.scale, stacked.steps, stacked.skipped], row,
+            fp8pass.runtime.record(stacked.op_tensors(), row,
                                    E5M2, recipe)
             for e in range(3):
                 alone[e].record(row[e])

@@ -21,6 +21,7 @@ ranks; the ``skipped`` counter is max-reduced so the warning fires everywhere).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,7 @@ def scaling_states(model: torch.nn.Module) -> list[tuple[str, DelayedScalingStat
 class _Layout:
     states: list[DelayedScalingState]
     buffer: torch.Tensor  # [sum(history numel) + sum(skipped numel)] fp32
+    checked: bool = False  # all ranks' layouts were seen to agree
 
 
 class AmaxSync:
@@ -92,31 +94,55 @@ class AmaxSync:
     Args:
         model: the (compiled, DDP- or FSDP-wrapped) model whose weights own delayed-scaling state.
         group: the data-parallel process group (default: the world).
+        states: instead of ``model``, a function giving the states to reduce, in an order that is
+            the same on every rank (the compile backend's automatic reduction passes its own).
 
-    Call :meth:`sync` once per optimizer step, after the backward(s) and before the next forward
-    (for example right before ``optimizer.step()``). The flat buffer is built on the first call and
-    rebuilt if the set of states changes (a recompile that adds linears). Every rank must call it.
+    The backend reduces by itself when ``torch.distributed`` runs more than one rank
+    (``Config(amax_reduction="auto")``, the default); this class is for custom loops and
+    ``amax_reduction="off"``. Call :meth:`sync` once per optimizer step, after the backward(s) and
+    before the next forward (for example right before ``optimizer.step()``). The flat buffer is
+    built on the first call and rebuilt if the set of states changes (a recompile that adds
+    linears). Every rank must call it. Each collective also carries the layout's size, so ranks
+    whose sets of states differ get a clear error instead of mixing unrelated amaxes.
     """
 
-    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None = None):
+    def __init__(self, model: torch.nn.Module | None = None, group: dist.ProcessGroup | None = None,
+                 states: Callable[[], list[DelayedScalingState]] | None = None):
+        if (model is None) == (states is None):
+            raise TypeError("AmaxSync needs exactly one of model= and states=")
         self.model = model
         self.group = group
+        self._states = states if states is not None else (lambda: [s for _, s in scaling_states(model)])
         self._layout: _Layout | None = None
         self.calls = 0  # collectives issued (tests check one per sync)
         self._synced_steps: dict[int, int] = {}
 
-    def _build(self) -> _Layout:
-        states = [s for _, s in scaling_states(self.model)]
+    def _build(self, states: list[DelayedScalingState]) -> _Layout:
         n = sum(s.amax_history.numel() + s.skipped.numel() for s in states)
         dev = states[0].amax_history.device if states else torch.device("cpu")
         return _Layout(states, torch.empty(n, dtype=torch.float32, device=dev))
 
+    def _check_layout(self, lay: _Layout) -> None:
+        """Once per layout: all ranks reduce buffers of one size (else a clear error, not a hang or a mix)."""
+        size = float(lay.buffer.numel())
+        probe = torch.tensor([size, -size], device=lay.buffer.device)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.group)
+        largest, smallest = probe.tolist()
+        if largest != size or -smallest != size:
+            raise RuntimeError(
+                f"fp8pass amax reduction: the ranks hold different sets of delayed-scaling state ({len(lay.states)} "
+                f"states, {int(size)} values on this rank; the largest rank has {int(largest)}, the smallest "
+                f"{int(-smallest)}). Every rank must compile the same model with the same fp8pass Config and run "
+                f"the same graphs in each step.")
+        lay.checked = True
+
     @torch.no_grad()
     def sync(self) -> int:
         """Reduce every state now; returns the number of states reduced (0: nothing to do, no collective)."""
+        states = self._states()
         lay = self._layout
-        if lay is None or len(lay.states) != len(scaling_states(self.model)):
-            lay = self._layout = self._build()
+        if lay is None or len(lay.states) != len(states) or any(a is not b for a, b in zip(lay.states, states)):
+            lay = self._layout = self._build(states)
         if not lay.states:
             return 0
         for s in lay.states:
@@ -131,6 +157,8 @@ class AmaxSync:
         buf = lay.buffer
         torch.cat([h.reshape(-1) for h in hists] + skipped, out=buf)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            if not lay.checked:
+                self._check_layout(lay)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
             self.calls += 1
         off = 0

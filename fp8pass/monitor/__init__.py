@@ -1,4 +1,6 @@
-"""Stability diagnostics for GLU MLPs: w1/w2 alignment, σ' saturation, outlier channels, kurtosis.
+"""Stability diagnostics for GLU MLPs: w1/w2 alignment, σ' saturation, outlier channels, kurtosis;
+and the FP8 casts' own telemetry (:func:`scaling_telemetry`: skipped non-finite amaxes, casts past
+their delayed scale).
 
 Standalone::
 
@@ -14,7 +16,8 @@ from .outliers import OutlierMonitor, outlier_stats
 from .report import Diagnostics, LayerDiagnostics, diagnose, swiglu_alignment
 from .stats import ActivationAccumulator, weight_alignment
 from .swiglu import SwiGLUSite, find_swiglus
+from .telemetry import ScalingTelemetry, scaling_telemetry
 
 __all__ = ["MonitorCallback", "Diagnostics", "LayerDiagnostics", "diagnose", "swiglu_alignment",
            "ActivationAccumulator", "weight_alignment", "SwiGLUSite", "find_swiglus",
-           "OutlierMonitor", "outlier_stats"]
+           "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry"]

@@ -4,7 +4,8 @@ Convention (docs/numerics.md, Scales): ``data = saturating_cast(x * scale)``, ``
 scaling uses ``scale = fmt.max / amax`` per group. Edge cases, each a documented safe behaviour:
 
 * amax == 0 (an all-zero group): scale 1, so the data are zeros and the scale stays finite.
-* amax == +Inf: scale 1; Inf saturates to +-max in the data.
+* amax == +Inf, or a finite amax >= ``HUGE_AMAX`` (2**64; its square overflows fp32, so no norm, softmax
+  or loss computes with it): scale 1, as for Inf; such values saturate to +-max in the data.
 * amax is NaN: scale 1 for FP8 formats (NaN has a code there and propagates in the data); NaN for
   E2M1, which has no NaN code, so the group dequantizes to NaN instead of silently to numbers.
 * tiny amax: the scale is capped at 2**126 so ``x * scale`` never overflows to Inf.
@@ -19,9 +20,20 @@ import torch
 from ..config import DelayedScaling
 from .formats import Format, get_format
 
-__all__ = ["MAX_SCALE", "scale_from_amax", "power_of_two_floor", "DelayedScalingState", "delayed_scaling_update"]
+__all__ = ["MAX_SCALE", "HUGE_AMAX", "scale_from_amax", "power_of_two_floor", "DelayedScalingState",
+           "delayed_scaling_update", "amax_is_usable", "outgrew", "scale_to_cast"]
 
 MAX_SCALE = 2.0**126
+HUGE_AMAX = 2.0**64
+# A recorded cast counts as an overflow when its amax was more than this factor past the range of
+# the scale it was given: the lag after a jump, not the few-percent overshoot of a slowly growing
+# tensor (which saturates only its largest values slightly, at margin 0, in most steps of a run).
+OVERFLOW_FACTOR = 2.0
+
+
+def amax_is_usable(amax: torch.Tensor) -> torch.Tensor:
+    """Bool: finite and below ``HUGE_AMAX`` (NaN, Inf and huge finite amaxes are treated alike)."""
+    return amax.to(torch.float32) < HUGE_AMAX  # False for NaN and +Inf too (amaxes are >= 0)
 
 
 def scale_from_amax(
@@ -43,11 +55,32 @@ def scale_from_amax(
     scale = torch.clamp(torch.full_like(amax, target) / amax, max=MAX_SCALE)
     if power_of_two:
         scale = power_of_two_floor(scale)
-    ok = (amax > 0) & torch.isfinite(amax)
+    ok = (amax > 0) & amax_is_usable(amax)
     fallback = torch.ones_like(scale)
     if fmt.nan_code is None:
         fallback = torch.where(torch.isnan(amax), torch.nan, fallback)
     return torch.where(ok, scale, fallback)
+
+
+def outgrew(amax: torch.Tensor, scale: torch.Tensor, fmt: Format | str, factor: float = 1.0) -> torch.Tensor:
+    """Bool: a usable ``amax`` past ``factor`` times the range of ``scale`` (``amax * scale > factor * fmt.max``;
+    with factor 1: the cast saturates some values)."""
+    amax = amax.to(torch.float32)
+    return amax_is_usable(amax) & (amax * scale.to(torch.float32) > factor * get_format(fmt).max)
+
+
+def scale_to_cast(state: list[torch.Tensor], amax_now: torch.Tensor, fmt: Format | str, margin: float = 0.0,
+                  power_of_two: bool = False) -> torch.Tensor:
+    """The scale a delayed-scaled cast uses, on device (no host read; broadcasts over expert stacks).
+
+    ``state`` is the op list ``[amax_history, scale, steps, skipped, overflows, guard]``. The held
+    scale, except: with an empty history, the current scale of ``amax_now`` (bootstrap); with the
+    overflow guard on and ``amax_now`` past the held scale's range, the current scale too.
+    """
+    scale, steps, skipped, guard = state[1].to(torch.float32), state[2], state[3], state[5]
+    current = scale_from_amax(amax_now, fmt, margin, power_of_two)
+    held = (steps > skipped) & ~(guard & outgrew(amax_now, scale, fmt))
+    return torch.where(held, scale, current)
 
 
 def power_of_two_floor(scale: torch.Tensor) -> torch.Tensor:
@@ -61,13 +94,18 @@ def delayed_scaling_update(
     scale: torch.Tensor,
     steps: torch.Tensor,
     skipped: torch.Tensor,
+    overflows: torch.Tensor,
     recipe: DelayedScaling,
     fmt: Format | str,
 ):
     """One delayed-scaling step, functionally: record ``amax``, maybe recompute the scale.
 
-    A non-finite amax is not written into the history (it is counted in ``skipped``), so a NaN or
-    Inf in one step never poisons the scales of the following steps.
+    A non-finite or huge amax (see :func:`amax_is_usable`) is not written into the history (it is
+    counted in ``skipped``), so a NaN, Inf or 1e30 in one step never poisons the scales of the
+    following steps. ``overflows`` counts the steps whose usable amax exceeded ``OVERFLOW_FACTOR``
+    (2) times the range of the scale the cast was given (``amax * scale > 2 * fmt.max``, with a
+    non-empty history): the tensor outgrew its delayed scale by more than a binade, so its cast
+    saturated its top values (or, with ``on_overflow="current"``, was recast).
 
     Broadcasts over leading dims, so one call updates a stack of independent states (per-expert
     scaling): ``history`` [..., H], ``amax``/``scale``/``skipped`` [...] (``amax`` may be any shape
@@ -75,23 +113,25 @@ def delayed_scaling_update(
     shared by the stack).
 
     Returns:
-        (history, scale, steps, skipped), new tensors.
+        (history, scale, steps, skipped, overflows), new tensors.
     """
+    fmt = get_format(fmt)
     lead = history.shape[:-1]
     amax = amax.to(torch.float32).reshape(lead)
-    finite = torch.isfinite(amax)
+    finite = amax_is_usable(amax)
     rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
     new_history = torch.where(finite.unsqueeze(-1), rolled, history)
     had_valid = steps > skipped
     new_steps = steps + 1
     new_skipped = skipped + (~finite).to(skipped.dtype)
+    new_overflows = overflows + (had_valid & outgrew(amax, scale, fmt, OVERFLOW_FACTOR)).to(overflows.dtype)
     reduced = new_history.amax(dim=-1) if recipe.algo == "max" else new_history[..., 0]
     recomputed = scale_from_amax(reduced, fmt, recipe.margin, recipe.power_of_two)
     first_valid = finite & ~had_valid
     update = ((new_steps % recipe.interval) == 0) | first_valid
     update = update & (new_steps > new_skipped)
     new_scale = torch.where(update, recomputed, scale)
-    return new_history, new_scale, new_steps, new_skipped
+    return new_history, new_scale, new_steps, new_skipped, new_overflows
 
 
 class DelayedScalingState:
@@ -101,7 +141,15 @@ class DelayedScalingState:
         amax_history: fp32 [history_len], newest entry first.
         scale: fp32 scalar, the scale the next cast uses.
         steps: int64 scalar, how many amaxes were offered to :meth:`record`.
-        skipped: int64 scalar, how many of them were NaN/Inf and left out of the history.
+        skipped: int64 scalar, how many of them were NaN/Inf (or huge) and left out of the history.
+        overflows: int64 scalar, telemetry: how many recorded casts outgrew the scale they were
+            given by more than a binade (``amax * scale > 2 * fmt.max``: saturated, or recast by the
+            overflow guard). Counted on
+            the state's device without a host sync; not part of :meth:`state_dict` (a resumed run
+            counts from 0).
+        guard: bool scalar, the recipe's ``on_overflow == "current"`` as the ops read it.
+
+    The runtime ops take the state as the list ``[getattr(state, f) for f in OP_FIELDS]``.
 
     With ``experts=E`` the object is a stack of E independent states (one per MoE expert): history
     [E, history_len], scale/steps/skipped [E], and :meth:`record` takes an [E] amax.
@@ -113,6 +161,7 @@ class DelayedScalingState:
         experts: None for one state, or the number of stacked per-expert states.
     """
 
+    OP_FIELDS = ("amax_history", "scale", "steps", "skipped", "overflows", "guard")
     _warned: set[int] = set()
 
     def __init__(self, recipe: DelayedScaling, fmt: Format | str, device: torch.device | str = "cpu",
@@ -127,6 +176,19 @@ class DelayedScalingState:
         self.scale = torch.ones(lead, dtype=torch.float32, device=device)
         self.steps = torch.zeros(lead, dtype=torch.int64, device=device)
         self.skipped = torch.zeros(lead, dtype=torch.int64, device=device)
+        self.overflows = torch.zeros(lead, dtype=torch.int64, device=device)
+        self.guard = torch.tensor(recipe.on_overflow == "current", device=device)
+
+    def op_tensors(self) -> list[torch.Tensor]:
+        """The live tensors in the order the runtime ops take them (``OP_FIELDS``)."""
+        return [getattr(self, f) for f in self.OP_FIELDS]
+
+    def to_device(self, device: torch.device | str) -> None:
+        """Move the state to ``device`` keeping every tensor object (graphs and registries hold them)."""
+        for f in self.OP_FIELDS:
+            t = getattr(self, f)
+            if t.device != torch.device(device):
+                t.data = t.data.to(device)
 
     @property
     def has_history(self) -> torch.Tensor:
@@ -142,12 +204,13 @@ class DelayedScalingState:
 
     def record(self, amax: torch.Tensor) -> None:
         """Record one step's amax (in place, so compiled graphs holding these tensors see it)."""
-        h, s, n, k = delayed_scaling_update(
-            amax, self.amax_history, self.scale, self.steps, self.skipped, self.recipe, self.fmt
+        h, s, n, k, o = delayed_scaling_update(
+            amax, self.amax_history, self.scale, self.steps, self.skipped, self.overflows, self.recipe, self.fmt
         )
         self.amax_history.copy_(h)
         self.scale.copy_(s)
         self.steps.copy_(n)
+        self.overflows.copy_(o)
         if self.skipped.device.type == "cpu":  # a GPU check would sync every step; see warn_skipped
             skipped_now = bool((k > self.skipped).any())
             self.skipped.copy_(k)
@@ -162,7 +225,7 @@ class DelayedScalingState:
             return
         DelayedScalingState._warned.add(id(self))
         warnings.warn(
-            f"fp8pass: a non-finite amax (NaN/Inf in the tensor) was skipped in a delayed-scaling "
+            f"fp8pass: a non-finite amax (NaN/Inf, or a value >= 2**64, in the tensor) was skipped in a delayed-scaling "
             f"history ({int(self.skipped.sum())} so far); the scale kept its last finite value. "
             f"Check the model for NaN/Inf; the count is in the state's 'skipped' entry.",
             RuntimeWarning,

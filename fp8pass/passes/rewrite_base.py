@@ -22,13 +22,14 @@ import torch
 from torch import fx
 
 from ..config import Config, DelayedScaling
+from ..numerics import DelayedScalingState
 from .annotate import facts
 
 __all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "recipe_kwargs", "keep_meta", "finish", "ROLES",
            "STATE_FIELDS"]
 
 ROLES = ("input", "weight", "grad_output")
-STATE_FIELDS = 4  # [amax_history, scale, steps, skipped]
+STATE_FIELDS = len(DelayedScalingState.OP_FIELDS)  # the op list of one delayed-scaling state
 
 
 @dataclass(frozen=True)

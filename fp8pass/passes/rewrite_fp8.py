@@ -7,7 +7,7 @@ Replacement of a linear site ``y = x @ W.T (+ b)`` (any form the patterns match)
     fp8pass::delayed_record_(*x_state, out[1], ...)    # delayed scaling only: record the amaxes
     fp8pass::delayed_record_(*w_state, out[2], ...)
 
-The ``*_state`` lists are ``[amax_history, scale, steps, skipped]`` of the weight's
+The ``*_state`` lists are the op lists (``DelayedScalingState.OP_FIELDS``) of the weight's
 ``LinearScalingState`` (fp8pass.runtime.state), extra placeholders (:mod:`.rewrite_base`). AOT
 autograd functionalizes the records into copies onto those inputs, so the state survives recompiles
 and ``torch._dynamo.reset()`` (it belongs to the weight, not to the graph). The backward of

@@ -62,10 +62,11 @@ Scalar arguments
     to powers of two. ``margin``, ``interval``, ``algo``: the DelayedScaling recipe's fields.
 
 Delayed-scaling state (how it enters and how it is updated)
-    A state is the four plain tensors of a :class:`fp8pass.numerics.DelayedScalingState`:
-    ``[amax_history, scale, steps, skipped]``; an empty list means current scaling for that role. The
-    ops only *read* ``x_state``/``w_state`` (cast with ``scale``, or with the current amax's scale
-    while the history is empty) and return the amaxes; the caller records them with
+    A state is the op list of a :class:`fp8pass.numerics.DelayedScalingState`,
+    ``state.op_tensors()`` = ``[amax_history, scale, steps, skipped, overflows, guard]``; an empty list
+    means current scaling for that role. The ops only *read* ``x_state``/``w_state`` (cast with
+    ``scale``; with the current amax's scale while the history is empty, or when the overflow guard
+    is on and the tensor outgrew ``scale``) and return the amaxes; the caller records them with
     ``delayed_record_`` right after the op. ``g_state`` is read in backward, and the backward formula
     itself calls ``delayed_record_`` on it with ``dy``'s amax (AOT autograd supports mutating a forward
     input in the backward graph; the op with ``register_autograd`` cannot declare ``mutates_args``,

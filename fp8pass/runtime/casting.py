@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import Format, get_format, quantize, scale_from_amax
+from ..numerics.scaling import outgrew, scale_to_cast
 from ..numerics.kernels import torch_family
 from . import kernels
 
@@ -58,15 +59,26 @@ def tile_for(granularity: str, block: int, shape2d, weight: bool) -> tuple[int, 
 def state_scale(state: list[torch.Tensor], amax_now: torch.Tensor | None, fmt: Format, margin, power_of_two):
     """The scale a delayed-scaling state gives now; with an empty history, the current amax's scale.
 
-    ``state`` is ``[amax_history, scale, steps, skipped]`` of a DelayedScalingState.
+    ``state`` is the op list of a DelayedScalingState (``DelayedScalingState.OP_FIELDS``); ``amax_now``
+    may be None where :func:`needs_current_amax` says so.
     """
-    _, scale, steps, skipped = state
-    if steps.device.type == "cpu":  # cheap host read; avoids computing a current scale every call
-        if int(steps) > int(skipped):
-            return scale.to(torch.float32).reshape(())
+    if state[2].device.type == "cpu":  # cheap host reads; avoid computing a current scale every call
+        if amax_now is None:
+            return state[1].to(torch.float32).reshape(())
+        if int(state[2]) > int(state[3]) and not (bool(state[5]) and bool(outgrew(amax_now, state[1], fmt))):
+            return state[1].to(torch.float32).reshape(())
         return scale_from_amax(amax_now, fmt, margin, power_of_two)
-    current = scale_from_amax(amax_now, fmt, margin, power_of_two)
-    return torch.where(steps > skipped, scale.to(torch.float32), current).reshape(())
+    return scale_to_cast(state, amax_now, fmt, margin, power_of_two).reshape(())
+
+
+def needs_current_amax(state: list[torch.Tensor]) -> bool:
+    """Whether a delayed-scaled cast must read the tensor's amax before casting.
+
+    On GPU always (deciding would need a host read). On CPU only while the history is empty or with
+    the overflow guard on; otherwise the held scale is used and the amax comes out of the cast itself.
+    """
+    steps, skipped, guard = state[2], state[3], state[5]
+    return steps.device.type != "cpu" or int(steps) <= int(skipped) or bool(guard)
 
 
 def cast_operand(
@@ -88,7 +100,7 @@ def cast_operand(
         fmt: FP8 Format, or None (identity hook).
         granularity: "tensor", "row" or "block" (current scaling; delayed is per tensor only).
         tile: group tile for "row"/"block" (see :func:`tile_for`).
-        state: ``[amax_history, scale, steps, skipped]`` for delayed scaling, or None/[] (current).
+        state: the delayed-scaling op list (``DelayedScalingState.OP_FIELDS``), or None/[] (current).
         margin, power_of_two: scale options (recipe fields).
         rounding: "nearest" or "stochastic".
         up: also produce the codes in this dtype (CPU GEMM operand).
@@ -104,10 +116,7 @@ def cast_operand(
     if state:
         if granularity != "tensor":
             raise ValueError(f"delayed scaling is per tensor; got granularity {granularity!r}")
-        amax_now = None
-        needs_now = state[2].device.type != "cpu" or int(state[2]) <= int(state[3])
-        if needs_now:
-            amax_now = torch_family.tensor_amax(x2d)
+        amax_now = torch_family.tensor_amax(x2d) if needs_current_amax(state) else None
         scale = state_scale(state, amax_now, fmt, margin, power_of_two)
         return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose)
     if granularity == "tensor":

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ALGOS
-from ..numerics import ROUNDINGS, Format, scale_from_amax
+from ..numerics import ROUNDINGS, DelayedScalingState, Format, scale_from_amax
+from ..numerics.scaling import scale_to_cast
 from . import kernels
 from .casting import as_bytes, from_bytes, resolve_format
 from .swiglu import (ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math, channel_scales,
@@ -67,8 +68,8 @@ def _out_features(weight, w_transposed):
 
 
 def _check_state(op, name, state, experts):
-    if state and (len(state) != 4 or tuple(state[1].shape) != (experts,)):
-        raise ValueError(f"{op}: {name} must be [] or [history [E, H], scale [E], steps, skipped] with "
+    if state and (len(state) != len(DelayedScalingState.OP_FIELDS) or tuple(state[1].shape) != (experts,)):
+        raise ValueError(f"{op}: {name} must be [] or [history [E, H], scale [E], steps, skipped, overflows, guard] with "
                          f"E = {experts}; got {[tuple(t.shape) for t in state]}")
 
 
@@ -100,11 +101,9 @@ def _group_amax(row_amax: torch.Tensor, ids: torch.Tensor, experts: int) -> torc
 
 def _expert_scales(amax: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin, power_of_two):
     """fp32 [E] scales: current from ``amax``, or the delayed state's (current while its history is empty)."""
-    current = scale_from_amax(amax, fmt, margin, power_of_two)
     if not state:
-        return current
-    _, scale, steps, skipped = state
-    return torch.where(steps > skipped, scale.to(torch.float32), current)
+        return scale_from_amax(amax, fmt, margin, power_of_two)
+    return scale_to_cast(state, amax, fmt, margin, power_of_two)
 
 
 @dataclass
@@ -132,7 +131,7 @@ def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, round
     Args:
         x2d: [S, K] rows; ids: :func:`group_ids` of the rows; experts: E.
         fmt: FP8 Format, or None (identity format: the values themselves, scales 1).
-        state: [] (current scaling) or the per-expert delayed state ``[history, scale, steps, skipped]``.
+        state: [] (current scaling) or the per-expert delayed state (the op list, ``DelayedScalingState.OP_FIELDS``).
         margin, power_of_two, rounding: cast options.
     """
     kern = kernels.for_device(x2d.device)

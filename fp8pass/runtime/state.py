@@ -1,10 +1,11 @@
 """Delayed-scaling state of the runtime ops, and the op that records an amax into it.
 
-The state of one delayed-scaled tensor is a :class:`fp8pass.numerics.DelayedScalingState`: four
-plain tensors ``[amax_history, scale, steps, skipped]``. The ops take it as a ``list[Tensor]`` (empty
-list: current scaling) and never mutate it themselves (``register_autograd`` refuses ops that
-declare ``mutates_args``). Recording is a separate op, ``fp8pass::delayed_record_``, that mutates the
-four tensors and has no autograd:
+The state of one delayed-scaled tensor is a :class:`fp8pass.numerics.DelayedScalingState`: plain
+tensors ``[amax_history, scale, steps, skipped, overflows, guard]`` (``DelayedScalingState.OP_FIELDS``).
+The ops take it as a ``list[Tensor]`` (empty list: current scaling) and never mutate it themselves
+(``register_autograd`` refuses ops that declare ``mutates_args``). Recording is a separate op,
+``fp8pass::delayed_record_``, that mutates the first five tensors in place (so the tensors keep their
+identity: graphs, CUDA graphs and optimizers holding them see the update) and has no autograd:
 
 * forward: the op returns the amaxes of its FP8 operands; the caller records them
   (:meth:`LinearScalingState.record_forward`, or the compile backend inserting
@@ -17,6 +18,7 @@ Under ``torch.no_grad`` / ``inference_mode`` no backward runs, so no grad_output
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +32,15 @@ __all__ = ["delayed_record_", "record", "LinearScalingState", "state_for", "grou
 ROLES = ("input", "weight", "grad_output")
 
 
-@torch.library.custom_op("fp8pass::delayed_record_", mutates_args=("history", "scale", "steps", "skipped"))
+@torch.library.custom_op("fp8pass::delayed_record_",
+                         mutates_args=("history", "scale", "steps", "skipped", "overflows"))
 def delayed_record_(
     history: torch.Tensor,
     scale: torch.Tensor,
     steps: torch.Tensor,
     skipped: torch.Tensor,
+    overflows: torch.Tensor,
+    guard: torch.Tensor,
     amax: torch.Tensor,
     fmt: str,
     margin: float,
@@ -46,33 +51,62 @@ def delayed_record_(
     """Record ``amax`` into one delayed-scaling state, in place (the recipe is passed as scalars).
 
     Also records a stack of per-expert states in one call: ``history`` [E, H], ``scale``/``steps``/
-    ``skipped``/``amax`` [E] (see :func:`fp8pass.numerics.delayed_scaling_update`).
+    ``skipped``/``overflows``/``amax`` [E] (see :func:`fp8pass.numerics.delayed_scaling_update`).
+    ``guard`` is read by the casts, not here.
+
+    CPU state: the first skipped amax and the first overflow of the process are warned about once
+    each (a host read is free there). CUDA state: nothing is read back (no sync); the counters are
+    reported by ``fp8pass.monitor.scaling_telemetry`` and the trainer.
     """
     if amax.numel() != scale.numel() or history.shape[:-1] != scale.shape:
         raise ValueError(f"delayed_record_: history {tuple(history.shape)} must be [..., H] with scale "
                          f"{tuple(scale.shape)} = [...] and as many amaxes, got amax {tuple(amax.shape)}")
     recipe = DelayedScaling(history_len=history.shape[-1], margin=margin, interval=interval, algo=algo,
                             power_of_two=power_of_two)
-    h, s, n, k = delayed_scaling_update(amax, history, scale, steps, skipped, recipe, fmt)
+    h, s, n, k, o = delayed_scaling_update(amax, history, scale, steps, skipped, overflows, recipe, fmt)
+    if steps.device.type == "cpu":
+        _warn_first(skipped, k, o.sum() > overflows.sum(), fmt)
     history.copy_(h)
     scale.copy_(s)
     steps.copy_(n)
     skipped.copy_(k)
+    overflows.copy_(o)
 
 
 @delayed_record_.register_fake
-def _(history, scale, steps, skipped, amax, fmt, margin, interval, algo, power_of_two):
+def _(history, scale, steps, skipped, overflows, guard, amax, fmt, margin, interval, algo, power_of_two):
     return None
 
 
+_WARNED: set[str] = set()  # one warning per process and kind, on the op path
+
+
+def _warn_first(skipped_before, skipped_after, overflowed, fmt: str) -> None:
+    if "skipped" not in _WARNED and bool((skipped_after > skipped_before).any()):
+        _WARNED.add("skipped")
+        warnings.warn(
+            "fp8pass: a non-finite amax (NaN/Inf, or a value >= 2**64, in a tensor cast to FP8) was skipped "
+            "in a delayed-scaling history; the scale kept its last finite value (warned once per process; "
+            "counts per tensor: fp8pass.monitor.scaling_telemetry(model)). Check the model for NaN/Inf.",
+            RuntimeWarning, stacklevel=2)
+    if "overflow" not in _WARNED and bool(overflowed):
+        _WARNED.add("overflow")
+        warnings.warn(
+            f"fp8pass: a tensor outgrew its delayed scale by more than 2x ({fmt} values past the format's max "
+            f"were saturated, or recast with DelayedScaling(on_overflow='current')): delayed scaling lags a "
+            f"sudden jump in magnitude (warned once per process; counts per tensor: "
+            f"fp8pass.monitor.scaling_telemetry(model)).",
+            RuntimeWarning, stacklevel=2)
+
+
 def record(state: list[torch.Tensor], amax: torch.Tensor, fmt: Format | str, recipe: DelayedScaling) -> None:
-    """Record ``amax`` into ``state`` = ``[history, scale, steps, skipped]`` through the op."""
+    """Record ``amax`` into ``state`` (the op list ``DelayedScalingState.op_tensors()``) through the op."""
     torch.ops.fp8pass.delayed_record_(*state, amax.detach(), get_format(fmt).name, float(recipe.margin),
                                       int(recipe.interval), recipe.algo, bool(recipe.power_of_two))
 
 
 def _tensors(s: DelayedScalingState) -> list[torch.Tensor]:
-    return [s.amax_history, s.scale, s.steps, s.skipped]
+    return s.op_tensors()
 
 
 @dataclass
@@ -127,6 +161,11 @@ class LinearScalingState:
         """Flat ``{role.field: tensor}`` (plain tensors, cloned)."""
         return {f"{role}.{k}": v for role, s in self.roles().items() for k, v in s.state_dict().items()}
 
+    def to_device(self, device: torch.device | str) -> None:
+        """Move every role's state to ``device``, keeping the tensor objects (see DelayedScalingState)."""
+        for s in self.roles().values():
+            s.to_device(device)
+
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         for role, s in self.roles().items():
             s.load_state_dict({k.split(".", 1)[1]: v for k, v in sd.items() if k.startswith(role + ".")})
@@ -144,13 +183,28 @@ def state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E4M3, bwd
     if st is None:
         st = LinearScalingState(recipe, weight.device, fwd_format, bwd_format)
         _REGISTRY[weight] = st
-    elif (st.recipe != recipe or st.input.fmt != get_format(fwd_format)
-          or st.grad_output.fmt != get_format(bwd_format)):
+        return st
+    _check_same(st, recipe, fwd_format, bwd_format, weight)
+    return st
+
+
+def _check_same(st: LinearScalingState, recipe, fwd_format, bwd_format, weight: torch.Tensor) -> None:
+    """A state made under another recipe is an error; one left on another device moves to the weight's.
+
+    ``model.to(device)`` moves parameters in place (same objects), so the state keyed by a weight
+    follows it here, when the backend compiles the moved model, instead of handing CPU scales to
+    CUDA kernels.
+    """
+    experts = int(weight.shape[0]) if st.experts is not None else None
+    if (st.recipe != recipe or st.input.fmt != get_format(fwd_format)
+            or st.grad_output.fmt != get_format(bwd_format) or st.experts != experts):
+        what = "this weight" if st.experts is None else f"this expert weight ({st.experts} experts)"
         raise ValueError(
-            f"this weight already has delayed-scaling state for {st.recipe} "
+            f"{what} already has delayed-scaling state for {st.recipe} "
             f"({st.input.fmt.name}/{st.grad_output.fmt.name}); pass state= explicitly to use another recipe"
         )
-    return st
+    if st.input.scale.device != weight.device:
+        st.to_device(weight.device)
 
 
 _GROUPED_REGISTRY = WeakTensorKeyDictionary()  # expert weight [E, ...] -> LinearScalingState(experts=E)
@@ -169,11 +223,6 @@ def grouped_state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E
     if st is None:
         st = LinearScalingState(recipe, weight.device, fwd_format, bwd_format, experts=int(weight.shape[0]))
         _GROUPED_REGISTRY[weight] = st
-    elif (st.recipe != recipe or st.input.fmt != get_format(fwd_format)
-          or st.grad_output.fmt != get_format(bwd_format) or st.experts != weight.shape[0]):
-        raise ValueError(
-            f"this expert weight already has delayed-scaling state for {st.recipe} "
-            f"({st.input.fmt.name}/{st.grad_output.fmt.name}, {st.experts} experts); pass state= explicitly "
-            f"to use another recipe"
-        )
+        return st
+    _check_same(st, recipe, fwd_format, bwd_format, weight)
     return st

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..scaling_state import attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
@@ -253,6 +254,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             cb(0, model, log)
     t_run = time.perf_counter()
     step = start
+    telemetry_warned: set[str] = set()
     guard = contextlib.ExitStack()
     if recipe.fp8 or cfg.compile_bf16:
         # Past Dynamo's recompile limit a frame silently runs eagerly: an fp8 run would go on in bf16.
@@ -275,8 +277,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             dt = time.perf_counter() - t0
             lv, tok_s = loss.item(), tokens_per_step / dt
             losses.append(lv)
+            fp8_counts = {}
+            if recipe.fp8:  # read with the loss (the step's one host sync); warn the first time non-zero
+                tele = scaling_telemetry(model)
+                fp8_counts = {"fp8_skipped": tele.total_skipped, "fp8_overflows": tele.total_overflows}
+                warn_once(tele, telemetry_warned)
             log({"kind": "train", "step": step + 1, "loss": lv, "lr": lr, "grad_norm": gnorm.item(),
-                 "tokens_per_s": tok_s, "step_time_s": dt})
+                 "tokens_per_s": tok_s, "step_time_s": dt, **fp8_counts})
             if bar is not None:
                 bar.update(step + 1, loss=lv, **{"tok/s": round(tok_s)})
             if not math.isfinite(lv):
