@@ -10,7 +10,11 @@ Two measurements, both in one process:
    2 layers, 1 x 2048 tokens; fp8-smooth, fwd + bwd + AdamW): median step time of each mode, steps
    interleaved A/B so a load change hits both alike; ``--tiny`` uses d_model 256, 4 layers, 8 x 256.
 
-    python benchmarks/overflow_guard.py [--repeat 5] [--tiny] [--json FILE]
+3. ``--overshoot N``: how far past their range a healthy run's delayed-scaled casts go (the
+   distribution ``OVERFLOW_FACTOR`` is chosen against): the trainer's fp8-smooth-fp8adam recipe for
+   N steps, every record's ``amax * scale / fmt.max`` (observed by wrapping the record's update).
+
+    python benchmarks/overflow_guard.py [--repeat 5] [--tiny] [--overshoot 60] [--json FILE]
 """
 
 from __future__ import annotations
@@ -106,13 +110,48 @@ def guard_cost(tiny: bool, repeat: int) -> dict:
             "ratio_current_vs_saturate": round(med["current"] / med["saturate"], 4)}
 
 
+def overshoot(steps: int) -> dict:
+    """Counts of records past 1x/2x/4x/8x/16x of their scale's range, by format, in a healthy run."""
+    import fp8pass.runtime.state as runtime_state
+    from fp8pass.numerics import get_format
+    from fp8pass.train.loop import TrainConfig, train
+
+    seen = []
+    update = runtime_state.delayed_scaling_update
+
+    def observed(amax, history, scale, steps_, skipped, overflows, recipe, fmt):
+        held = steps_ > skipped
+        ratio = amax.float().reshape(scale.shape) * scale.float() / get_format(fmt).max
+        seen.extend((fmt, float(r)) for r in ratio[held].reshape(-1))
+        return update(amax, history, scale, steps_, skipped, overflows, recipe, fmt)
+
+    runtime_state.delayed_scaling_update = observed
+    try:
+        train(TrainConfig(recipe="fp8-smooth-fp8adam", steps=steps, out="/tmp/fp8pass_overshoot", progress=False,
+                          eval_every=10**6))
+    finally:
+        runtime_state.delayed_scaling_update = update
+    out = {}
+    for fmt in sorted({f for f, _ in seen}):
+        r = [x for f, x in seen if f == fmt]
+        out[fmt] = {"records": len(r), "max": round(max(r), 3),
+                    **{f">{k}x": sum(x > k for x in r) for k in (1, 2, 4, 8, 16)}}
+    return {"steps": steps, "by_format": out}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="the tiny shape instead of block (quick)")
+    p.add_argument("--overshoot", type=int, default=0, metavar="STEPS",
+                   help="also measure a healthy run's overshoot distribution over STEPS trainer steps")
     p.add_argument("--json")
     a = p.parse_args(argv)
     res = {"machine": machine(), "jump": jump_errors(), "cost": guard_cost(a.tiny, a.repeat)}
+    if a.overshoot:
+        res["overshoot"] = overshoot(a.overshoot)
+        for fmt, r in res["overshoot"]["by_format"].items():
+            print(f"overshoot, {fmt}: {r}")
     for mode, r in res["jump"].items():
         print(f"{mode:>9}: (output, dx) error per call from the x1e4 jump: {r['errors_from_jump']}; "
               f"overflows {r['overflows']}")

@@ -7,8 +7,8 @@ model into one tensor and reads it once.
 
 * ``skipped``: amaxes that were NaN, Inf or >= 2**64 and were left out of the history (the tensor
   held such values; the scale kept its last usable value).
-* ``overflows``: casts whose tensor exceeded the range of the delayed scale it was given
-  (``amax * scale > fmt.max``): the values past it saturated to +-max, or, with
+* ``overflows``: casts whose tensor exceeded the range of the delayed scale it was given by more
+  than 16x (``amax * scale > 16 * fmt.max``): the values past it saturated to +-max, or, with
   ``DelayedScaling(on_overflow="current")``, that cast used the tensor's current scale instead.
   A few after a jump in magnitude is delayed scaling's lag; a steady stream means the history or
   the margin is too short for this model.

@@ -5,7 +5,8 @@ scaling uses ``scale = fmt.max / amax`` per group. Edge cases, each a documented
 
 * amax == 0 (an all-zero group): scale 1, so the data are zeros and the scale stays finite.
 * amax == +Inf, or a finite amax >= ``HUGE_AMAX`` (2**64; its square overflows fp32, so no norm, softmax
-  or loss computes with it): scale 1, as for Inf; such values saturate to +-max in the data.
+  or loss computes with it): scale 1, as for Inf; such values saturate to +-max in the data. Keeping
+  scales above ``fmt.max / 2**64`` also keeps a GEMM's ``1 / (scale_a * scale_b)`` finite in fp32.
 * amax is NaN: scale 1 for FP8 formats (NaN has a code there and propagates in the data); NaN for
   E2M1, which has no NaN code, so the group dequantizes to NaN instead of silently to numbers.
 * tiny amax: the scale is capped at 2**126 so ``x * scale`` never overflows to Inf.
@@ -25,10 +26,11 @@ __all__ = ["MAX_SCALE", "HUGE_AMAX", "scale_from_amax", "power_of_two_floor", "D
 
 MAX_SCALE = 2.0**126
 HUGE_AMAX = 2.0**64
-# A recorded cast counts as an overflow when its amax was more than this factor past the range of
-# the scale it was given: the lag after a jump, not the few-percent overshoot of a slowly growing
-# tensor (which saturates only its largest values slightly, at margin 0, in most steps of a run).
-OVERFLOW_FACTOR = 2.0
+# A recorded cast counts as an overflow when its amax was more than this factor (4 binades) past the
+# range of the scale it was given: the lag after a jump. Not the usual overshoot of delayed scaling:
+# measured on the tiny Llama (60 steps, history 16, margin 0), forward casts stayed within 1.19x of
+# their range and gradient casts went past it by up to 8.6x (20 of 1652 casts beyond 2x).
+OVERFLOW_FACTOR = 16.0
 
 
 def amax_is_usable(amax: torch.Tensor) -> torch.Tensor:
@@ -103,8 +105,8 @@ def delayed_scaling_update(
     A non-finite or huge amax (see :func:`amax_is_usable`) is not written into the history (it is
     counted in ``skipped``), so a NaN, Inf or 1e30 in one step never poisons the scales of the
     following steps. ``overflows`` counts the steps whose usable amax exceeded ``OVERFLOW_FACTOR``
-    (2) times the range of the scale the cast was given (``amax * scale > 2 * fmt.max``, with a
-    non-empty history): the tensor outgrew its delayed scale by more than a binade, so its cast
+    (16) times the range of the scale the cast was given (``amax * scale > 16 * fmt.max``, with a
+    non-empty history): the tensor outgrew its delayed scale by more than 4 binades, so its cast
     saturated its top values (or, with ``on_overflow="current"``, was recast).
 
     Broadcasts over leading dims, so one call updates a stack of independent states (per-expert
@@ -143,8 +145,8 @@ class DelayedScalingState:
         steps: int64 scalar, how many amaxes were offered to :meth:`record`.
         skipped: int64 scalar, how many of them were NaN/Inf (or huge) and left out of the history.
         overflows: int64 scalar, telemetry: how many recorded casts outgrew the scale they were
-            given by more than a binade (``amax * scale > 2 * fmt.max``: saturated, or recast by the
-            overflow guard). Counted on
+            given by more than 4 binades (``amax * scale > 16 * fmt.max``: saturated, or recast by
+            the overflow guard). Counted on
             the state's device without a host sync; not part of :meth:`state_dict` (a resumed run
             counts from 0).
         guard: bool scalar, the recipe's ``on_overflow == "current"`` as the ops read it.

@@ -92,7 +92,7 @@ def _warn_first(skipped_before, skipped_after, overflowed, fmt: str) -> None:
     if "overflow" not in _WARNED and bool(overflowed):
         _WARNED.add("overflow")
         warnings.warn(
-            f"fp8pass: a tensor outgrew its delayed scale by more than 2x ({fmt} values past the format's max "
+            f"fp8pass: a tensor outgrew its delayed scale by more than 16x ({fmt} values past the format's max "
             f"were saturated, or recast with DelayedScaling(on_overflow='current')): delayed scaling lags a "
             f"sudden jump in magnitude (warned once per process; counts per tensor: "
             f"fp8pass.monitor.scaling_telemetry(model)).",
