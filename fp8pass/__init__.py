@@ -27,6 +27,7 @@ from . import optim  # noqa: E402
 from .compile_backend import backend, explain  # noqa: E402
 from .scaling_state import load_scaling_state_dict, scaling_state_dict  # noqa: E402
 from .checkpoint import checkpoint_state, load_checkpoint_state  # noqa: E402
+from . import recipes  # noqa: E402  (named recipes: fills Config.from_recipe's table)
 
 __version__ = "0.1.0"
 
@@ -38,7 +39,7 @@ __all__ = [
     "monitor", "train", "distributed",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
-    "NVFP4Scaling", "HotChannelPatching",
+    "NVFP4Scaling", "HotChannelPatching", "recipes",
 ]
 
 

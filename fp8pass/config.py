@@ -194,6 +194,9 @@ COMPILERS = ("inductor", "aot_eager", "eager")
 ON_GRAPH_BREAK = ("warn", "error", "ignore")
 AMAX_REDUCTIONS = ("auto", "off")  # or a torch.distributed.ProcessGroup
 DEFAULT_KEEP_HIGH_PRECISION = ("lm_head", "output", "*embed*", "*wte*", "*wpe*")
+# Named recipes by name (fp8pass.recipes fills it on import, which ``import fp8pass`` does): config
+# imports nothing from the modules above it, so Config.from_recipe reads this table.
+NAMED_RECIPES: dict = {}
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,15 @@ class Config:
     compiler: str = "inductor"
     on_graph_break: str = "warn"
     amax_reduction: object = "auto"
+
+    @classmethod
+    def from_recipe(cls, name: str, **overrides) -> "Config":
+        """The Config of the named recipe ``name`` ("paper", "reference", "delayed", "blockwise",
+        "mxfp8", "nvfp4", "nvfp4-hcp"; see ``fp8pass.recipes`` and docs/train.md), with ``overrides``
+        (any Config field) applied on top, e.g. ``Config.from_recipe("paper", compiler="aot_eager")``."""
+        if name not in NAMED_RECIPES:
+            raise ValueError(f"unknown named recipe {name!r}; valid: {', '.join(NAMED_RECIPES)}")
+        return NAMED_RECIPES[name].config(**overrides)
 
     def __post_init__(self):
         if not isinstance(self.recipe, (CurrentScaling, DelayedScaling, NVFP4Scaling)):

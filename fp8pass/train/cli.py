@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..optim import MOMENT_FORMATS
 from .model import ModelConfig
-from .recipes import MOMENT_ROUNDINGS, PRECISIONS, RECIPES, describe_precision
+from .recipes import DEFAULT_MOMENTS, MOMENT_ROUNDINGS, PRECISIONS, RECIPES, describe_precision
 
 DEFAULT_RECIPES = "bf16,fp8-smooth-fp8adam"
 # Flags that map 1:1 onto TrainConfig / ModelConfig fields (flag name = field name with dashes).
@@ -17,7 +17,7 @@ _MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "ffn")
 _TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": float, "min_lr_ratio": float,
           "warmup": int, "weight_decay": float, "grad_clip": float, "eval_every": int,
           "eval_batches": int, "ckpt_every": int, "monitor_every": int, "max_data_bytes": int,
-          "d_model": int, "n_layers": int, "n_heads": int, "ffn": int}
+          "d_model": int, "n_layers": int, "n_heads": int, "ffn": int, "grad_accum": int, "loss_scale": str}
 _CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed", "current"),
             "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "precision": PRECISIONS}
 
@@ -66,11 +66,12 @@ def add_train_parser(sub) -> None:
     for name, choices in _CHOICES.items():
         p.add_argument("--" + name.replace("_", "-"), choices=choices, default=None,
                        help=f"(default {getattr(d, name)})")
-    opt = p.add_argument_group("FP8 optimizer (recipes ending in -fp8adam; docs/optim.md)")
+    opt = p.add_argument_group("FP8 optimizer (recipes ending in -fp8adam, paper, reference; docs/optim.md)")
     for name, kw in _OPTIM.items():
-        default = getattr(d, name)
+        default = DEFAULT_MOMENTS[name]
         opt.add_argument("--" + name.replace("_", "-"), default=None,
-                         **{**kw, "help": f"{kw['help']} (default {'tensor' if default is None else default})"})
+                         **{**kw, "help": f"{kw['help']} (default: the recipe's; "
+                                         f"{'tensor' if default is None else default} for the -fp8adam recipes)"})
     p.add_argument("--fused-gate-up", action="store_true", help="one gate_up_proj linear in the MLP")
     p.add_argument("--compile-bf16", action="store_true", help="compile the bf16 recipe with Inductor too")
     p.add_argument("--threads", type=int, default=1,
@@ -88,6 +89,9 @@ def _config_from_args(args, recipe: str, out: Path):
           and f.name not in ("recipe", "out", "model", "compile_bf16", "progress")}
     if kw.get("moment_block_size") == "tensor":
         kw["moment_block_size"] = None
+    if RECIPES[recipe].named and (args.scaling is not None or args.smooth is not None):
+        raise ValueError(f"--scaling/--smooth do not apply to the named recipe {recipe!r}, which fixes them "
+                         "(docs/train.md, Named recipes)")
     mk = {n: getattr(args, n) for n in _MODEL_FIELDS if getattr(args, n) is not None}
     model = ModelConfig(fused_gate_up=args.fused_gate_up, **mk)
     if args.data is not None:

@@ -15,13 +15,15 @@ from ..scaling_state import attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
+from .loss_scale import LossScaler, parse_loss_scale
 from .model import ModelConfig, TinyLlama
 from .recipes import (PRECISIONS, autocast, build_optimizer, check_moment_options, fp8_config, get_recipe,
-                      prepare_model, resolve_precision)
+                      prepare_model, recipe_moments, resolve_precision)
 
-__all__ = ["TrainConfig", "TrainResult", "train", "lr_at"]
+__all__ = ["TrainConfig", "TrainResult", "train", "lr_at", "FROM_RECIPE"]
 
 SCHEDULES = ("cosine", "linear", "constant")
+FROM_RECIPE = "recipe"  # a moment field left to the recipe (resolved in __post_init__)
 
 
 @dataclass
@@ -29,7 +31,9 @@ class TrainConfig:
     """One training run.
 
     Args:
-        recipe: "bf16", "fp8", "fp8-smooth" or "fp8-smooth-fp8adam" (see :mod:`fp8pass.train.recipes`).
+        recipe: "bf16", "fp8", "fp8-smooth", "fp8-smooth-fp8adam", "bf16-fp8adam" or a named recipe
+            ("paper", "reference", "delayed", "blockwise", "mxfp8", "nvfp4", "nvfp4-hcp"; see
+            :mod:`fp8pass.train.recipes` and :mod:`fp8pass.recipes`).
         steps: optimizer steps.
         out: run directory (metrics.jsonl, checkpoint.pt, config.json).
         data: text file/folder; None = the Python standard library's sources.
@@ -39,13 +43,17 @@ class TrainConfig:
             decay "cosine" | "linear" | "constant".
         weight_decay: AdamW decay on matrices (norm gains are not decayed).
         betas, eps, grad_clip: AdamW and global-norm clipping (0 disables clipping).
-        scaling: fp8 scaling recipe, "delayed" | "current".
-        smooth: Smooth-SwiGLU form for the -smooth recipes, "channel" (paper) | "token" (reference code).
+        scaling: fp8 scaling recipe, "delayed" | "current" (not for named recipes, which fix it).
+        smooth: Smooth-SwiGLU form for the -smooth recipes, "channel" (paper) | "token" (reference code)
+            (not for named recipes).
         m_format, v_format, v_sqrt, moment_block_size, moment_rounding, moment_stochastic_flush: the
             -fp8adam recipes' moment storage (``fp8pass.optim.AdamW``'s m_format, v_format, v_sqrt,
             block_size, rounding, stochastic_flush): formats "e4m3" | "e5m2" | "bf16" | "fp32", v
             stored as sqrt(v) or itself, elements per fp32 scale (None = one scale per tensor),
-            "nearest" | "stochastic" rounding, stochastic flush-to-zero (docs/optim.md).
+            "nearest" | "stochastic" rounding, stochastic flush-to-zero (docs/optim.md). Each left
+            at ``FROM_RECIPE`` ("recipe", the default) takes the recipe's value (``recipe_moments``:
+            the paper's form for "paper"/"reference", e4m3/e5m2/sqrt(v)/128 otherwise); a value set
+            explicitly wins.
         model: the TinyLlama shape.
         eval_every, eval_batches: validation cadence and size (fixed validation batches).
         ckpt_every: checkpoint cadence (a checkpoint is always written at the end).
@@ -56,6 +64,13 @@ class TrainConfig:
             run saves the resolved value, so a resume computes in the same dtype on any machine.
         compiler: what compiles the fp8 backend's rewritten graph: "inductor" | "aot_eager" (quicker
             to compile, slower steps; the tests use it).
+        grad_accum: micro-batches per optimizer step (gradient accumulation, "delayed update"): each
+            step draws ``batch_size * grad_accum`` sequences and runs them as ``grad_accum``
+            micro-batches of ``batch_size``, each loss divided by ``grad_accum``. Every micro-batch's
+            FP8 casts record their amax (docs/train.md, Gradient accumulation).
+        loss_scale: None (off), "dynamic" or a static scale (float > 0): loss scaling with the
+            optimizer step skipped on overflow (:class:`~fp8pass.train.loss_scale.LossScaler`), for
+            ``precision="fp16"``. Skipped steps are logged (``skipped``, ``loss_scale``).
         max_data_bytes: cap each split (None = all).
         progress: show the progress bar.
     """
@@ -77,12 +92,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     scaling: str = "delayed"
     smooth: str = "channel"
-    m_format: str = "e4m3"
-    v_format: str = "e5m2"
-    v_sqrt: bool = True
-    moment_block_size: int | None = 128
-    moment_rounding: str = "nearest"
-    moment_stochastic_flush: bool = False
+    m_format: str = FROM_RECIPE
+    v_format: str = FROM_RECIPE
+    v_sqrt: bool | str = FROM_RECIPE
+    moment_block_size: int | None | str = FROM_RECIPE
+    moment_rounding: str = FROM_RECIPE
+    moment_stochastic_flush: bool | str = FROM_RECIPE
     model: ModelConfig = field(default_factory=ModelConfig)
     eval_every: int = 40
     eval_batches: int = 8
@@ -91,6 +106,8 @@ class TrainConfig:
     compile_bf16: bool = False
     precision: str = "auto"
     compiler: str = "inductor"
+    grad_accum: int = 1
+    loss_scale: str | float | None = None
     max_data_bytes: int | None = None
     progress: bool = True
 
@@ -98,7 +115,13 @@ class TrainConfig:
         if isinstance(self.model, dict):
             self.model = ModelConfig(**self.model)
         self.betas = tuple(self.betas)
-        get_recipe(self.recipe)
+        recipe = get_recipe(self.recipe)
+        for name, value in recipe_moments(self.recipe).items():
+            if isinstance(getattr(self, name), str) and getattr(self, name) == FROM_RECIPE:
+                setattr(self, name, value)
+        if recipe.named and (self.scaling, self.smooth) != ("delayed", "channel"):
+            raise ValueError(f"recipe {self.recipe!r} fixes its own scaling and Smooth-SwiGLU (fp8pass.recipes); "
+                             f"scaling={self.scaling!r}/smooth={self.smooth!r} apply to the fp8* recipes only")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; valid: {', '.join(PRECISIONS)}")
         if self.schedule not in SCHEDULES:
@@ -111,7 +134,10 @@ class TrainConfig:
                              self.moment_rounding, self.moment_stochastic_flush)
         if self.scaling not in ("delayed", "current"):
             raise ValueError(f"unknown scaling {self.scaling!r}; valid: delayed, current")
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every"):
+        self.loss_scale = parse_loss_scale(self.loss_scale)
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int):
+            raise ValueError(f"grad_accum must be an int >= 1 (micro-batches per step), got {self.grad_accum!r}")
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len > self.model.max_seq_len:
@@ -216,6 +242,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                           v_sqrt=cfg.v_sqrt, rounding=cfg.moment_rounding,
                           stochastic_flush=cfg.moment_stochastic_flush)
     start = 0
+    scaler = LossScaler(cfg.loss_scale) if cfg.loss_scale is not None else None
+    if ckpt is not None and scaler is not None and scaler.dynamic:
+        raise ValueError(f"--resume {out}: a run with dynamic loss scaling cannot be resumed exactly (the "
+                         "checkpoint does not hold the scaler's state); start it again, or use a static --loss-scale")
     if ckpt is not None:
         if recipe.fp8:  # the saved model state carries the scaling state; create it on load
             attach_scaling_state(model, fp8_config(recipe, cfg.scaling, cfg.smooth, cfg.compiler))
@@ -248,7 +278,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
     params = [p for p in model.parameters() if p.requires_grad]
     bar = ProgressBar(cfg.steps, cfg.recipe, start) if cfg.progress else None
     losses, status, val_loss, tok_s = [], "finished", float("nan"), 0.0
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     if start == 0:
         for cb in callbacks:
             cb(0, model, log)
@@ -265,14 +295,30 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = data.batch("train", cfg.batch_size, cfg.seq_len, cfg.seed, step)
-            with autocast(cfg.precision):
-                loss = fwd(x, y)
-            loss.backward()
+            xs, ys = data.batch("train", cfg.batch_size * cfg.grad_accum, cfg.seq_len, cfg.seed, step)
+            micro = []
+            for k in range(cfg.grad_accum):  # micro-batch k: rows [k*B, (k+1)*B) of the step's batch
+                rows = slice(k * cfg.batch_size, (k + 1) * cfg.batch_size)
+                with autocast(cfg.precision):
+                    loss = fwd(xs[rows], ys[rows])
+                part = loss / cfg.grad_accum if cfg.grad_accum > 1 else loss
+                (scaler.scale(part) if scaler is not None else part).backward()
+                micro.append(loss.detach())
+            if cfg.grad_accum > 1:
+                loss = torch.stack(micro).float().mean()
+            finite = scaler.unscale_(params) if scaler is not None else True  # callbacks see true gradients
             for cb in grad_callbacks:
                 cb(step + 1, model)
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            opt.step()
+            scale_info = {}
+            if scaler is not None:
+                scale_info = {"loss_scale": scaler.scale_value, "skipped": int(not finite)}
+                if finite:
+                    opt.step()
+                scaler.update(finite)
+                scale_info["skipped_total"] = scaler.skipped
+            else:
+                opt.step()
             opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             lv, tok_s = loss.item(), tokens_per_step / dt
@@ -283,7 +329,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                 fp8_counts = {"fp8_skipped": tele.total_skipped, "fp8_overflows": tele.total_overflows}
                 warn_once(tele, telemetry_warned)
             log({"kind": "train", "step": step + 1, "loss": lv, "lr": lr, "grad_norm": gnorm.item(),
-                 "tokens_per_s": tok_s, "step_time_s": dt, **fp8_counts})
+                 "tokens_per_s": tok_s, "step_time_s": dt, **fp8_counts, **scale_info})
             if bar is not None:
                 bar.update(step + 1, loss=lv, **{"tok/s": round(tok_s)})
             if not math.isfinite(lv):

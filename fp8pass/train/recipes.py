@@ -10,6 +10,12 @@
 
 ``bf16-fp8adam`` isolates the optimizer: the moment-format ablation (experiments/moments.py) uses it.
 
+The named recipes of :mod:`fp8pass.recipes` (``paper``, ``reference``, ``delayed``, ``blockwise``,
+``mxfp8``, ``nvfp4``, ``nvfp4-hcp``) are training recipes too: each fixes the backend Config
+(``Config.from_recipe(name)``; ``TrainConfig.scaling``/``smooth`` do not apply to them) and the
+moment storage (FP8 moments for ``paper`` and ``reference``, fp32 for the others); a moment option
+set explicitly in ``TrainConfig`` / on the CLI overrides the recipe's.
+
 The FP8 moments' storage (the -fp8adam recipes) is set by ``TrainConfig``'s ``m_format``,
 ``v_format``, ``v_sqrt`` (store sqrt(v) or v itself), ``moment_block_size`` (elements per fp32 scale,
 None = one scale per tensor: the paper's granularity), ``moment_rounding`` and
@@ -33,11 +39,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import optim as fp8optim
+from ..recipes import NAMED_RECIPES
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "build_optimizer", "check_moment_options", "prepare_model",
+__all__ = ["RECIPES", "Recipe", "get_recipe", "recipe_moments", "DEFAULT_MOMENTS", "build_optimizer", "check_moment_options", "prepare_model",
            "param_groups", "PRECISIONS", "MOMENT_ROUNDINGS", "resolve_precision", "describe_precision", "autocast"]
 
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32", "fp16")
 MOMENT_ROUNDINGS = ("nearest", "stochastic")
 
 
@@ -47,7 +54,12 @@ class Recipe:
     fp8: bool            # compile with the fp8 backend
     smooth: bool         # Smooth-SwiGLU (mode chosen by TrainConfig.smooth)
     fp8_adam: bool       # FP8 optimizer moments
+    named: bool = False  # a named recipe of fp8pass.recipes: its Config and moment options decide
 
+
+# Moment options of the recipes above (TrainConfig's moment fields when not set explicitly).
+DEFAULT_MOMENTS = dict(m_format="e4m3", v_format="e5m2", v_sqrt=True, moment_block_size=128,
+                       moment_rounding="nearest", moment_stochastic_flush=False)
 
 RECIPES = {r.name: r for r in (
     Recipe("bf16", fp8=False, smooth=False, fp8_adam=False),
@@ -55,7 +67,19 @@ RECIPES = {r.name: r for r in (
     Recipe("fp8-smooth", fp8=True, smooth=True, fp8_adam=False),
     Recipe("fp8-smooth-fp8adam", fp8=True, smooth=True, fp8_adam=True),
     Recipe("bf16-fp8adam", fp8=False, smooth=False, fp8_adam=True),
+    *(Recipe(n, fp8=True, smooth=False, fp8_adam=r.moments is not None, named=True)
+      for n, r in NAMED_RECIPES.items()),
 )}
+
+
+def recipe_moments(name: str) -> dict:
+    """TrainConfig's moment fields as recipe ``name`` sets them."""
+    named = NAMED_RECIPES.get(name)
+    if named is None or named.moments is None:
+        return dict(DEFAULT_MOMENTS)
+    m = named.moments
+    return dict(m_format=m.m_format, v_format=m.v_format, v_sqrt=m.v_sqrt, moment_block_size=m.block_size,
+                moment_rounding=m.rounding, moment_stochastic_flush=m.stochastic_flush)
 
 
 def get_recipe(name: str) -> Recipe:
@@ -66,7 +90,7 @@ def get_recipe(name: str) -> Recipe:
 
 
 def resolve_precision(precision: str) -> str:
-    """"bf16" or "fp32", what the high-precision parts run in; "auto" picks this CPU's fast dtype."""
+    """"bf16", "fp32" or "fp16", what the high-precision parts run in; "auto" picks this CPU's fast dtype."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
     if precision != "auto":
@@ -96,9 +120,11 @@ def autocast(precision: str):
     import contextlib
     if precision == "bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision == "fp16":  # fp16 compute: pair it with TrainConfig.loss_scale
+        return torch.autocast("cpu", dtype=torch.float16)
     if precision == "fp32":
         return contextlib.nullcontext()
-    raise ValueError(f"autocast needs a resolved precision (bf16 or fp32), got {precision!r}")
+    raise ValueError(f"autocast needs a resolved precision (bf16, fp32 or fp16), got {precision!r}")
 
 
 def scaling_recipe(name: str):
@@ -112,8 +138,10 @@ def scaling_recipe(name: str):
 
 def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "channel",
                compiler: str = "inductor"):
-    """The backend ``Config`` for an fp8 recipe."""
+    """The backend ``Config`` for an fp8 recipe (a named recipe's own, with ``compiler``)."""
     import fp8pass
+    if recipe.named:
+        return fp8pass.Config.from_recipe(recipe.name, compiler=compiler)
     if not hasattr(fp8pass, "Config"):
         raise RuntimeError(f"recipe {recipe.name!r} needs fp8pass.Config and fp8pass.backend, which this "
                            "installation of fp8pass lacks; use --recipe bf16")
