@@ -237,6 +237,10 @@ class Config:
             a ``torch.distributed.ProcessGroup``: the same over that group (the data-parallel group
             of a 2-D mesh); "off": each rank keeps its own state (reduce it yourself with
             ``fp8pass.distributed.AmaxSync``).
+        keep_first_layers, keep_last_layers: the first / last this many numbered blocks (``layers.0``,
+            ``h.11``: an FQN's prefix up to its first numeric component) of each compiled graph keep
+            their linears in high precision, counted over the blocks whose parameters the graph holds
+            (a model compiled whole holds them all). 0 (default) keeps none; see docs/train.md, FP8 ramp-up.
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -250,6 +254,8 @@ class Config:
     compiler: str = "inductor"
     on_graph_break: str = "warn"
     amax_reduction: object = "auto"
+    keep_first_layers: int = 0
+    keep_last_layers: int = 0
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -290,6 +296,10 @@ class Config:
                 if get_format(v).torch_dtype is None:
                     raise ValueError(f"{name} must be an FP8 format (e4m3, e4m3_gaudi, e5m2) or "
                                      f"'identity', got {v!r}")
+        for name in ("keep_first_layers", "keep_last_layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0 (a number of blocks), got {v!r}")
         for name in ("min_dim", "dim_multiple"):
             v = getattr(self, name)
             if int(v) != v or v < 1:

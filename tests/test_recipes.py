@@ -134,3 +134,26 @@ def test_each_named_recipe_trains_from_the_cli(name, tmp_path, corpus, restore_n
 def test_cli_rejects_scaling_flags_for_named_recipes(tmp_path, corpus, capsys):
     assert main(["train", "--recipe", "paper", "--scaling", "current", "--out", str(tmp_path), "--data", corpus]) == 2
     assert "do not apply to the named recipe 'paper'" in capsys.readouterr().err
+
+
+def test_keep_first_and_last_layers_by_count():
+    """Config.keep_first_layers / keep_last_layers: exact counts of FP8 linears on a 4-block model."""
+    from _models import tiny_titan_llama
+
+    x = torch.randint(0, 128, (2, 8))
+    torch._dynamo.reset()
+    base = fp8pass.explain(tiny_titan_llama(n_layers=4), x)
+    assert len(base.linears) == 28 and len(base.swiglus) == 4
+    torch._dynamo.reset()
+    rep = fp8pass.explain(tiny_titan_llama(n_layers=4), x,
+                          config=Config(keep_first_layers=1, keep_last_layers=2))
+    assert len(rep.linears) == 7 and {f.split(".")[1] for f in rep.linears} == {"1"}
+    assert len(rep.swiglus) == 1
+    reasons = dict(rep.skipped)
+    assert "keep_first_layers=1" in reasons["layers.0.attention.wq.weight"]
+    assert "block 4 of 4, keep_last_layers=2" in reasons["layers.3.attention.wq.weight"]
+    torch._dynamo.reset()
+    assert len(fp8pass.explain(tiny_titan_llama(n_layers=4), x, config=Config(keep_last_layers=9)).linears) == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="keep_first_layers must be an int >= 0"):
+            Config(keep_first_layers=bad)

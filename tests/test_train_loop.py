@@ -265,3 +265,27 @@ def test_loss_scale_errors(tmp_path, corpus):
         train(cfg(tmp_path, corpus, steps=3, monitor_every=0, loss_scale="dynamic"), resume=True)
     with pytest.raises(ValueError, match="needs 'dynamic' or a static scale"):
         LossScaler(None)
+
+
+def test_fp8_ramp_up_starts_fp8_at_the_given_step_and_resumes(tmp_path, corpus):
+    """fp8_start_step=2: steps 1-2 are the bf16 recipe's exactly; FP8 casts record from step 3 on; a
+    run stopped before the switch resumes into the same losses."""
+    kw = dict(monitor_every=0, precision="fp32", compiler="aot_eager", eval_every=10, ckpt_every=1)
+    ref = train(cfg(tmp_path, corpus, out=str(tmp_path / "ref"), steps=2, **kw))
+    torch._dynamo.reset()
+    ramp = dict(recipe="fp8-smooth", fp8_start_step=2, **kw)
+    full = train(cfg(tmp_path, corpus, out=str(tmp_path / "full"), steps=3, **ramp))
+    assert full.losses[:2] == ref.losses and full.losses[2] != ref.losses[-1]
+    assert [r["step"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl", "fp8_start")] == [2]
+    sd = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["scaling"]
+    grad_steps = [int(v) for k, v in sd.items() if k.endswith("grad_output.steps")]
+    assert grad_steps and set(grad_steps) == {1}                 # one FP8 backward: step 3
+    torch._dynamo.reset()
+    train(cfg(tmp_path, corpus, out=str(tmp_path / "part"), steps=1, **ramp))
+    torch._dynamo.reset()
+    resumed = train(cfg(tmp_path, corpus, out=str(tmp_path / "part"), steps=3, **ramp), resume=True)
+    assert full.losses[1:] == resumed.losses
+    with pytest.raises(ValueError, match="fp8_start_step applies to the fp8 recipes"):
+        TrainConfig(fp8_start_step=3)
+    with pytest.raises(ValueError, match="fp8_start_step must be an int >= 0"):
+        TrainConfig(recipe="fp8", fp8_start_step=-1)

@@ -18,18 +18,9 @@ import fnmatch
 import re
 
 from ..config import NVFP4Scaling
-from .policy import module_fqn
+from .policy import block_of, module_fqn
 
 __all__ = ["block_of", "protected_linears"]
-
-_BLOCK = re.compile(r"^(.*?(?:^|\.)(\d+))(?:\.|$)")
-
-
-def block_of(fqn: str) -> tuple[str, int] | None:
-    """``("layers.7", 7)`` for ``layers.7.attention.wq.weight``; None outside numbered blocks."""
-    m = _BLOCK.match(fqn)
-    return None if m is None else (m.group(1), int(m.group(2)))
-
 
 def _last_blocks(n_per_block: list[int], recipe: NVFP4Scaling) -> int:
     if recipe.keep_last_blocks is not None:

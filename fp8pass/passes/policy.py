@@ -12,11 +12,15 @@ The rules, in order (the first that applies decides):
    dims >= ``min_dim`` and divisible by ``dim_multiple``.
 4. a linear whose input is a GLU output that a graph break cut off (see ``rewrite``) stays high
    precision: an unsmoothed FP8 cast of a GLU output is exactly the outlier case Smooth-SwiGLU exists for.
+
+Between 1 and 2: ``Config.keep_first_layers`` / ``keep_last_layers`` keep the linears of the first /
+last N numbered blocks (:func:`block_of`) of the graph, by count.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +29,7 @@ from torch import fx
 from ..config import Config
 from .matcher import caller_fqn, example_value, param_fqn
 
-__all__ = ["Decision", "decide_linear", "module_fqn", "FP8_DTYPES"]
+__all__ = ["Decision", "decide_linear", "module_fqn", "FP8_DTYPES", "block_of", "graph_blocks"]
 
 FP8_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,6 +42,43 @@ class Decision:
 
 def module_fqn(weight_fqn: str) -> str:
     return weight_fqn.rsplit(".", 1)[0] if "." in weight_fqn else weight_fqn
+
+
+_BLOCK = re.compile(r"^(.*?(?:^|\.)(\d+))(?:\.|$)")
+
+
+def block_of(fqn: str) -> tuple[str, int] | None:
+    """``("layers.7", 7)`` for ``layers.7.attention.wq.weight``; None outside numbered blocks."""
+    m = _BLOCK.match(fqn)
+    return None if m is None else (m.group(1), int(m.group(2)))
+
+
+def graph_blocks(graph: fx.Graph) -> list[str]:
+    """The numbered blocks whose parameters ``graph`` holds, in index order."""
+    blocks: dict[str, int] = {}
+    for node in graph.nodes:
+        f = param_fqn(node) if node.op == "placeholder" else None
+        b = block_of(f) if f else None
+        if b is not None:
+            blocks[b[0]] = b[1]
+    return sorted(blocks, key=lambda k: blocks[k])
+
+
+def _kept_by_layer_count(cfg: Config, call: fx.Node, weight_fqn: str) -> str | None:
+    if not (cfg.keep_first_layers or cfg.keep_last_layers):
+        return None
+    b = block_of(weight_fqn)
+    if b is None:
+        return None
+    order = graph_blocks(call.graph)
+    if b[0] not in order:
+        return None
+    i, n = order.index(b[0]), len(order)
+    if i < cfg.keep_first_layers:
+        return f"kept in high precision: block {i + 1} of {n}, keep_first_layers={cfg.keep_first_layers}"
+    if i >= n - cfg.keep_last_layers:
+        return f"kept in high precision: block {i + 1} of {n}, keep_last_layers={cfg.keep_last_layers}"
+    return None
 
 
 def _kept_by_glob(cfg: Config, names: list[str]) -> str | None:
@@ -59,6 +100,9 @@ def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bo
     pat = _kept_by_glob(cfg, names)
     if pat is not None:
         return Decision(False, f"kept in high precision by keep_high_precision pattern {pat!r}")
+    why = _kept_by_layer_count(cfg, call, wf)
+    if why is not None:
+        return Decision(False, why)
     wv, xv = example_value(w), example_value(x)
     for what, v in (("weight", wv), ("input", xv)):
         if isinstance(v, torch.Tensor) and v.dtype not in FP8_DTYPES:

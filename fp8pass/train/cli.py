@@ -17,7 +17,7 @@ _MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "ffn")
 _TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": float, "min_lr_ratio": float,
           "warmup": int, "weight_decay": float, "grad_clip": float, "eval_every": int,
           "eval_batches": int, "ckpt_every": int, "monitor_every": int, "max_data_bytes": int,
-          "d_model": int, "n_layers": int, "n_heads": int, "ffn": int, "grad_accum": int, "loss_scale": str}
+          "d_model": int, "n_layers": int, "n_heads": int, "ffn": int, "grad_accum": int, "loss_scale": str, "fp8_start_step": int}
 _CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed", "current"),
             "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "precision": PRECISIONS}
 

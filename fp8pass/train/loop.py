@@ -71,6 +71,9 @@ class TrainConfig:
         loss_scale: None (off), "dynamic" or a static scale (float > 0): loss scaling with the
             optimizer step skipped on overflow (:class:`~fp8pass.train.loss_scale.LossScaler`), for
             ``precision="fp16"``. Skipped steps are logged (``skipped``, ``loss_scale``).
+        fp8_start_step: FP8 ramp-up: an fp8 recipe trains its first ``fp8_start_step`` steps in high
+            precision (the bf16 recipe's path) and compiles with the FP8 backend from that step on; the
+            FP8 scales start from the first FP8 step's amaxes. 0 (default): FP8 from the start.
         max_data_bytes: cap each split (None = all).
         progress: show the progress bar.
     """
@@ -107,6 +110,7 @@ class TrainConfig:
     precision: str = "auto"
     compiler: str = "inductor"
     grad_accum: int = 1
+    fp8_start_step: int = 0
     loss_scale: str | float | None = None
     max_data_bytes: int | None = None
     progress: bool = True
@@ -135,6 +139,10 @@ class TrainConfig:
         if self.scaling not in ("delayed", "current"):
             raise ValueError(f"unknown scaling {self.scaling!r}; valid: delayed, current")
         self.loss_scale = parse_loss_scale(self.loss_scale)
+        if isinstance(self.fp8_start_step, bool) or not isinstance(self.fp8_start_step, int) or self.fp8_start_step < 0:
+            raise ValueError(f"fp8_start_step must be an int >= 0 (the first FP8 step), got {self.fp8_start_step!r}")
+        if self.fp8_start_step and not get_recipe(self.recipe).fp8:
+            raise ValueError(f"fp8_start_step applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 linears")
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int):
             raise ValueError(f"grad_accum must be an int >= 1 (micro-batches per step), got {self.grad_accum!r}")
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every", "grad_accum"):
@@ -247,13 +255,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
         raise ValueError(f"--resume {out}: a run with dynamic loss scaling cannot be resumed exactly (the "
                          "checkpoint does not hold the scaler's state); start it again, or use a static --loss-scale")
     if ckpt is not None:
-        if recipe.fp8:  # the saved model state carries the scaling state; create it on load
+        start = ckpt["step"]
+        if recipe.fp8 and start >= cfg.fp8_start_step:  # the saved model state carries the scaling state
             attach_scaling_state(model, fp8_config(recipe, cfg.scaling, cfg.smooth, cfg.compiler))
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        start = ckpt["step"]
-    fwd = prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth, compile_bf16=cfg.compile_bf16,
-                        compiler=cfg.compiler)
+
+    def fp8_forward():
+        return prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth,
+                             compile_bf16=cfg.compile_bf16, compiler=cfg.compiler)
+
+    fp8_on = recipe.fp8 and start >= cfg.fp8_start_step
+    fwd = fp8_forward() if fp8_on or not recipe.fp8 else prepare_model(
+        model, get_recipe("bf16"), compile_bf16=cfg.compile_bf16)  # ramp-up: high precision until fp8_start_step
     if ckpt is not None:
         if ckpt.get("scaling"):
             _load_scaling_state(model, ckpt["scaling"], cfg)
@@ -292,6 +306,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
+            if recipe.fp8 and not fp8_on and step >= cfg.fp8_start_step:
+                fwd, fp8_on = fp8_forward(), True
+                log({"kind": "fp8_start", "step": step})
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -324,7 +341,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             lv, tok_s = loss.item(), tokens_per_step / dt
             losses.append(lv)
             fp8_counts = {}
-            if recipe.fp8:  # read with the loss (the step's one host sync); warn the first time non-zero
+            if fp8_on:  # read with the loss (the step's one host sync); warn the first time non-zero
                 tele = scaling_telemetry(model)
                 fp8_counts = {"fp8_skipped": tele.total_skipped, "fp8_overflows": tele.total_overflows}
                 warn_once(tele, telemetry_warned)
@@ -343,7 +360,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                 log({"kind": "eval", "step": done, "val_loss": val_loss})
             if done % cfg.ckpt_every == 0 or done == cfg.steps:
                 save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
-                                optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if recipe.fp8 else None,
+                                optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if fp8_on else None,
                                 data_fingerprint=data.fingerprint)
     except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
         if not isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit) and "recompile limit" not in str(e):
