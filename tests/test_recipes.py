@@ -157,3 +157,43 @@ def test_keep_first_and_last_layers_by_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="keep_first_layers must be an int >= 0"):
             Config(keep_first_layers=bad)
+
+
+def test_format_advisor_on_planted_ranges():
+    """Values 2**-k: E4M3 at scale 448 (amax 1) keeps 2**-18 (448 * 2**-18 > 2**-10, half its smallest
+    subnormal) and loses 2**-19 and below; E5M2 (scale 57344, smallest subnormal 2**-16) loses 2**-33
+    and below."""
+    from fp8pass.monitor import format_advice, measure_formats
+
+    def planted(n):
+        return torch.tensor([2.0 ** -k for k in range(n)]) * torch.tensor([1.0, -1.0]).repeat(n)[:n]
+
+    adv = format_advice({"narrow": planted(16), "wide": planted(30), "huge": planted(40)})
+    rec = adv.recommended()
+    assert rec == {"narrow": "e4m3", "wide": "e5m2", "huge": "high"}
+    wide = {r.role: r for r in adv.roles}["wide"]
+    assert wide.stats["e4m3"].underflow == 11 / 30 and wide.stats["e5m2"].underflow == 0
+    assert wide.binades == 29 and wide.stats["e4m3"].saturate == 0
+    huge = {r.role: r for r in adv.roles}["huge"].stats
+    assert huge["e4m3"].underflow == 21 / 40 and huge["e5m2"].underflow == 7 / 40
+    lag = measure_formats(planted(30), "e4m3", scale=448.0 * 4)         # a scale lagging a 4x jump
+    assert lag.saturate == 2 / 30 and lag.scale == 1792.0
+    p2 = measure_formats(planted(30), "e4m3", power_of_two=True)
+    assert p2.scale == 256.0 and p2.underflow == 12 / 30                 # 256 * 2**-18 = 2**-10: a tie, to 0
+    assert str(adv).count("\n") == 3
+    with pytest.raises(ValueError, match="finite values"):
+        measure_formats(torch.tensor([1.0, float("nan")]), "e4m3")
+
+
+def test_format_advisor_on_a_model_covers_every_rewritten_role():
+    from _models import tiny_titan_llama
+    from fp8pass.monitor import advise
+
+    torch._dynamo.reset()
+    model = tiny_titan_llama(n_layers=2)
+    adv = advise(model, torch.randint(0, 128, (2, 8)))
+    roles = [r.role for r in adv.roles]
+    assert len(roles) == 3 * 14 and "layers.0.attention.wq.input" in roles
+    assert "layers.1.feed_forward.w2.grad_output" in roles and not any(r.startswith("output.") for r in roles)
+    assert set(adv.recommended().values()) <= {"e4m3", "e5m2", "high"}
+    assert all(p.grad is None for p in model.parameters())                 # gradients left as they were

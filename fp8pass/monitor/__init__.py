@@ -9,7 +9,10 @@ Standalone::
     print(swiglu_alignment(model))         # weights only, no forward pass
 
 In the trainer: :class:`MonitorCallback` (``python -m fp8pass train --monitor-every N``).
+Format choice per tensor role (E4M3, E5M2 or high precision): :func:`advise` / :func:`format_advice`.
 """
+
+from .advisor import FormatAdvice, advise, format_advice, measure_formats
 
 from .callback import MonitorCallback
 from .outliers import OutlierMonitor, outlier_stats
@@ -20,4 +23,5 @@ from .telemetry import ScalingTelemetry, scaling_telemetry
 
 __all__ = ["MonitorCallback", "Diagnostics", "LayerDiagnostics", "diagnose", "swiglu_alignment",
            "ActivationAccumulator", "weight_alignment", "SwiGLUSite", "find_swiglus",
-           "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry"]
+           "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry",
+           "FormatAdvice", "advise", "format_advice", "measure_formats"]
