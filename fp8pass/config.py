@@ -11,7 +11,7 @@ from dataclasses import dataclass
 __all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "GRANULARITIES",
            "ALGOS"]
 
-GRANULARITIES = ("tensor", "row", "block")
+GRANULARITIES = ("tensor", "row", "block", "mx")
 ALGOS = ("max", "most_recent")
 ON_OVERFLOW = ("saturate", "current")
 
@@ -26,9 +26,12 @@ class CurrentScaling:
     """Scale every tensor from its own amax, at the moment it is cast.
 
     Args:
-        granularity: "tensor", "row" (per row of the last dim: per token / per output channel) or
-            "block" (1 x block tiles for activations, block x block for weights).
-        block: tile edge for "block" granularity (128 for FP8, as in DeepSeek-V3).
+        granularity: "tensor", "row" (per row of the last dim: per token / per output channel),
+            "block" (1 x block tiles for activations, block x block for weights) or "mx" (OCP MXFP8:
+            32 elements along each GEMM's reduction dim share a power-of-two E8M0 scale;
+            docs/numerics.md, MX).
+        block: tile edge for "block" granularity (128 for FP8, as in DeepSeek-V3); "mx" blocks are
+            always 32 (leave ``block`` at its default or set 32).
         power_of_two: round scales down to a power of two, ``2**floor(log2(max / amax))``.
     """
 
@@ -38,6 +41,8 @@ class CurrentScaling:
 
     def __post_init__(self):
         _check_choice("granularity", self.granularity, GRANULARITIES)
+        if self.granularity == "mx" and self.block not in (32, 128):
+            raise ValueError(f"MX blocks are 32 elements (OCP MX v1.0); leave block at its default, got {self.block}")
         if self.block < 1:
             raise ValueError(f"block must be a positive int, got {self.block}")
 
@@ -211,7 +216,8 @@ class Config:
             channel of the GLU output, folded into the down-projection weight), "token" (the
             authors' reference code: one scale per token) or None (plain FP8 down projection).
             "token" protects less: its scale comes from the linear branch, which an aligned
-            large-norm channel dominates on every token (docs/results/instability.md).
+            large-norm channel dominates on every token (docs/results/instability.md). Not applied
+            under NVFP4 or MX granularity: their GLU projections are three plain linears.
         keep_high_precision: fnmatch globs; a linear whose weight FQN, or the FQN of the module that
             calls it, matches any of them stays in the model's dtype. The default keeps the LM head
             (HF ``lm_head``, torchtitan ``output``) and embeddings, as the paper does.

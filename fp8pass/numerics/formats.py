@@ -14,6 +14,7 @@ E8M0 is the MX block-scale format: an unsigned power of two, ``2**(code - 127)``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,12 @@ class Format:
     def emin(self) -> int:
         """Exponent of the smallest normal number."""
         return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest power of two not above ``max`` (E4M3 8, E5M2 15, E2M1 2): what the
+        OCP MX shared scale subtracts from a block's exponent."""
+        return int(math.floor(math.log2(self.max)))
 
     @property
     def min_normal(self) -> float:

@@ -10,6 +10,8 @@ granularity  groups                                                             
 "tensor"    the whole tensor                                                              ``[]``
 "row"       each row (per token for activations, per output channel for weights)          ``[..., 1]``
 "block"     tiles ``block=(br, bc)``: ``(1, B)`` for activations, ``(B, B)`` for weights  ``[nr, nc]``
+"mx"        OCP MX: 32 elements along the last dim (``(1, 32)``; ``block=(32, 1)``: down  ``[nr, nc]``
+            the rows), power-of-two E8M0 scales (``block_scale``)
 ==========  ===========================================================================  ==============
 
 ``block=None`` means ``(1, 128)`` for FP8 formats and ``(1, 16)`` for E2M1; an int ``B`` means
@@ -17,7 +19,16 @@ granularity  groups                                                             
 
 E2M1 with "block" granularity is NVFP4: per-tile decode scales stored in E4M3 (``block_scale``) under
 one fp32 tensor encode scale (``scale``); ``dequantize() = data * block_scale / scale``. E2M1 codes are
-packed two per byte along the last dim, which must then be even.
+packed two per byte along the last dim, which must then be even. Under stochastic rounding the E4M3
+block scale is rounded up, so no element is clipped and the rounding stays unbiased at the block
+maxima (round to nearest keeps the nearest block scale; docs/nvfp4.md).
+
+"mx" granularity is OCP Microscaling v1.0 (MXFP8 with E4M3/E5M2 elements, MXFP4 with E2M1): per block
+of 32 elements the shared scale ``X = 2**(floor(log2(amax)) - fmt.emax)`` (E8M0 codes in
+``block_scale``; ``scale`` holds the exact fp32 encode scales ``1 / X``), elements
+``saturating_cast(x / X)``: a block max in ``(fmt.max, 2**(emax + 1)) * X`` saturates, as the spec's
+conversion does. All-zero blocks get code 0 (2**-127); a block with NaN or Inf gets the NaN code 0xFF
+and reads back as NaN (docs/numerics.md, MX).
 """
 
 from __future__ import annotations
@@ -28,11 +39,14 @@ import torch
 
 from ..config import GRANULARITIES
 from .casts import check_rounding, decode
-from .formats import E2M1, Format, get_format
+from .formats import E2M1, E8M0, Format, get_format
 from .kernels import kernel_family, torch_family
 from .scaling import DelayedScalingState, scale_from_amax
 
-__all__ = ["Quantized", "quantize", "quantize_delayed", "normalize_block"]
+__all__ = ["Quantized", "quantize", "quantize_delayed", "normalize_block", "MX_BLOCK", "MX_FORMATS"]
+
+MX_BLOCK = 32  # elements per MX block (OCP MX v1.0 fixes k = 32)
+MX_FORMATS = ("e4m3", "e5m2", "e2m1")  # the MX element formats fp8pass implements (MXFP8, MXFP4)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -45,11 +59,11 @@ class Quantized:
         data: codes; an fp8 dtype tensor of ``shape``, or packed E2M1 uint8 ``[..., cols // 2]``.
         scale: fp32 encode scale(s) (see the module table); for NVFP4 the tensor scale.
         format: the element Format.
-        granularity: "tensor", "row" or "block".
-        block: the tile for "block" granularity, else None.
+        granularity: "tensor", "row", "block" or "mx".
+        block: the tile for "block" and "mx" granularity, else None.
         shape: the logical shape of the quantized tensor.
         dtype: the dtype of the tensor that was quantized.
-        block_scale: NVFP4 only: E4M3 per-tile decode scales ``[nr, nc]``.
+        block_scale: NVFP4: E4M3 per-tile decode scales ``[nr, nc]``; MX: E8M0 codes (uint8) ``[nr, nc]``.
     """
 
     data: torch.Tensor
@@ -62,7 +76,7 @@ class Quantized:
     block_scale: torch.Tensor | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The represented values ``data / scale`` in ``dtype`` (computed in fp32)."""
+        """The represented values ``data / scale`` in ``dtype`` (computed in fp32; MX in fp64 for fp64)."""
         vals = decode(self.data, self.format, torch.float32)
         rows, cols = _matrix_shape(self.shape)
         vals = vals.reshape(rows, cols)
@@ -70,6 +84,10 @@ class Quantized:
             out = vals / self.scale
         elif self.granularity == "row":
             out = vals / self.scale.reshape(rows, 1)
+        elif self.granularity == "mx":  # exact: codes times powers of two (fp64 when asked, past fp32's range)
+            wide = torch.float64 if dtype == torch.float64 else torch.float32
+            x_dec = decode(self.block_scale, E8M0, wide)  # 2**(code - 127), NaN for 0xFF
+            out = vals.to(wide) * torch_family.expand_groups(x_dec, self.block, vals.shape)
         elif self.block_scale is not None:
             d = torch_family.expand_groups(self.block_scale.to(torch.float32), self.block, vals.shape)
             out = vals * d / self.scale
@@ -79,8 +97,10 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of codes and scales together."""
-        total = self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+        """Bytes of codes and scales together (MX: codes and one E8M0 byte per block)."""
+        total = self.data.numel() * self.data.element_size()
+        if self.granularity != "mx":
+            total += self.scale.numel() * 4
         if self.block_scale is not None:
             total += self.block_scale.numel()
         return total
@@ -111,6 +131,16 @@ def normalize_block(block, fmt: Format) -> tuple[int, int]:
     return tuple(block)
 
 
+def _mx_tile(block) -> tuple[int, int]:
+    """``None``/``32``/``(1, 32)``: blocks along the last dim; ``(32, 1)``: down the rows."""
+    if block is None or (isinstance(block, int) and not isinstance(block, bool) and block == MX_BLOCK):
+        return (1, MX_BLOCK)
+    if isinstance(block, (tuple, list)) and tuple(block) in ((1, MX_BLOCK), (MX_BLOCK, 1)):
+        return tuple(block)
+    raise ValueError(f"MX blocks are {MX_BLOCK} elements (OCP MX v1.0): block must be None, {MX_BLOCK}, "
+                     f"(1, {MX_BLOCK}) (along the last dim) or ({MX_BLOCK}, 1) (down the rows); got {block!r}")
+
+
 def quantize(
     x: torch.Tensor,
     fmt: Format | str,
@@ -125,15 +155,17 @@ def quantize(
 
     Args:
         x: fp16, bf16, fp32 or fp64 tensor of any shape (non-contiguous is fine).
-        fmt: E4M3, E4M3_GAUDI, E5M2, E2M1 (or a name such as "e4m3").
+        fmt: E4M3, E4M3_GAUDI, E5M2, E2M1 (or a name such as "e4m3"); "mx" takes E4M3, E5M2, E2M1.
         scale: the encode scale to use (delayed scaling): a scalar for "tensor", ``[rows]`` or
             ``[..., 1]`` for "row", ``[nr, nc]`` for "block" (for NVFP4: the fp32 tensor scale).
-            None: current scaling, ``fmt.max / amax`` per group.
-        granularity: "tensor", "row" or "block".
-        block: tile for "block" granularity (see the module docs).
+            None: current scaling, ``fmt.max / amax`` per group. "mx" computes its scales (None only).
+        granularity: "tensor", "row", "block" or "mx" (OCP MX, 32-element blocks, E8M0 scales).
+        block: tile for "block" granularity (see the module docs); for "mx" None (32 along the
+            last dim) or ``(32, 1)`` (32 down the rows).
         rounding: "nearest" (ties to even) or "stochastic" (unbiased; use ``generator`` to reproduce).
         generator: torch.Generator for stochastic rounding.
-        power_of_two: round computed scales down to a power of two, ``2**floor(log2(max / amax))``.
+        power_of_two: round computed scales down to a power of two, ``2**floor(log2(max / amax))``
+            (MX scales are powers of two anyway).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
@@ -141,10 +173,13 @@ def quantize(
         raise TypeError(f"quantize expects a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
     fmt = get_format(fmt)
     if fmt.name == "e8m0":
-        raise ValueError("E8M0 is a block-scale format, not an element format; quantize to e4m3, e5m2 or e2m1")
+        raise ValueError("E8M0 is a block-scale format, not an element format; quantize to e4m3, e5m2 or e2m1 "
+                         "(granularity='mx' gives E8M0 block scales)")
     check_rounding(rounding)
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
+    if granularity == "mx":
+        return _quantize_mx(x, fmt, scale, block, rounding, generator)
     if fmt.packed and (x.dim() == 0 or x.shape[-1] % 2 or (granularity == "block" and normalize_block(block, fmt)[1] % 2)):
         raise ValueError(
             f"E2M1 packs two codes per byte along the last dim, so it and the block width must be even; "
@@ -187,7 +222,9 @@ def quantize(
         elif g.numel() != 1:
             raise ValueError("for NVFP4 (E2M1 blocks) `scale` is the one fp32 tensor scale")
         g = g.reshape(())
-        d_q, enc = torch_family.nvfp4_block_scales(kernels.group_amax(x2d, tile), g, fmt)
+        # stochastic rounding rounds the block scale up: a clipped block max would bias it
+        d_q, enc = torch_family.nvfp4_block_scales(kernels.group_amax(x2d, tile), g, fmt,
+                                                   round_up=rounding == "stochastic")
         data, _ = kernels.quantize_groups(x2d, tile, fmt, enc, False, rounding, generator)
         return Quantized(_shape_data(data, x.shape, fmt), g, fmt, "block", tile, x.shape, x.dtype, d_q)
     given = None
@@ -197,6 +234,23 @@ def quantize(
         given = scale
     data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator)
     return Quantized(_shape_data(data, x.shape, fmt), scales, fmt, "block", tile, x.shape, x.dtype)
+
+
+def _quantize_mx(x, fmt, scale, block, rounding, generator) -> Quantized:
+    """OCP MX v1.0 (see the module doc): E8M0 block scales, then one cast of ``x / X`` per block."""
+    if fmt.name not in MX_FORMATS:
+        raise ValueError(f"MX element formats are {', '.join(MX_FORMATS)} (MXFP8 / MXFP4); got {fmt.name!r}")
+    if scale is not None:
+        raise ValueError("granularity='mx' computes its E8M0 block scales from each block; pass scale=None")
+    tile = _mx_tile(block)
+    if fmt.packed and (x.dim() == 0 or x.shape[-1] % 2):
+        raise ValueError(f"MXFP4 packs two E2M1 codes per byte along the last dim, which must be even; "
+                         f"got shape {tuple(x.shape)}")
+    rows, cols = _matrix_shape(x.shape)
+    x2d = x.reshape(rows, cols)
+    codes, enc = torch_family.mx_block_scales(x2d, tile, fmt)
+    data, _ = kernel_family(x.device).quantize_groups(x2d, tile, fmt, enc, False, rounding, generator)
+    return Quantized(_shape_data(data, x.shape, fmt), enc, fmt, "mx", tile, x.shape, x.dtype, codes)
 
 
 def _shape_data(data: torch.Tensor, shape: torch.Size, fmt: Format) -> torch.Tensor:

@@ -15,7 +15,8 @@ and ``torch._dynamo.reset()`` (it belongs to the weight, not to the graph). The 
 
 A GLU site ``down(act(gate(x)) * up(x))`` becomes FP8 linears for gate and up (one for a fused
 projection) and one ``fp8pass::swiglu_down`` with the matched activation (silu, gelu, gelu_tanh or
-relu: activation, product, Smooth-SwiGLU scaling and the FP8 down GEMM).
+relu: activation, product, Smooth-SwiGLU scaling and the FP8 down GEMM). Under MX granularity a GLU's
+three projections become plain MX linears instead (:meth:`FP8Rewriter.replace_glu_mx`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class FP8Rewriter(GraphRewriter):
         (SwiGLU, GeGLU, ReGLU) become one ``swiglu_down`` with the matched activation
         (Smooth-SwiGLU per ``Config.smooth_swiglu``; its argument holds for any GLU).
         """
+        if self.kw["granularity"] == "mx":
+            return self.replace_glu_mx(site)
         m = site.match
         if site.fused:
             fused_call = m["gate_up"]
@@ -76,6 +79,20 @@ class FP8Rewriter(GraphRewriter):
         keep_meta(y, down)
         self.replace(down, y, m.nodes)
         return done + [site.down]
+
+    def replace_glu_mx(self, site: GLUSite) -> list[str]:
+        """MX: gate, up (or the fused projection) and down become MX ``fp8_linear`` calls; the
+        activation and product stay as they are. No Smooth-SwiGLU: MX scales are current, per 32
+        channels of each token, so a hot GLU channel coarsens only its own block (docs/numerics.md, MX).
+        """
+        m = site.match
+        parts = [("gate_up", m["x"])] if site.fused else [("gate", m["x"]), ("up", m["x"])]
+        parts.append(("down", m["h"]))
+        for p, x in parts:
+            call = m[p]
+            self.replace(call, self.fp8_linear(x, m[f"{p}_w"], m.get(f"{p}_b"), call,
+                                               m.get(f"{p}_layout") == "in_out"), m.nodes)
+        return ([site.gate] if site.fused else [site.gate, site.up]) + [site.down]
 
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
         """Rewrite the plan's GLUs and linears; returns (weights made FP8, (where, reason) kept)."""

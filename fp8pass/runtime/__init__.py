@@ -58,8 +58,10 @@ Scalar arguments
     ``fwd_format``/``bwd_format``: "e4m3" | "e4m3_gaudi" | "e5m2", or "identity" (testing hook: no
     quantization, the ops compute the unquantized math; not a numerics Format). ``granularity``:
     "tensor" | "row" | "block" with ``block`` the tile edge (1 x B tiles for x/dy/h, B x B for
-    weights); current scaling only, delayed scaling is per tensor. ``power_of_two``: round scales down
-    to powers of two. ``margin``, ``interval``, ``algo``: the DelayedScaling recipe's fields.
+    weights) | "mx" (OCP MXFP8: 32-element E8M0-scaled blocks along each GEMM's reduction dim,
+    ``block`` ignored; docs/numerics.md); current scaling only, delayed scaling is per tensor.
+    ``power_of_two``: round scales down to powers of two. ``margin``, ``interval``, ``algo``: the
+    DelayedScaling recipe's fields.
 
 Delayed-scaling state (how it enters and how it is updated)
     A state is the op list of a :class:`fp8pass.numerics.DelayedScalingState`,

@@ -23,9 +23,11 @@ from ..numerics.kernels import torch_family
 from . import kernels
 
 __all__ = ["IDENTITY", "Operand", "resolve_format", "cast_operand", "state_scale", "tile_for", "dequantize",
-           "gemm", "as_bytes", "from_bytes"]
+           "gemm", "as_bytes", "from_bytes", "MX_ROWS", "MX_COLS"]
 
 IDENTITY = "identity"
+MX_ROWS = (1, 32)  # MX blocks along the last dim (numerics.quantize's "mx" default)
+MX_COLS = (32, 1)  # MX blocks down the rows
 
 
 def resolve_format(name: str) -> Format | None:
@@ -48,9 +50,13 @@ class Operand:
 
 
 def tile_for(granularity: str, block: int, shape2d, weight: bool) -> tuple[int, int] | None:
-    """Group tile of an operand: per row ``(1, cols)``; blocks ``(1, B)`` or ``(B, B)`` for weights."""
+    """Group tile of an operand: per row ``(1, cols)``; blocks ``(1, B)`` or ``(B, B)`` for weights;
+    MX ``(1, 32)`` for both (32 elements along the forward GEMM's reduction dim; ``MX_COLS`` runs
+    down the rows instead, what the backward GEMMs reduce over)."""
     if granularity == "tensor":
         return None
+    if granularity == "mx":
+        return MX_ROWS
     if granularity == "row":
         return (1, max(int(shape2d[1]), 1))
     return (block, block) if weight else (1, block)
@@ -98,7 +104,7 @@ def cast_operand(
     Args:
         x2d: [rows, cols] high-precision tensor.
         fmt: FP8 Format, or None (identity hook).
-        granularity: "tensor", "row" or "block" (current scaling; delayed is per tensor only).
+        granularity: "tensor", "row", "block" or "mx" (current scaling; delayed is per tensor only).
         tile: group tile for "row"/"block" (see :func:`tile_for`).
         state: the delayed-scaling op list (``DelayedScalingState.OP_FIELDS``), or None/[] (current).
         margin, power_of_two: scale options (recipe fields).
@@ -122,7 +128,8 @@ def cast_operand(
     if granularity == "tensor":
         scale = scale_from_amax(torch_family.tensor_amax(x2d), fmt, margin, power_of_two)
         return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose)
-    q = quantize(x2d, fmt, granularity="block", block=tile, rounding=rounding, power_of_two=power_of_two)
+    q = quantize(x2d, fmt, granularity="mx" if granularity == "mx" else "block", block=tile, rounding=rounding,
+                 power_of_two=power_of_two)
     return Operand(q.data, q.scale, torch_family.tensor_amax(x2d))
 
 
@@ -149,11 +156,13 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | 
 
 
 def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-         a_t: bool = False, b_t: bool = False) -> torch.Tensor:
+         a_t: bool = False, b_t: bool = False, mm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``A @ B.T (+ bias)`` of two operands; ``a_t``/``b_t`` take the operand's transpose instead.
 
     Per-tensor scales use the device's fast GEMM; per-row / per-tile scales dequantize both operands
-    to fp32 (exact codes, one fp32 rounding of ``data / scale``) and multiply in fp32.
+    to fp32 (exact codes, one fp32 rounding of ``data / scale``) and multiply in ``mm_dtype``: fp32,
+    or bf16 (fp32 accumulation) for MX operands, whose values (codes times powers of two) bf16 holds
+    exactly, when the output is bf16 anyway.
     """
     if a_tile is None and b_tile is None:
         kern = kernels.for_device(a.data.device)
@@ -167,10 +176,12 @@ def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: t
     bv = dequantize(b.data, b.scale, b_tile)
     av = av.t() if a_t else av
     bv = bv.t() if b_t else bv
+    if mm_dtype != torch.float32:
+        av, bv = av.to(mm_dtype), bv.to(mm_dtype)
     if bias is None:
         out = torch.mm(av, bv.t())
     else:
-        out = torch.addmm(bias.to(torch.float32), av, bv.t())
+        out = torch.addmm(bias.to(mm_dtype), av, bv.t())
     return out.to(out_dtype)
 
 

@@ -5,6 +5,12 @@ in ``x``'s dtype. Backward (the "hybrid" recipe): ``dy`` cast to ``bwd_format`` 
 or stochastic), ``dx = dy W`` (E5M2 x E4M3) and ``dW = dy^T x`` (E5M2 x E4M3) from the FP8 codes
 saved in forward (1 byte/element; no high-precision copy of ``x`` or ``W`` is kept), ``db = sum(dy)``.
 
+MX granularity (OCP MXFP8) blocks every GEMM operand along that GEMM's reduction dim, as MX GEMMs
+require: forward ``x`` and ``W`` along in-features, dgrad ``dy`` along out-features and ``W`` down its
+rows, wgrad ``dy`` and ``x`` along tokens. So the forward saves ``x`` and ``W`` cast down their rows
+(32 x 1 blocks, a second cast of each) and the backward casts ``dy`` both ways. The GEMMs run on the
+exact dequantized values (no MX tensor cores on CPUs or Hopper GPUs).
+
 The op returns, besides ``y``, the amaxes of ``x`` and ``W`` (to record into delayed-scaling state)
 and the saved operands (codes and scales) that its backward needs: custom ops can only hand tensors to
 their backward through their outputs. Callers use ``[0]``, ``[1]``, ``[2]`` and ignore the rest.
@@ -16,7 +22,7 @@ import torch
 
 from ..numerics import ROUNDINGS
 from ..config import GRANULARITIES, ALGOS
-from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .casting import MX_COLS, Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
 from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
 
@@ -60,6 +66,14 @@ def _up(device, out_dtype) -> torch.dtype | None:
     return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
 
 
+def _mx_mm_dtype(device, out_dtype) -> torch.dtype:
+    """GEMM dtype of MX operands: bf16 (exact for them, fp32 accumulation) where this device's GEMM
+    prefers it and the output is bf16 anyway, else fp32."""
+    if out_dtype != torch.bfloat16:
+        return torch.float32
+    return torch.bfloat16 if _up(device, out_dtype) in (None, torch.bfloat16) else torch.float32
+
+
 def _scale_shape(granularity, block, rows, cols, weight):
     if granularity == "tensor":
         return ()
@@ -94,7 +108,11 @@ def fp8_linear_op(
     wt = tile_for(granularity, block, weight.shape, weight=True)
     xo = cast_operand(x2d, fmt, granularity, xt, x_state, margin, power_of_two, up=up)
     wo = cast_operand(weight, fmt, granularity, wt, w_state, margin, power_of_two, up=up)
-    y = gemm(xo, xt, wo, wt, x.dtype, bias)
+    mx = granularity == "mx" and fmt is not None
+    y = gemm(xo, xt, wo, wt, x.dtype, bias, mm_dtype=_mx_mm_dtype(x.device, x.dtype) if mx else torch.float32)
+    if mx:  # the backward GEMMs reduce over tokens (x) and out-features (W): save both cast down the rows
+        xo = cast_operand(x2d, fmt, granularity, MX_COLS)
+        wo = cast_operand(weight, fmt, granularity, MX_COLS)
     return (y.reshape(*x.shape[:-1], weight.shape[0]), xo.amax, wo.amax,
             as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone())
 
@@ -111,14 +129,19 @@ def _(x, weight, bias, x_state, w_state, g_state, fwd_format, bwd_format, granul
     code = x.dtype if fmt is None else torch.uint8
     wcode = weight.dtype if fmt is None else torch.uint8
     f32 = dict(dtype=torch.float32, device=x.device)
+    if granularity == "mx" and fmt is not None:  # saved cast down the rows (MX_COLS)
+        x_scale, w_scale = (-(-rows // MX_COLS[0]), k), (-(-n // MX_COLS[0]), k)
+    else:
+        x_scale = _scale_shape(granularity if fmt else "tensor", block, rows, k, False)
+        w_scale = _scale_shape(granularity if fmt else "tensor", block, n, k, True)
     return (
         x.new_empty(*x.shape[:-1], n),
         x.new_empty((), dtype=torch.float32),
         x.new_empty((), dtype=torch.float32),
         x.new_empty(rows, k, dtype=code),
-        torch.empty(_scale_shape(granularity if fmt else "tensor", block, rows, k, False), **f32),
+        torch.empty(x_scale, **f32),
         x.new_empty(n, k, dtype=wcode),
-        torch.empty(_scale_shape(granularity if fmt else "tensor", block, n, k, True), **f32),
+        torch.empty(w_scale, **f32),
     )
 
 
@@ -154,10 +177,20 @@ def fp8_linear_backward_op(
     wt = tile_for(granularity, block, w_data.shape, weight=True)
     xo = Operand(x_data, x_scale, x_scale)
     wo = Operand(w_data, w_scale, w_scale)
+    go_w, g_wt, mm = go, gt, torch.float32
+    if granularity == "mx":  # every operand blocked along its GEMM's reduction dim (the module doc)
+        saved_mx = resolve_format(fwd_format) is not None
+        if saved_mx:
+            xt = wt = MX_COLS
+        if fmt is not None:
+            g_wt = MX_COLS
+            go_w = cast_operand(dy2d, fmt, granularity, MX_COLS, g_state, margin, power_of_two, grad_rounding)
+        if saved_mx and fmt is not None:
+            mm = _mx_mm_dtype(dy.device, x_dtype)
     # dx = dy @ W: W^T [in, out] is the "B" operand ([N, K] with K = out).
-    dx = gemm(go, gt, wo, wt, x_dtype, b_t=True)
+    dx = gemm(go, gt, wo, wt, x_dtype, b_t=True, mm_dtype=mm)
     # dW = dy^T @ x: dy^T [out, tokens] and x^T [in, tokens].
-    dw = gemm(go, gt, xo, xt, w_dtype, a_t=True, b_t=True)
+    dw = gemm(go_w, g_wt, xo, xt, w_dtype, a_t=True, b_t=True, mm_dtype=mm)
     if want_bias_grad:
         db = dy2d.sum(0, dtype=torch.float32)
     else:  # a sum over all tokens is not free; skip it when there is no bias

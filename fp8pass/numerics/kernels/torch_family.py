@@ -22,6 +22,7 @@ __all__ = [
     "expand_groups",
     "nvfp4_block_scales",
     "global_nvfp4_scale",
+    "mx_block_scales",
     "quantize_groups",
 ]
 
@@ -131,17 +132,28 @@ def cast_groups(
     return out
 
 
-def nvfp4_block_scales(amax_blocks: torch.Tensor, global_scale: torch.Tensor, fmt: Format):
+def nvfp4_block_scales(amax_blocks: torch.Tensor, global_scale: torch.Tensor, fmt: Format, round_up: bool = False):
     """Two-level NVFP4 scales from per-block amaxes and the fp32 tensor encode scale ``g``.
 
-    The block decode scale ``d = amax_b / fmt.max * g`` is stored in E4M3 (RNE, saturating), so the
-    block scales use E4M3's whole range; elements are encoded with ``g / d_q``.
+    The block decode scale ``d = amax_b / fmt.max * g`` is stored in E4M3 (saturating), so the block
+    scales use E4M3's whole range; elements are encoded with ``g / d_q``. Rounded to nearest (even),
+    ``d_q`` can land below ``d``, and then the block's largest element scales past ``fmt.max`` and is
+    clipped. ``round_up`` takes the smallest E4M3 value ``>= d`` instead, so no element of the block
+    scales past ``fmt.max`` (up to one fp32 rounding of the encode scale): what stochastic rounding
+    needs to stay unbiased at the block maxima.
 
     Returns:
         (d_q as float8_e4m3fn codes [nr, nc], per-block fp32 encode scales [nr, nc]).
     """
     d = amax_blocks.to(torch.float32) / fmt.max * global_scale
     d_q = saturating_cast(d, E4M3)
+    if round_up:
+        # E4M3 codes of positive values grow with the value: one code up is the next value; never
+        # past the largest finite code (d is at most 448 up to rounding; NaN stays NaN)
+        below = d_q.to(torch.float32) < d
+        codes = d_q.view(torch.uint8)
+        codes = torch.where(below & (codes < E4M3.max_code), codes + 1, codes)
+        d_q = codes.view(torch.float8_e4m3fn)
     d_val = d_q.to(torch.float32)
     encode = torch.where(d_val > 0, global_scale / d_val, torch.zeros_like(d_val))
     encode = torch.where(torch.isnan(d_val), torch.nan, encode)
@@ -154,6 +166,36 @@ def global_nvfp4_scale(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
     ok = (amax > 0) & torch.isfinite(amax)
     scale = torch.clamp(torch.full_like(amax, fmt.max * E4M3.max) / amax, max=MAX_SCALE)
     return torch.where(ok, scale, torch.ones_like(amax))
+
+
+def mx_block_scales(x2d: torch.Tensor, block: tuple[int, int], fmt: Format):
+    """OCP MX v1.0 block scales: ``X = 2**(floor(log2(amax_b)) - fmt.emax)`` in E8M0.
+
+    ``amax_b`` is taken in the input's own precision (fp64 stays fp64, so its floor(log2) is exact);
+    the exponent is clamped to E8M0's range [-127, 127]. An all-zero block gets code 0 (2**-127; its
+    elements are zeros either way); a block holding NaN or +-Inf gets the NaN code 0xFF and NaN
+    encode scales, so all of its elements read back as NaN (E8M0 has no other non-finite value).
+
+    Returns:
+        (E8M0 codes uint8 [nr, nc], fp32 encode scales ``1 / X`` [nr, nc], exact powers of two).
+    """
+    br, bc = block
+    n_tiles = (-(-x2d.shape[0] // br), -(-x2d.shape[1] // bc))
+    if x2d.numel() == 0:
+        return (torch.zeros(n_tiles, dtype=torch.uint8, device=x2d.device),
+                torch.ones(n_tiles, dtype=torch.float32, device=x2d.device))
+    wide = x2d if x2d.dtype in (torch.float32, torch.float64) else x2d.float()
+    amax = _tiles(wide, block).abs().amax(dim=(1, 3))
+    finite = torch.isfinite(amax)
+    positive = finite & (amax > 0)
+    _, exp = torch.frexp(torch.where(positive, amax, torch.ones_like(amax)))  # amax = m * 2**exp, m in [0.5, 1)
+    e = torch.where(positive, exp.to(torch.int32) - 1 - fmt.emax, torch.full_like(exp, -127, dtype=torch.int32))
+    e = torch.clamp(e, -127, 127)
+    codes = torch.where(finite, e + 127, torch.full_like(e, 0xFF)).to(torch.uint8)
+    k = -e  # encode scale 2**k, built from its bits (2**-127 is an fp32 subnormal)
+    bits = torch.where(k >= -126, (k + 127) << 23, torch.full_like(k, 1 << 22))
+    encode = torch.where(finite, bits.view(torch.float32), torch.full_like(amax, torch.nan, dtype=torch.float32))
+    return codes, encode
 
 
 def quantize_groups(
