@@ -71,22 +71,24 @@ def bench_linear(tokens, dim, repeat):
     plain = NVFP4Scaling()
     fns = {"bf16": step(lambda: F.linear(x, w)),
            "nvfp4": step(lambda: fp8pass.ops.nvfp4_linear(x, w, recipe=plain))}
-    for mode in ("split", "concat"):
-        hcp = HotChannelPatching(mode=mode)
+    for mode, bwd in (("split", False), ("concat", False), ("split", True)):  # forward HCP; + gradients
+        hcp = HotChannelPatching(mode=mode, backward=bwd)
         st, r = HCPState(hcp, dim), NVFP4Scaling(hcp=hcp)
-        fns[f"nvfp4+hcp({mode})"] = step(lambda r=r, st=st: fp8pass.ops.nvfp4_linear(x, w, recipe=r, hcp_state=st))
+        fns[f"nvfp4+hcp({mode}{',bwd' if bwd else ''})"] = step(
+            lambda r=r, st=st: fp8pass.ops.nvfp4_linear(x, w, recipe=r, hcp_state=st))
     return _interleaved(fns, repeat)
 
 
 def bench_model(repeat):
-    from nvfp4 import TinyLlama  # experiments/nvfp4.py
+    from fp8pass.train import ModelConfig, TinyLlama  # the model of experiments/nvfp4.py
 
     x = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
     fns = {}
-    for name, recipe in (("fp32", None), ("nvfp4", NVFP4Scaling()),
-                         ("nvfp4+hcp", NVFP4Scaling(hcp=HotChannelPatching()))):
+    last = dict(keep_last_blocks=None)  # 1 of the 4 blocks kept (the default 4 would keep all)
+    for name, recipe in (("fp32", None), ("nvfp4", NVFP4Scaling(**last)),
+                         ("nvfp4+hcp", NVFP4Scaling(hcp=HotChannelPatching(backward=False), **last))):
         torch.manual_seed(0)
-        model = TinyLlama()
+        model = TinyLlama(ModelConfig(d_model=64, n_layers=4, n_heads=4, ffn=176, max_seq_len=64))
         f = model if recipe is None else torch.compile(model, backend=fp8pass.backend(
             Config(recipe=recipe, compiler="eager")))
 
@@ -110,6 +112,7 @@ def main():
         "linear nvfp4 / bf16": _ratio(lin_rounds, "nvfp4", "bf16"),
         "linear hcp(split) / nvfp4": _ratio(lin_rounds, "nvfp4+hcp(split)", "nvfp4"),
         "linear hcp(concat) / nvfp4": _ratio(lin_rounds, "nvfp4+hcp(concat)", "nvfp4"),
+        "linear hcp(split,bwd) / nvfp4": _ratio(lin_rounds, "nvfp4+hcp(split,bwd)", "nvfp4"),
         "model step nvfp4 / fp32": _ratio(mod_rounds, "nvfp4", "fp32"),
         "model step hcp / nvfp4": _ratio(mod_rounds, "nvfp4+hcp", "nvfp4"),
     }

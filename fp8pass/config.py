@@ -97,12 +97,15 @@ POST_QK_PATTERNS = ("*v_proj", "*o_proj", "*wv", "*wo", "*out_proj", "*c_proj")
 
 @dataclass(frozen=True)
 class HotChannelPatching:
-    """Hot-channel patching (HCP) of an NVFP4 linear's forward GEMM.
+    """Hot-channel patching (HCP) of an NVFP4 linear's GEMMs.
 
-    Per linear, the squared quantization error of every input channel, ``sum_t (X - Q(X))[t, c]**2``,
-    is kept as an exponential moving average; every ``update_interval`` steps the ``fraction`` of
+    Per linear and input channel ``c``, the error that quantizing both operands puts into the forward
+    GEMM through that channel, ``||X_c W_c^T - Q(X)_c Q(W)_c^T||_F**2`` (columns ``c`` of X and W), is
+    kept as an exponential moving average; every ``update_interval`` steps the ``fraction`` of
     channels with the largest error become "hot" and their residual is added back in high precision:
-    ``dX_h Q(W)_h^T + Q(X)_h dW_h^T`` (first order) ``+ dX_h dW_h^T`` (second order).
+    ``dX_h Q(W)_h^T + Q(X)_h dW_h^T`` (first order) ``+ dX_h dW_h^T`` (second order). With
+    ``backward`` the two gradient GEMMs are patched at the same channels (columns ``h`` of dX and dW).
+    The seed document's S-O2-B mode is ``mode="concat", second_order=True, backward=True``.
 
     Args:
         fraction: share of input channels patched (0 <= fraction <= 1; 0.09 as in the seed document).
@@ -110,7 +113,8 @@ class HotChannelPatching:
         decay: EMA decay of the per-channel error (0 <= decay < 1).
         second_order: also add the ``dX_h dW_h^T`` term (then fraction=1 gives the exact GEMM).
         mode: "split" (a second small GEMM added to the output) or "concat" (one GEMM over
-            ``[Q(X) | dX_h | X_h]`` and ``[Q(W) | Q(W)_h | dW_h]``); same result to fp32 rounding.
+            ``[Q(X) | dX_h | Q(X)_h]`` and ``[Q(W) | W_h | dW_h]``); same result to fp32 rounding.
+        backward: also patch the hot channels' columns of the dgrad and wgrad GEMMs (docs/nvfp4.md).
     """
 
     fraction: float = 0.09
@@ -118,6 +122,7 @@ class HotChannelPatching:
     decay: float = 0.9
     second_order: bool = True
     mode: str = "split"
+    backward: bool = True
 
     def __post_init__(self):
         if not 0.0 <= float(self.fraction) <= 1.0:
@@ -143,7 +148,8 @@ class NVFP4Scaling:
     GEMM's operands get a 16x16 random Hadamard transform along the token dim (``rht``).
 
     Keep-high-precision policy (compile backend): the LM head (``Config.keep_high_precision``), the
-    last blocks (``keep_last_blocks``, or ``round(keep_last_fraction * n_blocks)``) and, with
+    last blocks (``keep_last_blocks``: 4, the seed document's rule; or, with ``keep_last_blocks=None``,
+    the count closest to ``keep_last_fraction`` of the block linears, NVIDIA's ~15%) and, with
     ``protect_post_qk``, the attention value/output projections (``post_qk_patterns``) stay in the
     model dtype (``protected_precision="high"``) or become FP8 linears with current scaling ("fp8").
 
@@ -153,9 +159,10 @@ class NVFP4Scaling:
         grad_stochastic_rounding: stochastic rounding of the gradients (dgrad and wgrad operands).
         weight_2d: 16x16 weight blocks; False quantizes W (1x16 along in-features) and W^T (1x16 along
             out-features) separately, an ablation.
-        keep_last_blocks: number of final transformer blocks kept out of NVFP4; None: derive it
-            from ``keep_last_fraction``.
-        keep_last_fraction: share of the blocks kept (0.15: ~15% of the linears, NVIDIA's recipe).
+        keep_last_blocks: number of final transformer blocks kept out of NVFP4 (4: "the last 4
+            layers in BF16" of the seed document); None: derive it from ``keep_last_fraction``.
+        keep_last_fraction: with ``keep_last_blocks=None``, the share of the block linears kept
+            (0.15: ~15% of the linears, NVIDIA's recipe).
         protect_post_qk: keep the projections matching ``post_qk_patterns`` out of NVFP4.
         post_qk_patterns: fnmatch globs on the module FQN of value/output projections.
         protected_precision: "high" (the model dtype) or "fp8" (E4M3/E5M2 current scaling).
@@ -166,7 +173,7 @@ class NVFP4Scaling:
     rht_seed: int = 0
     grad_stochastic_rounding: bool = True
     weight_2d: bool = True
-    keep_last_blocks: int | None = None
+    keep_last_blocks: int | None = 4
     keep_last_fraction: float = 0.15
     protect_post_qk: bool = True
     post_qk_patterns: tuple[str, ...] = POST_QK_PATTERNS

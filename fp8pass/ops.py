@@ -168,9 +168,10 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if hcp is not None and hcp_state is None:
         hcp_state = hcp_state_for(weight, hcp)
     args = [] if hcp is None else hcp_state.op_args()
-    y, chan_err = torch.ops.fp8pass.nvfp4_linear(
+    y, chan_err, _ = torch.ops.fp8pass.nvfp4_linear(
         x, weight, bias, args, recipe.weight_2d, recipe.rht, recipe.rht_seed, recipe.grad_stochastic_rounding,
-        True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode)
+        True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
+        False if hcp is None else hcp.backward)
     if hcp is not None:
         hcp_state.update(chan_err)
     return y

@@ -26,17 +26,27 @@ def test_policy_blocks_and_fraction():
     assert block_of("model.layers.12.mlp.up_proj.weight") == ("model.layers.12", 12)
     assert block_of("output.weight") is None
     fq = [f"layers.{i}.{n}.weight" for i in range(8) for n in ("q", "k", "up", "down")]
-    r = NVFP4Scaling(protect_post_qk=False)
-    kept = protected_linears(fq, r)
+    kept = protected_linears(fq, NVFP4Scaling(protect_post_qk=False))
+    assert sorted({block_of(f)[1] for f in kept}) == [4, 5, 6, 7]  # the seed document's last 4 layers
+    kept = protected_linears(fq, NVFP4Scaling(keep_last_blocks=None, protect_post_qk=False))
     assert sorted({block_of(f)[1] for f in kept}) == [7]  # 1/8 = 12.5% is closest to 15%
     kept = protected_linears(fq, NVFP4Scaling(keep_last_blocks=3, protect_post_qk=False))
     assert sorted({block_of(f)[1] for f in kept}) == [5, 6, 7]
     assert protected_linears(fq, NVFP4Scaling(keep_last_blocks=0, protect_post_qk=False)) == {}
 
 
+def test_default_keeps_the_last_four_blocks_and_warns_when_that_is_all():
+    rep = fp8pass.explain(tiny_titan_llama(n_layers=6), _tokens(), config=_cfg(protect_post_qk=False))
+    assert sorted({block_of(f)[1] for f in rep.linears}) == [0, 1]
+    assert "last 4 of 6 blocks" in dict(rep.skipped)["layers.2.feed_forward.w2.weight"]
+    with pytest.warns(UserWarning, match="keeps all 4 blocks"):
+        rep = fp8pass.explain(tiny_titan_llama(n_layers=4), _tokens(), config=_cfg())
+    assert rep.linears == []
+
+
 def test_explain_reports_nvfp4_and_protected_linears():
     model = tiny_titan_llama(n_layers=4)
-    rep = fp8pass.explain(model, _tokens(), config=_cfg())
+    rep = fp8pass.explain(model, _tokens(), config=_cfg(keep_last_blocks=None))
     kept = dict(rep.skipped)
     assert len(rep.linears) == 15 and all(f.endswith((".wq.weight", ".wk.weight", ".w1.weight", ".w2.weight",
                                                       ".w3.weight")) for f in rep.linears)
@@ -64,7 +74,7 @@ def test_graph_ops_and_fp8_protection():
 def test_tiny_llama_trains_and_tracks_close_to_bf16():
     losses = {}
     hcp = HotChannelPatching(fraction=0.1, update_interval=2)
-    for name, cfg in (("hp", None), ("nvfp4", _cfg(hcp=hcp, compiler="eager"))):
+    for name, cfg in (("hp", None), ("nvfp4", _cfg(hcp=hcp, keep_last_blocks=0, compiler="eager"))):
         torch.manual_seed(0)
         model = tiny_titan_llama(n_layers=2)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -115,7 +125,7 @@ def test_bad_recipe_values():
 def test_inductor_compiles_the_nvfp4_graph():
     model = tiny_titan_llama(n_layers=2)
     torch._dynamo.reset()
-    cfg = _cfg(compiler="inductor", hcp=HotChannelPatching())
+    cfg = _cfg(compiler="inductor", hcp=HotChannelPatching(), keep_last_blocks=0)
     out = torch.compile(model, backend=fp8pass.backend(cfg))(_tokens())
     out.float().sum().backward()
     assert torch.isfinite(model.layers["0"].feed_forward.w1.weight.grad).all()

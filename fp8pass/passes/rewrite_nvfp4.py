@@ -3,7 +3,8 @@
 Every planned linear (GLU projections included: NVFP4 has no Smooth-SwiGLU form, the down
 projection is a plain NVFP4 linear of the GLU product) becomes::
 
-    out = fp8pass::nvfp4_linear(x, W, b, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, mode)
+    out = fp8pass::nvfp4_linear(x, W, b, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, mode,
+                                hcp_backward)
     y   = out[0]
     fp8pass::hcp_update_(*hcp_state, out[1], decay, interval)      # with HCP only
 
@@ -56,7 +57,8 @@ class NVFP4Rewriter(GraphRewriter):
             out = self.graph.call_function(
                 self.ops.nvfp4_linear.default,
                 (self.r(x), weight, b, hs, r.weight_2d, r.rht, r.rht_seed, r.grad_stochastic_rounding,
-                 True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode))
+                 True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
+                 False if hcp is None else hcp.backward))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if hs:
                 err = self.graph.call_function(operator.getitem, (out, 1))

@@ -47,12 +47,13 @@ a_data, a_scale, b_data, b_scale, smooth_scales)``
 ``fp8_linear_backward`` / ``swiglu_down_backward`` / ``fp8_grouped_linear_backward`` /
 ``fp8_grouped_swiglu_down_backward``: the ops the backward formulas call; internal.
 ``nvfp4_linear(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,
-hcp_mode) -> (y, chan_err)``
+hcp_mode, hcp_backward) -> (y, chan_err, hot)``
     The NVFP4 recipe (:mod:`fp8pass.runtime.nvfp4`, docs/nvfp4.md): E2M1 operands with E4M3 16-element
     block scales, RNE forward, SR gradients, RHT on the wgrad operands, 16x16 weight blocks.
     ``hcp_state`` = ``[err, hot, step]`` (:class:`HCPState`) or []; read only; ``chan_err`` is the
-    per-input-channel squared quantization error to record with ``hcp_update_(err, hot, step,
-    chan_err, decay, interval)`` (mutating, no autograd; :mod:`fp8pass.runtime.hcp`).
+    per-input-channel GEMM error (both operands) to record with ``hcp_update_(err, hot, step,
+    chan_err, decay, interval)`` (mutating, no autograd; :mod:`fp8pass.runtime.hcp`); ``hot`` the
+    channels patched in this call (and, with ``hcp_backward``, in its gradient GEMMs).
 
 Scalar arguments
     ``fwd_format``/``bwd_format``: "e4m3" | "e4m3_gaudi" | "e5m2", or "identity" (testing hook: no

@@ -2,8 +2,8 @@
 
 The state of one NVFP4 linear is three plain tensors ``[err, hot, step]``:
 
-* ``err`` fp32 ``[in_features]``: EMA of the per-input-channel squared quantization error of X,
-  ``sum_t (X - Q(X))[t, c]**2``;
+* ``err`` fp32 ``[in_features]``: EMA of the forward GEMM's error through each input channel, from
+  both operands (:func:`channel_error`);
 * ``hot`` int64 ``[n_hot]``: the hot channels (sorted), ``n_hot = HotChannelPatching.num_hot(in)``;
 * ``step`` int64 ``[]``: forward calls recorded.
 
@@ -22,9 +22,32 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import HotChannelPatching
 
-__all__ = ["HCPState", "hcp_state_for", "hcp_update_", "select_hot", "HCP_FIELDS"]
+__all__ = ["HCPState", "hcp_state_for", "hcp_update_", "select_hot", "channel_error", "HCP_FIELDS"]
 
 HCP_FIELDS = ("err", "hot", "step")
+
+
+def channel_error(x: torch.Tensor, xq: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """Per input channel ``c``: ``||X_c W_c^T - Q(X)_c Q(W)_c^T||_F**2``, the error both quantized
+    operands put into ``X W^T`` through channel ``c`` (what patching ``c`` with second order removes).
+
+    With ``dX = X - Q(X)`` and ``dW = W - Q(W)`` the channel's term is ``dX_c W_c^T + Q(X)_c dW_c^T``, a
+    sum of two outer products, so its squared norm is
+    ``|dX_c|^2 |W_c|^2 + |Q(X)_c|^2 |dW_c|^2 + 2 (dX_c . Q(X)_c)(W_c . dW_c)``: sums over tokens and over
+    output rows only, no GEMM, and no cancellation between large terms.
+
+    Args:
+        x, xq: ``[tokens, in]`` input and its quantized values.
+        w, wq: ``[out, in]`` weight and its quantized values.
+
+    Returns:
+        fp32 ``[in]``.
+    """
+    x, w = x.to(torch.float32), w.to(torch.float32)
+    dx, dw = x - xq, w - wq
+    err = ((dx * dx).sum(0) * (w * w).sum(0) + (xq * xq).sum(0) * (dw * dw).sum(0)
+           + 2.0 * (dx * xq).sum(0) * (w * dw).sum(0))
+    return torch.clamp(err, min=0.0)  # rounding can leave a tiny negative where the error is ~0
 
 
 def select_hot(err: torch.Tensor, n: int) -> torch.Tensor:

@@ -13,9 +13,15 @@ NVFP4's; only the speed is not.
 * wgrad ``dW = dy^T x``: both operands transposed so tokens are last, zero-padded to a multiple
   of 16, RHT'd (``rht``), quantized 1x16 along tokens; ``dy`` with stochastic rounding.
 * ``db = sum(dy)`` in fp32.
+* HCP in backward (``hcp_backward``): the forward's hot input channels ``h`` are patched in both
+  gradient GEMMs too, as columns of their outputs: ``dx[:, h]`` and ``dW[:, h]`` get
+  ``A B_h^T - Q(A) Q(B_h)^T`` (second order) added, with ``(A, B) = (dy, W^T)`` for dgrad and the RHT'd
+  ``(dy^T, x^T)`` for wgrad, so with every channel hot both gradients are the high-precision ones.
 
-Backward saves ``x`` and ``W`` in high precision (the weight is a parameter anyway) and recomputes
-the quantizations: RNE is deterministic, so W's blocks are bit-identical to the forward's.
+Stochastic rounding of the gradients rounds the E4M3 block scales up (``fp8pass.quantize``), so no
+block max is clipped and the rounding is unbiased everywhere. Backward saves ``x`` and ``W`` in high
+precision (the weight is a parameter anyway) and recomputes the quantizations: RNE is deterministic,
+so W's blocks are bit-identical to the forward's.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ import torch
 from ..config import HCP_MODES
 from ..numerics import E2M1, decode, quantize
 from ..numerics.kernels import torch_family
-from .hcp import select_hot
+from .hcp import channel_error, select_hot
 from .rht import pad_last_dim, rht_last_dim
 
-__all__ = ["nvfp4_values", "nvfp4_linear_op", "hcp_patch", "ACT_BLOCK", "WEIGHT_BLOCK"]
+__all__ = ["nvfp4_values", "nvfp4_linear_op", "hcp_patch", "residual_operands", "ACT_BLOCK", "WEIGHT_BLOCK"]
 
 ACT_BLOCK = (1, 16)
 WEIGHT_BLOCK = (16, 16)
@@ -49,18 +55,24 @@ def _mm_scaled(av, ag, bv, bg) -> torch.Tensor:
     return torch.mm(av, bv.t()) / (ag * bg)
 
 
-def hcp_patch(x2d, xd, w, wd, hot, second_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Operands ``(A_h, B_h)`` with ``A_h @ B_h^T`` = the hot channels' residual.
+def residual_operands(a, aq, b, bq, second_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(L, R)`` with ``L @ R^T = a b^T - aq bq^T`` (second order) or that less ``(a - aq)(b - bq)^T``.
 
-    First order: ``dX_h Q(W)_h^T + Q(X)_h dW_h^T``; with ``second_order`` ``+ dX_h dW_h^T``, written as
-    ``dX_h Q(W)_h^T + X_h dW_h^T`` (``Q(X)_h + dX_h = X_h``), so every variant is one GEMM of
-    ``[dX_h | X_h or Q(X)_h]`` by ``[Q(W)_h | dW_h]``. All fp32.
+    ``L = [a - aq | aq]``, ``R = [b or bq | b - bq]``: ``(a - aq) b^T + aq (b - bq)^T`` is exactly
+    ``a b^T - aq bq^T``; with ``bq`` in place of ``b`` the second-order term ``(a - aq)(b - bq)^T`` is
+    left out. One GEMM whatever the order. All fp32.
     """
-    xh, xdh = x2d[:, hot].to(torch.float32), xd[:, hot]
-    wh, wdh = w[:, hot].to(torch.float32), wd[:, hot]
-    a = torch.cat([xh - xdh, xh if second_order else xdh], 1)
-    b = torch.cat([wdh, wh - wdh], 1)
-    return a, b
+    a, b = a.to(torch.float32), b.to(torch.float32)
+    return torch.cat([a - aq, aq], 1), torch.cat([b if second_order else bq, b - bq], 1)
+
+
+def hcp_patch(x2d, xd, w, wd, hot, second_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Operands ``(A_h, B_h)`` with ``A_h @ B_h^T`` = the hot input channels' residual of ``X W^T``.
+
+    First order: ``dX_h Q(W)_h^T + Q(X)_h dW_h^T``; with ``second_order`` ``+ dX_h dW_h^T`` (then it is
+    ``X_h W_h^T - Q(X)_h Q(W)_h^T``), with ``dX = X - Q(X)``, ``dW = W - Q(W)`` (:func:`residual_operands`).
+    """
+    return residual_operands(x2d[:, hot], xd[:, hot], w[:, hot], wd[:, hot], second_order)
 
 
 def _check(x, weight, bias, hcp_state, hcp_mode):
@@ -95,9 +107,11 @@ def nvfp4_linear_op(
     grad_sr: bool,
     hcp_second_order: bool,
     hcp_mode: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(y, chan_err)``: ``chan_err`` is the per-input-channel squared error of ``Q(x)``
-    (``[in]``, fp32) when ``hcp_state`` is given, else an empty tensor."""
+    hcp_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(y, chan_err, hot)``: with ``hcp_state``, ``chan_err`` is the forward GEMM's error
+    per input channel from both operands (``[in]`` fp32, :func:`fp8pass.runtime.hcp.channel_error`)
+    and ``hot`` the channels patched in this call (int64; what the backward patches); else empty."""
     _check(x, weight, bias, hcp_state, hcp_mode)
     x2d = x.reshape(-1, x.shape[-1])
     xv, xg = nvfp4_values(x2d, ACT_BLOCK)
@@ -106,15 +120,13 @@ def nvfp4_linear_op(
     hot = None
     if hcp_state:
         err, hot, step = hcp_state
-        xd = xv / xg
-        dx = x2d.to(torch.float32) - xd
-        chan_err = (dx * dx).sum(0)
+        xd, wd = xv / xg, wv / wg
+        chan_err = channel_error(x2d, xd, weight, wd)
         if int(step) == 0:  # no hot set chosen yet: pick it from this call's error
             hot = select_hot(chan_err, hot.numel())
     if hot is None or hot.numel() == 0:
         y = _mm_scaled(xv, xg, wv, wg)
     else:
-        wd = wv / wg
         a, b = hcp_patch(x2d, xd, weight, wd, hot, hcp_second_order)
         if hcp_mode == "concat":
             y = torch.mm(torch.cat([xd, a], 1), torch.cat([wd, b], 1).t())
@@ -122,14 +134,23 @@ def nvfp4_linear_op(
             y = _mm_scaled(xv, xg, wv, wg) + torch.mm(a, b.t())
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0]), chan_err
+    hot_out = x.new_empty(0, dtype=torch.int64) if hot is None else hot.clone()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0]), chan_err, hot_out
 
 
 @nvfp4_linear_op.register_fake
-def _(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, hcp_mode):
+def _(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, hcp_mode, hcp_backward):
     _check(x, weight, bias, hcp_state, hcp_mode)
     n = weight.shape[1] if hcp_state else 0
-    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(n, dtype=torch.float32)
+    n_hot = hcp_state[1].numel() if hcp_state else 0
+    return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(n, dtype=torch.float32),
+            x.new_empty(n_hot, dtype=torch.int64))
+
+
+def _patch_columns(out, hot, a, aq, b, bq, second_order):
+    """``out[:, hot] += a b_hot^T - aq bq_hot^T`` (less the second-order term without it), in fp32."""
+    left, right = residual_operands(a, aq, b[hot], bq[hot], second_order)
+    return out.index_add(1, hot, torch.mm(left, right.t()))
 
 
 @torch.library.custom_op("fp8pass::nvfp4_linear_backward", mutates_args=())
@@ -137,12 +158,15 @@ def nvfp4_linear_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
+    hot: torch.Tensor,
     weight_2d: bool,
     rht: bool,
     rht_seed: int,
     grad_sr: bool,
+    hcp_second_order: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx, dW, db_fp32)`` of ``y = x W^T + b`` (see the module doc)."""
+    """``(dx, dW, db_fp32)`` of ``y = x W^T + b`` (see the module doc); ``hot``: input channels whose
+    gradient columns are patched (empty: plain NVFP4 gradients)."""
     rounding = "stochastic" if grad_sr else "nearest"
     dy2d = dy.reshape(-1, dy.shape[-1])
     x2d = x.reshape(-1, x.shape[-1])
@@ -154,6 +178,8 @@ def nvfp4_linear_backward_op(
         wtv, wg = nvfp4_values(weight.t(), ACT_BLOCK)
         wv = wtv.t()
     dx = torch.mm(gv, wv) / (gg * wg)
+    if hot.numel():  # (A, B) = (dy, W^T): columns h of dx
+        dx = _patch_columns(dx, hot, dy2d, gv / gg, weight.t(), (wv / wg).t(), hcp_second_order)
     # wgrad: reduction over tokens (last dim after transposing)
     a, b = dy2d.t(), x2d.t()
     if rht:
@@ -163,29 +189,32 @@ def nvfp4_linear_backward_op(
     av, ag = nvfp4_values(a, ACT_BLOCK, rounding)
     bv, bg = nvfp4_values(b, ACT_BLOCK)
     dw = _mm_scaled(av, ag, bv, bg)
+    if hot.numel():  # (A, B) = (dy^T, x^T) after the RHT: columns h of dW
+        dw = _patch_columns(dw, hot, a, av / ag, b, bv / bg, hcp_second_order)
     db = dy2d.sum(0, dtype=torch.float32)
     return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype), db
 
 
 @nvfp4_linear_backward_op.register_fake
-def _(dy, x, weight, weight_2d, rht, rht_seed, grad_sr):
+def _(dy, x, weight, hot, weight_2d, rht, rht_seed, grad_sr, hcp_second_order):
     return (torch.empty_like(x), torch.empty_like(weight),
             dy.new_empty(weight.shape[0], dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, _, _ = inputs
-    ctx.save_for_backward(x, weight)
+    x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, _, hcp_backward = inputs
+    hot = output[2] if hcp_backward else output[2][:0]
+    ctx.save_for_backward(x, weight, hot)
     ctx.n_hcp = len(hcp_state)
     ctx.b_dtype = None if bias is None else bias.dtype
-    ctx.args = (weight_2d, rht, rht_seed, grad_sr)
+    ctx.args = (weight_2d, rht, rht_seed, grad_sr, second_order)
 
 
-def _backward(ctx, dy, _chan_err_grad):
-    x, weight = ctx.saved_tensors
-    dx, dw, db = torch.ops.fp8pass.nvfp4_linear_backward(dy, x, weight, *ctx.args)
+def _backward(ctx, dy, _chan_err_grad, _hot_grad):
+    x, weight, hot = ctx.saved_tensors
+    dx, dw, db = torch.ops.fp8pass.nvfp4_linear_backward(dy, x, weight, hot, *ctx.args)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
-    return (dx, dw, dbias, [None] * ctx.n_hcp) + (None,) * 6
+    return (dx, dw, dbias, [None] * ctx.n_hcp) + (None,) * 7
 
 
 nvfp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
