@@ -12,16 +12,35 @@ reads it)::
     model.compile(backend=fp8pass.backend(cfg))
 
 Call it between steps (after ``optimizer.step()``), like any checkpoint.
+
+:func:`save` / :func:`load` do the file part too: an fsynced temp file renamed into place, a
+SHA-256 manifest beside it (``path.manifest.json``, see :mod:`fp8pass.integrity`) verified before
+anything is unpickled, and errors that name the file::
+
+    fp8pass.checkpoint.save("ckpt.pt", model, optimizer)
+    fp8pass.checkpoint.load("ckpt.pt", model, optimizer, config=cfg)
+
+Every load path validates the values before loading them (scales finite and > 0, amax histories
+finite and >= 0, counters in range, shapes equal to the model's) and raises
+:class:`~fp8pass.integrity.CheckpointError` naming the key.
 """
 
 from __future__ import annotations
 
+import io
+import os
+from pathlib import Path
+
 import torch
 
-from .config import Config
+from .config import Config, DelayedScaling
+from .integrity import CheckpointError, read_verified, write_with_manifest
+from .optim.state_check import check_optimizer_state
+from .scaling_checks import check_model_state_dict
 from .scaling_state import _unwrap, attach
 
-__all__ = ["checkpoint_state", "load_checkpoint_state", "torch_rng_state", "set_torch_rng_state"]
+__all__ = ["checkpoint_state", "load_checkpoint_state", "torch_rng_state", "set_torch_rng_state", "save", "load",
+           "load_file", "save_file"]
 
 
 def torch_rng_state() -> dict:
@@ -32,7 +51,13 @@ def torch_rng_state() -> dict:
 
 def set_torch_rng_state(state: dict) -> None:
     """Restore :func:`torch_rng_state` (CUDA states only where they were saved)."""
-    torch.set_rng_state(state["cpu"])
+    cpu = state.get("cpu") if isinstance(state, dict) else None
+    want = torch.get_rng_state()
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != want.dtype or cpu.shape != want.shape:
+        raise CheckpointError(f"rng.cpu: expected a {want.dtype} tensor of shape {tuple(want.shape)} (torch's CPU "
+                              f"generator state), got {getattr(cpu, 'dtype', type(cpu).__name__)} "
+                              f"{tuple(getattr(cpu, 'shape', ()))}")
+    torch.set_rng_state(cpu)
     if state.get("cuda"):
         if not torch.cuda.is_available() or torch.cuda.device_count() < len(state["cuda"]):
             raise RuntimeError(f"the checkpoint holds the RNG state of {len(state['cuda'])} CUDA devices; "
@@ -53,9 +78,25 @@ def checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
             "rng": torch_rng_state()}
 
 
+def _param_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """``{state key: (parameter FQN, shape)}`` for ``optimizer``'s saved ``state`` (keys are indices in
+    ``param_groups`` order); {} when the counts differ (``optimizer.load_state_dict`` reports that)."""
+    names = {id(p): n for n, p in _unwrap(model).named_parameters()}
+    try:
+        ids = [i for g in state["param_groups"] for i in g["params"]]
+    except (KeyError, TypeError):
+        return {}  # check_optimizer_state names what is malformed
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(ids) != len(params):
+        return {}
+    return {i: (names.get(id(p), f"param {i}"), tuple(p.shape)) for i, p in zip(ids, params)}
+
+
 def load_checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
                           config: Config | None = None, strict: bool = True) -> None:
     """Restore a :func:`checkpoint_state`, before or after compiling ``model``.
+
+    The state is validated before anything is loaded (see the module docstring).
 
     Args:
         model: the model (compiled or not).
@@ -64,9 +105,58 @@ def load_checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
         config: the Config the model is compiled with (creates the scaling state of a model that has
             not run a compiled step yet; default ``Config()``).
         strict: passed to ``model.load_state_dict``.
+
+    Raises:
+        CheckpointError: a value out of range or a shape that differs from the model's, naming the key.
     """
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "rng" not in state:
+        raise CheckpointError("not a checkpoint_state(): expected a dict with 'model', 'optimizer' and 'rng'")
+    cfg = config or Config()
+    shapes = {n: tuple(p.shape) for n, p in _unwrap(model).named_parameters()}
+    check_model_state_dict(state["model"], shapes,
+                           cfg.recipe.history_len if isinstance(cfg.recipe, DelayedScaling) else None)
+    opt_state = state.get("optimizer")
+    if optimizer is not None and opt_state is not None:
+        check_optimizer_state(opt_state, params=_param_map(model, optimizer, opt_state))
     attach(model, config)
     _unwrap(model).load_state_dict(state["model"], strict=strict)
-    if optimizer is not None and state.get("optimizer") is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    if optimizer is not None and opt_state is not None:
+        optimizer.load_state_dict(opt_state)
     set_torch_rng_state(state["rng"])
+
+
+def save_file(path: str | os.PathLike, obj) -> Path:
+    """``torch.save(obj)`` to ``path`` with a SHA-256 manifest, both fsynced and renamed into place."""
+    return write_with_manifest(path, lambda f: torch.save(obj, f))
+
+
+def load_file(path: str | os.PathLike, allow_unverified: bool | None = None):
+    """``torch.load(path, weights_only=True)`` of a :func:`save_file`, verified against its manifest.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file differs from its manifest, has none (unless ``allow_unverified``,
+            see :mod:`fp8pass.integrity`), or is not a readable checkpoint (truncated, empty,
+            corrupted); the message names the file.
+    """
+    path = Path(path)
+    data = read_verified(path, allow_unverified)
+    if not data:
+        raise CheckpointError(f"{path}: empty file, not a checkpoint")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for damaged files (RuntimeError, UnpicklingError, ...)
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); it is truncated or corrupted, or not "
+                              "written by torch.save") from None
+
+
+def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Path:
+    """Write :func:`checkpoint_state` to ``path`` with its manifest (see :func:`save_file`). Returns ``path``."""
+    return save_file(path, checkpoint_state(model, optimizer))
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         config: Config | None = None, strict: bool = True, allow_unverified: bool | None = None) -> None:
+    """Verify, validate and restore a :func:`save` (see :func:`load_file`, :func:`load_checkpoint_state`)."""
+    load_checkpoint_state(model, optimizer, load_file(path, allow_unverified), config=config, strict=strict)

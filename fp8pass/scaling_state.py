@@ -22,6 +22,11 @@ model that is not to train in FP8 (a bf16 reference copy, an inference export), 
 :func:`without_scaling_state` of it. A checkpoint without the keys loads into any model and leaves
 the state as it is.
 
+Every loaded value is validated first (:mod:`fp8pass.scaling_checks`: scales finite and > 0,
+histories finite and >= 0, counters in range, shapes the weight's); a violation raises
+:class:`~fp8pass.integrity.CheckpointError` naming the key. :func:`load_scaling_state_dict` with
+``strict=True`` reports unexpected and missing keys like ``nn.Module.load_state_dict``.
+
 Usage::
 
     fp8pass.scaling_state.attach(model, cfg)        # only needed before the first compiled step
@@ -31,7 +36,6 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import weakref
 
@@ -39,17 +43,16 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .config import Config, DelayedScaling, HotChannelPatching, NVFP4Scaling
+from .integrity import CheckpointError
 from .numerics import get_format
 from .runtime import state as _linear_state
 from .runtime.hcp import _REGISTRY as _HCP_REGISTRY, HCP_FIELDS, hcp_state_for
 from .runtime.state import ROLES, _REGISTRY, state_for
+from .scaling_checks import _FIELDS, HCP_KEY, SCALING_KEY, _group_flat, check_delayed_state, check_hcp_state
 
 __all__ = ["scaling_state_dict", "load_scaling_state_dict", "attach", "attach_weights", "without_scaling_state",
            "SCALING_KEY", "HCP_KEY"]
 
-_FIELDS = ("amax_history", "scale", "steps", "skipped")
-SCALING_KEY = "fp8_scaling"  # "<param FQN>.fp8_scaling.<role>.<field>"
-HCP_KEY = "fp8_hcp"  # "<param FQN>.fp8_hcp.<field>"
 _HOOKED = "_fp8pass_state_dict_config"  # module attribute: hooks registered, and the Config they create state with
 
 
@@ -105,45 +108,55 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
         found = {k: state_dict.pop(full) for k, full in keys.items() if full in state_dict}
         if found:
             try:
-                _load_delayed(p, found, cfg)
+                _load_delayed(p, found, cfg, base[:-1])
             except (KeyError, ValueError) as e:
-                error_msgs.append(f"{base[:-1]}: {e}")
+                error_msgs.append(str(e.args[0]) if e.args else repr(e))
         base = f"{prefix}{name}.{HCP_KEY}."
         found = {f"hcp.{f}": state_dict.pop(base + f) for f in HCP_FIELDS if base + f in state_dict}
         if found:
             try:
-                _load_hcp_one(p, found, cfg)
+                _load_hcp_one(p, found, cfg, base[:-1])
             except (KeyError, ValueError) as e:
-                error_msgs.append(f"{base[:-1]}: {e}")
+                error_msgs.append(str(e.args[0]) if e.args else repr(e))
 
 
-def _load_delayed(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config) -> None:
+def _load_delayed(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config, name: str) -> None:
+    """Validate and load one weight's delayed-scaling state (creating it with ``cfg``'s recipe)."""
     missing = [f"{r}.{f}" for r in ROLES for f in _FIELDS if f"{r}.{f}" not in sd]
     if missing:
-        raise KeyError(f"incomplete delayed-scaling state, missing {missing}")
+        raise KeyError(f"{name}: incomplete delayed-scaling state, missing {missing}")
     st = _delayed_state(p)
+    recipe = st.recipe if st is not None else (cfg.recipe if isinstance(cfg.recipe, DelayedScaling)
+                                                 else DelayedScaling())
+    hist = sd["input.amax_history"]
+    saved_len = hist.shape[-1] if isinstance(hist, torch.Tensor) and hist.dim() else None
+    if saved_len != recipe.history_len:
+        raise CheckpointError(f"{name}: saved amax_history has {saved_len} entries, the config's recipe "
+                              f"history_len={recipe.history_len}; pass (or attach) the Config the state was "
+                              "saved with")
+    check_delayed_state(sd, name, p.shape, recipe.history_len)
     if st is None:
-        recipe = cfg.recipe if isinstance(cfg.recipe, DelayedScaling) else DelayedScaling()
-        saved_len = sd["input.amax_history"].shape[-1]
-        if saved_len != recipe.history_len:
-            raise ValueError(f"saved amax_history has {saved_len} entries, the config's recipe "
-                             f"history_len={recipe.history_len}; attach the config the state was saved with")
         if p.dim() == 3 and hasattr(_linear_state, "grouped_state_for"):
             st = _linear_state.grouped_state_for(p, recipe, *_formats(cfg))
         else:
             st = state_for(p, recipe, *_formats(cfg))
     st.load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+    _EXPECTS_STATE.pop(p, None)
 
 
-def _load_hcp_one(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config) -> None:
+def _load_hcp_one(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config, name: str) -> None:
     missing = [k for k in (f"hcp.{f}" for f in HCP_FIELDS) if k not in sd]
     if missing:
-        raise KeyError(f"incomplete hot-channel-patching state, missing {missing}")
+        raise KeyError(f"{name}: incomplete hot-channel-patching state, missing {missing}")
+    check_hcp_state(sd, name, int(p.shape[1]) if p.dim() == 2 else None)
     st = _HCP_REGISTRY.get(p)
     if st is None:
         hcp = cfg.recipe.hcp if isinstance(cfg.recipe, NVFP4Scaling) and cfg.recipe.hcp else HotChannelPatching()
         st = hcp_state_for(p, hcp)
-    st.load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+    try:
+        st.load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+    except ValueError as e:
+        raise CheckpointError(f"{name}: {e}") from None
 
 
 def _hook_module(module: torch.nn.Module, config: Config | None) -> None:
@@ -175,6 +188,9 @@ def attach(model: torch.nn.Module, config: Config | None = None) -> torch.nn.Mod
 
 _ATTACHED = WeakTensorKeyDictionary()  # weights whose owners got the hooks (so a recompile costs nothing)
 _OWNERS = WeakTensorKeyDictionary()  # parameter -> [(weakref(module), name)], from the last scan
+# weights of a model that loaded scaling state strictly without an entry for them -> their FQN: if one
+# becomes FP8 later (its first compile), the checkpoint lacked its state (see load_scaling_state_dict)
+_EXPECTS_STATE = WeakTensorKeyDictionary()
 
 
 def _scan_owners() -> None:
@@ -195,6 +211,13 @@ def attach_weights(weights: list, config: Config) -> None:
     the backend tensors, not modules), registers the state-dict hooks on them, and lets state that
     a checkpoint created before this compile (see :func:`attach`) take ``config``'s recipe.
     """
+    if isinstance(config.recipe, DelayedScaling):
+        missing = sorted({_EXPECTS_STATE[w] for w in weights if w in _EXPECTS_STATE and _delayed_state(w) is None})
+        if missing:
+            raise KeyError(f"fp8pass: weights {missing[:5]}{' ...' if len(missing) > 5 else ''} run in FP8, but "
+                           "the scaling state loaded into this model with load_scaling_state_dict(strict=True) "
+                           "had no entry for them (missing keys); load the state saved from this model, or "
+                           "pass strict=False to start those weights with fresh state")
     pending = [w for w in weights if isinstance(w, torch.nn.Parameter) and w not in _ATTACHED]
     if not pending:
         return
@@ -264,12 +287,22 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
                             config: Config | None = None, strict: bool = True) -> None:
     """Load a :func:`scaling_state_dict` into ``model``'s weights (copies into live state tensors).
 
+    Every entry is validated first (see :func:`check_delayed_state`); nothing is loaded when one fails.
+
     Args:
         model: the model (compiled or not; a compiled model's graphs see the loaded values at once).
         state_dict: from :func:`scaling_state_dict`.
         config: the Config the model is compiled with (its recipe and formats create missing states;
-            default ``Config()``). The history length is taken from the saved tensors.
-        strict: raise on keys that name no parameter of ``model``.
+            default ``Config()``). The history length must equal its recipe's ``history_len``.
+        strict: like ``nn.Module.load_state_dict``: raise on keys that name no parameter of ``model``
+            (unexpected) and on weights that have state in ``model`` but none in ``state_dict``
+            (missing). A weight of a model that has not compiled yet has no state to compare with: it is
+            checked when it first becomes FP8, and a weight without saved state then raises (a
+            state from a 2-layer model loaded into a 4-layer one fails at the first step).
+
+    Raises:
+        KeyError: unexpected or missing keys (``strict``), or an incomplete state of one weight.
+        CheckpointError: a value out of range or a shape that differs from this model's (names the key).
     """
     model = _unwrap(model)
     cfg = config or Config()
@@ -282,27 +315,36 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
                              "state; pass the Config with the DelayedScaling recipe the state was saved under")
         return
     params = dict(model.named_parameters())
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
-    unknown = []
-    for key, v in state_dict.items():
-        parts = key.rsplit(".", 2)
-        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in _FIELDS or parts[0] not in params:
-            unknown.append(key)
-            continue
-        grouped.setdefault(parts[0], {})[f"{parts[1]}.{parts[2]}"] = v
-    if unknown and strict:
-        raise KeyError(f"load_scaling_state_dict: keys that name no parameter role of this model: "
-                       f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} (strict=False ignores them)")
-    for name, sd in grouped.items():
+    grouped, unknown = _group_flat(state_dict, params)
+    missing = sorted(n for n, p in params.items() if n not in grouped and _delayed_state(p) is not None)
+    if strict and (unknown or missing):
+        raise KeyError(_key_report(unknown, missing, "weights with delayed-scaling state in this model"))
+    for name, sd in grouped.items():  # all first: a bad entry leaves the model untouched
         p = params[name]
-        hist = sd.get("input.amax_history")
-        recipe = cfg.recipe
-        if hist is not None and hist.numel() != recipe.history_len:
-            raise ValueError(f"{name}: saved amax_history has {hist.numel()} entries, the config's recipe "
-                             f"history_len={recipe.history_len}; pass the config the state was saved with")
-        fwd = cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3"
-        bwd = cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2"
-        state_for(p, recipe, fwd, bwd).load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+        miss = [f"{r}.{f}" for r in ROLES for f in _FIELDS if f"{r}.{f}" not in sd]
+        if miss:
+            raise KeyError(f"{name}: incomplete delayed-scaling state, missing {miss}")
+        if _delayed_state(p) is not None:  # an existing state must have this recipe (else ValueError)
+            (_linear_state.grouped_state_for if p.dim() == 3 else state_for)(p, cfg.recipe, *_formats(cfg))
+        hist = sd["input.amax_history"]
+        if not isinstance(hist, torch.Tensor) or hist.shape[-1:] != (cfg.recipe.history_len,):
+            raise CheckpointError(f"{name}: saved amax_history has shape "
+                                  f"{tuple(getattr(hist, 'shape', ()))}, the config's recipe history_len="
+                                  f"{cfg.recipe.history_len}; pass the config the state was saved with")
+        check_delayed_state(sd, name, p.shape, cfg.recipe.history_len)
+    for name, sd in grouped.items():
+        _load_delayed(params[name], sd, cfg, name)
+    if strict and grouped:
+        for name, p in params.items():
+            if name not in grouped and _delayed_state(p) is None:
+                _EXPECTS_STATE[p] = name
+
+
+def _key_report(unknown: list[str], missing: list[str], holders: str) -> str:
+    parts = [f"{what}: {keys[:5]}{' ...' if len(keys) > 5 else ''}" for what, keys in
+             (("unexpected keys (they name no parameter role of this model)", unknown),
+              (f"missing keys ({holders} but no entry in the state dict)", missing)) if keys]
+    return "load_scaling_state_dict: " + "; ".join(parts) + " (strict=False ignores them)"
 
 
 def _load_hcp(model, state_dict, recipe: NVFP4Scaling, strict: bool) -> None:
@@ -316,12 +358,20 @@ def _load_hcp(model, state_dict, recipe: NVFP4Scaling, strict: bool) -> None:
             unknown.append(key)
             continue
         grouped.setdefault(parts[0], {})[f"hcp.{parts[2]}"] = v
-    if unknown and strict:
-        raise KeyError(f"load_scaling_state_dict: keys that are no HCP state of this model under the NVFP4 "
-                       f"recipe: {unknown[:5]}{' ...' if len(unknown) > 5 else ''} (strict=False ignores them)")
+    missing = sorted(n for n, p in params.items() if n not in grouped and _HCP_REGISTRY.get(p) is not None)
+    if strict and (unknown or missing):
+        raise KeyError(_key_report(unknown, missing, "weights with HCP state in this model"))
     if grouped and recipe.hcp is None:
         raise ValueError("load_scaling_state_dict: the state holds HCP tensors but the config's NVFP4Scaling "
                          "has hcp=None; pass the config the state was saved with")
     for name, sd in grouped.items():
+        miss = [f"hcp.{f}" for f in HCP_FIELDS if f"hcp.{f}" not in sd]
+        if miss:
+            raise KeyError(f"{name}: incomplete hot-channel-patching state, missing {miss}")
+        check_hcp_state(sd, f"{name}.hcp", int(params[name].shape[1]) if params[name].dim() == 2 else None)
+    for name, sd in grouped.items():
         p = params[name]
-        hcp_state_for(p, recipe.hcp).load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+        try:
+            hcp_state_for(p, recipe.hcp).load_state_dict({k: t.to(p.device) for k, t in sd.items()})
+        except ValueError as e:
+            raise CheckpointError(f"{name}.hcp: {e}") from None

@@ -12,21 +12,47 @@ Usage::
     fp8pass.distributed.save_checkpoint(path, model, optimizer)
     ...
     fp8pass.distributed.load_checkpoint(path, model, optimizer, config=cfg)
+
+Safety and integrity (see docs/distributed.md):
+
+* torch's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load`` and DCP's default
+  planner loads non-tensor entries with ``torch.load(weights_only=False)``: a crafted checkpoint
+  folder runs code when it is loaded. :func:`load_checkpoint` reads ``.metadata`` with an allow-list
+  unpickler (:class:`SafeFileSystemReader`: DCP's metadata classes and the torch types they hold,
+  nothing else) and non-tensor entries with ``weights_only=True`` (:class:`SafeLoadPlanner`).
+* :func:`save_checkpoint` writes ``manifest.json`` (SHA-256 of every file, written last by the
+  coordinator after all ranks wrote theirs); :func:`load_checkpoint` verifies it (the ranks split
+  the files) before it unpickles anything, and validates the loaded values before applying them.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..config import Config, DelayedScaling
-from ..runtime.state import state_for
+from ..integrity import CheckpointError, verify_files, write_manifest
+from ..optim.state_check import check_optimizer_state
+from ..scaling_checks import _FIELDS, check_delayed_state, check_model_state_dict
+from ..scaling_state import _load_delayed
+from ..runtime.state import ROLES
 from .amax_sync import _module_params, scaling_states
 
-__all__ = ["save_checkpoint", "load_checkpoint", "distributed_scaling_state_dict", "load_distributed_scaling_state_dict"]
+__all__ = ["save_checkpoint", "load_checkpoint", "distributed_scaling_state_dict", "load_distributed_scaling_state_dict",
+           "SafeFileSystemReader", "SafeLoadPlanner", "MANIFEST_NAME"]
+
+MANIFEST_NAME = "manifest.json"
+_METADATA = ".metadata"
 
 _WRAPPERS = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -50,19 +76,25 @@ def load_distributed_scaling_state_dict(model: torch.nn.Module, sd: dict[str, to
                                         config: Config | None = None) -> None:
     """Load a :func:`distributed_scaling_state_dict` into ``model``'s weights (creating missing state).
 
+    Every entry is validated first (:func:`fp8pass.scaling_state.check_delayed_state`, against the
+    weight's shape and the config's history length); nothing is loaded when one fails.
+
     Under FSDP2 the state belongs to the unsharded parameters; they exist after the first
     all-gather, so call this after ``model.unshard(); model.reshard()`` or one forward (
     :func:`load_checkpoint` does the former).
     """
-    from ..scaling_state import _FIELDS
-    from ..runtime.state import ROLES
-
     cfg = config or Config()
+    for p, name, d in _checked_scaling_state(model, sd, cfg):
+        _load_delayed(p, d, cfg, name)
+
+
+def _checked_scaling_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], cfg: Config) -> list:
+    """``[(parameter, "fp8.<FQN>", {"<role>.<field>": tensor})]`` for ``sd``, every entry validated."""
     if not isinstance(cfg.recipe, DelayedScaling):
         if sd:
             raise ValueError("the checkpoint holds delayed-scaling state but the config uses CurrentScaling; "
                              "pass the Config the model was trained with")
-        return
+        return []
     params = {}
     for name, p in _module_params(model):
         params[_clean(name)] = p  # unsharded (FSDP2) ones come last and win
@@ -72,11 +104,14 @@ def load_distributed_scaling_state_dict(model: torch.nn.Module, sd: dict[str, to
         if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in _FIELDS or parts[0] not in params:
             raise KeyError(f"scaling state key {key!r} names no parameter role of this model")
         grouped.setdefault(parts[0], {})[f"{parts[1]}.{parts[2]}"] = v
-    fwd = cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3"
-    bwd = cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2"
+    out = []
     for name, d in grouped.items():
-        p = params[name]
-        state_for(p, cfg.recipe, fwd, bwd).load_state_dict({k: t.to(p.device) for k, t in d.items()})
+        miss = [f"{r}.{f}" for r in ROLES for f in _FIELDS if f"{r}.{f}" not in d]
+        if miss:
+            raise CheckpointError(f"fp8.{name}: incomplete delayed-scaling state, missing {miss}")
+        check_delayed_state(d, f"fp8.{name}", params[name].shape, cfg.recipe.history_len)
+        out.append((params[name], f"fp8.{name}", d))
+    return out
 
 
 def _unshard_once(model: torch.nn.Module) -> None:
@@ -112,6 +147,146 @@ def _plain(sd):
     return conv(sd)
 
 
+class _ManifestWriter(FileSystemWriter):
+    """``FileSystemWriter`` that writes ``manifest.json`` after ``.metadata`` (coordinator only, once
+    every rank's files are written): the SHA-256 of ``.metadata`` and of every data file."""
+
+    def finish(self, metadata: Metadata, results) -> None:
+        super().finish(metadata, results)
+        names = {_METADATA} | {wr.storage_data.relative_path for rank in results for wr in rank}
+        write_manifest(self.path, sorted(names), MANIFEST_NAME)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` unpickles with an allow-list (see
+    :class:`_MetadataUnpickler`) and checks that every data file it names is a plain file name in the
+    checkpoint folder. A crafted ``.metadata`` raises :class:`~fp8pass.integrity.CheckpointError`
+    and runs nothing."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = Path(self.path) / _METADATA
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no DCP checkpoint there (no .metadata)") from None
+        except Exception as e:  # truncated or damaged pickle: many exception types
+            raise CheckpointError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
+        for index, info in (metadata.storage_data or {}).items():
+            rel = getattr(info, "relative_path", None)
+            if not isinstance(rel, str) or rel in ("", ".", "..") or Path(rel).name != rel or "\\" in rel:
+                raise CheckpointError(f"{path}: entry {getattr(index, 'fqn', index)!r} points at {rel!r}, not a file "
+                                      "of the checkpoint folder")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _allowed_globals() -> dict[tuple[str, str], object]:
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.serialization import _get_layout
+
+    allowed = {(metadata.__name__, n): getattr(metadata, n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = _get_layout  # a name -> torch.layout lookup
+    for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
+        allowed[(cls.__module__, cls.__name__)] = cls  # StorageMeta.checkpoint_id
+        allowed[("pathlib", cls.__name__)] = cls
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``Metadata`` only: any global outside :func:`_allowed_globals` is refused before
+    it is looked up, so no ``__reduce__`` payload can name a callable that runs code."""
+
+    _ALLOWED: dict | None = None
+
+    def find_class(self, module: str, name: str):
+        if _MetadataUnpickler._ALLOWED is None:
+            _MetadataUnpickler._ALLOWED = _allowed_globals()
+        obj = _MetadataUnpickler._ALLOWED.get((module, name))
+        if obj is None:
+            raise CheckpointError(f"refusing to unpickle {module}.{name}: not a DCP metadata type. The file was not "
+                                  "written by torch.distributed.checkpoint or was tampered with; nothing was executed")
+        return obj
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that unpickles non-tensor entries (optimizer hyper-parameters, ``extra``
+    values) with ``torch.load(weights_only=True)`` instead of ``weights_only=False``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"entry {read_item.dest_index.fqn!r}: refusing to unpickle it with anything but "
+                                  f"plain tensors and Python values ({type(e).__name__}: {str(e).splitlines()[0]})"
+                                  ) from None
+        safe = io.BytesIO()
+        torch.save(obj, safe)  # re-serialized from plain values: the parent's unrestricted load is harmless now
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+def _copy_state_entries(sd):
+    """``sd`` with copies of its small state tensors: scaling state (``.fp8_scaling.`` / ``.fp8_hcp.``
+    keys), optimizer ``step`` and ``*_scale`` entries."""
+    def conv(key, v):
+        if isinstance(v, dict):
+            return {k: conv(k, x) for k, x in v.items()}
+        if isinstance(v, torch.Tensor) and (".fp8_" in str(key) or key == "step" or str(key).endswith("_scale")):
+            return v.detach().clone()
+        return v
+
+    return conv("", sd)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(check) -> None:
+    """Run ``check()`` on every rank and raise the first rank's CheckpointError on all of them (a rank
+    that raised alone would leave the others waiting in the next collective)."""
+    error = None
+    try:
+        check()
+    except CheckpointError as e:
+        error = str(e)
+    rank, world = _rank_world()
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _unwrap_dcp_error(e: CheckpointException) -> BaseException:
+    """The first rank's original exception inside DCP's CheckpointException."""
+    for _, failure in sorted(e.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None) -> None:
     """Save model, optimizer and FP8 scaling state with DCP (every rank calls it).
@@ -120,7 +295,12 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         path: checkpoint directory.
         model: the trained model (DDP, FSDP2, compiled, or plain).
         optimizer: e.g. ``fp8pass.optim.AdamW``; its FP8 moments are saved as codes + scales.
-        extra: more plain tensors / DTensors to save (e.g. ``{"step": torch.tensor(step)}``).
+        extra: more plain tensors / DTensors to save (e.g. ``{"step": torch.tensor(step)}``), or plain
+            Python values (numbers, strings, containers: what ``torch.load(weights_only=True)`` reads).
+
+    Every file is fsynced (DCP's ``sync_files``); ``manifest.json`` is written last, by the
+    coordinator. Save each checkpoint into a new folder: a save interrupted over an existing one
+    leaves files its (removed) manifest no longer vouches for.
     """
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
     sd = {"model": _plain(msd), "fp8": distributed_scaling_state_dict(model)}
@@ -128,33 +308,85 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         sd["optim"] = _plain(osd)
     if extra:
         sd["extra"] = dict(extra)
-    dcp.save(sd, checkpoint_id=str(path))
+    manifest = Path(path) / MANIFEST_NAME
+    if _rank_world()[0] == 0 and manifest.exists():
+        manifest.unlink()  # stale until the new one is written: an interrupted save must not verify
+    dcp.save(sd, storage_writer=_ManifestWriter(str(path)))
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, config: Config | None = None,
-                    extra: dict | None = None) -> None:
+                    extra: dict | None = None, allow_unverified: bool | None = None) -> None:
     """Load a :func:`save_checkpoint` into ``model`` (and ``optimizer``), resharding as needed.
+
+    Verifies ``manifest.json`` first (each rank hashes its share of the files), reads ``.metadata``
+    with :class:`SafeFileSystemReader` and the entries with :class:`SafeLoadPlanner`, validates the
+    FP8 scaling state and the optimizer state, and only then applies them.
 
     Args:
         path: checkpoint directory.
         model, optimizer: the new job's objects (any world size; FSDP2 or not).
         config: the fp8pass Config the model is compiled with (recipe of the scaling state).
         extra: templates for the saved ``extra`` entries; loaded in place.
+        allow_unverified: load a folder without ``manifest.json`` (written before fp8pass had one),
+            with a warning; default: the ``FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT`` environment variable.
+
+    Raises:
+        CheckpointError: a file differs from the manifest, the metadata is not DCP's, or a value is
+            out of range (naming the file or the key); raised on every rank.
     """
+    path = Path(path)
+    if not (path / _METADATA).exists():
+        raise FileNotFoundError(f"{path}: no DCP checkpoint there (no {_METADATA})")
+    listed = {}
+
+    def verify():
+        files = verify_files(path, MANIFEST_NAME, allow_unverified, shard=_rank_world())
+        if files is not None and _METADATA not in files:
+            raise CheckpointError(f"{path / MANIFEST_NAME}: does not list {_METADATA}")
+        listed["files"] = files
+
+    _agree(verify)  # before anything is unpickled
+    meta = SafeFileSystemReader(str(path)).read_metadata()
+    if listed["files"] is not None:
+        unlisted = sorted({i.relative_path for i in meta.storage_data.values()} - set(listed["files"]))
+        if unlisted:
+            raise CheckpointError(f"{path / _METADATA}: names data files its manifest does not list: {unlisted[:5]}")
     _unshard_once(model)
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
     fp8 = {}
     for key, m in meta.state_dict_metadata.items():
         if key.startswith("fp8."):
             fp8[key[len("fp8."):]] = torch.empty(m.size, dtype=m.properties.dtype)
-    sd = {"model": _plain(msd), "fp8": fp8}
+    # DCP loads in place: the scaling state, steps and moment scales go into copies, validated before
+    # set_state_dict applies them (the model's state-dict values are its live state tensors)
+    sd = {"model": _copy_state_entries(_plain(msd)), "fp8": fp8}
     if optimizer is not None:
-        sd["optim"] = _plain(osd)
+        sd["optim"] = _copy_state_entries(_plain(osd))
     if extra:
         sd["extra"] = extra
-    dcp.load(sd, checkpoint_id=str(path))
+    try:
+        dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    except CheckpointException as e:
+        inner = _unwrap_dcp_error(e)
+        if isinstance(inner, CheckpointError):
+            raise CheckpointError(f"{path}: {inner}") from None
+        raise
+    cfg = config or Config()
+    history_len = cfg.recipe.history_len if isinstance(cfg.recipe, DelayedScaling) else None
+    scaling = []
+
+    def validate():
+        try:
+            check_model_state_dict(sd["model"], None, history_len)
+            scaling.extend(_checked_scaling_state(model, sd["fp8"], cfg))
+            if optimizer is not None:
+                check_optimizer_state(sd["optim"], name="optim")
+        except (CheckpointError, KeyError) as e:
+            raise CheckpointError(f"{path}: {e.args[0] if e.args else e}") from None
+
+    _agree(validate)
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=sd["model"],
                    optim_state_dict=sd.get("optim", {}))
-    load_distributed_scaling_state_dict(model, sd["fp8"], config)
+    for p, name, d in scaling:
+        _load_delayed(p, d, cfg, name)

@@ -24,6 +24,7 @@ import torch
 from ..numerics import ROUNDINGS
 from ..numerics.kernels import family_name
 from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
+from .state_check import check_optimizer_state
 from .torch_step import CHUNK, adam_step_torch, hyper_params
 from .sharded import init_sharded_moment, is_dtensor, local_view
 
@@ -174,10 +175,13 @@ class Adam(torch.optim.Optimizer):
         """Load a state dict saved by this class (exactly), or by torch's Adam/AdamW (quantized).
 
         A torch state dict (its groups lack ``m_format``) is converted with
-        ``from_torch_state_dict`` using this optimizer's storage options.
+        ``from_torch_state_dict`` using this optimizer's storage options. Values are checked first
+        (``step`` in range, FP8 block scales finite and > 0; see ``state_check``): a bad entry raises
+        ``fp8pass.integrity.CheckpointError`` naming it, and nothing is loaded.
         """
         from .convert import from_torch_state_dict, is_torch_state_dict
 
+        check_optimizer_state(state_dict)
         if is_torch_state_dict(state_dict):
             opts = {k: self.defaults[k] for k in FP8_GROUP_KEYS}
             state_dict = from_torch_state_dict(state_dict, **opts)

@@ -3,6 +3,13 @@
 Everything is saved as tensors, numbers, strings and containers, so ``torch.load(weights_only=True)``
 reads it. The data position is the number of completed steps (batches are a function of
 (seed, step), see :mod:`fp8pass.train.data`).
+
+``checkpoint.pt`` is written to a temp file, fsynced and renamed, with its SHA-256 manifest
+``checkpoint.pt.manifest.json`` (see :mod:`fp8pass.integrity`). :func:`load_checkpoint` verifies the
+manifest, then validates everything it can before a model exists: the step against the saved
+configuration, weight names and shapes against the model that configuration builds, the scaling
+state and the optimizer state (:func:`validate_checkpoint`). Every failure is a
+:class:`~fp8pass.integrity.CheckpointError` naming the file and the key.
 """
 
 from __future__ import annotations
@@ -14,9 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import set_torch_rng_state, torch_rng_state
+from ..checkpoint import load_file, save_file, set_torch_rng_state, torch_rng_state
+from ..config import DelayedScaling, NVFP4Scaling
+from ..integrity import CheckpointError
+from ..optim.state_check import check_optimizer_state
+from ..scaling_checks import HCP_KEY, SCALING_KEY, check_model_state_dict, check_scaling_state_dict
+from .model import ModelConfig, TinyLlama
+from .recipes import fp8_config, get_recipe, param_groups
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_NAME", "rng_state", "set_rng_state"]
+__all__ = ["save_checkpoint", "load_checkpoint", "validate_checkpoint", "CHECKPOINT_NAME", "rng_state",
+           "set_rng_state"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT_VERSION = 1
@@ -31,34 +45,156 @@ def rng_state() -> dict:
                       "has_gauss": int(has_gauss), "cached": float(cached)}}
 
 
+def _unpack_rng(state: dict) -> tuple:
+    """(torch CPU state, python state, numpy state) in the forms the setters take."""
+    py, n = state["python"], state["numpy"]
+    return (state["torch"], (py[0], tuple(py[1]), py[2]),
+            (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+
+
 def set_rng_state(state: dict) -> None:
     set_torch_rng_state({"cpu": state["torch"], "cuda": state.get("torch_cuda", [])})
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    _, py, n = _unpack_rng(state)
+    random.setstate(py)
+    np.random.set_state(n)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, *, step: int, config: dict, model_state: dict,
                     optimizer_state: dict, scaling_state: dict | None, data_fingerprint: str) -> Path:
-    """Write ``run_dir/checkpoint.pt`` atomically (temp file + rename), so a kill never leaves half a file."""
-    path = Path(run_dir) / CHECKPOINT_NAME
-    tmp = path.with_suffix(".tmp")
-    torch.save({"format": FORMAT_VERSION, "step": step, "config": config, "model": model_state,
-                "optimizer": optimizer_state, "scaling": scaling_state, "rng": rng_state(),
-                "data": {"position": step, "fingerprint": data_fingerprint}}, tmp)
-    os.replace(tmp, path)
-    return path
+    """Write ``run_dir/checkpoint.pt`` and its manifest atomically (fsynced temp files + renames), so a
+    kill never leaves half a file or a checkpoint its manifest rejects."""
+    return save_file(Path(run_dir) / CHECKPOINT_NAME,
+                     {"format": FORMAT_VERSION, "step": step, "config": config, "model": model_state,
+                      "optimizer": optimizer_state, "scaling": scaling_state, "rng": rng_state(),
+                      "data": {"position": step, "fingerprint": data_fingerprint}})
 
 
-def load_checkpoint(run_dir: str | os.PathLike) -> dict:
+def load_checkpoint(run_dir: str | os.PathLike, allow_unverified: bool | None = None) -> dict:
+    """Read, verify and validate ``run_dir/checkpoint.pt`` (or the file ``run_dir``).
+
+    Args:
+        run_dir: the run folder, or the checkpoint file.
+        allow_unverified: load a checkpoint without manifest (with a warning); default: the
+            ``FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT`` environment variable (see :mod:`fp8pass.integrity`).
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        CheckpointError: corrupted, truncated, unverifiable or invalid, naming the file and the key.
+    """
     path = Path(run_dir)
     if path.is_dir():
         path = path / CHECKPOINT_NAME
     if not path.exists():
         raise FileNotFoundError(f"--resume {run_dir}: no {CHECKPOINT_NAME} there (checkpoints are written "
                                 "every --ckpt-every steps and at the end of a run)")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    if ckpt.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {FORMAT_VERSION}")
+    ckpt = load_file(path, allow_unverified)
+    try:
+        validate_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     return ckpt
+
+
+def _int(key: str, v, lo: int, hi: int) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise CheckpointError(f"{key}: expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def validate_checkpoint(ckpt) -> None:
+    """Check a loaded trainer checkpoint against the model its own configuration builds.
+
+    Rules: ``format`` is this version; ``step`` (= data position) an integer in ``[0, config.steps]``;
+    the weights exactly the keys and shapes of ``TinyLlama(config.model)``; the delayed-scaling state
+    (in the model state and under ``"scaling"``) valid for those weights and the recipe's history
+    length (:func:`fp8pass.scaling_state.check_delayed_state`); the optimizer's state one entry per
+    parameter at most, its ``step`` <= the checkpoint's step, FP8 moment scales finite and > 0, moment
+    shapes the parameters' (:func:`fp8pass.optim.state_check.check_optimizer_state`).
+
+    Raises:
+        CheckpointError: naming the key.
+    """
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"not a trainer checkpoint (a {type(ckpt).__name__}, expected a dict)")
+    if ckpt.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint format {ckpt.get('format')!r}, expected {FORMAT_VERSION}")
+    missing = [k for k in ("step", "config", "model", "optimizer", "scaling", "rng", "data") if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"missing entries {missing}")
+    config = ckpt["config"]
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise CheckpointError("config: expected the run's configuration (a dict with 'model')")
+    total = _int("config.steps", config.get("steps"), 1, 2**31 - 1)
+    step = _int("step", ckpt["step"], 0, total)
+    data = ckpt["data"]
+    if not isinstance(data, dict) or data.get("position") != step or not isinstance(data.get("fingerprint"), str):
+        raise CheckpointError(f"data: expected {{'position': {step}, 'fingerprint': str}}, got {data!r}")
+    try:
+        with torch.device("meta"):
+            model = TinyLlama(ModelConfig(**config["model"]))
+        recipe = get_recipe(config.get("recipe", "bf16"))
+        fp8 = fp8_config(recipe, config.get("scaling", "delayed"), config.get("smooth", "channel"),
+                         config.get("compiler", "inductor")) if recipe.fp8 else None
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"config: cannot build the run's model ({e})") from None
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    msd = ckpt["model"]
+    if not isinstance(msd, dict):
+        raise CheckpointError("model: expected a state dict")
+    marker = f".{SCALING_KEY}."
+    state_keys = [k for k in msd if marker in k or f".{HCP_KEY}." in k]
+    weights = {k: v for k, v in msd.items() if k not in set(state_keys)}
+    extra, absent = sorted(set(weights) - set(want)), sorted(set(want) - set(weights))
+    if extra or absent:
+        raise CheckpointError(f"model: keys differ from the model of this configuration (missing {absent[:5]}, "
+                              f"unexpected {extra[:5]})")
+    for k, v in weights.items():
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != want[k]:
+            raise CheckpointError(f"model.{k}: shape {tuple(getattr(v, 'shape', ()))}, the model has {want[k]}")
+    recipe_state = fp8.recipe if fp8 is not None else None
+    history_len = recipe_state.history_len if isinstance(recipe_state, DelayedScaling) else None
+    kinds = (("delayed",) if history_len is not None else ()) + (
+        ("hcp",) if isinstance(recipe_state, NVFP4Scaling) and recipe_state.hcp is not None else ())
+    stray = [k for k in state_keys if k.split(".fp8_", 1)[0] not in shapes]
+    if stray:
+        raise CheckpointError(f"model: scaling-state keys for no parameter of the model: {stray[:5]}")
+    for marker_, kind in ((marker, "delayed"), (f".{HCP_KEY}.", "hcp")):
+        if kind not in kinds and any(marker_ in k for k in state_keys):
+            raise CheckpointError(f"model: {kind} state ({marker_.strip('.')} keys), but recipe "
+                                  f"{config.get('recipe')!r} with scaling {config.get('scaling')!r} keeps none")
+    _prefixed("model", check_model_state_dict, msd, shapes, history_len)
+    scaling = ckpt["scaling"]
+    if scaling is not None and not isinstance(scaling, dict):
+        raise CheckpointError("scaling: expected None or {'<param>.<role>.<field>': tensor}")
+    if scaling:
+        _prefixed("scaling", check_scaling_state_dict, scaling, shapes, history_len, kinds)
+    opt = ckpt["optimizer"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in param_groups(model, 0.0) for p in g["params"]]
+    try:
+        ids = [i for g in opt["param_groups"] for i in g["params"]]
+    except (KeyError, TypeError):
+        raise CheckpointError("optimizer: not an optimizer state dict (expected 'state' and 'param_groups')") from None
+    if len(ids) != len(order):
+        raise CheckpointError(f"optimizer: {len(ids)} parameters in its param_groups, the model has {len(order)}")
+    check_optimizer_state(opt, params={i: (n, shapes[n]) for i, n in zip(ids, order)}, max_step=step)
+    _check_rng(ckpt["rng"])
+
+
+def _check_rng(state) -> None:
+    """The generator states, tried on scratch generators (their own checks, nothing global changes)."""
+    try:
+        t, py, n = _unpack_rng(state)
+        torch.Generator().set_state(t)
+        random.Random().setstate(py)
+        np.random.RandomState().set_state(n)
+    except Exception as e:  # each library raises its own types for a malformed state
+        raise CheckpointError(f"rng: not a valid generator state ({type(e).__name__}: {e})") from None
+
+
+def _prefixed(prefix: str, check, *args) -> None:
+    try:
+        check(*args)
+    except (CheckpointError, KeyError) as e:
+        raise CheckpointError(f"{prefix}.{e.args[0] if e.args else e}") from None

@@ -59,7 +59,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/demo)")
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue the run in DIR (a folder with checkpoint.pt) exactly; only --steps may change")
+                   help="continue the run in DIR (a folder with checkpoint.pt) exactly; only --steps may change. "
+                        "The checkpoint is verified against its SHA-256 manifest (exit code 2 on a mismatch); "
+                        "one without manifest (older fp8pass) loads only with FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT=1")
     for name, typ in _TYPES.items():
         default = getattr(d.model, name) if name in _MODEL_FIELDS else getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"(default {default})")
@@ -102,6 +104,7 @@ def _config_from_args(args, recipe: str, out: Path):
 
 def run_train(args) -> int:
     import torch
+    from ..integrity import CheckpointError
     from .checkpoint import load_checkpoint
     from .data import load_text_data
     from .loop import TrainConfig, train
@@ -121,7 +124,7 @@ def run_train(args) -> int:
         run_dir = Path(args.resume)
         try:
             cfg = TrainConfig.from_dict(load_checkpoint(run_dir)["config"])
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, TypeError) as e:  # CheckpointError is a ValueError
             print(f"error: {e}", file=sys.stderr)
             return 2
         cfg.out, cfg.progress = str(run_dir), not args.no_progress
@@ -152,7 +155,11 @@ def run_train(args) -> int:
     for cfg, resume in jobs:
         print(f"== {cfg.recipe}: {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} bytes -> {cfg.out}; "
               f"{describe_precision(cfg.precision)}")
-        results.append(train(cfg, resume=resume, data=data))
+        try:
+            results.append(train(cfg, resume=resume, data=data))
+        except CheckpointError as e:  # the resume's checkpoint (validated again as train loads it)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print("\nrecipe                 status     steps  train loss  val loss  tokens/s")
     for r, (cfg, _) in zip(results, jobs):
         print(f"{cfg.recipe:22s} {r.status:9s} {r.steps:6d} {r.final_loss:11.4f} {r.final_val_loss:9.4f} "

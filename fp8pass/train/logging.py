@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..integrity import fsync_dir
+
 __all__ = ["MetricsWriter", "ProgressBar", "read_metrics"]
 
 
@@ -20,7 +22,11 @@ def _clean(v):
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; ``truncate_after(step)`` drops records past a resumed step."""
+    """Appends one JSON object per line; ``truncate_after(step)`` drops records past a resumed step.
+
+    A kill while appending leaves at most a torn last line, which :func:`read_metrics` skips; a kill
+    while truncating loses nothing (the kept records go to a new file that replaces the old one).
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -32,12 +38,21 @@ class MetricsWriter:
         self._f.flush()
 
     def truncate_after(self, step: int) -> None:
-        """Keep records of steps <= ``step`` (minus old "end" records), so a resumed run logs each step once."""
+        """Keep records of steps <= ``step`` (minus old "end" records), so a resumed run logs each step once.
+
+        Writes the kept records to ``metrics.jsonl.tmp``, fsyncs it and renames it over the old file
+        (then fsyncs the folder): at any kill point the file holds either all old records or the kept ones.
+        """
         self._f.close()
         kept = [r for r in read_metrics(self.path) if r.get("step", -1) <= step and r.get("kind") != "end"]
-        with open(self.path, "w", encoding="utf-8") as f:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
             for r in kept:
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
         self._f = open(self.path, "a", encoding="utf-8")
 
     def close(self) -> None:
@@ -45,15 +60,30 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict]:
+    """The records of a metrics.jsonl (of ``kind`` if given); [] if it does not exist.
+
+    A last line without its newline that does not parse is a write a kill interrupted: skipped.
+    Any other line that does not parse raises ValueError naming the file and line.
+    """
     path = Path(path)
     if not path.exists():
         return []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
             r = json.loads(line)
-            if kind is None or r.get("kind") == kind:
-                out.append({k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in r.items()})
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:  # no newline after it: torn by a kill mid-append
+                continue
+            raise ValueError(f"{path}:{i + 1}: not a JSON record ({e}); fix or remove that line") from None
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {type(r).__name__}")
+        if kind is None or r.get("kind") == kind:
+            out.append({k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in r.items()})
     return out
 
 

@@ -1,0 +1,255 @@
+"""Checkpoint files that survive kills and reveal corruption: fsynced atomic writes and SHA-256 manifests.
+
+Every checkpoint fp8pass writes (the trainer's ``checkpoint.pt``, :func:`fp8pass.checkpoint.save`,
+:func:`fp8pass.distributed.save_checkpoint`) carries a manifest: a JSON file beside it with the size
+and SHA-256 digest of each file, written last (temp file, fsync, rename, fsync of the folder).
+Loading verifies it before anything is unpickled; a mismatch names the file and raises
+:class:`CheckpointError`.
+
+A single-file checkpoint ``X`` and its manifest ``X.manifest.json`` are replaced as a pair by
+:func:`write_with_manifest`: the new file and the new manifest are both complete and fsynced
+(``X.tmp``, ``X.manifest.json.tmp``) before the first rename, so a kill between the two renames
+leaves the new ``X`` with the new manifest still in ``X.manifest.json.tmp``, which
+:func:`read_verified` accepts (it can only match the file the interrupted write produced).
+
+A checkpoint without a manifest (written before fp8pass had them, or by other tools) is refused with
+a :class:`CheckpointError` unless the caller opts out: ``allow_unverified=True``, or the environment
+variable ``FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT=1`` (for the CLI). It is then loaded with a warning;
+the values are still validated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable
+
+__all__ = ["CheckpointError", "ALLOW_UNVERIFIED_ENV", "MANIFEST_SUFFIX", "manifest_path", "write_with_manifest",
+           "write_manifest", "read_verified", "verify_files", "file_digest", "fsync_dir", "allow_unverified"]
+
+ALLOW_UNVERIFIED_ENV = "FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT"
+MANIFEST_SUFFIX = ".manifest.json"
+_FORMAT = "fp8pass.manifest"
+_VERSION = 1
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint failed verification (manifest, format) or validation (a value out of range)."""
+
+
+def allow_unverified(flag: bool | None) -> bool:
+    """``flag``, or when None, whether ``FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT`` is set to 1/true/yes."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(ALLOW_UNVERIFIED_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def manifest_path(path: str | os.PathLike) -> Path:
+    """The manifest of single-file checkpoint ``path``: ``path`` + ``.manifest.json``."""
+    path = Path(path)
+    return path.with_name(path.name + MANIFEST_SUFFIX)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename inside folder ``path`` durable (no-op where folders cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_fsynced(path: Path, write: Callable) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def file_digest(path: str | os.PathLike) -> dict:
+    """``{"bytes": size, "sha256": hexdigest}`` of a file, read in 1 MiB chunks."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def _manifest_bytes(files: dict[str, dict]) -> bytes:
+    doc = {"format": _FORMAT, "version": _VERSION, "algorithm": "sha256", "files": dict(sorted(files.items()))}
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def write_with_manifest(path: str | os.PathLike, write: Callable) -> Path:
+    """Write single-file checkpoint ``path`` with ``write(f)`` (binary file), then its manifest.
+
+    Both are written to temp files and fsynced before either is renamed (see the module docstring).
+    Returns ``path``.
+    """
+    path = Path(path)
+    tmp, man = path.with_name(path.name + ".tmp"), manifest_path(path)
+    man_tmp = man.with_name(man.name + ".tmp")
+    _settle(path, man, man_tmp)
+    _write_fsynced(tmp, write)
+    manifest = _manifest_bytes({path.name: file_digest(tmp)})
+    _write_fsynced(man_tmp, lambda f: f.write(manifest))
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    os.replace(man_tmp, man)
+    fsync_dir(path.parent)
+    return path
+
+
+def _settle(path: Path, man: Path, man_tmp: Path) -> None:
+    """Finish a write a kill interrupted between its two renames (the pending manifest matches the
+    file), before this write reuses the temp name; drop a pending manifest that matches nothing."""
+    if not man_tmp.exists():
+        return
+    try:
+        pending = _read_manifest(man_tmp).get(path.name)
+    except CheckpointError:
+        pending = None
+    if pending is not None and path.exists() and file_digest(path) == pending:
+        os.replace(man_tmp, man)
+        fsync_dir(path.parent)
+    else:
+        man_tmp.unlink()
+
+
+def write_manifest(folder: str | os.PathLike, names: Iterable[str], manifest_name: str = "manifest.json") -> Path:
+    """Write ``folder/manifest_name`` with the digests of the files ``names`` in ``folder`` (fsynced, atomic)."""
+    folder = Path(folder)
+    manifest = _manifest_bytes({n: file_digest(folder / n) for n in names})
+    out = folder / manifest_name
+    tmp = out.with_name(out.name + ".tmp")
+    _write_fsynced(tmp, lambda f: f.write(manifest))
+    os.replace(tmp, out)
+    fsync_dir(folder)
+    return out
+
+
+def _read_manifest(path: Path) -> dict[str, dict]:
+    """The ``files`` of a manifest, or CheckpointError naming what is wrong with it."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a valid fp8pass checkpoint manifest ({why}); the manifest is "
+                               "corrupted or was edited, so the checkpoint beside it cannot be verified")
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"{type(e).__name__}: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"format", "version", "algorithm", "files"}:
+        raise bad("unexpected fields")
+    if doc["format"] != _FORMAT or doc["version"] != _VERSION or doc["algorithm"] != "sha256":
+        raise bad(f"format {doc['format']!r} version {doc['version']!r} algorithm {doc['algorithm']!r}")
+    files = doc["files"]
+    if not isinstance(files, dict) or not files:
+        raise bad("no files listed")
+    for name, entry in files.items():
+        if (not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} or type(entry["bytes"]) is not int
+                or not isinstance(entry["sha256"], str) or len(entry["sha256"]) != 64
+                or entry["sha256"].strip("0123456789abcdef")):
+            raise bad(f"entry of {name!r} malformed")
+        if name != Path(name).name or name in (".", ".."):
+            raise bad(f"file name {name!r} is not a plain name in the checkpoint's folder")
+    return files
+
+
+def _mismatch(folder: Path, name: str, entry: dict, manifest: Path) -> str | None:
+    """Why ``folder/name`` does not match ``entry``, or None if it does."""
+    f = folder / name
+    if not f.is_file():
+        return f"{f}: listed in {manifest.name} but missing"
+    got = file_digest(f)
+    if got["bytes"] != entry["bytes"]:
+        return f"{f}: {got['bytes']} bytes, its manifest {manifest.name} says {entry['bytes']} (truncated or overwritten)"
+    if got["sha256"] != entry["sha256"]:
+        return f"{f}: SHA-256 differs from its manifest {manifest.name} (the file is corrupted or was modified)"
+    return None
+
+
+def _unverified(what: Path, manifest: Path, allow: bool | None) -> None:
+    if not allow_unverified(allow):
+        raise CheckpointError(
+            f"{what}: no manifest ({manifest.name}) to verify it against. Checkpoints written by fp8pass carry "
+            f"one; it is absent when the checkpoint predates it, comes from another tool, or its write was "
+            f"interrupted. To load it anyway (its values are still validated), pass allow_unverified=True "
+            f"or set {ALLOW_UNVERIFIED_ENV}=1.")
+    warnings.warn(f"fp8pass: loading {what} without integrity check (no {manifest.name}); values are still "
+                  f"validated. The next save writes a manifest.", RuntimeWarning, stacklevel=3)
+
+
+def read_verified(path: str | os.PathLike, allow_unverified: bool | None = None) -> bytes:
+    """The bytes of single-file checkpoint ``path`` after checking them against its manifest.
+
+    Reading once and hashing those bytes means what is verified is what gets loaded.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: size or digest differ from the manifest, the manifest is malformed, or it
+            is absent and unverified loading is not allowed (see the module docstring).
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    man = manifest_path(path)
+    if not man.exists():
+        _unverified(path, man, allow_unverified)
+        return data
+    files = _read_manifest(man)
+    digest = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if set(files) != {path.name}:
+        raise CheckpointError(f"{man}: lists {sorted(files)}, not {path.name!r}; the manifest belongs to another "
+                              "file or was edited")
+    if files[path.name] == digest:
+        return data
+    # a kill between the two renames of write_with_manifest: the new manifest is still in its temp file
+    pending = man.with_name(man.name + ".tmp")
+    if pending.exists():
+        try:
+            if _read_manifest(pending).get(path.name) == digest:
+                return data
+        except CheckpointError:
+            pass
+    why = _mismatch(path.parent, path.name, files[path.name], man)
+    raise CheckpointError(f"{why}; refusing to load it. Restore the file from a copy, or resume from an "
+                          "earlier checkpoint.")
+
+
+def verify_files(folder: str | os.PathLike, manifest_name: str = "manifest.json", allow_unverified: bool | None = None,
+                 shard: tuple[int, int] = (0, 1)) -> dict[str, dict] | None:
+    """Check the files of checkpoint folder ``folder`` against ``folder/manifest_name``.
+
+    Args:
+        folder: the checkpoint folder.
+        manifest_name: its manifest's file name.
+        allow_unverified: see :func:`allow_unverified`; applies only when the manifest is absent.
+        shard: ``(i, n)``: hash only every n-th listed file from the i-th (the ranks of a distributed
+            load split the work); the manifest itself is always checked whole.
+
+    Returns:
+        The manifest's ``files`` (name -> size and digest), or None when it is absent and that is allowed.
+
+    Raises:
+        CheckpointError: naming the first file that is missing or differs.
+    """
+    folder = Path(folder)
+    man = folder / manifest_name
+    if not man.exists():
+        _unverified(folder, man, allow_unverified)
+        return None
+    files = _read_manifest(man)
+    i, n = shard
+    for name in sorted(files)[i::n]:
+        why = _mismatch(folder, name, files[name], man)
+        if why is not None:
+            raise CheckpointError(f"{why}; refusing to load the checkpoint in {folder}.")
+    return files
