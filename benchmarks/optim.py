@@ -58,8 +58,8 @@ def optimizers(params):
     kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     out = {
         "torch AdamW(foreach=True)": lambda: torch.optim.AdamW(params, foreach=True, **kw),
-        "fp8pass AdamW default (auto = compiled here)": lambda: fo.AdamW(params, **kw),
-        "fp8pass AdamW compiled, v instead of sqrt(v)": lambda: fo.AdamW(params, v_sqrt=False, **kw),
+        "fp8pass AdamW default, v (auto = compiled here)": lambda: fo.AdamW(params, **kw),
+        "fp8pass AdamW compiled, sqrt(v) instead of v": lambda: fo.AdamW(params, v_sqrt=True, **kw),
         "fp8pass AdamW eager (kernels='torch')": lambda: fo.AdamW(params, kernels="torch", **kw),
     }
     try:

@@ -174,8 +174,8 @@ INVALID = {
     "optimizer step negative": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)]["step"].fill_(-1.0), "step"),
     "fp8 adam scale nan": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)]["exp_avg_scale"].__setitem__(
         0, float("nan")), "exp_avg_scale"),
-    "fp8 adam scale zero": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)]["exp_avg_sq_sqrt_scale"].fill_(0.0),
-                            "exp_avg_sq_sqrt_scale"),
+    "fp8 adam scale zero": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)]["exp_avg_sq_scale"].fill_(0.0),
+                            "exp_avg_sq_scale"),
     "fp8 adam scale negative": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)]["exp_avg_scale"].neg_(),
                                 "exp_avg_scale"),
     "fp8 adam scales shape": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)].__setitem__(
@@ -528,8 +528,8 @@ def test_fp8_adam_load_state_dict_rejects_bad_scales_and_steps():
     sd = opt.state_dict()
     fresh = fp8pass.optim.AdamW(_tiny().parameters(), lr=1e-2)
     bad = __import__("copy").deepcopy(sd)
-    bad["state"][2]["exp_avg_sq_sqrt_scale"][1] = float("nan")
-    with pytest.raises(CheckpointError, match=r"state\[2\]\.exp_avg_sq_sqrt_scale.*nan.*block 1"):
+    bad["state"][2]["exp_avg_sq_scale"][1] = float("nan")
+    with pytest.raises(CheckpointError, match=r"state\[2\]\.exp_avg_sq_scale.*nan.*block 1"):
         fresh.load_state_dict(bad)
     bad = __import__("copy").deepcopy(sd)
     bad["state"][0]["step"] = torch.tensor(1e9)

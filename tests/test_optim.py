@@ -190,7 +190,7 @@ def test_tiny_model_300_steps_fp8_within_1pct_of_fp32_moments():
     assert abs(fp8 - ref) / ref <= 0.01
 
 
-@pytest.mark.parametrize("storage", [{}, {"block_size": None, "v_sqrt": False}])
+@pytest.mark.parametrize("storage", [{}, {"block_size": None, "v_sqrt": True}])
 def test_state_dict_round_trip_exact_and_weights_only_load(storage):
     params, opt = _run(lambda ps: fo.AdamW(ps, lr=1e-2, **storage), steps=3)
     buf = io.BytesIO()
@@ -334,8 +334,7 @@ def test_to_and_from_torch_state_dicts():
     for p, q in zip(tparams, mine):
         st = opt3.state[q]
         _assert_within_one_ulp(st["exp_avg_codes"], st["exp_avg_scale"], topt.state[p]["exp_avg"], E4M3, 128)
-        _assert_within_one_ulp(st["exp_avg_sq_sqrt_codes"], st["exp_avg_sq_sqrt_scale"],
-                               topt.state[p]["exp_avg_sq"].double().sqrt().float(), E5M2, 128)
+        _assert_within_one_ulp(st["exp_avg_sq_codes"], st["exp_avg_sq_scale"], topt.state[p]["exp_avg_sq"], E5M2, 128)
     per_tensor = fo.from_torch_state_dict(topt.state_dict(), v_sqrt=False, block_size=None)
     assert per_tensor["state"][0]["exp_avg_sq_scale"].shape == (1,)
     back = fo.to_torch_state_dict(per_tensor)["state"][0]
@@ -380,12 +379,12 @@ def test_to_fp8_converts_in_place_fresh_and_mid_training(cls):
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**5)
     assert all(opt.state[p]["step"].item() == 5 for p in params)
     # a fresh optimizer converts too
-    fresh = fo.to_fp8(torch.optim.AdamW(_params(), lr=1e-3), v_sqrt=False)
+    fresh = fo.to_fp8(torch.optim.AdamW(_params(), lr=1e-3), v_sqrt=True)
     ps = fresh.param_groups[0]["params"]
     for p, g in zip(ps, _grads(ps, 0)):
         p.grad = g
     fresh.step()
-    assert fresh.state[ps[0]]["exp_avg_sq_codes"].dtype == torch.float8_e5m2
+    assert fresh.state[ps[0]]["exp_avg_sq_sqrt_codes"].dtype == torch.float8_e5m2
 
 
 def test_to_fp8_rejects_other_optimizers_and_amsgrad():
@@ -443,7 +442,7 @@ def test_nan_and_inf_gradients_stay_in_their_elements():
         mask = torch.ones_like(p, dtype=torch.bool)
         mask[1, 5] = False
         assert torch.isfinite(p[mask]).all()
-        for k in ("exp_avg_scale", "exp_avg_sq_sqrt_scale"):
+        for k in ("exp_avg_scale", "exp_avg_sq_scale"):
             assert torch.isfinite(st[k]).all()
             assert torch.equal(st[k][[0, 2, 3]], clean[k][[0, 2, 3]])  # other blocks untouched
         assert torch.equal(p[[0, 2, 3]], clean_p[[0, 2, 3]])
@@ -575,3 +574,24 @@ def test_auto_compiles_large_cpu_tensors_and_falls_back_to_eager_if_compiling_fa
         out = run("auto")
     assert len(calls) == 1  # tried once, then eager for good
     assert torch.equal(out, ref)
+
+
+def test_one_scale_per_tensor_on_a_sharded_parameter_is_a_clear_error():
+    """No FSDP2 shard holds the whole tensor's amax: per-tensor scales on a Shard(0) parameter are
+    refused with the fix named; replicated parameters (every rank holds the whole tensor) are fine."""
+    import types
+
+    dist_tensor = pytest.importorskip("torch.distributed.tensor")
+    from fp8pass.optim.sharded import _scale_placements
+
+    def fake(placement, shape=(64, 64)):
+        return types.SimpleNamespace(device_mesh=types.SimpleNamespace(shape=(2,)), placements=(placement,),
+                                     shape=torch.Size(shape), numel=lambda: math.prod(shape))
+
+    group = {"m_format": "e4m3", "v_format": "e5m2", "block_size": None, "v_sqrt": False}
+    spec = fo.moment_specs(group, 64 * 64)[0]
+    with pytest.raises(ValueError, match="one scale per tensor .* sharded 2 ways.*block_size that divides"):
+        _scale_placements(fake(dist_tensor.Shard(0)), spec)
+    assert _scale_placements(fake(dist_tensor.Replicate()), spec) == [dist_tensor.Replicate()]
+    assert _scale_placements(fake(dist_tensor.Shard(0)), fo.moment_specs({**group, "block_size": 128}, 4096)[0]) \
+        == [dist_tensor.Shard(0)]

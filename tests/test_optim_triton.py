@@ -76,7 +76,7 @@ def test_triton_stochastic_rounding_within_one_ulp_of_nearest():
     b, ob = _run("triton", fo.AdamW, torch.float32, False, steps=1, rounding="stochastic",
                  stochastic_flush=False, generator=torch.Generator().manual_seed(3))
     for p, q in zip(a, b):
-        for k in ("exp_avg_codes", "exp_avg_sq_sqrt_codes"):
+        for k in ("exp_avg_codes", "exp_avg_sq_codes"):
             ca = oa.state[p][k].view(torch.uint8).int() & 0x7F
             cb = ob.state[q][k].view(torch.uint8).int() & 0x7F
             assert ((ca - cb).abs() <= 1).all()  # codes are monotone in magnitude: one code = one ulp

@@ -73,7 +73,7 @@ def test_train_config_takes_the_recipes_moments_unless_set():
     c = TrainConfig(recipe="paper", v_sqrt=True, moment_block_size=64)
     assert (c.v_sqrt, c.moment_block_size) == (True, 64)
     legacy = TrainConfig(recipe="fp8-smooth-fp8adam")
-    assert (legacy.v_sqrt, legacy.moment_block_size) == (True, 128)
+    assert (legacy.v_sqrt, legacy.moment_block_size) == (False, 128)
     with pytest.raises(ValueError, match="fixes its own scaling"):
         TrainConfig(recipe="paper", scaling="current")
 
@@ -118,7 +118,7 @@ def test_each_named_recipe_trains_from_the_cli(name, tmp_path, corpus, restore_n
     saved = json.loads((out / name / "config.json").read_text())
     assert saved["recipe"] == name
     cfg = TrainConfig.from_dict(saved)
-    assert cfg.v_sqrt is (False if name in ("paper", "reference") else True)
+    assert cfg.v_sqrt is False  # v itself: the paper's form, and the optimizer's default since issue 18
     assert fp8_config(get_recipe(cfg.recipe), cfg.scaling, cfg.smooth, "aot_eager") == \
         Config.from_recipe(name, compiler="aot_eager")
     if name not in ("paper", "nvfp4-hcp"):  # resume (compiles again) for the FP8-moment and stateful ones

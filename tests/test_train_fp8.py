@@ -111,7 +111,7 @@ def test_every_moment_option_reaches_the_fp8_optimizer(tmp_path, corpus):
         (o["m_format"], o["v_format"], o["v_sqrt"], o["block_size"], o["rounding"], o["stochastic_flush"])
 
 
-def test_moment_option_errors_and_old_field_name():
+def test_moment_option_errors_and_configs_saved_before_the_fields_existed():
     for kw, msg in ((dict(m_format="int8"), "unknown m_format 'int8'; valid: e4m3, e5m2, bf16, fp32"),
                     (dict(v_format="e3m4"), "unknown v_format"),
                     (dict(moment_block_size=0), "moment_block_size must be a positive int .* or None"),
@@ -123,7 +123,9 @@ def test_moment_option_errors_and_old_field_name():
             TrainConfig(**kw)
     # a config saved before the field was named moment_block_size resumes with its block size
     old = {k: v for k, v in TrainConfig().to_dict().items() if k != "moment_block_size"}
-    assert TrainConfig.from_dict({**old, "block_size": 64}).moment_block_size == 64
+    old.pop("v_sqrt")
+    legacy = TrainConfig.from_dict({**old, "block_size": 64})
+    assert (legacy.moment_block_size, legacy.v_sqrt) == (64, True)  # sqrt(v): the optimizer's default then
 
 
 def test_paper_form_moments_round_trip_through_the_checkpoint(tmp_path, corpus):

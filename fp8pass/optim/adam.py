@@ -7,8 +7,9 @@ of a parameter holds plain tensors only (see ``moments.py`` for the layout)::
     step                      fp32 scalar (on the parameter's device when capturable), as in torch
     exp_avg_codes             float8_e4m3fn, the parameter's shape     (m_format="e4m3")
     exp_avg_scale             fp32 [ceil(numel / block_size)]          ([1] with block_size=None)
-    exp_avg_sq_sqrt_codes     float8_e5m2, the parameter's shape       (v_format="e5m2", v_sqrt=True)
-    exp_avg_sq_sqrt_scale     fp32 [ceil(numel / block_size)]
+    exp_avg_sq_codes          float8_e5m2, the parameter's shape       (v_format="e5m2")
+    exp_avg_sq_scale          fp32 [ceil(numel / block_size)]
+    (exp_avg_sq_sqrt_codes / exp_avg_sq_sqrt_scale instead with v_sqrt=True: sqrt(v) is stored)
 
 so ``state_dict()`` / ``load_state_dict()`` round-trip exactly and ``torch.load(weights_only=True)``
 reads a checkpoint. bf16/fp32 moment formats store ``exp_avg`` / ``exp_avg_sq`` like torch.
@@ -94,8 +95,8 @@ class Adam(torch.optim.Optimizer):
         block_size: elements per fp32 block scale (default 128), or None for one scale per tensor
             (the paper's granularity). Blocks run over the flattened parameter; a tensor smaller
             than a block, or the tail of one, is a partial block.
-        v_sqrt: store ``sqrt(v)`` instead of ``v`` when ``v_format`` is FP8 (default True; why, and
-            what was measured, in docs/optim.md).
+        v_sqrt: store ``sqrt(v)`` instead of ``v`` when ``v_format`` is FP8 (default False: v itself,
+            the paper's form; what was measured for each, in docs/optim.md).
         rounding: "nearest" (default) or "stochastic" for the FP8 moments.
         stochastic_flush: round values below the format's smallest subnormal stochastically to 0 or
             the smallest subnormal (unbiased underflow) while everything else rounds to nearest.
@@ -112,7 +113,7 @@ class Adam(torch.optim.Optimizer):
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, decoupled_weight_decay: bool = False,
-                 m_format: str = "e4m3", v_format: str = "e5m2", block_size: int | None = 128, v_sqrt: bool = True,
+                 m_format: str = "e4m3", v_format: str = "e5m2", block_size: int | None = 128, v_sqrt: bool = False,
                  rounding: str = "nearest", stochastic_flush: bool = False, kernels: str = "auto",
                  generator: torch.Generator | None = None, foreach: bool | None = None,
                  fused: bool | None = None):

@@ -23,7 +23,7 @@ __all__ = ["to_fp8", "to_torch_state_dict", "from_torch_state_dict", "is_torch_s
 
 
 def to_fp8(optimizer: torch.optim.Optimizer, *, m_format: str = "e4m3", v_format: str = "e5m2",
-           block_size: int | None = 128, v_sqrt: bool = True, rounding: str = "nearest",
+           block_size: int | None = 128, v_sqrt: bool = False, rounding: str = "nearest",
            stochastic_flush: bool = False, kernels: str = "auto",
            generator: torch.Generator | None = None) -> torch.optim.Optimizer:
     """Convert a ``torch.optim.Adam`` / ``AdamW`` to FP8 moment storage, in place; returns it.
@@ -129,7 +129,7 @@ def to_torch_state_dict(sd: dict) -> dict:
 
 
 def from_torch_state_dict(sd: dict, *, m_format: str = "e4m3", v_format: str = "e5m2", block_size: int | None = 128,
-                          v_sqrt: bool = True, rounding: str = "nearest", stochastic_flush: bool = False,
+                          v_sqrt: bool = False, rounding: str = "nearest", stochastic_flush: bool = False,
                           kernels: str = "auto") -> dict:
     """A torch Adam(W) state dict as an fp8pass one: moments quantized with the given storage.
 

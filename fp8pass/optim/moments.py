@@ -9,8 +9,8 @@ Layout of an FP8 moment of a parameter ``p`` (state keys ``<name>_codes`` and ``
 * value = ``decode(codes) / scale`` (the numerics convention ``data = cast(x * scale)``), with
   ``scale = fmt.max / amax_block`` (``scale_from_amax``: 1 for an all-zero block).
 
-The second moment may be stored as ``sqrt(v)`` (keys ``exp_avg_sq_sqrt_codes`` / ``_scale``) instead
-of ``v``; see docs/optim.md for why and what was measured. bf16/fp32 moments are one tensor
+The second moment is stored as ``v`` itself (the paper's form, the default) or as ``sqrt(v)`` (keys
+``exp_avg_sq_sqrt_codes`` / ``_scale``); see docs/optim.md for what was measured for each. bf16/fp32 moments are one tensor
 ``<name>`` of ``p.shape`` in that dtype, exactly like torch's AdamW state.
 """
 

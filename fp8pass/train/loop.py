@@ -52,7 +52,7 @@ class TrainConfig:
             stored as sqrt(v) or itself, elements per fp32 scale (None = one scale per tensor),
             "nearest" | "stochastic" rounding, stochastic flush-to-zero (docs/optim.md). Each left
             at ``FROM_RECIPE`` ("recipe", the default) takes the recipe's value (``recipe_moments``:
-            the paper's form for "paper"/"reference", e4m3/e5m2/sqrt(v)/128 otherwise); a value set
+            the paper's form for "paper"/"reference", e4m3/e5m2/v itself/128 otherwise); a value set
             explicitly wins.
         model: the TinyLlama shape.
         eval_every, eval_batches: validation cadence and size (fixed validation batches).
@@ -165,8 +165,9 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in fields(cls)}
-        if "block_size" in d and "moment_block_size" not in d:  # the field's name before issue 18
-            d = {**d, "moment_block_size": d["block_size"]}
+        if "block_size" in d and "moment_block_size" not in d:  # a config saved before issue 18: the field
+            # had that name, and the optimizer always stored sqrt(v) (its default until then)
+            d = {**d, "moment_block_size": d["block_size"], "v_sqrt": d.get("v_sqrt", True)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 

@@ -58,7 +58,7 @@ class Recipe:
 
 
 # Moment options of the recipes above (TrainConfig's moment fields when not set explicitly).
-DEFAULT_MOMENTS = dict(m_format="e4m3", v_format="e5m2", v_sqrt=True, moment_block_size=128,
+DEFAULT_MOMENTS = dict(m_format="e4m3", v_format="e5m2", v_sqrt=False, moment_block_size=128,
                        moment_rounding="nearest", moment_stochastic_flush=False)
 
 RECIPES = {r.name: r for r in (
@@ -192,7 +192,7 @@ def check_moment_options(m_format: str, v_format: str, block_size: int | None, v
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, *, lr: float, weight_decay: float,
                     betas=(0.9, 0.95), eps: float = 1e-8, m_format: str = "e4m3", v_format: str = "e5m2",
-                    block_size: int | None = 128, v_sqrt: bool = True, rounding: str = "nearest",
+                    block_size: int | None = 128, v_sqrt: bool = False, rounding: str = "nearest",
                     stochastic_flush: bool = False):
     """AdamW over ``param_groups(model, weight_decay)``: ``fp8pass.optim.AdamW`` with the given moment
     storage for the -fp8adam recipes, ``torch.optim.AdamW`` (fp32 moments) otherwise.
