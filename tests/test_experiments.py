@@ -150,3 +150,36 @@ def test_instability_mechanism_token_scale_stats_see_the_planted_channel():
         assert a["amax_h"] > 100 * b["amax_h"]
         assert a["amax_A"] < a["amax_h"] / 10
         assert a["median_ordinary_A"] < b["median_ordinary_A"] / 10
+
+
+def test_moments_experiment_runs_the_papers_form_beside_the_storage_variants():
+    import moments
+    from fp8pass.train import TrainConfig
+
+    cfgs = {n: TrainConfig(**moments.variant_config(n, steps=3, lr=1e-3, seed=1, out="x")) for n in moments.VARIANTS}
+    assert cfgs["fp32"].recipe == "bf16"  # torch AdamW, fp32 moments
+    combos = set()
+    for name in moments.PAPER:
+        if name == "fp32":
+            continue
+        c = cfgs[name]
+        assert (c.recipe, c.v_sqrt, c.moment_block_size) == ("bf16-fp8adam", False, None), name  # v itself, per tensor
+        combos.add((c.m_format, c.v_format))
+    assert combos == {(m, v) for m in ("e4m3", "e5m2") for v in ("e4m3", "e5m2")}
+    side = {n: (cfgs[n].v_sqrt, cfgs[n].moment_block_size) for n in moments.SIDE}
+    assert side == {"m-e4m3_sqrtv-e5m2": (True, None), "m-e4m3_v-e5m2_b128": (False, 128),
+                    "m-e4m3_sqrtv-e5m2_b128": (True, 128)}
+    assert all(cfgs[n].m_format == "e4m3" and cfgs[n].v_format == "e5m2" for n in moments.SIDE)
+
+
+def test_v_storage_measurement_uses_the_stored_m_and_sees_the_range_limits():
+    import optim_v_storage as vs
+
+    exact = vs.run(6, 0.95, 12, None, dict(m_format="fp32", v_format="fp32"))
+    assert exact["median"] == 0 and exact["too_large"] == 0 and exact["v_alone"]["max_ratio"] == 1
+    m_only = vs.run(6, 0.95, 12, None, dict(v_format="fp32"))
+    assert m_only["v_alone"]["max_ratio"] == 1 and m_only["too_large"] > 0  # E4M3 m's own error is counted
+    sqrt_v = vs.run(6, 0.95, 12, None, dict(v_sqrt=True))
+    assert sqrt_v["v_alone"]["max_ratio"] < 2  # sqrt(v) in E5M2 spans 2^31.8 in |g|: no flush at 1e6
+    v_e4m3 = vs.run(6, 0.95, 12, None, dict(v_sqrt=False, v_format="e4m3"))
+    assert v_e4m3["v_alone"]["too_large"] > 0.3  # v in E4M3 spans 2^8.9 in |g|: most small v flush to 0
