@@ -172,7 +172,10 @@ def test_step_has_no_host_sync(monkeypatch):
     _grads(params, g, 1)
     monkeypatch.setattr(torch.Tensor, "item", refuse)
     monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    before = [p.detach().clone() for p in params]
     opt.step()
+    monkeypatch.undo()
+    assert all(p.numel() == 0 or not torch.equal(b, p) for b, p in zip(before, params))  # the step did update
 
 
 def test_stochastic_streams_differ_between_tensors_and_steps():

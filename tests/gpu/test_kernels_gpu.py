@@ -270,10 +270,12 @@ def test_adam_kernel_step_has_no_host_sync():
     grads = [torch.randn_like(p) for p in params]  # new addresses: the table is uploaded asynchronously
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
+    before = [p.clone() for p in params]
     try:
         adam_step_triton_multi(params, grads, states, [hp] * 3, ms, vs, **args)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    assert all(not torch.equal(b, p) for b, p in zip(before, params))  # the step ran and updated
 
 
 # -- past 2**31 elements ----------------------------------------------------------------------------------
