@@ -12,8 +12,8 @@ moments). Pick one with ``fp8pass.Config.from_recipe("paper")`` (backend) or, fo
 | delayed    | E4M3 / E5M2 (RNE), delayed, history 1024, max             | none          | fp32                    | Transformer Engine ``DelayedScaling`` defaults |
 | blockwise  | E4M3 everywhere, current scaling, 1x128 act. / 128x128 weights | none     | fp32                    | DeepSeek-V3 (arXiv 2412.19437) |
 | mxfp8      | E4M3 everywhere, 32-element blocks, E8M0 scales           | none          | fp32                    | OCP MX v1.0; NVIDIA's MXFP8 pretraining recipe |
-| nvfp4      | NVFP4 (E2M1, 16-element E4M3 scales, RHT, grad SR)        | none          | fp32                    | NVIDIA, arXiv 2509.25149 |
-| nvfp4-hcp  | nvfp4 + hot-channel patching, S-O2-B (concat, 2nd order, backward) | none | fp32                    | arXiv 2602.02047 |
+| nvfp4      | NVFP4 (E2M1, 16-element E4M3 scales, RHT, grad SR); last ~15% of block linears BF16 | none | fp32          | NVIDIA, arXiv 2509.25149 |
+| nvfp4-hcp  | nvfp4 + hot-channel patching, S-O2-B (concat, 2nd order, backward); last 4 blocks BF16 | none | fp32        | arXiv 2602.02047 |
 
 Why ``Config.from_recipe(name)`` and not ``Config(recipe=name)``: ``Config.recipe`` holds the
 scaling object (``DelayedScaling()``...), and a named recipe sets more than that field (formats,
@@ -76,9 +76,6 @@ class NamedRecipe:
 
 
 def _mx_config() -> Config:
-    if "mx" not in _config.GRANULARITIES:
-        raise ValueError("recipe 'mxfp8' needs MX granularity (CurrentScaling(granularity='mx')), which this "
-                         "build of fp8pass lacks; choose 'blockwise' for fine-grained FP8 scaling")
     return Config(recipe=CurrentScaling(granularity="mx"), smooth_swiglu=None, fwd_format="e4m3",
                   bwd_format="e4m3", grad_stochastic_rounding=False)
 
@@ -107,7 +104,10 @@ NAMED_RECIPES: dict[str, NamedRecipe] = {r.name: r for r in (
     NamedRecipe("mxfp8", "OCP Microscaling Formats (MX) v1.0: 32-element blocks, E8M0 scales, E4M3 elements "
                 "for all tensors as in NVIDIA's MXFP8 pretraining recipe", _mx_config, None),
     NamedRecipe("nvfp4", "NVIDIA, Pretraining LLMs with NVFP4 (arXiv 2509.25149)",
-                lambda: Config(recipe=NVFP4Scaling(), smooth_swiglu=None), None),
+                # NVIDIA keeps about the last 15% of the blocks' linears in BF16 and quantizes the rest,
+                # attention projections included
+                lambda: Config(recipe=NVFP4Scaling(keep_last_blocks=None, keep_last_fraction=0.15,
+                                                   protect_post_qk=False), smooth_swiglu=None), None),
     NamedRecipe("nvfp4-hcp", "nvfp4 plus hot-channel patching in the S-O2-B form (arXiv 2602.02047)",
                 # HotChannelPatching.backward (patching dgrad and wgrad too) is on by default
                 lambda: Config(recipe=NVFP4Scaling(hcp=HotChannelPatching(mode="concat", second_order=True)),

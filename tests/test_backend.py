@@ -208,6 +208,10 @@ def test_explain_report():
     assert "swiglu_down" in rep.graph_after and "swiglu_down" not in rep.graph_before
     text = str(rep)
     assert "layers.1.feed_forward.w2.weight" in text and "keep_high_precision" in text
+    assert "GLU MLPs (Smooth-SwiGLU, per channel):" in text
+    plain = fp8pass.explain(tiny_titan_llama(n_layers=2), torch.randint(0, 128, (2, 8)),
+                            config=Config.from_recipe("mxfp8"))
+    assert "GLU MLPs (FP8, no smoothing):" in str(plain)  # not "Smooth-SwiGLU" when smoothing is off
     from test_patterns import Broken
 
     rep = fp8pass.explain(Broken("act"), torch.randn(3, D))

@@ -17,11 +17,6 @@ from fp8pass.train.recipes import RECIPES, fp8_config, get_recipe
 NAMES = ("paper", "reference", "delayed", "blockwise", "mxfp8", "nvfp4", "nvfp4-hcp")
 
 
-def _has_mx():
-    from fp8pass import config
-    return "mx" in config.GRANULARITIES
-
-
 def test_every_named_recipe_is_there_with_a_source():
     assert tuple(NAMED_RECIPES) == NAMES
     assert all(r.source for r in NAMED_RECIPES.values())
@@ -46,15 +41,17 @@ def test_other_recipes_values():
     assert d.recipe == DelayedScaling(history_len=1024, algo="max") and d.smooth_swiglu is None
     b = Config.from_recipe("blockwise")
     assert b.recipe == CurrentScaling(granularity="block", block=128)
-    assert Config.from_recipe("nvfp4").recipe == NVFP4Scaling()
-    hcp = Config.from_recipe("nvfp4-hcp").recipe.hcp
-    assert hcp is not None and (hcp.mode, hcp.second_order) == ("concat", True)
+    # NVIDIA's rule (the last ~15% of the block linears, attention projections quantized) for nvfp4; the
+    # seed document's (the last 4 blocks and the post-QK projections) for nvfp4-hcp
+    assert Config.from_recipe("nvfp4").recipe == NVFP4Scaling(keep_last_blocks=None, keep_last_fraction=0.15,
+                                                              protect_post_qk=False)
+    hcp_recipe = Config.from_recipe("nvfp4-hcp").recipe
+    assert (hcp_recipe.keep_last_blocks, hcp_recipe.protect_post_qk) == (4, True)
+    hcp = hcp_recipe.hcp
+    assert hcp is not None and (hcp.mode, hcp.second_order, hcp.backward) == ("concat", True, True)
     assert all(get_named_recipe(n).moments is None for n in ("delayed", "blockwise", "mxfp8", "nvfp4", "nvfp4-hcp"))
-    if _has_mx():
-        assert Config.from_recipe("mxfp8").recipe.granularity == "mx"
-    else:
-        with pytest.raises(ValueError, match="needs MX granularity"):
-            Config.from_recipe("mxfp8")
+    mx = Config.from_recipe("mxfp8")
+    assert mx.recipe == CurrentScaling(granularity="mx") and (mx.fwd_format, mx.bwd_format) == ("e4m3", "e4m3")
 
 
 def test_from_recipe_overrides_and_errors():
@@ -104,8 +101,6 @@ def restore_num_threads():
 def test_each_named_recipe_trains_from_the_cli(name, tmp_path, corpus, restore_num_threads, capsys):
     """Tiny shapes, 2 steps (the 30-step comparison is docs/results/recipes.md); then (paper, nvfp4-hcp) resume 1 step.
     NVFP4 keeps the last 4 blocks in high precision (the seed's rule): 5 layers leave one in NVFP4."""
-    if name == "mxfp8" and not _has_mx():
-        pytest.skip("MX granularity (CurrentScaling(granularity='mx')) not in this build")
     torch._dynamo.reset()
     out = tmp_path / "runs"
     args = ["train", "--recipe", name, "--steps", "2", "--out", str(out), "--data", corpus, "--batch-size", "2",
@@ -123,9 +118,6 @@ def test_each_named_recipe_trains_from_the_cli(name, tmp_path, corpus, restore_n
         Config.from_recipe(name, compiler="aot_eager")
     if name not in ("paper", "nvfp4-hcp"):  # resume (compiles again) for the FP8-moment and stateful ones
         return
-    if name == "nvfp4-hcp":
-        pytest.xfail("resume: the checkpoint validation (fp8pass/train/checkpoint.py) rejects the HCP state "
-                     "saved under 'scaling'; to be fixed there")
     torch._dynamo.reset()
     assert main(["train", "--resume", str(out / name), "--steps", "3", "--no-progress", "--no-plots"]) == 0
     assert len(read_metrics(out / name / "metrics.jsonl", "train")) == 3

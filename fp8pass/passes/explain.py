@@ -62,7 +62,9 @@ class Report:
         if self.config is not None:
             lines.append(f"config: {self.config}")
         if self.swiglus:
-            treatment = "NVFP4 linears" if kind == "NVFP4" else "Smooth-SwiGLU treatment"
+            smooth = getattr(self.config, "smooth_swiglu", "channel")
+            treatment = ("NVFP4 linears" if kind == "NVFP4" else
+                         f"Smooth-SwiGLU, per {smooth}" if smooth else "FP8, no smoothing")
             lines += ["", f"GLU MLPs ({treatment}):"]
             lines += _table(["variant", "gate", "up", "down"],
                             [[s.variant, s.gate, s.up, s.down] for s in self.swiglus])

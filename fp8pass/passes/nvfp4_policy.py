@@ -17,7 +17,6 @@ Applied after the general policy (``policy.decide_linear``: LM head and embeddin
 from __future__ import annotations
 
 import fnmatch
-import re
 import warnings
 
 from ..config import NVFP4Scaling
