@@ -260,11 +260,40 @@ def test_loss_scale_errors(tmp_path, corpus):
             TrainConfig(loss_scale=bad)
     assert TrainConfig(loss_scale="1024").loss_scale == 1024.0
     assert LossScaler("dynamic:8").scale_value == 8.0 and LossScaler("dynamic").scale_value == 2.0 ** 16
-    train(cfg(tmp_path, corpus, steps=2, monitor_every=0, loss_scale="dynamic", eval_every=2, ckpt_every=2))
-    with pytest.raises(ValueError, match="dynamic loss scaling cannot be resumed"):
-        train(cfg(tmp_path, corpus, steps=3, monitor_every=0, loss_scale="dynamic"), resume=True)
     with pytest.raises(ValueError, match="needs 'dynamic' or a static scale"):
         LossScaler(None)
+    scaler = LossScaler("dynamic", growth_interval=4)
+    for bad, match in (({"scale": 0.0, "clean_steps": 0, "skipped": 0}, "scale must be"),
+                       ({"scale": 2.0, "clean_steps": -1, "skipped": 0}, "clean_steps must be"),
+                       ({"scale": 2.0, "clean_steps": 4, "skipped": 0}, "would already have grown"),
+                       ({"scale": 2.0, "skipped": 0}, "expected the keys")):
+        with pytest.raises(ValueError, match=match):
+            scaler.load_state_dict(bad)
+    with pytest.raises(ValueError, match="differs from this run's"):
+        LossScaler(8.0).load_state_dict({"scale": 4.0, "clean_steps": 0, "skipped": 0})
+
+
+def test_dynamic_loss_scaling_resumes_exactly(tmp_path, corpus):
+    """The scaler's state (scale, clean steps, skips) travels in the checkpoint: 3 + 3 resumed steps
+    log the same losses and loss scales as 6 steps in one go; a checkpoint without it is refused."""
+    kw = dict(monitor_every=0, precision="fp16", eval_every=3, ckpt_every=3, grad_clip=0.0,
+              loss_scale="dynamic:1e9")
+    full = train(cfg(tmp_path, corpus, out=str(tmp_path / "full"), **kw))
+    train(cfg(tmp_path, corpus, out=str(tmp_path / "part"), steps=3, **kw))
+    torch.manual_seed(1234)
+    resumed = train(cfg(tmp_path, corpus, out=str(tmp_path / "part"), **kw), resume=True)
+    a = read_metrics(tmp_path / "full" / "metrics.jsonl", "train")
+    b = read_metrics(tmp_path / "part" / "metrics.jsonl", "train")
+    assert [(r["loss_scale"], r["skipped_total"]) for r in a] == [(r["loss_scale"], r["skipped_total"]) for r in b]
+    assert a[0]["skipped"] == 1 and a[-1]["loss_scale"] < 1e9   # the run did back off before the checkpoint
+    assert full.losses[3:] == resumed.losses
+    # a checkpoint written without the scaler's state (older runs) cannot resume a dynamic scale exactly
+    from fp8pass.checkpoint import save_file
+    ck = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
+    del ck["loss_scaler"]
+    save_file(tmp_path / "part" / "checkpoint.pt", ck)
+    with pytest.raises(ValueError, match="dynamic loss scaling cannot be resumed"):
+        train(cfg(tmp_path, corpus, out=str(tmp_path / "part"), steps=9, **kw), resume=True)
 
 
 def test_fp8_ramp_up_starts_fp8_at_the_given_step_and_resumes(tmp_path, corpus):

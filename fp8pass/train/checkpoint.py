@@ -60,13 +60,17 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, *, step: int, config: dict, model_state: dict,
-                    optimizer_state: dict, scaling_state: dict | None, data_fingerprint: str) -> Path:
+                    optimizer_state: dict, scaling_state: dict | None, data_fingerprint: str,
+                    loss_scaler_state: dict | None = None) -> Path:
     """Write ``run_dir/checkpoint.pt`` and its manifest atomically (fsynced temp files + renames), so a
-    kill never leaves half a file or a checkpoint its manifest rejects."""
-    return save_file(Path(run_dir) / CHECKPOINT_NAME,
-                     {"format": FORMAT_VERSION, "step": step, "config": config, "model": model_state,
-                      "optimizer": optimizer_state, "scaling": scaling_state, "rng": rng_state(),
-                      "data": {"position": step, "fingerprint": data_fingerprint}})
+    kill never leaves half a file or a checkpoint its manifest rejects. ``loss_scaler_state``
+    (:meth:`~fp8pass.train.loss_scale.LossScaler.state_dict`) is stored under ``"loss_scaler"``."""
+    ckpt = {"format": FORMAT_VERSION, "step": step, "config": config, "model": model_state,
+            "optimizer": optimizer_state, "scaling": scaling_state, "rng": rng_state(),
+            "data": {"position": step, "fingerprint": data_fingerprint}}
+    if loss_scaler_state is not None:
+        ckpt["loss_scaler"] = loss_scaler_state
+    return save_file(Path(run_dir) / CHECKPOINT_NAME, ckpt)
 
 
 def load_checkpoint(run_dir: str | os.PathLike, allow_unverified: bool | None = None) -> dict:

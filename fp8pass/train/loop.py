@@ -252,9 +252,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                           stochastic_flush=cfg.moment_stochastic_flush)
     start = 0
     scaler = LossScaler(cfg.loss_scale) if cfg.loss_scale is not None else None
-    if ckpt is not None and scaler is not None and scaler.dynamic:
-        raise ValueError(f"--resume {out}: a run with dynamic loss scaling cannot be resumed exactly (the "
-                         "checkpoint does not hold the scaler's state); start it again, or use a static --loss-scale")
+    if ckpt is not None and scaler is not None:
+        if "loss_scaler" in ckpt:
+            try:
+                scaler.load_state_dict(ckpt["loss_scaler"])
+            except ValueError as e:
+                raise ValueError(f"--resume {out}: {e}") from None
+        elif scaler.dynamic:
+            raise ValueError(f"--resume {out}: a run with dynamic loss scaling cannot be resumed exactly (the "
+                             "checkpoint, written before the scaler's state was saved, lacks it); start it again, "
+                             "or use a static --loss-scale")
     if ckpt is not None:
         start = ckpt["step"]
         if recipe.fp8 and start >= cfg.fp8_start_step:  # the saved model state carries the scaling state
@@ -362,7 +369,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             if done % cfg.ckpt_every == 0 or done == cfg.steps:
                 save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
                                 optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if fp8_on else None,
-                                data_fingerprint=data.fingerprint)
+                                data_fingerprint=data.fingerprint,
+                                loss_scaler_state=None if scaler is None else scaler.state_dict())
     except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
         if not isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit) and "recompile limit" not in str(e):
             raise

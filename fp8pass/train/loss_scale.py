@@ -83,6 +83,29 @@ class LossScaler:
         finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
         return bool(finite)
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue exactly: the scale, the clean-step count, the skips."""
+        return {"scale": self.scale_value, "clean_steps": self.clean_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s values; ValueError naming the entry when one is invalid."""
+        if not isinstance(state, dict) or set(state) != {"scale", "clean_steps", "skipped"}:
+            raise ValueError(f"loss scaler state: expected the keys clean_steps, scale, skipped, got "
+                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+        scale = state["scale"]
+        if type(scale) is not float or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"loss scaler state: scale must be a finite float > 0, got {scale!r}")
+        for key in ("clean_steps", "skipped"):
+            if type(state[key]) is not int or state[key] < 0:
+                raise ValueError(f"loss scaler state: {key} must be an integer >= 0, got {state[key]!r}")
+        if self.dynamic and state["clean_steps"] >= self.growth_interval:
+            raise ValueError(f"loss scaler state: clean_steps {state['clean_steps']} >= growth_interval "
+                             f"{self.growth_interval} (the scale would already have grown)")
+        if not self.dynamic and scale != self.scale_value:
+            raise ValueError(f"loss scaler state: saved static scale {scale!r} differs from this run's "
+                             f"{self.scale_value!r}")
+        self.scale_value, self.clean_steps, self.skipped = scale, state["clean_steps"], state["skipped"]
+
     def update(self, finite: bool) -> None:
         """After the step: count a skip; the dynamic scale backs off on overflow, grows when clean."""
         if not finite:
