@@ -25,7 +25,7 @@ from .numerics import (
 from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
 from . import optim  # noqa: E402
 from .compile_backend import backend, explain  # noqa: E402
-from .scaling_state import load_scaling_state_dict, scaling_state_dict  # noqa: E402
+from .scaling_state import accumulate_scaling, commit_scaling, load_scaling_state_dict, scaling_state_dict  # noqa: E402
 from .checkpoint import checkpoint_state, load_checkpoint_state  # noqa: E402
 from . import recipes  # noqa: E402  (named recipes: fills Config.from_recipe's table)
 
@@ -35,7 +35,8 @@ _LAZY_SUBMODULES = ("monitor", "train", "distributed")
 
 __all__ = [
     "Config", "CurrentScaling", "DelayedScaling", "backend", "explain", "ops", "optim",
-    "scaling_state_dict", "load_scaling_state_dict", "checkpoint_state", "load_checkpoint_state",
+    "scaling_state_dict", "load_scaling_state_dict", "accumulate_scaling", "commit_scaling", "checkpoint_state",
+    "load_checkpoint_state",
     "monitor", "train", "distributed",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",

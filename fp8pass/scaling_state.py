@@ -36,6 +36,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -47,11 +48,11 @@ from .integrity import CheckpointError
 from .numerics import get_format
 from .runtime import state as _linear_state
 from .runtime.hcp import _REGISTRY as _HCP_REGISTRY, HCP_FIELDS, hcp_state_for
-from .runtime.state import ROLES, _REGISTRY, state_for
+from .runtime.state import _ACCUMULATING, ROLES, _REGISTRY, commit_states, state_for
 from .scaling_checks import _FIELDS, HCP_KEY, SCALING_KEY, _group_flat, check_delayed_state, check_hcp_state
 
 __all__ = ["scaling_state_dict", "load_scaling_state_dict", "attach", "attach_weights", "without_scaling_state",
-           "SCALING_KEY", "HCP_KEY"]
+           "accumulate_scaling", "commit_scaling", "SCALING_KEY", "HCP_KEY"]
 
 _HOOKED = "_fp8pass_state_dict_config"  # module attribute: hooks registered, and the Config they create state with
 
@@ -375,3 +376,66 @@ def _load_hcp(model, state_dict, recipe: NVFP4Scaling, strict: bool) -> None:
             hcp_state_for(p, recipe.hcp).load_state_dict({k: t.to(p.device) for k, t in sd.items()})
         except ValueError as e:
             raise CheckpointError(f"{name}.hcp: {e}") from None
+
+
+# ---- gradient accumulation: one history entry per optimizer step -------------------------------
+
+def _model_states(model: torch.nn.Module) -> list:
+    states = {}
+    for p in _unwrap(model).parameters():
+        st = _delayed_state(p)
+        if st is not None:
+            for s in st.roles().values():
+                states[id(s)] = s
+    return list(states.values())
+
+
+def commit_scaling(model: torch.nn.Module) -> None:
+    """Enter the amaxes accumulated in ``model``'s delayed-scaling states into their histories.
+
+    A no-op for states with nothing pending. :func:`accumulate_scaling` calls it on exit; call it
+    yourself only if you set the states' ``accumulate`` flags by hand. One batched update per
+    (format, recipe), no host read.
+    """
+    commit_states(_model_states(model))
+
+
+@contextlib.contextmanager
+def accumulate_scaling(model: torch.nn.Module, enabled: bool = True):
+    """Gradient accumulation for delayed scaling: the micro-batches run inside record one amax.
+
+    Inside the context every record into ``model``'s delayed-scaling states (forward and backward,
+    compiled or eager) only raises the state's pending amax; the scales the casts use stay as they
+    were. On exit the max over all micro-batches enters each history once (:func:`commit_scaling`),
+    so the scales change once per optimizer step, as if the micro-batches were one batch. States
+    created inside the context (a weight's first compiled step) accumulate too. A NaN/Inf in any
+    micro-batch makes that step's amax non-finite: it is skipped and counted, as a single record is.
+
+    Usage::
+
+        for step in range(steps):
+            with fp8pass.accumulate_scaling(model):
+                for x, y in micro_batches:
+                    loss_fn(model(x), y).backward()
+            optimizer.step()
+
+    Args:
+        model: the model (compiled or not) whose weights own the states.
+        enabled: False makes the context a no-op (``enabled=grad_accum > 1``).
+    """
+    if not enabled:
+        yield
+        return
+    states = _model_states(model)
+    for s in states:
+        s.accumulate.fill_(True)
+    _ACCUMULATING.append(states)
+    try:
+        yield
+    finally:
+        _ACCUMULATING.remove(states)
+        open_elsewhere = {id(s) for other in _ACCUMULATING for s in other}
+        mine = [s for s in states if id(s) not in open_elsewhere]
+        for s in mine:
+            s.accumulate.fill_(False)
+        commit_states(mine)

@@ -168,9 +168,15 @@ def test_tied_weights_share_state():
             return self.b(self.a(x))
 
     m = Tied()
-    torch.compile(m, backend=fp8pass.backend(_cfg()), fullgraph=True)(torch.randn(4, D)).sum().backward()
+    x = torch.randn(4, D)
+    torch.compile(m, backend=fp8pass.backend(_cfg()), fullgraph=True)(x).sum().backward()
     sd = fp8pass.scaling_state_dict(m)
-    assert int(sd["a.weight.input.steps"]) == 2 and int(sd["a.weight.grad_output.steps"]) == 2
+    # one forward record per state and graph (the max over the weight's two uses: docs/scaling.md);
+    # the backward of each use records its grad_output
+    assert int(sd["a.weight.input.steps"]) == 1 and int(sd["a.weight.grad_output.steps"]) == 2
+    assert float(sd["a.weight.weight.amax_history"][0]) == float(m.a.weight.detach().abs().max())
+    assert float(sd["a.weight.input.amax_history"][0]) >= float(x.abs().max())
+    assert float(sd["a.weight.input.amax_history"][1]) == 0.0
 
 
 def test_bad_inputs_run_unchanged():

@@ -19,9 +19,9 @@ from .outliers import OutlierMonitor, outlier_stats
 from .report import Diagnostics, LayerDiagnostics, diagnose, swiglu_alignment
 from .stats import ActivationAccumulator, weight_alignment
 from .swiglu import SwiGLUSite, find_swiglus
-from .telemetry import ScalingTelemetry, scaling_telemetry
+from .telemetry import ScalingTelemetry, check_scaling, scaling_telemetry
 
 __all__ = ["MonitorCallback", "Diagnostics", "LayerDiagnostics", "diagnose", "swiglu_alignment",
            "ActivationAccumulator", "weight_alignment", "SwiGLUSite", "find_swiglus",
-           "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry",
+           "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry", "check_scaling",
            "FormatAdvice", "advise", "format_advice", "measure_formats"]

@@ -14,7 +14,9 @@ model into one tensor and reads it once.
   the margin is too short for this model.
 
 The trainer logs the totals in metrics.jsonl (``fp8_skipped``, ``fp8_overflows``) and warns the
-first time either is non-zero.
+first time either is non-zero. A plain loop calls :func:`check_scaling` where it can afford one
+host read (at logging time): it warns once per process and kind. The runtime never warns by itself:
+that would read the counters back on every record (a device sync per linear on GPU).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from ..distributed.amax_sync import scaling_states
 
-__all__ = ["ScalingTelemetry", "scaling_telemetry", "warn_once"]
+__all__ = ["ScalingTelemetry", "scaling_telemetry", "warn_once", "check_scaling"]
 
 
 @dataclass
@@ -92,3 +94,17 @@ def warn_once(telemetry: ScalingTelemetry, seen: set[str]) -> None:
     if new:
         seen.update(new)
         warnings.warn(telemetry.warning(), RuntimeWarning, stacklevel=2)
+
+
+_SEEN: set[str] = set()  # kinds already warned about by check_scaling in this process
+
+
+def check_scaling(model: torch.nn.Module) -> ScalingTelemetry:
+    """Read ``model``'s counters (one host read) and warn the first time per process that any
+    non-finite amax was skipped or any cast outgrew its delayed scale; returns the telemetry.
+
+    Call it off the hot path (when logging); the trainer does the same with its own record.
+    """
+    t = scaling_telemetry(model)
+    warn_once(t, _SEEN)
+    return t

@@ -21,8 +21,8 @@ import torch
 from ..config import DelayedScaling
 from .formats import Format, get_format
 
-__all__ = ["MAX_SCALE", "HUGE_AMAX", "scale_from_amax", "power_of_two_floor", "DelayedScalingState",
-           "delayed_scaling_update", "amax_is_usable", "outgrew", "scale_to_cast"]
+__all__ = ["MAX_SCALE", "HUGE_AMAX", "NO_PENDING", "scale_from_amax", "power_of_two_floor", "DelayedScalingState",
+           "delayed_scaling_update", "record_update", "commit_update", "amax_is_usable", "outgrew", "scale_to_cast"]
 
 MAX_SCALE = 2.0**126
 HUGE_AMAX = 2.0**64
@@ -31,6 +31,8 @@ HUGE_AMAX = 2.0**64
 # measured on the tiny Llama (60 steps, history 16, margin 0), forward casts stayed within 1.19x of
 # their range and gradient casts went past it by up to 8.6x (20 of 1652 casts beyond 2x).
 OVERFLOW_FACTOR = 16.0
+# ``pending`` of a state that holds no accumulated amax (amaxes are >= 0 or NaN, so max() with it is the amax)
+NO_PENDING = -1.0
 
 
 def amax_is_usable(amax: torch.Tensor) -> torch.Tensor:
@@ -136,6 +138,40 @@ def delayed_scaling_update(
     return new_history, new_scale, new_steps, new_skipped, new_overflows
 
 
+def record_update(amax, history, scale, steps, skipped, overflows, pending, accumulate, recipe: DelayedScaling,
+                  fmt: Format | str):
+    """One record into a state with gradient accumulation, functionally (the runtime ops' math).
+
+    ``pending`` holds the max of the amaxes recorded while ``accumulate`` was set (``NO_PENDING``:
+    none). The recorded value is ``max(pending, amax)`` (NaN-sticky: a non-finite micro-batch makes
+    the accumulated amax non-finite, so the step is skipped). With ``accumulate`` False it enters the
+    history at once (:func:`delayed_scaling_update`) and ``pending`` is emptied; with ``accumulate``
+    True only ``pending`` changes (:func:`commit_update` enters it later). Broadcasts like
+    :func:`delayed_scaling_update`; ``accumulate`` is a bool tensor (no host read).
+
+    Returns:
+        (history, scale, steps, skipped, overflows, pending), new tensors.
+    """
+    amax = torch.maximum(pending, amax.to(torch.float32).reshape(pending.shape))
+    h, s, n, k, o = delayed_scaling_update(amax, history, scale, steps, skipped, overflows, recipe, fmt)
+    keep = accumulate
+    return (torch.where(keep.unsqueeze(-1), history, h), torch.where(keep, scale, s), torch.where(keep, steps, n),
+            torch.where(keep, skipped, k), torch.where(keep, overflows, o),
+            torch.where(keep, amax, torch.full_like(amax, NO_PENDING)))
+
+
+def commit_update(history, scale, steps, skipped, overflows, pending, recipe: DelayedScaling, fmt: Format | str):
+    """Enter an accumulated ``pending`` amax into the history (a no-op where nothing is pending).
+
+    Returns:
+        (history, scale, steps, skipped, overflows, pending), new tensors (``pending`` emptied).
+    """
+    has = ~(pending < 0)  # True for amaxes >= 0 and for NaN
+    h, s, n, k, o = delayed_scaling_update(pending, history, scale, steps, skipped, overflows, recipe, fmt)
+    return (torch.where(has.unsqueeze(-1), h, history), torch.where(has, s, scale), torch.where(has, n, steps),
+            torch.where(has, k, skipped), torch.where(has, o, overflows), torch.full_like(pending, NO_PENDING))
+
+
 class DelayedScalingState:
     """The plain-tensor state of one delayed-scaled tensor (for example a weight's input).
 
@@ -150,6 +186,10 @@ class DelayedScalingState:
             the state's device without a host sync; not part of :meth:`state_dict` (a resumed run
             counts from 0).
         guard: bool scalar, the recipe's ``on_overflow == "current"`` as the ops read it.
+        pending: fp32 scalar, the max of the amaxes recorded while accumulating (``NO_PENDING``: none).
+        accumulate: bool scalar; while set, records only raise ``pending`` and :meth:`commit` enters
+            it into the history (gradient accumulation: one history entry per optimizer step, the
+            amax over all micro-batches; see ``fp8pass.accumulate_scaling``).
 
     The runtime ops take the state as the list ``[getattr(state, f) for f in OP_FIELDS]``.
 
@@ -163,7 +203,7 @@ class DelayedScalingState:
         experts: None for one state, or the number of stacked per-expert states.
     """
 
-    OP_FIELDS = ("amax_history", "scale", "steps", "skipped", "overflows", "guard")
+    OP_FIELDS = ("amax_history", "scale", "steps", "skipped", "overflows", "guard", "pending", "accumulate")
     _warned: set[int] = set()
 
     def __init__(self, recipe: DelayedScaling, fmt: Format | str, device: torch.device | str = "cpu",
@@ -180,6 +220,8 @@ class DelayedScalingState:
         self.skipped = torch.zeros(lead, dtype=torch.int64, device=device)
         self.overflows = torch.zeros(lead, dtype=torch.int64, device=device)
         self.guard = torch.tensor(recipe.on_overflow == "current", device=device)
+        self.pending = torch.full(lead, NO_PENDING, dtype=torch.float32, device=device)
+        self.accumulate = torch.tensor(False, device=device)
 
     def op_tensors(self) -> list[torch.Tensor]:
         """The live tensors in the order the runtime ops take them (``OP_FIELDS``)."""
@@ -204,22 +246,29 @@ class DelayedScalingState:
         current = scale_from_amax(amax_now, self.fmt, self.recipe.margin, self.recipe.power_of_two)
         return torch.where(self.has_history, self.scale, current)
 
+    _UPDATED = ("amax_history", "scale", "steps", "skipped", "overflows", "pending")
+
     def record(self, amax: torch.Tensor) -> None:
-        """Record one step's amax (in place, so compiled graphs holding these tensors see it)."""
-        h, s, n, k, o = delayed_scaling_update(
-            amax, self.amax_history, self.scale, self.steps, self.skipped, self.overflows, self.recipe, self.fmt
-        )
-        self.amax_history.copy_(h)
-        self.scale.copy_(s)
-        self.steps.copy_(n)
-        self.overflows.copy_(o)
-        if self.skipped.device.type == "cpu":  # a GPU check would sync every step; see warn_skipped
-            skipped_now = bool((k > self.skipped).any())
-            self.skipped.copy_(k)
-            if skipped_now:
-                self.warn_skipped()
-        else:
-            self.skipped.copy_(k)
+        """Record one step's amax (in place, so compiled graphs holding these tensors see it).
+
+        While :attr:`accumulate` is set the amax only raises :attr:`pending` (see :meth:`commit`).
+        On CPU a newly skipped amax is warned about once (a host read is free there; on GPU the
+        count is read when asked, ``fp8pass.monitor.scaling_telemetry``).
+        """
+        before = self.skipped.clone() if self.skipped.device.type == "cpu" else None
+        new = record_update(amax, self.amax_history, self.scale, self.steps, self.skipped, self.overflows,
+                            self.pending, self.accumulate, self.recipe, self.fmt)
+        for f, v in zip(self._UPDATED, new):
+            getattr(self, f).copy_(v)
+        if before is not None and bool((self.skipped > before).any()):
+            self.warn_skipped()
+
+    def commit(self) -> None:
+        """Enter the accumulated :attr:`pending` amax into the history (no-op when nothing is pending)."""
+        new = commit_update(self.amax_history, self.scale, self.steps, self.skipped, self.overflows,
+                            self.pending, self.recipe, self.fmt)
+        for f, v in zip(self._UPDATED, new):
+            getattr(self, f).copy_(v)
 
     def warn_skipped(self) -> None:
         """Warn (once per state) that NaN/Inf amaxes were left out of the history."""
@@ -253,6 +302,7 @@ class DelayedScalingState:
             )
         for k in ("amax_history", "scale", "steps", "skipped"):
             getattr(self, k).copy_(sd[k])
+        self.pending.fill_(NO_PENDING)  # an accumulation in progress is not part of a checkpoint
 
     def __repr__(self) -> str:
         if self.experts is not None:

@@ -58,6 +58,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
             new._dynamo_source = src
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta.update(getattr(gm, "meta", {}))
+    if hasattr(gm, "_param_name_to_source"):  # AOT autograd reads the static inputs (CUDA graphs) from it
+        new_gm._param_name_to_source = gm._param_name_to_source
     return new_gm
 
 
@@ -97,6 +99,9 @@ class GraphRewriter:
         # runtime -> backend); the backend imports it, which registers them
         self.ops = torch.ops.fp8pass
         self.replaced: dict[fx.Node, fx.Node] = {}  # planned nodes replaced earlier in this rewrite
+        # forward records of this graph, per state: (state placeholders, fmt, [amax nodes]); emitted
+        # as one batched op at the end of the forward (see :func:`emit_records`)
+        self.records: dict[tuple[int, ...], tuple[list[fx.Node], str, list[fx.Node]]] = {}
         self.covered: set[fx.Node] = set()          # nodes of the matches rewritten: the only erasable ones
 
     def r(self, value):
@@ -130,6 +135,10 @@ class GraphRewriter:
                        else self.graph.inserting_after(anchor))
                 with ctx:
                     ph = self.graph.placeholder(f"{kind}_state_{w.name}_{role}_{f}")
+                # a static input: the state tensors live as long as the weight and are updated in
+                # place, so CUDA graphs (mode="reduce-overhead") use them where they are, like parameters
+                ph._dynamo_source = None
+                ph.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
                 self.last_ph = ph
                 nodes.append(ph)
                 self.extra.append(StateInput(self.pos[w], role, f, kind))
@@ -143,12 +152,15 @@ class GraphRewriter:
         return self.state_placeholders(w, role, kind, STATE_FIELDS)
 
     def record(self, state: list[fx.Node], amax: fx.Node, fmt: str) -> None:
-        """Emit ``delayed_record_`` of ``amax`` into ``state`` (nothing under current scaling)."""
+        """Note a forward record of ``amax`` into ``state`` (nothing under current scaling).
+
+        The records of a graph are emitted together by :func:`emit_records`; a state used more than
+        once in the graph (a weight applied twice) records the max of its amaxes, once.
+        """
         if not state or fmt == "identity":
             return
-        k = self.kw
-        self.graph.call_function(self.ops.delayed_record_.default,
-                                 (*state, amax, fmt, k["margin"], k["interval"], k["algo"], k["power_of_two"]))
+        key = tuple(id(n) for n in state)
+        self.records.setdefault(key, (state, fmt, []))[2].append(amax)
 
     def fp8_linear(self, x, w: fx.Node, b, before: fx.Node, w_t: bool = False) -> fx.Node:
         """Emit an FP8 linear ``x @ w.T + b`` (with its records) before ``before``; returns ``y``.
@@ -195,8 +207,44 @@ def keep_meta(new: fx.Node, old: fx.Node) -> None:
     new.meta.update({k: v for k, v in old.meta.items() if k in ("nn_module_stack", "stack_trace")})
 
 
+def emit_records(graph: fx.Graph, rewriters: list[GraphRewriter]) -> None:
+    """One ``fp8pass::delayed_record_many_`` before the output for every forward record of the graph.
+
+    All states of a graph share the recipe; each state appears once, with the ``maximum`` of its
+    amaxes when the graph used it more than once (NaN-propagating, like the record itself).
+    """
+    records = {}
+    kw = None
+    for rw in rewriters:
+        for key, (state, fmt, amaxes) in rw.records.items():
+            if key in records:
+                records[key][2].extend(amaxes)
+            else:
+                records[key] = (state, fmt, list(amaxes))
+            kw = rw.kw
+    if not records:
+        return
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    fields = DelayedScalingState.OP_FIELDS
+    col = {f: i for i, f in enumerate(fields)}
+    with graph.inserting_before(output):
+        amaxes = []
+        for state, fmt, nodes in records.values():
+            amax = nodes[0]
+            for other in nodes[1:]:
+                amax = graph.call_function(torch.maximum, (amax, other))
+            amaxes.append(amax)
+        lists = [[state[col[f]] for state, _, _ in records.values()]
+                 for f in ("amax_history", "scale", "steps", "skipped", "overflows", "pending", "accumulate")]
+        fmts = [fmt for _, fmt, _ in records.values()]
+        graph.call_function(torch.ops.fp8pass.delayed_record_many_.default,
+                            (*lists, amaxes, fmts, kw["margin"], kw["interval"], kw["algo"], kw["power_of_two"]))
+
+
 def finish(gm: fx.GraphModule, rewriters: list[GraphRewriter]) -> None:
-    """Erase the covered nodes left without users (never anything else), check and regenerate code."""
+    """Emit the forward records, erase the covered nodes left without users (never anything else),
+    check and regenerate code."""
+    emit_records(gm.graph, rewriters)
     covered: set[fx.Node] = set()
     for rw in rewriters:
         covered |= rw.covered

@@ -1,102 +1,157 @@
-"""Delayed-scaling state of the runtime ops, and the op that records an amax into it.
+"""Delayed-scaling state of the runtime ops, and the ops that record amaxes into it.
 
 The state of one delayed-scaled tensor is a :class:`fp8pass.numerics.DelayedScalingState`: plain
-tensors ``[amax_history, scale, steps, skipped, overflows, guard]`` (``DelayedScalingState.OP_FIELDS``).
-The ops take it as a ``list[Tensor]`` (empty list: current scaling) and never mutate it themselves
-(``register_autograd`` refuses ops that declare ``mutates_args``). Recording is a separate op,
-``fp8pass::delayed_record_``, that mutates the first five tensors in place (so the tensors keep their
-identity: graphs, CUDA graphs and optimizers holding them see the update) and has no autograd:
+tensors ``[amax_history, scale, steps, skipped, overflows, guard, pending, accumulate]``
+(``DelayedScalingState.OP_FIELDS``). The ops take it as a ``list[Tensor]`` (empty list: current
+scaling) and never mutate it themselves (``register_autograd`` refuses ops that declare
+``mutates_args``). Recording is separate and updates the state in place (the tensors keep their
+identity and storage: graphs, CUDA graphs and checkpoints holding them see the update), with no
+host read:
 
-* forward: the op returns the amaxes of its FP8 operands; the caller records them
-  (:meth:`LinearScalingState.record_forward`, or the compile backend inserting
-  ``delayed_record_`` after the op, which AOT autograd functionalizes into copies onto the graph inputs);
-* backward: the op's backward formula calls ``delayed_record_`` on the ``grad_output`` state it
-  received as an input (AOT autograd supports input mutations in the backward graph).
+* forward: the op returns the amaxes of its FP8 operands; the compile backend records all of a
+  graph's forward amaxes with one ``fp8pass::delayed_record_many_`` at the end of the graph (a fixed
+  number of kernels per graph: the states are stacked, updated together and written back with
+  ``_foreach_copy_``); eager callers use :meth:`LinearScalingState.record_forward`;
+* backward: the op's backward formula calls ``fp8pass::delayed_record_`` on the ``grad_output``
+  state. That op is composite (CompositeImplicitAutograd): AOT autograd traces its few aten ops into
+  the backward graph, and Inductor fuses them into generated kernels instead of calling out.
+
+Gradient accumulation: while a state's ``accumulate`` flag is set (``fp8pass.accumulate_scaling``)
+a record only raises ``pending`` (the max of the micro-batches' amaxes); :func:`commit_states`
+enters it into the history once. Non-finite amaxes are skipped and counted on the device; nothing
+here warns (reading the counters is a sync): ``fp8pass.monitor.check_scaling`` and the trainer do.
 
 Under ``torch.no_grad`` / ``inference_mode`` no backward runs, so no grad_output amax is recorded.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..config import DelayedScaling
-from ..numerics import E4M3, E5M2, DelayedScalingState, Format, delayed_scaling_update, get_format
+from ..numerics import E4M3, E5M2, DelayedScalingState, Format, get_format
+from ..numerics.scaling import commit_update, record_update
 
-__all__ = ["delayed_record_", "record", "LinearScalingState", "state_for", "grouped_state_for", "ROLES"]
+__all__ = ["delayed_record_", "delayed_record_many_", "commit_states", "record", "LinearScalingState", "state_for", "grouped_state_for", "ROLES"]
 
 ROLES = ("input", "weight", "grad_output")
 
 
-@torch.library.custom_op("fp8pass::delayed_record_",
-                         mutates_args=("history", "scale", "steps", "skipped", "overflows"))
-def delayed_record_(
-    history: torch.Tensor,
-    scale: torch.Tensor,
-    steps: torch.Tensor,
-    skipped: torch.Tensor,
-    overflows: torch.Tensor,
-    guard: torch.Tensor,
-    amax: torch.Tensor,
-    fmt: str,
-    margin: float,
-    interval: int,
-    algo: str,
-    power_of_two: bool,
-) -> None:
+# The record is a composite op: Dynamo and AOT autograd see its few aten ops (a max, a roll, a
+# reduction over H entries, a division), so Inductor fuses each record into one or two generated kernels
+# beside the graph's other work instead of calling out to Python; eager calls run the same code.
+_LIB = torch.library.Library("fp8pass", "FRAGMENT")
+_LIB.define(
+    "delayed_record_(Tensor(a!) history, Tensor(b!) scale, Tensor(c!) steps, Tensor(d!) skipped, "
+    "Tensor(e!) overflows, Tensor guard, Tensor(f!) pending, Tensor accumulate, Tensor amax, str fmt, "
+    "float margin, int interval, str algo, bool power_of_two) -> ()")
+_LIB.define(
+    "delayed_record_many_(Tensor(a!)[] history, Tensor(b!)[] scale, Tensor(c!)[] steps, Tensor(d!)[] skipped, "
+    "Tensor(e!)[] overflows, Tensor(f!)[] pending, Tensor[] accumulate, Tensor[] amax, str[] fmt, "
+    "float margin, int interval, str algo, bool power_of_two) -> ()")
+
+
+def _recipe(history: torch.Tensor, margin, interval, algo, power_of_two) -> DelayedScaling:
+    return DelayedScaling(history_len=history.shape[-1], margin=margin, interval=interval, algo=algo,
+                          power_of_two=power_of_two)
+
+
+def delayed_record_(history, scale, steps, skipped, overflows, guard, pending, accumulate, amax, fmt: str,
+                    margin: float, interval: int, algo: str, power_of_two: bool) -> None:
     """Record ``amax`` into one delayed-scaling state, in place (the recipe is passed as scalars).
 
-    Also records a stack of per-expert states in one call: ``history`` [E, H], ``scale``/``steps``/
-    ``skipped``/``overflows``/``amax`` [E] (see :func:`fp8pass.numerics.delayed_scaling_update`).
-    ``guard`` is read by the casts, not here.
-
-    CPU state: the first skipped amax and the first overflow of the process are warned about once
-    each (a host read is free there). CUDA state: nothing is read back (no sync); the counters are
-    reported by ``fp8pass.monitor.scaling_telemetry`` and the trainer.
+    The state is the op list ``DelayedScalingState.OP_FIELDS``; :func:`fp8pass.numerics.scaling.record_update`
+    is the math (with ``accumulate`` set only ``pending`` rises). Also records a stack of per-expert
+    states in one call: ``history`` [E, H], ``scale``/``steps``/``skipped``/``overflows``/``pending``/
+    ``amax`` [E]. ``guard`` is read by the casts, not here. Nothing is read back to the host: the
+    skipped and overflow counters are reported when asked (``fp8pass.monitor.scaling_telemetry``,
+    the trainer's log).
     """
     if amax.numel() != scale.numel() or history.shape[:-1] != scale.shape:
         raise ValueError(f"delayed_record_: history {tuple(history.shape)} must be [..., H] with scale "
                          f"{tuple(scale.shape)} = [...] and as many amaxes, got amax {tuple(amax.shape)}")
-    recipe = DelayedScaling(history_len=history.shape[-1], margin=margin, interval=interval, algo=algo,
-                            power_of_two=power_of_two)
-    h, s, n, k, o = delayed_scaling_update(amax, history, scale, steps, skipped, overflows, recipe, fmt)
-    if steps.device.type == "cpu":
-        _warn_first(skipped, k, o.sum() > overflows.sum(), fmt)
-    history.copy_(h)
-    scale.copy_(s)
-    steps.copy_(n)
-    skipped.copy_(k)
-    overflows.copy_(o)
+    new = record_update(amax, history, scale, steps, skipped, overflows, pending, accumulate,
+                        _recipe(history, margin, interval, algo, power_of_two), fmt)
+    for t, v in zip((history, scale, steps, skipped, overflows, pending), new):
+        t.copy_(v)
 
 
-@delayed_record_.register_fake
-def _(history, scale, steps, skipped, overflows, guard, amax, fmt, margin, interval, algo, power_of_two):
+_LIB.impl("delayed_record_", delayed_record_, "CompositeImplicitAutograd")
+
+
+def delayed_record_many_(history: list, scale: list, steps: list, skipped: list, overflows: list, pending: list,
+                         accumulate: list, amax: list, fmt: list, margin: float, interval: int, algo: str,
+                         power_of_two: bool) -> None:
+    """:func:`delayed_record_` for many states in one call (the states of one graph's forward).
+
+    The states are concatenated along their rows per (format, history length), updated as one
+    stack, and written back with ``_foreach_copy_``: a fixed number of kernels whatever the number of
+    states. Each state must appear once (the backend merges repeated uses of a weight into one
+    amax with ``maximum``); ``fmt[i]`` is the format of state ``i``.
+    """
+    n = len(history)
+    if not all(len(v) == n for v in (scale, steps, skipped, overflows, pending, accumulate, amax, fmt)):
+        raise ValueError("delayed_record_many_: every list needs one entry per state")
+    recipe_args = (margin, interval, algo, power_of_two)
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        groups.setdefault((fmt[i], history[i].shape[-1]), []).append(i)
+    for (f, _), idx in groups.items():
+        _update_rows([history[i] for i in idx], [scale[i] for i in idx], [steps[i] for i in idx],
+                     [skipped[i] for i in idx], [overflows[i] for i in idx], [pending[i] for i in idx],
+                     [accumulate[i] for i in idx], [amax[i] for i in idx], f, recipe_args)
+
+
+def _rows(ts: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Concatenate per-state tensors along rows (an expert stack contributes E rows)."""
+    return torch.cat([t.reshape(-1) if width is None else t.reshape(-1, width) for t in ts])
+
+
+def _write_rows(dst: list[torch.Tensor], rows: torch.Tensor) -> None:
+    sizes = [t.numel() if rows.dim() == 1 else t.numel() // rows.shape[-1] for t in dst]
+    torch._foreach_copy_(dst, [r.view(t.shape) for r, t in zip(rows.split(sizes), dst)])
+
+
+def _update_rows(history, scale, steps, skipped, overflows, pending, accumulate, amax, fmt, recipe_args,
+                 commit: bool = False) -> None:
+    """Record (or, with ``commit``, enter the pending amaxes of) states of one format, as one stack."""
+    width = history[0].shape[-1]
+    counts = [s.numel() for s in scale]
+    h, sc, st, sk, ov, pe = (_rows(history, width), _rows(scale), _rows(steps), _rows(skipped), _rows(overflows),
+                             _rows(pending))
+    recipe = _recipe(history[0], *recipe_args)
+    if commit:
+        new = commit_update(h, sc, st, sk, ov, pe, recipe, fmt)
+    else:
+        acc = torch.cat([a.reshape(1).expand(c) for a, c in zip(accumulate, counts)])
+        new = record_update(_rows(amax), h, sc, st, sk, ov, pe, acc, recipe, fmt)
+    for dst, rows in zip((history, scale, steps, skipped, overflows, pending), new):
+        _write_rows(dst, rows)
+
+
+_LIB.impl("delayed_record_many_", delayed_record_many_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fp8pass::delayed_record_many_", lib=_LIB)
+def _(history, scale, steps, skipped, overflows, pending, accumulate, amax, fmt, margin, interval, algo,
+      power_of_two):
     return None
 
 
-_WARNED: set[str] = set()  # one warning per process and kind, on the op path
-
-
-def _warn_first(skipped_before, skipped_after, overflowed, fmt: str) -> None:
-    if "skipped" not in _WARNED and bool((skipped_after > skipped_before).any()):
-        _WARNED.add("skipped")
-        warnings.warn(
-            "fp8pass: a non-finite amax (NaN/Inf, or a value >= 2**64, in a tensor cast to FP8) was skipped "
-            "in a delayed-scaling history; the scale kept its last finite value (warned once per process; "
-            "counts per tensor: fp8pass.monitor.scaling_telemetry(model)). Check the model for NaN/Inf.",
-            RuntimeWarning, stacklevel=2)
-    if "overflow" not in _WARNED and bool(overflowed):
-        _WARNED.add("overflow")
-        warnings.warn(
-            f"fp8pass: a tensor outgrew its delayed scale by more than 16x ({fmt} values past the format's max "
-            f"were saturated, or recast with DelayedScaling(on_overflow='current')): delayed scaling lags a "
-            f"sudden jump in magnitude (warned once per process; counts per tensor: "
-            f"fp8pass.monitor.scaling_telemetry(model)).",
-            RuntimeWarning, stacklevel=2)
+def commit_states(states: list[DelayedScalingState]) -> None:
+    """Enter every state's accumulated amax into its history, batched per (recipe, format) (eager)."""
+    groups: dict[tuple, list[DelayedScalingState]] = {}
+    for s in {id(s): s for s in states}.values():
+        r = s.recipe
+        groups.setdefault((s.fmt.name, r.history_len, r.margin, r.interval, r.algo, r.power_of_two,
+                           s.scale.device), []).append(s)
+    for (fmt, _, margin, interval, algo, p2, _), ss in groups.items():
+        _update_rows(*([getattr(s, f) for s in ss] for f in ("amax_history", "scale", "steps", "skipped",
+                                                               "overflows", "pending", "accumulate")),
+                     None, fmt, (float(margin), int(interval), algo, bool(p2)), commit=True)
 
 
 def record(state: list[torch.Tensor], amax: torch.Tensor, fmt: Format | str, recipe: DelayedScaling) -> None:
@@ -172,6 +227,17 @@ class LinearScalingState:
 
 
 _REGISTRY = WeakTensorKeyDictionary()  # weight -> LinearScalingState; keyed by identity, not value
+# the open ``accumulate_scaling`` contexts: each a list of the states it accumulates; a state created
+# while one is open (a weight's first compiled step) joins them
+_ACCUMULATING: list[list[DelayedScalingState]] = []
+
+
+def _created(st: "LinearScalingState") -> "LinearScalingState":
+    for states in _ACCUMULATING:
+        for s in st.roles().values():
+            s.accumulate.fill_(True)
+            states.append(s)
+    return st
 
 
 def state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E4M3, bwd_format=E5M2) -> LinearScalingState:
@@ -181,7 +247,7 @@ def state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E4M3, bwd
     """
     st = _REGISTRY.get(weight)
     if st is None:
-        st = LinearScalingState(recipe, weight.device, fwd_format, bwd_format)
+        st = _created(LinearScalingState(recipe, weight.device, fwd_format, bwd_format))
         _REGISTRY[weight] = st
         return st
     _check_same(st, recipe, fwd_format, bwd_format, weight)
@@ -221,7 +287,7 @@ def grouped_state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E
         raise ValueError(f"grouped_state_for needs a stacked expert weight [E, rows, cols], got {tuple(weight.shape)}")
     st = _GROUPED_REGISTRY.get(weight)
     if st is None:
-        st = LinearScalingState(recipe, weight.device, fwd_format, bwd_format, experts=int(weight.shape[0]))
+        st = _created(LinearScalingState(recipe, weight.device, fwd_format, bwd_format, experts=int(weight.shape[0])))
         _GROUPED_REGISTRY[weight] = st
         return st
     _check_same(st, recipe, fwd_format, bwd_format, weight)

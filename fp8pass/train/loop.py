@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..monitor.telemetry import scaling_telemetry, warn_once
-from ..scaling_state import attach as attach_scaling_state
+from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
@@ -66,8 +66,9 @@ class TrainConfig:
             to compile, slower steps; the tests use it).
         grad_accum: micro-batches per optimizer step (gradient accumulation, "delayed update"): each
             step draws ``batch_size * grad_accum`` sequences and runs them as ``grad_accum``
-            micro-batches of ``batch_size``, each loss divided by ``grad_accum``. Every micro-batch's
-            FP8 casts record their amax (docs/train.md, Gradient accumulation).
+            micro-batches of ``batch_size``, each loss divided by ``grad_accum``. The FP8 scales are
+            updated once per optimizer step from the amax over all micro-batches
+            (:func:`fp8pass.accumulate_scaling`; docs/train.md, Gradient accumulation).
         loss_scale: None (off), "dynamic" or a static scale (float > 0): loss scaling with the
             optimizer step skipped on overflow (:class:`~fp8pass.train.loss_scale.LossScaler`), for
             ``precision="fp16"``. Skipped steps are logged (``skipped``, ``loss_scale``).
@@ -322,13 +323,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
                 g["lr"] = lr
             xs, ys = data.batch("train", cfg.batch_size * cfg.grad_accum, cfg.seq_len, cfg.seed, step)
             micro = []
-            for k in range(cfg.grad_accum):  # micro-batch k: rows [k*B, (k+1)*B) of the step's batch
-                rows = slice(k * cfg.batch_size, (k + 1) * cfg.batch_size)
-                with autocast(cfg.precision):
-                    loss = fwd(xs[rows], ys[rows])
-                part = loss / cfg.grad_accum if cfg.grad_accum > 1 else loss
-                (scaler.scale(part) if scaler is not None else part).backward()
-                micro.append(loss.detach())
+            # FP8 scales change once per optimizer step: the micro-batches' amaxes accumulate (max)
+            # and enter the delayed-scaling histories together when the context closes
+            with accumulate_scaling(model, enabled=fp8_on and cfg.grad_accum > 1):
+                for k in range(cfg.grad_accum):  # micro-batch k: rows [k*B, (k+1)*B) of the step's batch
+                    rows = slice(k * cfg.batch_size, (k + 1) * cfg.batch_size)
+                    with autocast(cfg.precision):
+                        loss = fwd(xs[rows], ys[rows])
+                    part = loss / cfg.grad_accum if cfg.grad_accum > 1 else loss
+                    (scaler.scale(part) if scaler is not None else part).backward()
+                    micro.append(loss.detach())
             if cfg.grad_accum > 1:
                 loss = torch.stack(micro).float().mean()
             finite = scaler.unscale_(params) if scaler is not None else True  # callbacks see true gradients
