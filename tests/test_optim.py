@@ -595,3 +595,106 @@ def test_one_scale_per_tensor_on_a_sharded_parameter_is_a_clear_error():
     assert _scale_placements(fake(dist_tensor.Replicate()), spec) == [dist_tensor.Replicate()]
     assert _scale_placements(fake(dist_tensor.Shard(0)), fo.moment_specs({**group, "block_size": 128}, 4096)[0]) \
         == [dist_tensor.Shard(0)]
+
+
+# Shapes of a tiny Llama's parameters and the edges of the compiled path: whole blocks, partial last
+# blocks, fewer than two blocks (eager), several chunks plus one block (that block goes eager).
+COMPILED_SHAPES = [(96, 256), (256, 96), (256,), (300, 7), (1, 129), (3, 128), (5,), (2 * 2048 + 1, 128)]
+
+
+def _assert_same_state(pa, oa, pb, ob):
+    for p, q in zip(pa, pb):
+        assert torch.equal(p.isnan(), q.isnan()) and torch.equal(p[~p.isnan()], q[~q.isnan()])
+        for k, a in oa.state[p].items():
+            b = ob.state[q][k]
+            nan = a.float().isnan() & b.float().isnan()
+            bits = (lambda t: t.view(torch.uint8)) if a.dtype.itemsize == 1 else (lambda t: t)
+            assert (nan | (bits(a) == bits(b))).all(), k
+
+
+def _run_shapes(kernels, shapes, steps=3, dtype=torch.float32, cls=fo.AdamW, **kw):
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(dtype)) for s in shapes]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, kernels=kernels, **kw)
+    for t in range(steps):
+        for p in params:
+            grad = torch.randn(p.shape, generator=g) * torch.logspace(-6, 0, p.numel()).reshape(p.shape) * 1e-2
+            if t == 1:
+                grad.view(-1)[7 % p.numel()] = float("nan")  # a NaN stays in its element
+            p.grad = grad.to(dtype)
+        opt.step()
+    return params, opt
+
+
+def test_compiled_path_is_bit_identical_on_every_shape_with_one_graph():
+    """kernels="compiled" against the eager path on every shape of a model, and one compiled graph
+    (dynamic in the block count) serves them all: no recompilation per shape."""
+    from torch._dynamo.utils import counters
+
+    pa, oa = _run_shapes("torch", COMPILED_SHAPES)
+    _run_shapes("compiled", [(4, 128)], steps=1)  # compiled (or loaded) here: the count below is steady state
+    graphs = counters["stats"]["unique_graphs"]
+    pb, ob = _run_shapes("compiled", COMPILED_SHAPES)
+    assert counters["stats"]["unique_graphs"] == graphs
+    _assert_same_state(pa, oa, pb, ob)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    dict(v_sqrt=True, m_format="e5m2", v_format="e4m3", maximize=True),
+    dict(m_format="bf16", v_format="e5m2", cls=fo.Adam, dtype=torch.bfloat16),  # L2 decay, bf16 params
+    dict(block_size=32)])
+def test_compiled_path_is_bit_identical_for_every_option(options):
+    """Each configuration compiles its own graph (~10 s each on a loaded CPU)."""
+    pa, oa = _run_shapes("torch", COMPILED_SHAPES, **options)
+    pb, ob = _run_shapes("compiled", COMPILED_SHAPES, **options)
+    _assert_same_state(pa, oa, pb, ob)
+
+
+def test_auto_compiles_when_the_optimizer_is_large_not_the_tensor(monkeypatch):
+    """kernels="auto" on CPU: many small tensors holding >= AUTO_COMPILE_NUMEL elements in all go
+    through the compiled path (one graph serves them all); a smaller optimizer stays eager."""
+    from fp8pass.optim import adam as adam_mod
+    from fp8pass.optim import compiled_step
+
+    seen = []
+
+    def spy(p, *args, **kwargs):
+        seen.append(p.numel())
+        return fo.torch_step.adam_step_torch(p, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_step, "adam_step_compiled", spy)
+    monkeypatch.delenv("FP8PASS_KERNELS", raising=False)
+    monkeypatch.setattr(adam_mod, "AUTO_COMPILE_NUMEL", 4 * 4096)
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(4)]  # 4 x 4096: exactly the threshold
+    opt = fo.AdamW(params, kernels="auto")
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert seen == [4096] * 4
+    seen.clear()
+    opt = fo.AdamW(params[:3], kernels="auto")
+    opt.step()
+    assert seen == []
+    opt.add_param_group({"params": [params[3]]})  # the count follows new groups
+    opt.step()
+    assert seen == [4096] * 4
+
+
+def test_compiled_step_reads_nothing_back_to_the_host(monkeypatch):
+    """capturable=True on the compiled CPU path: no .item(), .tolist() or bool(tensor) in a step."""
+    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(0))) for s in [(64, 128), (384,)]]
+    opt = fo.AdamW(params, lr=1e-2, kernels="compiled", capturable=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state creation and compilation may read the host
+
+    def refuse(*a, **k):
+        raise AssertionError("host read in the optimizer step")
+
+    before = [p.detach().clone() for p in params]
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    opt.step()
+    monkeypatch.undo()
+    assert all(not torch.equal(b, p) for b, p in zip(before, params))

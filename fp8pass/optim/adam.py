@@ -32,8 +32,9 @@ from .sharded import init_sharded_moment, is_dtensor, local_view
 __all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
 
 KERNELS = ("auto", "torch", "compiled", "triton")
-# kernels="auto" on CPU compiles the chunk update for tensors this large (4 chunks); smaller ones,
-# where a minute of compilation would not pay off, stay eager.
+# kernels="auto" on CPU compiles the chunk update when a step updates this many elements in all (one
+# compiled graph, dynamic in the block count, serves every tensor of the optimizer); smaller
+# optimizers, where compiling (seconds to a minute) would not pay off, stay eager.
 AUTO_COMPILE_NUMEL = 1 << 20
 # The Triton kernel holds one scale block per program in registers; larger blocks (one scale for a
 # whole large tensor) take the torch path, which handles them in two passes over chunks.
@@ -100,10 +101,11 @@ class Adam(torch.optim.Optimizer):
         rounding: "nearest" (default) or "stochastic" for the FP8 moments.
         stochastic_flush: round values below the format's smallest subnormal stochastically to 0 or
             the smallest subnormal (unbiased underflow) while everything else rounds to nearest.
-        kernels: "auto" (Triton on CUDA; on CPU "compiled" for tensors of >= 2**20 elements and
-            "torch" for smaller ones; ``FP8PASS_KERNELS=torch|triton`` forces a family), "torch" (eager
-            chunks), "compiled" (the torch path's chunk update through ``torch.compile``: fastest on
-            CPU, about a minute of compilation at the first step) or "triton".
+        kernels: "auto" (Triton on CUDA; on CPU "compiled" when the optimizer's parameters hold
+            >= 2**20 elements in all and "torch" for smaller ones; ``FP8PASS_KERNELS=torch|triton``
+            forces a family), "torch" (eager chunks), "compiled" (the torch path's chunk update through
+            ``torch.compile``, one graph for every tensor size: fastest on CPU, seconds to a minute of
+            compilation at the first step) or "triton".
         generator: torch.Generator for stochastic rounding (reproducible runs).
         foreach, fused: accepted for signature compatibility and ignored (this optimizer always runs
             its own chunked torch path or its fused Triton kernel).
@@ -127,9 +129,11 @@ class Adam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.generator = generator
         self._workspaces: dict = {}
+        self._numel: dict = {}  # device type -> elements of the parameters on it (for kernels="auto")
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        self.__dict__.setdefault("_numel", {}).clear()
         g = self.param_groups[-1]
         _check_options(g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"], g["differentiable"],
                        g["m_format"], g["v_format"], g["block_size"], g["rounding"], g["kernels"])
@@ -140,6 +144,7 @@ class Adam(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("generator", None)
         self.__dict__.setdefault("_workspaces", {})
+        self.__dict__.setdefault("_numel", {})
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -255,14 +260,24 @@ class Adam(torch.optim.Optimizer):
         return loss
 
     def _kind(self, group, p) -> str:
-        """The kernels that update ``p``: the group's choice, "auto" resolved for p's device and size."""
+        """The kernels that update ``p``: the group's choice, "auto" resolved for p's device and for the
+        optimizer's size on that device (one compilation serves all its tensors)."""
         kind = group["kernels"]
         if kind == "auto":
             kind = family_name(p.device)
             forced = os.environ.get("FP8PASS_KERNELS", "auto").lower() != "auto"
-            if kind == "torch" and not forced and p.device.type == "cpu" and p.numel() >= AUTO_COMPILE_NUMEL:
+            if kind == "torch" and not forced and p.device.type == "cpu" and \
+                    self._device_numel("cpu") >= AUTO_COMPILE_NUMEL:
                 kind = "compiled"
         return kind
+
+    def _device_numel(self, device_type: str) -> int:
+        counts = self.__dict__.setdefault("_numel", {})  # absent on an optimizer converted by to_fp8
+        n = counts.get(device_type)
+        if n is None:  # parameters never change size; a new param group resets the count
+            n = sum(p.numel() for g in self.param_groups for p in g["params"] if p.device.type == device_type)
+            counts[device_type] = n
+        return n
 
     def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd) -> None:
         kind = self._kind(group, p)

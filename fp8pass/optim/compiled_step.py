@@ -1,13 +1,14 @@
 """Compiled torch path: the chunk update of ``torch_step`` as one ``torch.compile``d function.
 
 Inductor fuses dequantize -> update -> block amax -> requantize into a few loops over a chunk, where
-eager torch makes ~35 passes over it. Full chunks of ``CHUNK`` elements go through one compiled graph
-per (formats, flags, dtypes); the partial last chunk of a tensor takes the eager path. The math is
-the same single-rounding sequence as ``torch_step`` (IEEE sqrt and division), the casts are
-``fp8pass.numerics`` ones, and the tests check the result bit for bit against the eager path.
-Compiling takes about a minute per configuration on a loaded CPU: ``kernels="auto"`` uses it on CPU for
-tensors of >= 2**20 elements only, and falls back to the eager path (one warning) if compiling fails,
-for example without a C++ compiler.
+eager torch makes ~35 passes over it. The graph is compiled once per (formats, flags, dtypes) with a
+dynamic number of blocks, so every tensor of a model (pieces of up to ``CHUNK`` elements) runs through
+the same code; only a partial last block, and tensors of fewer than two blocks, take the eager path.
+The math is the same single-rounding sequence as ``torch_step`` (IEEE sqrt and division), the casts
+are ``fp8pass.numerics`` ones, and the tests check the result bit for bit against the eager path.
+Compiling takes seconds to a minute on a loaded CPU: ``kernels="auto"`` uses it on CPU when the
+optimizer holds >= 2**20 elements, and falls back to the eager path (one warning) if compiling fails,
+for example without a C++ compiler. The step reads nothing back to the host.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import warnings
 import torch
 
 from ..numerics import saturating_cast, scale_from_amax
-from .moments import MomentSpec, finite_block_amax
+from .moments import MomentSpec
 from .torch_step import CHUNK, _Workspace, adam_step_torch
 
 __all__ = ["adam_step_compiled", "guarded"]
@@ -47,32 +48,58 @@ def _chunk(p, g, m_st, m_sc, v_st, v_sc, hp, *, m_spec, v_spec, maximize, couple
     p.copy_(p32)
     for x, st, sc, spec in ((m, m_st, m_sc, m_spec), (r if v_spec.stores_sqrt else v, v_st, v_sc, v_spec)):
         if spec.fp8:
-            scale = scale_from_amax(finite_block_amax(x), spec.format)
+            scale = scale_from_amax(_finite_amax(x), spec.format)
             st.copy_(saturating_cast(x * scale[:, None], spec.format))
             sc.copy_(scale)
         else:
             st.copy_(x)
 
 
+def _finite_amax(blocks):
+    """``moments.finite_block_amax`` written as one compare and select (``|x| < inf`` is False for
+    NaN and Inf), which Inductor vectorizes; ``nan_to_num``'s isnan it lowers to a scalar loop."""
+    a = blocks.abs()
+    return torch.where(a < float("inf"), a, 0.0).amax(dim=1)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(m_spec: MomentSpec, v_spec: MomentSpec, maximize: bool, coupled_wd: bool):
     fn = functools.partial(_chunk, m_spec=m_spec, v_spec=v_spec, maximize=maximize, coupled_wd=coupled_wd)
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+    # The row count (blocks) is dynamic: one graph serves every tensor size; the block width is static.
+    return torch.compile(fn, dynamic=None, fullgraph=True)
+
+
+_MARKED: set = set()  # (graph, dtypes) compiled with a dynamic row count: later calls match without marks
+
+
+def _call(fn, args, hp) -> None:
+    key = (fn, *(a.dtype for a in args))
+    if key not in _MARKED:  # mark only until the dynamic graph exists (marking costs ~10 us a tensor)
+        for a in args:
+            if a is not hp:
+                torch._dynamo.mark_dynamic(a, 0)
+    fn(*args, hp)
+    _MARKED.add(key)
 
 
 def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, hp, maximize=False,
                        coupled_wd=False, rounding="nearest", stochastic_flush=False, generator=None,
                        workspace: _Workspace | None = None):
     """Same contract as ``torch_step.adam_step_torch`` (nearest rounding; stochastic options and
-    non-contiguous tensors fall back to it)."""
+    non-contiguous tensors fall back to it).
+
+    The whole blocks of ``p`` go through one compiled call in pieces of at most ``CHUNK`` elements
+    (so that an intermediate Inductor keeps is never larger than a chunk); a partial last block, and
+    tensors of fewer than two blocks, take the eager path.
+    """
     block = m_spec.block
-    chunk = (CHUNK // block) * block
     n = p.numel()
-    if rounding != "nearest" or stochastic_flush or not (p.is_contiguous() and grad.is_contiguous()) or n < chunk:
+    if rounding != "nearest" or stochastic_flush or not (p.is_contiguous() and grad.is_contiguous()) \
+            or n < 2 * block:
         return adam_step_torch(p, grad, state, m_spec, v_spec, hp, maximize, coupled_wd, rounding,
                                stochastic_flush, generator, workspace)
     fn = _compiled(m_spec, v_spec, maximize, coupled_wd)
-    nb = chunk // block
+    chunk = max(1, CHUNK // block) * block
     pf, gf = p.detach().view(-1), grad.view(-1)
 
     def parts(spec):
@@ -82,15 +109,21 @@ def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, h
 
     mc, ms = parts(m_spec)
     vc, vs = parts(v_spec)
-    full = (n // chunk) * chunk
-    for s in range(0, full, chunk):
-        b0 = s // block
-        fn(pf[s : s + chunk].view(nb, block), gf[s : s + chunk].view(nb, block),
-           mc[s : s + chunk].view(nb, block), ms[b0 : b0 + nb] if ms is not None else hp,
-           vc[s : s + chunk].view(nb, block), vs[b0 : b0 + nb] if vs is not None else hp, hp)
-    if full < n:
-        tail = _tail_state(state, m_spec, v_spec, full, n)
-        workspace = adam_step_torch(pf[full:], gf[full:], tail, m_spec, v_spec, hp, maximize, coupled_wd,
+    full = (n // block) * block
+    s = 0
+    while s < full:
+        k = min(chunk, full - s)
+        if k < 2 * block:  # a single block would make Dynamo specialise on size 1: merge it into the tail
+            break
+        nb, b0 = k // block, s // block
+        args = [pf[s : s + k].view(nb, block), gf[s : s + k].view(nb, block), mc[s : s + k].view(nb, block),
+                ms[b0 : b0 + nb] if ms is not None else hp, vc[s : s + k].view(nb, block),
+                vs[b0 : b0 + nb] if vs is not None else hp]
+        _call(fn, args, hp)
+        s += k
+    if s < n:
+        tail = _tail_state(state, m_spec, v_spec, s, n)
+        workspace = adam_step_torch(pf[s:], gf[s:], tail, m_spec, v_spec, hp, maximize, coupled_wd,
                                     rounding, stochastic_flush, generator, workspace)
     return workspace
 
