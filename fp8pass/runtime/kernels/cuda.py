@@ -127,6 +127,8 @@ def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype):
         return out.masked_fill((rows >= offs[-1])[:, None], 0)  # the kernel leaves those rows unwritten
     out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     start = 0
+    # Fallback (no _scaled_grouped_mm: pre-sm_90, other dtypes or shapes): slicing groups of
+    # data-dependent size needs their offsets on the host, one sync per grouped GEMM.
     for e, end in enumerate(offs.tolist()):
         if end > start:
             out[start:end] = gemm_tensor_scaled(a[start:end], a_scale[e], b[e], b_scale[e], out_dtype)
@@ -138,6 +140,8 @@ def grouped_gemm_wgrad(a, a_scale, b, b_scale, offs, out_dtype):
     """Per expert ``(a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N]."""
     out = torch.zeros(offs.numel(), a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
     start = 0
+    # One host read of the offsets per call (groups of data-dependent size are sliced on the host);
+    # the grouped-K form of _scaled_grouped_mm would avoid it and is not wired here yet.
     for e, end in enumerate(offs.tolist()):
         if end > start:
             out[e] = gemm_tensor_scaled(a[start:end].t(), a_scale[e], b[start:end].t(), b_scale[e], out_dtype)
