@@ -34,7 +34,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--kernels", action="store_true", help="profile Inductor's CPU kernels too (names, counts)")
+    ap.add_argument("--time", type=int, default=0, help="also time this many steps without the profiler")
     a = ap.parse_args(argv)
+    if a.kernels:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
     cfg = ModelConfig(d_model=a.d_model, n_layers=a.layers, n_heads=max(1, a.d_model // 64),
                       ffn=int(a.d_model * 8 / 3) // 16 * 16, max_seq_len=a.seq)
     g = torch.Generator().manual_seed(0)
@@ -74,7 +80,22 @@ def main(argv=None) -> int:
     for e in prof.events():
         if e.name in STATE_OPS or "delayed_record" in e.name:
             children += sum(1 for c in e.cpu_children)
-    out = {"step_ms": total_ms, "state_ops": per, "direct_child_ops_per_step": children / a.steps,
+    kernels = {}
+    if a.kernels:  # Inductor's generated kernels: the state updates fused into a graph show up here
+        for e in events:
+            if "cpp_fused" in e.key or e.key.startswith("graph_"):
+                kernels[e.key] = [e.count / a.steps, round(e.cpu_time_total / 1e3 / a.steps, 4)]
+    timed = None
+    if a.time:
+        import time
+
+        ts = []
+        for _ in range(a.time):
+            t0 = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - t0)
+        timed = sorted(ts)[len(ts) // 2] * 1e3
+    out = {"step_ms": total_ms, "step_ms_unprofiled_median": timed, "inductor_kernels": kernels, "state_ops": per, "direct_child_ops_per_step": children / a.steps,
            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "bf16_native": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
            "load": os.getloadavg()}
