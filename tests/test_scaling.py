@@ -131,12 +131,15 @@ def _state_with_history(recipe, fmt, experts, seed):
     return st
 
 
-def test_batched_record_is_bit_identical_to_one_record_per_state():
+@pytest.mark.parametrize("with_experts", [True, False])  # concatenated rows / stacked single states
+def test_batched_record_is_bit_identical_to_one_record_per_state(with_experts):
     recipe = DelayedScaling(history_len=4, margin=1, interval=2)
     fmts = [E4M3, fp8pass.E5M2, E4M3, E4M3, fp8pass.E5M2]
-    experts = [None, None, 3, None, 2]
+    experts = [None, None, 3, None, 2] if with_experts else [None] * 5
     amaxes = [torch.tensor(3.0), torch.tensor(float("nan")), torch.tensor([1.0, 5e30, 0.0]), torch.tensor(0.25),
               torch.tensor([2.0, float("inf")])]
+    if not with_experts:
+        amaxes[2], amaxes[4] = torch.tensor([5e30]), torch.tensor(float("inf"))
     one = [_state_with_history(recipe, f, e, i) for i, (f, e) in enumerate(zip(fmts, experts))]
     many = [_state_with_history(recipe, f, e, i) for i, (f, e) in enumerate(zip(fmts, experts))]
     many[3].accumulate.fill_(True)

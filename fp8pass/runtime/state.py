@@ -105,12 +105,18 @@ def delayed_record_many_(history: list, scale: list, steps: list, skipped: list,
                      [accumulate[i] for i in idx], [amax[i] for i in idx], f, recipe_args)
 
 
-def _rows(ts: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
-    """Concatenate per-state tensors along rows (an expert stack contributes E rows)."""
+def _rows(ts: list[torch.Tensor], width: int | None = None, plain: bool = True) -> torch.Tensor:
+    """Per-state tensors as one stack of rows: ``stack`` when every state is a single one (one op,
+    no per-state views), else concatenated (an expert stack contributes E rows)."""
+    if plain:
+        return torch.stack(ts)
     return torch.cat([t.reshape(-1) if width is None else t.reshape(-1, width) for t in ts])
 
 
-def _write_rows(dst: list[torch.Tensor], rows: torch.Tensor) -> None:
+def _write_rows(dst: list[torch.Tensor], rows: torch.Tensor, plain: bool = True) -> None:
+    if plain:
+        torch._foreach_copy_(dst, list(rows.unbind(0)))
+        return
     sizes = [t.numel() if rows.dim() == 1 else t.numel() // rows.shape[-1] for t in dst]
     torch._foreach_copy_(dst, [r.view(t.shape) for r, t in zip(rows.split(sizes), dst)])
 
@@ -119,17 +125,20 @@ def _update_rows(history, scale, steps, skipped, overflows, pending, accumulate,
                  commit: bool = False) -> None:
     """Record (or, with ``commit``, enter the pending amaxes of) states of one format, as one stack."""
     width = history[0].shape[-1]
-    counts = [s.numel() for s in scale]
-    h, sc, st, sk, ov, pe = (_rows(history, width), _rows(scale), _rows(steps), _rows(skipped), _rows(overflows),
-                             _rows(pending))
+    plain = all(s.dim() == 0 for s in scale) and (commit or all(a.numel() == 1 for a in amax))
+    h, sc, st, sk, ov, pe = (_rows(history, width, plain), _rows(scale, None, plain), _rows(steps, None, plain),
+                             _rows(skipped, None, plain), _rows(overflows, None, plain), _rows(pending, None, plain))
     recipe = _recipe(history[0], *recipe_args)
     if commit:
         new = commit_update(h, sc, st, sk, ov, pe, recipe, fmt)
+    elif plain:
+        amaxes = torch.stack([a.reshape(()) if a.dim() else a for a in amax])
+        new = record_update(amaxes, h, sc, st, sk, ov, pe, torch.stack(accumulate), recipe, fmt)
     else:
-        acc = torch.cat([a.reshape(1).expand(c) for a, c in zip(accumulate, counts)])
-        new = record_update(_rows(amax), h, sc, st, sk, ov, pe, acc, recipe, fmt)
+        acc = torch.cat([a.reshape(1).expand(s.numel()) for a, s in zip(accumulate, scale)])
+        new = record_update(_rows(amax, None, False), h, sc, st, sk, ov, pe, acc, recipe, fmt)
     for dst, rows in zip((history, scale, steps, skipped, overflows, pending), new):
-        _write_rows(dst, rows)
+        _write_rows(dst, rows, plain)
 
 
 _LIB.impl("delayed_record_many_", delayed_record_many_, "CompositeExplicitAutograd")
