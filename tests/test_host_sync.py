@@ -111,3 +111,38 @@ def test_compiled_fp8_step_has_no_sync_in_its_graphs_and_no_host_read(monkeypatc
         step()
     assert not reads.outside(CPU_ONLY), reads.outside(CPU_ONLY)
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the steps ran
+
+
+def test_stochastic_gradient_cast_on_the_cuda_kernels_is_the_fused_triton_cast(monkeypatch):
+    """The CUDA module (run here under the Triton interpreter) casts a stochastically rounded operand
+    with the Triton cast kernel in one read, never the torch integer emulation: each code is one of
+    the two FP8 neighbours of ``x * scale``, the mean over draws is unbiased, the amax is exact."""
+    from fp8pass.numerics.kernels import torch_family
+    from fp8pass.runtime import casting, kernels
+
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    assert kernels.for_device("cpu").__name__.endswith(".cuda")
+
+    def emulation(*a, **k):
+        raise AssertionError("the torch integer emulation ran")
+
+    monkeypatch.setattr(torch_family, "cast_scaled", emulation)
+    fmt = fp8pass.E5M2
+    torch.manual_seed(0)
+    x = torch.randn(64, 48) * 3
+    x[0, 0] = 7.0
+    scale = torch.tensor(8.0)
+    draws = []
+    for _ in range(200):
+        op = casting._cast_tensor(kernels.for_device("cpu"), x, scale, fmt, "stochastic", None)
+        assert float(op.amax) == float(x.abs().max())
+        draws.append(op.data.float())
+    d = torch.stack(draws)
+    v = x * scale
+    # every draw is a neighbour: |code - v| below one spacing of the format at v
+    nearest = v.to(fmt.torch_dtype).float()
+    spacing = torch.where(nearest.abs() > 0, nearest.abs() * 2.0 ** -fmt.mbits, torch.tensor(2.0 ** -16))
+    assert ((d - v).abs() <= 2 * spacing + 1e-6).all()
+    assert not torch.equal(d[0], d[1])  # random: two draws differ
+    err = (d.mean(0) - v) / spacing  # unbiased: the mean error is noise (sd ~ 0.5 / sqrt(200) spacings)
+    assert float(err.mean().abs()) < 0.02 and float(err.abs().max()) < 0.5

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from ...numerics import Format
+from ...numerics.kernels import triton_family
 from . import triton_kernels
 
-__all__ = ["cast", "upcast", "gemm_tensor_scaled", "scaled_mm_plan", "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
+__all__ = ["cast", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan", "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
            "grouped_gemm_wgrad"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -38,6 +39,13 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
 
 
 transpose_cast = triton_kernels.transpose_cast
+
+
+def cast_stochastic(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format):
+    """Stochastically rounded codes of ``x2d * scale`` and ``max |x2d|`` in one read: the Triton
+    cast kernel (random bits from a seed drawn on the device; no host sync), instead of the torch
+    integer emulation (~30 elementwise kernels and a full-size ``randint``)."""
+    return triton_family.cast_scaled(x2d, scale, fmt, "stochastic", None, want_amax=True)
 
 
 def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
