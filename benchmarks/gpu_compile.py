@@ -69,12 +69,15 @@ def cases():
                      PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=False,
                      NAN_SCALE=fmt.nan_code is None, MODE=mode, **tf._fmt_args(fmt))
             out.append((f"tiles {fmt.name} {tile} mode={mode}", tf._quantize_tiles_kernel, sig, c, None))
-    for transpose in (False, True):
+    for transpose, stochastic, conditional in ((False, False, False), (True, False, False), (True, True, False),
+                                               (True, False, True), (False, True, True)):
         for cfg in _configs(tk._transpose_cast_kernel):
             sig = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_ptr": "*fp32",
-                   "R": "i32", "C": "i32", "r_class": "i32", "c_class": "i32"}
-            c = dict(TRANSPOSE=transpose, **tk._fmt_kw(E4M3), **cfg.kwargs)
-            out.append((f"transpose_cast T={transpose} {cfg.kwargs}", tk._transpose_cast_kernel, sig, c, cfg))
+                   "seed_ptr": "*i64", "flag_ptr": "*i32", "R": "i32", "C": "i32", "r_class": "i32", "c_class": "i32"}
+            c = dict(TRANSPOSE=transpose, STOCHASTIC=stochastic, CONDITIONAL=conditional, **tk._fmt_kw(E4M3),
+                     **cfg.kwargs)
+            out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional} {cfg.kwargs}",
+                        tk._transpose_cast_kernel, sig, c, cfg))
     for mode in (0, 1, 2):
         sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "c_ptr": "*fp32", "r_ptr": "*fp32", "scale_ptr": "*fp32",
                "out_ptr": "*u8", "amax_ptr": "*fp32", "T": "i32", "F": "i32"}

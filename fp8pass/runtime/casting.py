@@ -122,6 +122,9 @@ def cast_operand(
     if state:
         if granularity != "tensor":
             raise ValueError(f"delayed scaling is per tensor; got granularity {granularity!r}")
+        if hasattr(kern, "cast_delayed") and fmt.torch_dtype is not None:  # Triton: one read, no host read
+            data, data_t, amax, scale = kern.cast_delayed(x2d, state, fmt, margin, power_of_two, rounding, transpose)
+            return Operand(data, scale, amax, None if up is None else kern.upcast(data, up), data_t)
         amax_now = torch_family.tensor_amax(x2d) if needs_current_amax(state) else None
         scale = state_scale(state, amax_now, fmt, margin, power_of_two)
         return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose)

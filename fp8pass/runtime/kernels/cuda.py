@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 
 from ...numerics import Format
+from ...numerics.scaling import scale_to_cast
 from ...numerics.kernels import triton_family
 from . import triton_kernels
 
-__all__ = ["cast", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan", "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
+__all__ = ["cast", "cast_delayed", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan", "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
            "grouped_gemm_wgrad"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -39,6 +40,27 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
 
 
 transpose_cast = triton_kernels.transpose_cast
+
+
+def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin: float, power_of_two: bool,
+                 rounding: str = "nearest", transpose: bool = False):
+    """A delayed-scaled cast in one read of ``x2d`` (no separate amax pass, no host read).
+
+    Casts with the held scale, taking ``max |x|`` from the same read; then the scale the cast should
+    have used (:func:`~fp8pass.numerics.scaling.scale_to_cast`: the held one, or the current one with
+    an empty history or when the overflow guard fires) is chosen on the device, and a second launch
+    recasts only if it differs (otherwise that launch reads and writes nothing). So the codes, scale
+    and amax are those of the two-read reference; a second read happens only on the first step and
+    when the guard fires.
+
+    Returns:
+        (codes [R, C], codes [C, R] or None, amax, scale).
+    """
+    held = state[1].to(torch.float32).reshape(())
+    data, data_t, amax = triton_kernels.transpose_cast(x2d, held, fmt, transpose, rounding)
+    scale = scale_to_cast(state, amax, fmt, margin, power_of_two).reshape(())
+    triton_kernels.transpose_cast(x2d, scale, fmt, transpose, rounding, only_if=scale != held, out=(data, data_t))
+    return data, data_t, amax, scale
 
 
 def cast_stochastic(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format):

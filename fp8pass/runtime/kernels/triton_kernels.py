@@ -5,9 +5,10 @@
 ``_swiglu_cast_kernel``        one read of gate/up: ``A`` = ``silu(g)*u`` (``*c[col]`` channel,
                                ``silu(g)*(u/r[row])`` token), per-tile max ``|A|``, E4M3 codes of
                                ``A * s`` (one write, 1 byte/element)
-``_transpose_cast_kernel``     one read of ``x``: codes of ``x * s`` in both layouts (``[R, C]`` and
-                               ``[C, R]``; the transposed copy is the wgrad / dgrad GEMM operand that
-                               ``_scaled_mm`` wants column-major) and per-tile max ``|x|``
+``_transpose_cast_kernel``     one read of ``x``: codes of ``x * s`` (nearest or stochastic) in both layouts
+                               (``[R, C]`` and ``[C, R]``; the transposed copy is the wgrad / dgrad GEMM
+                               operand that ``_scaled_mm`` wants column-major) and per-tile max ``|x|``;
+                               conditionally (a device flag) as the recast of a delayed-scaled cast
 =============================  ===========================================================================
 
 Codes never come from Triton's fp32 -> fp8 conversion (docs/background.md, Traps: the interpreter drops the
@@ -47,8 +48,10 @@ from ...numerics import Format
 from ...numerics.kernels import torch_family
 from ...numerics.kernels.triton_family import (  # the one exact in-kernel cast, shared tuning helpers
     _encode,
+    _random_bits,
     autotune,
     check_interpretable,
+    random_seed,
     size_class,
 )
 
@@ -126,24 +129,38 @@ def _max_programs(r: int, c: int) -> int:
     return max(triton.cdiv(r, k.kwargs["BR"]) * triton.cdiv(c, k.kwargs["BC"]) for k in _TILE_CONFIGS + [_TILE_INTERPRET])
 
 
-@autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE"], interpret=_TILE_INTERPRET)
+@autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE", "STOCHASTIC", "CONDITIONAL"],
+          interpret=_TILE_INTERPRET)
 @triton.jit
-def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, R, C, r_class, c_class,
-                           TRANSPOSE: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-                           MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile."""
+def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_ptr, flag_ptr, R, C, r_class,
+                           c_class, TRANSPOSE: tl.constexpr, STOCHASTIC: tl.constexpr, CONDITIONAL: tl.constexpr,
+                           MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+                           BR: tl.constexpr, BC: tl.constexpr):
+    """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile.
+
+    STOCHASTIC: random bits keyed by the element's flat index ``r * C + c`` (the flat cast kernel's
+    bits for the same seed). CONDITIONAL: only where ``*flag_ptr != 0``; otherwise every load and store
+    is masked off (no memory traffic: a launch that does nothing) and no amax is written.
+    """
     pid_r, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_r * BR + tl.arange(0, BR)
     cols = pid_c * BC + tl.arange(0, BC)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    r_end = R
+    if CONDITIONAL:  # no rows at all unless the flag is set
+        r_end = tl.where(tl.load(flag_ptr) != 0, R, 0)
+    mask = (rows[:, None] < r_end) & (cols[None, :] < C)
+    mask_t = (cols[:, None] < C) & (rows[None, :] < r_end)
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, _abs_max(x))
-    v = _encode(x * tl.load(scale_ptr), 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False).to(tl.uint8)
+    if not CONDITIONAL:
+        tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, _abs_max(x))
+    rbits = 0
+    if STOCHASTIC:
+        rbits = _random_bits(tl.load(seed_ptr), rows[:, None] * C + cols[None, :])
+    v = _encode(x * tl.load(scale_ptr), rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC).to(tl.uint8)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], v, mask=mask)
     if TRANSPOSE:
         # [BC, BR] in registers: consecutive lanes write consecutive bytes of a row of the [C, R] copy.
-        tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], tl.trans(v),
-                 mask=(cols[:, None] < C) & (rows[None, :] < R))
+        tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], tl.trans(v), mask=mask_t)
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,21 +245,37 @@ def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = No
     return _reduce_amax(part)
 
 
-def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpose: bool = True):
-    """``(codes [R, C], codes [C, R] or None, max |x|)`` of ``saturating_cast(x * scale)``, one read of x."""
+def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpose: bool = True,
+                   rounding: str = "nearest", only_if: torch.Tensor | None = None, out=None):
+    """``(codes [R, C], codes [C, R] or None, max |x|)`` of ``saturating_cast(x * scale)``, one read of x.
+
+    Args:
+        rounding: "nearest" or "stochastic" (a seed drawn on the device; no host sync).
+        only_if: a bool tensor on the device: cast only if it is True, into ``out`` = ``(codes,
+            codes_t)`` from an earlier call (a recast with another scale; when False the launch reads
+            and writes nothing). Returns ``out`` and amax None.
+    """
     r, c = x2d.shape
     x = x2d.contiguous()
-    out = torch.empty(r, c, dtype=fmt.torch_dtype, device=x.device)
-    out_t = torch.empty(c if transpose else 0, r, dtype=fmt.torch_dtype, device=x.device)
+    if out is not None:
+        out, out_t = out
+        out_t = out_t if out_t is not None else torch.empty(0, r, dtype=fmt.torch_dtype, device=x.device)
+    else:
+        out = torch.empty(r, c, dtype=fmt.torch_dtype, device=x.device)
+        out_t = torch.empty(c if transpose else 0, r, dtype=fmt.torch_dtype, device=x.device)
     if not (r and c):
         return out, (out_t if transpose else None), torch.zeros((), dtype=torch.float32, device=x.device)
     check_interpretable(x.device)
     # room for the partial amaxes of the smallest tiles; the tuned config decides how many are written
-    part = torch.empty(_max_programs(r, c), dtype=torch.float32, device=x.device)
+    part = torch.empty(_max_programs(r, c) if only_if is None else 1, dtype=torch.float32, device=x.device)
     s = scale.to(torch.float32).reshape(1).contiguous()
+    seed = random_seed(None, x.device) if rounding == "stochastic" else s
+    flag = s if only_if is None else only_if.to(torch.int32).reshape(1)
     _transpose_cast_kernel[lambda meta: (triton.cdiv(r, meta["BR"]), triton.cdiv(c, meta["BC"]))](
-        x, s, out.view(torch.uint8), out_t.view(torch.uint8), part, r, c, size_class(r), size_class(c),
-        TRANSPOSE=transpose, **_fmt_kw(fmt))
+        x, s, out.view(torch.uint8), out_t.view(torch.uint8), part, seed, flag, r, c, size_class(r), size_class(c),
+        TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic", CONDITIONAL=only_if is not None, **_fmt_kw(fmt))
+    if only_if is not None:
+        return out, (out_t if transpose else None), None
     cfg = _transpose_cast_kernel.best_config.kwargs
     used = triton.cdiv(r, cfg["BR"]) * triton.cdiv(c, cfg["BC"])
     return out, (out_t if transpose else None), _reduce_amax(part[:used])
