@@ -108,3 +108,25 @@ def test_reduce_overhead_step_is_captured_and_keeps_state_in_place():
     assert [t.data_ptr() for t in tensors] == ptrs
     assert int(st.input.steps) == steps0 + 3 and int(st.grad_output.steps) == steps0 + 3
     assert float(st.input.amax_history[0]) == float((x * 4).abs().max())
+
+
+@pytest.mark.parametrize("kind", ["empty", "held", "guard-outgrown"])
+def test_one_read_delayed_cast_on_cuda_is_exact_and_never_syncs(kind):
+    from fp8pass import DelayedScaling, DelayedScalingState, E4M3
+    from fp8pass.numerics import saturating_cast
+    from fp8pass.numerics.scaling import scale_to_cast
+    from fp8pass.runtime.kernels import cuda
+
+    st = DelayedScalingState(DelayedScaling(on_overflow="current"), E4M3, device="cuda")
+    if kind != "empty":
+        st.record(torch.tensor(100.0 if kind == "held" else 0.01, device="cuda"))
+    x = torch.randn(1000, 520, device="cuda") * 3
+    ops = st.op_tensors()
+    want_scale = scale_to_cast(ops, x.abs().max(), E4M3).reshape(())
+    want = saturating_cast(x * want_scale, E4M3).view(torch.uint8)
+    cuda.cast_delayed(x, ops, E4M3, 0.0, False, "nearest", transpose=True)  # compile / autotune first
+    out = {}
+    _no_sync(lambda: out.update(r=cuda.cast_delayed(x, ops, E4M3, 0.0, False, "nearest", transpose=True)))
+    data, data_t, amax, scale = out["r"]
+    assert torch.equal(data.view(torch.uint8), want) and torch.equal(data_t.view(torch.uint8), want.t())
+    assert torch.equal(scale, want_scale) and float(amax) == float(x.abs().max())
