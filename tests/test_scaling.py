@@ -249,3 +249,20 @@ def test_trainer_grad_accum_updates_scales_once_per_optimizer_step(tmp_path):
     sd = seen[2]
     steps = {k: int(v) for k, v in sd.items() if k.endswith(".steps")}
     assert steps and set(steps.values()) == {2}, steps  # 2 optimizer steps of 3 micro-batches each
+
+
+def test_accumulated_amaxes_agree_across_data_parallel_ranks(tmp_path):
+    """2 ranks (gloo), DDP, 3 micro-batches per step on per-rank rows: after every optimizer step
+    both ranks hold the same scales and histories (the pending maxima are reduced with the
+    histories), one history entry per optimizer step."""
+    import _dist
+    import _dist_accum
+
+    outs = _dist.spawn(_dist_accum.accumulate_worker, 2, tmp_path, 2, 3)
+    for step in range(2):
+        a, b = outs[0]["states"][step], outs[1]["states"][step]
+        assert a and a.keys() == b.keys()
+        differ = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not differ, differ
+        # steps: one per optimizer step (Smooth-SwiGLU casts W_down / c with current scaling: no records)
+        assert all(float(v[-1]) == (0 if k.endswith("down_proj.weight.weight") else step + 1) for k, v in a.items())

@@ -118,7 +118,7 @@ class AmaxSync:
         self._synced_steps: dict[int, int] = {}
 
     def _build(self, states: list[DelayedScalingState]) -> _Layout:
-        n = sum(s.amax_history.numel() + s.skipped.numel() for s in states)
+        n = sum(s.amax_history.numel() + s.skipped.numel() + s.pending.numel() for s in states)
         dev = states[0].amax_history.device if states else torch.device("cpu")
         return _Layout(states, torch.empty(n, dtype=torch.float32, device=dev))
 
@@ -154,8 +154,11 @@ class AmaxSync:
                     s.amax_history[:k] = noted[1]
         hists = [s.amax_history for s in lay.states]
         skipped = [s.skipped.reshape(-1).to(torch.float32) for s in lay.states]
+        # amaxes accumulated inside fp8pass.accumulate_scaling (-1: none) agree too, so the commit at
+        # the end of the accumulation enters the same max on every rank
+        pending = [s.pending.reshape(-1) for s in lay.states]
         buf = lay.buffer
-        torch.cat([h.reshape(-1) for h in hists] + skipped, out=buf)
+        torch.cat([h.reshape(-1) for h in hists] + skipped + pending, out=buf)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             if not lay.checked:
                 self._check_layout(lay)
@@ -169,6 +172,10 @@ class AmaxSync:
         for s in lay.states:
             n = s.skipped.numel()
             s.skipped.copy_(buf[off:off + n].view(s.skipped.shape).to(s.skipped.dtype))
+            off += n
+        for s in lay.states:
+            n = s.pending.numel()
+            s.pending.copy_(buf[off:off + n].view(s.pending.shape))
             off += n
         _recompute_scales(lay.states)
         for s in lay.states:
