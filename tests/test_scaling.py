@@ -251,6 +251,7 @@ def test_trainer_grad_accum_updates_scales_once_per_optimizer_step(tmp_path):
     assert steps and set(steps.values()) == {2}, steps  # 2 optimizer steps of 3 micro-batches each
 
 
+@pytest.mark.distributed  # 2 gloo processes, ~15 s
 def test_accumulated_amaxes_agree_across_data_parallel_ranks(tmp_path):
     """2 ranks (gloo), DDP, 3 micro-batches per step on per-rank rows: after every optimizer step
     both ranks hold the same scales and histories (the pending maxima are reduced with the
