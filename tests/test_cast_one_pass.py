@@ -124,3 +124,21 @@ def test_compiled_delayed_step_with_one_read_casts_equals_the_two_read_casts(mon
         outs[one_read] = res
     for (ya, ga, wa), (yb, gb, wb) in zip(outs[True], outs[False]):
         assert torch.equal(ya, yb) and torch.equal(ga, gb) and torch.equal(wa, wb)
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_stochastic_gradient_cast_writes_both_layouts_in_one_kernel(monkeypatch, delayed):
+    """A stochastically rounded operand cast for the GPU GEMMs (transpose=True) gets its transposed
+    copy from the same kernel: the [C, R] codes are the [R, C] codes transposed, and both are the flat
+    stochastic cast's codes for the same seed."""
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    x = _x()
+    st = _state("held", E5M2).op_tensors() if delayed else None
+    torch.manual_seed(7)
+    op = casting.cast_operand(x, E5M2, state=st, rounding="stochastic", transpose=True)
+    torch.manual_seed(7)
+    ref, _ = triton_family.cast_scaled(x, op.scale, E5M2, "stochastic", None, want_amax=True)
+    assert op.data_t is not None
+    assert torch.equal(op.data.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(op.data_t.view(torch.uint8), ref.view(torch.uint8).t())
+    assert float(op.amax) == float(x.abs().max())

@@ -137,8 +137,8 @@ def cast_operand(
 
 
 def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False) -> Operand:
-    if rounding == "nearest" and transpose and hasattr(kern, "transpose_cast"):
-        data, data_t, amax = kern.transpose_cast(x2d, scale, fmt)
+    if transpose and hasattr(kern, "transpose_cast"):  # Triton: both layouts in one read, RNE or stochastic
+        data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding)
         return Operand(data, scale, amax, None, data_t)
     if rounding == "nearest":
         data, amax, upc = kern.cast(x2d, scale, fmt, up)
