@@ -35,14 +35,15 @@ from ..config import DelayedScaling
 from ..numerics import E4M3, E5M2, DelayedScalingState, Format, get_format
 from ..numerics.scaling import commit_update, record_update
 
-__all__ = ["delayed_record_", "delayed_record_many_", "commit_states", "record", "LinearScalingState", "state_for", "grouped_state_for", "ROLES"]
+__all__ = ["delayed_record_", "delayed_record_many_", "commit_states", "record", "LinearScalingState", "state_for",
+           "grouped_state_for", "ROLES"]
 
 ROLES = ("input", "weight", "grad_output")
 
 
 # The record is a composite op: Dynamo and AOT autograd see its few aten ops (a max, a roll, a
-# reduction over H entries, a division), so Inductor fuses each record into one or two generated kernels
-# beside the graph's other work instead of calling out to Python; eager calls run the same code.
+# reduction over H entries, a division), so Inductor fuses each record into the graph's generated
+# kernels instead of calling out to Python; eager calls run the same code.
 _LIB = torch.library.Library("fp8pass", "FRAGMENT")
 _LIB.define(
     "delayed_record_(Tensor(a!) history, Tensor(b!) scale, Tensor(c!) steps, Tensor(d!) skipped, "
