@@ -25,7 +25,8 @@ from ...numerics.scaling import scale_to_cast
 from ...numerics.kernels import triton_family
 from . import triton_kernels
 
-__all__ = ["cast", "cast_delayed", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan", "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
+__all__ = ["cast", "cast_delayed", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
+           "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
            "grouped_gemm_wgrad"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
