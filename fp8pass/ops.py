@@ -23,6 +23,7 @@ from .runtime import (
     fold_channel_scales,
     state_for,
 )
+from .runtime.op_schema import GLUKnobs, LinearKnobs
 
 __all__ = ["fp8_linear", "swiglu_mlp", "nvfp4_linear", "LinearScalingState", "channel_scales", "fold_channel_scales",
            "IDENTITY"]
@@ -32,8 +33,14 @@ def _fmt_name(fmt) -> str:
     return IDENTITY if fmt == IDENTITY else get_format(fmt).name
 
 
-def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding):
-    """``(x_state, w_state, g_state, scalar args, state)`` for one op call."""
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``F.linear`` would compute ``x``'s product in under autocast (None: no autocast)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, out_dtype):
+    """``(x_state, w_state, g_state, LinearKnobs, state)`` for one op call."""
     if recipe is None:
         recipe = CurrentScaling()
     if isinstance(recipe, DelayedScaling):
@@ -44,15 +51,15 @@ def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding):
         xs, ws, gs = state.op_args()
         if not torch.is_grad_enabled():
             gs = []  # no backward will run: do not hand grad_output state to the op
-        args = (fwd, bwd, "tensor", 128, bool(recipe.power_of_two), grad_rounding, float(recipe.margin),
-                int(recipe.interval), recipe.algo)
-        return xs, ws, gs, args, state
+        knobs = LinearKnobs(fwd, bwd, "tensor", 128, bool(recipe.power_of_two), grad_rounding, float(recipe.margin),
+                            int(recipe.interval), recipe.algo, out_dtype)
+        return xs, ws, gs, knobs, state
     if isinstance(recipe, CurrentScaling):
         if state is not None:
             raise ValueError("state= is for DelayedScaling recipes; CurrentScaling keeps no state")
-        args = (fwd, bwd, recipe.granularity, int(recipe.block), bool(recipe.power_of_two), grad_rounding,
-                0.0, 1, "max")
-        return [], [], [], args, None
+        knobs = LinearKnobs(fwd, bwd, recipe.granularity, int(recipe.block), bool(recipe.power_of_two),
+                            grad_rounding, 0.0, 1, "max", out_dtype)
+        return [], [], [], knobs, None
     raise TypeError(f"recipe must be None, fp8pass.CurrentScaling or fp8pass.DelayedScaling; got {recipe!r}")
 
 
@@ -80,20 +87,22 @@ def fp8_linear(
         grad_rounding: "nearest" or "stochastic" for grad_output.
 
     Returns:
-        ``y`` [..., out] in ``x``'s dtype. Under delayed scaling the amaxes of x and W are recorded
-        into the state now and the amax of grad_output when backward runs.
+        ``y`` [..., out] in ``x``'s dtype (under autocast: the autocast dtype, as ``F.linear``). Under
+        delayed scaling the amaxes of x and W are recorded into the state now and the amax of
+        grad_output when backward runs.
     """
     fwd, bwd = _fmt_name(fwd_format), _fmt_name(bwd_format)
-    xs, ws, gs, args, st = _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding)
-    out = torch.ops.fp8pass.fp8_linear(x, weight, bias, xs, ws, gs, *args)
+    xs, ws, gs, knobs, st = _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, _autocast_dtype(x))
+    out = torch.ops.fp8pass.fp8_linear(x, weight, bias, xs, ws, gs, *knobs.args())
     if st is not None:
         st.record_forward(out[1], out[2])
     return out[0]
 
 
 def _swiglu_down(gate, up, w_down, activation, smooth, recipe, state, fwd, bwd, grad_rounding):
-    xs, ws, gs, args, st = _recipe_args(recipe, w_down, state, fwd, bwd, grad_rounding)
-    out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, activation, smooth, *args)
+    xs, ws, gs, knobs, st = _recipe_args(recipe, w_down, state, fwd, bwd, grad_rounding, _autocast_dtype(gate))
+    knobs = GLUKnobs(*knobs.args(), activation, smooth)
+    out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, *knobs.args())
     if st is not None:
         st.record_forward(out[1], out[2])
     return out[0]

@@ -7,6 +7,7 @@ import torch
 import fp8pass
 from fp8pass import ops
 from fp8pass.runtime import LinearScalingState
+from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
 
 BACKENDS = ["aot_eager", "inductor"]
 
@@ -91,8 +92,12 @@ def test_swiglu_compiled_matches_eager(backend, smooth):
         assert torch.equal(e, c)
 
 
-def _op_args(x, w, b, states=([], [], []), granularity="tensor", fmts=("e4m3", "e5m2")):
-    return (x, w, b, *states, *fmts, granularity, 128, False, "nearest", 0.0, 1, "max")
+def _knobs(granularity="tensor", fmts=("e4m3", "e5m2"), out_dtype=None):
+    return LinearKnobs(*fmts, granularity, 128, False, "nearest", 0.0, 1, "max", out_dtype)
+
+
+def _op_args(x, w, b, states=([], [], []), granularity="tensor", fmts=("e4m3", "e5m2"), out_dtype=None):
+    return (x, w, b, *states, *_knobs(granularity, fmts, out_dtype).args())
 
 
 @pytest.mark.parametrize("granularity,fmts", [("tensor", ("e4m3", "e5m2")), ("block", ("e4m3", "e5m2")),
@@ -109,8 +114,8 @@ def test_opcheck_swiglu_down_and_record(activation):
     gate, up = torch.randn(2, 8, 24, generator=g), torch.randn(2, 8, 24, generator=g)
     wd = torch.randn(16, 24, generator=g)
     torch.library.opcheck(torch.ops.fp8pass.swiglu_down.default,
-                          (gate.requires_grad_(), up.requires_grad_(), wd.requires_grad_(), [], [], [], activation,
-                           "channel", "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max"))
+                          (gate.requires_grad_(), up.requires_grad_(), wd.requires_grad_(), [], [], [],
+                           *GLUKnobs(*_knobs().args(), activation, "channel").args()))
     st = LinearScalingState(fp8pass.DelayedScaling(history_len=3))
     torch.library.opcheck(torch.ops.fp8pass.delayed_record_.default,
                           (*st.op_args()[0], torch.tensor(2.0), "e4m3", 0.0, 1, "max", False))
@@ -120,13 +125,12 @@ def test_opcheck_backward_ops():
     x, w, _, dy = _inputs(dtype=torch.float32)
     out = torch.ops.fp8pass.fp8_linear(x, w, None, *_op_args(x, w, None)[3:])
     torch.library.opcheck(torch.ops.fp8pass.fp8_linear_backward.default,
-                          (dy, out[3], out[4], out[5], out[6], [], torch.float32, torch.float32, True, "e4m3",
-                           "e5m2", "tensor", 128, False, "nearest", 0.0))
+                          (dy, out[3], out[4], out[5], out[6], [], torch.float32, torch.float32, True, *_knobs().args()))
     g = torch.Generator().manual_seed(3)
     gate, up = torch.randn(8, 24, generator=g), torch.randn(8, 24, generator=g)
     wd = torch.randn(16, 24, generator=g)
-    o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], "gelu", "token", "e4m3", "e5m2", "tensor", 128,
-                                      False, "nearest", 0.0, 1, "max")
+    knobs = GLUKnobs(*_knobs().args(), "gelu", "token").args()
+    o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *knobs)
     torch.library.opcheck(torch.ops.fp8pass.swiglu_down_backward.default,
                           (torch.randn(8, 16, generator=g), gate, up, o[3], o[4], o[5], o[6], o[7], [], torch.float32,
-                           "gelu", "token", "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0))
+                           *knobs))

@@ -76,7 +76,7 @@ def test_fp32_results_equal_the_dequantized_reference():
     _assert_gemm(dx, gd, wd.T)
     _assert_gemm(dw, gd.T, xd.T)
     out = torch.ops.fp8pass.fp8_linear(x, w, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False, "nearest",
-                                       0.0, 1, "max")
+                                       0.0, 1, "max", None)
     assert torch.equal(out[3].view(-1), qx.data.view(torch.uint8).view(-1))
     assert torch.equal(out[5], qw.data.view(torch.uint8))
 
@@ -157,7 +157,7 @@ def test_delayed_scaling_bootstrap_history_and_grad_record():
     # step 2 with a 4x larger input: delayed scale (from step 1) saturates the large values
     y2, _, _ = _grads(lambda a, b: ops.fp8_linear(a, b, recipe=recipe, state=st), 4 * x, w, dy)
     out = torch.ops.fp8pass.fp8_linear(4 * x, w, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False,
-                                       "nearest", 0.0, 1, "max")
+                                       "nearest", 0.0, 1, "max", None)
     qx = quantize(4 * x, E4M3, scale=E4M3.max / x.abs().max())
     assert qx.data.float().abs().max() == E4M3.max  # saturated codes, as delayed scaling implies
     assert not torch.allclose(y2, out[0])
@@ -375,3 +375,55 @@ def test_fp8_linear_is_the_same_with_fp32_and_bf16_gemms(monkeypatch, recipe):
         ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(a.abs(), b.abs())  # one bf16 step (or less)
         assert ((a - b).abs() <= ulp).all()
         assert (a == b).float().mean() > 0.9  # mostly bit-identical: only rounding ties of the sums differ
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "identity"])
+def test_rewrite_under_autocast_keeps_every_dtype(fmt):
+    """Under ``autocast(bf16)`` the rewritten graph computes in the original's dtypes: every node the
+    rewrite kept produces the dtype it had in Dynamo's graph, the outputs too, and the FP8 ops emit
+    bf16 (the replaced ``F.linear``'s dtype), not the fp32 of their inputs; gradients keep the
+    parameters' dtype."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _models import tiny_titan_llama
+
+    model = tiny_titan_llama()
+    tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(model, backend=capture, fullgraph=True)(tokens)
+    ((gm, inputs),) = graphs
+    cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), fwd_format=fmt, bwd_format=fmt, compiler="eager")
+    new_gm, record = fp8pass.backend(cfg).transform(gm, list(inputs))
+    assert record.extra_inputs == []
+    assert new_gm.code.count("fp8pass.fp8_linear.default(") == 12 and new_gm.code.count("swiglu_down.default(") == 2
+    before = {n.name: n.meta["example_value"].dtype for n in gm.graph.nodes
+              if isinstance(n.meta.get("example_value"), torch.Tensor)}
+    got: dict[str, torch.dtype] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                got[n.name] = out.dtype
+            if n.op == "call_function" and "fp8pass" in str(n.target) and "record" not in str(n.target):
+                assert out[0].dtype == torch.bfloat16, n.name
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = Recorder(new_gm).run(*inputs)
+    kept = [name for name in got if name in before]
+    assert len(kept) > 20
+    assert {name: got[name] for name in kept} == {name: before[name] for name in kept}
+    ref = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    assert [o.dtype for o in out] == [r.meta["example_value"].dtype for r in ref] == [torch.bfloat16]
+    out[0].float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import fp8pass
 from fp8pass import E4M3, ops, quantize
 from fp8pass.runtime import LinearScalingState, channel_scales, fold_channel_scales
+from fp8pass.runtime.op_schema import GLUKnobs
 
 MODES = ["channel", "token", None]
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "relu": F.relu}
@@ -65,13 +66,17 @@ def test_activation_derivatives_match_autograd_in_float64(activation):
     torch.testing.assert_close(dact, gg.grad, rtol=1e-12, atol=1e-14)
 
 
+def _knobs(activation, smooth):
+    return GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, activation, smooth)
+
+
 def test_unknown_activation_is_a_clear_error():
     x, wg, wu, wd, _ = _weights(0)
     with pytest.raises(ValueError, match="unknown GLU activation 'swish'.*'gelu_tanh'"):
         ops.swiglu_mlp(x, wg, wu, wd, activation="swish")
     with pytest.raises(ValueError, match="unknown GLU activation"):
-        torch.ops.fp8pass.swiglu_down(F.linear(x, wg), F.linear(x, wu), wd, [], [], [], "gelu_new", "channel",
-                                      "e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max")
+        torch.ops.fp8pass.swiglu_down(F.linear(x, wg), F.linear(x, wu), wd, [], [], [],
+                                      *_knobs("gelu_new", "channel").args())
 
 
 @pytest.mark.parametrize("smooth,activation", [(m, "silu") for m in MODES] + [("channel", "gelu_tanh"),
@@ -81,8 +86,7 @@ def test_fp8_modes_compute_their_documented_operands(smooth, activation):
     x, wg, wu, wd, _ = _weights(1)
     gate, up = F.linear(x, wg), F.linear(x, wu)
     mode = "none" if smooth is None else smooth
-    out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], activation, mode, "e4m3", "e5m2", "tensor", 128,
-                                        False, "nearest", 0.0, 1, "max")
+    out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *_knobs(activation, mode).args())
     act = ACTS[activation]
     h = act(gate) * up
     h2 = h.reshape(-1, h.shape[-1])

@@ -21,7 +21,7 @@ from torch import fx
 
 from .names import FrameNames
 
-__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "relative_param_names", "META_KEY"]
+__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "relative_param_names", "value_dtype", "META_KEY"]
 
 META_KEY = "fp8pass"
 
@@ -199,6 +199,16 @@ def facts(node: fx.Node) -> NodeFacts:
         got = _compute(node, None, None)
         node.meta[META_KEY] = got
     return got
+
+
+def value_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype of the tensor ``node`` produced when Dynamo traced it (None if unknown).
+
+    A rewritten op must produce what the replaced node did: under autocast a linear's output has the
+    autocast dtype, not its input's (Dynamo guards on the autocast state, so it is fixed per graph).
+    """
+    value = facts(node).value
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def relative_param_names(graph: fx.Graph, example_inputs: list) -> dict[int, str]:

@@ -23,7 +23,7 @@ from torch import fx
 
 from ..config import Config, DelayedScaling
 from ..numerics import DelayedScalingState
-from .annotate import facts
+from .annotate import facts, value_dtype
 
 __all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "recipe_kwargs", "keep_meta", "finish", "ROLES",
            "STATE_FIELDS"]
@@ -171,7 +171,7 @@ class GraphRewriter:
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
             out = self.graph.call_function(self.ops.fp8_linear.default, (self.r(x), weight, b, xs, ws, gs),
-                                           dict(self.kw))
+                                           dict(self.kw, out_dtype=value_dtype(before)))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
                 self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])

@@ -2,13 +2,16 @@
 
 Replacement of a linear site ``y = x @ W.T (+ b)`` (any form the patterns match)::
 
-    out = fp8pass::fp8_linear(x, W, b, x_state, w_state, g_state, <recipe scalars>)
+    out = fp8pass::fp8_linear(x, W, b, x_state, w_state, g_state, <recipe knobs>, out_dtype=<y's dtype>)
     y   = out[0]
     fp8pass::delayed_record_(*x_state, out[1], ...)    # delayed scaling only: record the amaxes
     fp8pass::delayed_record_(*w_state, out[2], ...)
 
 The ``*_state`` lists are the op lists (``DelayedScalingState.OP_FIELDS``) of the weight's
-``LinearScalingState`` (fp8pass.runtime.state), extra placeholders (:mod:`.rewrite_base`). AOT
+``LinearScalingState`` (fp8pass.runtime.state), extra placeholders (:mod:`.rewrite_base`). The knobs
+are passed by name (the op's schema is declared once, in ``fp8pass.runtime.op_schema``); ``out_dtype``
+is the dtype the replaced node produced (under autocast the autocast dtype, so the rewritten graph
+computes in the same dtypes as the original). AOT
 autograd functionalizes the records into copies onto those inputs, so the state survives recompiles
 and ``torch._dynamo.reset()`` (it belongs to the weight, not to the graph). The backward of
 ``fp8_linear`` records the grad_output amax itself.
@@ -25,6 +28,7 @@ import operator
 
 import torch
 
+from .annotate import value_dtype
 from .plan import GLUSite, LinearSite, Plan
 from .rewrite_base import ROLES, GraphRewriter, keep_meta
 
@@ -65,10 +69,8 @@ class FP8Rewriter(GraphRewriter):
         with self.graph.inserting_before(down):
             w_down = self.graph.call_function(torch.t, (w,)) if m.get("down_layout") == "in_out" else w
             out = self.graph.call_function(
-                self.ops.swiglu_down.default,
-                (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s, site.act, smooth, k["fwd_format"],
-                 k["bwd_format"], k["granularity"], k["block"], k["power_of_two"], k["grad_rounding"], k["margin"],
-                 k["interval"], k["algo"]))
+                self.ops.swiglu_down.default, (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s),
+                dict(k, out_dtype=value_dtype(down), activation=site.act, smooth=smooth))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
                 self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])

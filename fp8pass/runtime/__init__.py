@@ -8,15 +8,15 @@ equal to their defaults, which would change the backward's input structure), so 
 
 Op-level API (``torch.ops.fp8pass.*``)
 -------------------------------------
-``fp8_linear(x, weight, bias, x_state, w_state, g_state, fwd_format, bwd_format, granularity, block,
-power_of_two, grad_rounding, margin, interval, algo) -> (y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
+``fp8_linear(x, weight, bias, x_state, w_state, g_state, *LinearKnobs) -> (y, x_amax, w_amax, x_data,
+x_scale, w_data, w_scale)``
     ``y = x W^T + b``; FP8 forward (``fwd_format``, "e4m3"), backward with ``dy`` in ``bwd_format``
     ("e5m2") rounded by ``grad_rounding`` ("nearest" | "stochastic"). ``x`` [..., in], ``weight``
-    [out, in], ``bias`` [out] or None. ``y`` has ``x``'s dtype. ``x_amax``/``w_amax``: fp32 scalars
+    [out, in], ``bias`` [out] or None. ``y`` has ``out_dtype`` (None: ``x``'s dtype); the GEMMs round
+    to it, the gradients come back in each input's own dtype. ``x_amax``/``w_amax``: fp32 scalars
     ``max|x|``, ``max|W|`` of this call (what delayed scaling records). The last four outputs are the
     saved operands for backward (codes as uint8, 1 byte/element, and their fp32 scales): ignore them.
-``swiglu_down(gate, up, w_down, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format,
-granularity, block, power_of_two, grad_rounding, margin, interval, algo) -> (y, a_amax, b_amax, a_data,
+``swiglu_down(gate, up, w_down, a_state, b_state, g_state, *GLUKnobs) -> (y, a_amax, b_amax, a_data,
 a_scale, b_data, b_scale, smooth_scales)``
     ``y = (act(gate) * up) W_down^T`` with ``activation`` = "silu" (SwiGLU) | "gelu" | "gelu_tanh"
     (GeGLU) | "relu" (ReGLU) and Smooth-SwiGLU ``smooth`` = "channel" | "token" | "none"
@@ -55,9 +55,17 @@ hcp_mode, hcp_backward) -> (y, chan_err, hot)``
     chan_err, decay, interval)`` (mutating, no autograd; :mod:`fp8pass.runtime.hcp`); ``hot`` the
     channels patched in this call (and, with ``hcp_backward``, in its gradient GEMMs).
 
-Scalar arguments
-    ``fwd_format``/``bwd_format``: "e4m3" | "e4m3_gaudi" | "e5m2", or "identity" (testing hook: no
-    quantization, the ops compute the unquantized math; not a numerics Format). ``granularity``:
+Knobs (the scalar arguments)
+    Declared once per op in :mod:`fp8pass.runtime.op_schema` (``LinearKnobs``; ``GLUKnobs`` adds
+    ``activation`` and ``smooth``) and flattened into the schema as the op's last arguments, in
+    field order: ``fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin,
+    interval, algo, out_dtype`` (then ``activation, smooth``). Pass them positionally
+    (``*knobs.args()``) or by name. ``out_dtype``: the dtype the op outputs and its GEMMs round to;
+    the compile backend passes the replaced node's dtype (under autocast, the autocast dtype, so the
+    rewritten graph computes in the original's dtypes); ``fp8pass.ops`` passes the autocast dtype
+    when autocast is on, else None (the input's dtype). ``fwd_format``/``bwd_format``: "e4m3" |
+    "e4m3_gaudi" | "e5m2", or "identity" (testing hook: no quantization, the ops compute the
+    unquantized math in ``out_dtype``, as the replaced node did; not a numerics Format). ``granularity``:
     "tensor" | "row" | "block" with ``block`` the tile edge (1 x B tiles for x/dy/h, B x B for
     weights) | "mx" (OCP MXFP8: 32-element E8M0-scaled blocks along each GEMM's reduction dim,
     ``block`` ignored; docs/numerics.md); current scaling only, delayed scaling is per tensor.

@@ -159,8 +159,12 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | 
 
 
 def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-         a_t: bool = False, b_t: bool = False, mm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+         a_t: bool = False, b_t: bool = False, mm_dtype: torch.dtype = torch.float32,
+         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``A @ B.T (+ bias)`` of two operands; ``a_t``/``b_t`` take the operand's transpose instead.
+
+    The result is rounded to ``compute_dtype`` (default ``out_dtype``), then converted to ``out_dtype``:
+    a gradient GEMM under autocast rounds to the autocast dtype and returns the input's dtype.
 
     Per-tensor scales use the device's fast GEMM; per-row / per-tile scales dequantize both operands
     to fp32 (exact codes, one fp32 rounding of ``data / scale``) and multiply in ``mm_dtype``: fp32,
@@ -173,8 +177,9 @@ def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: t
         bd = (b.data_t if b.data_t is not None else b.data.t()) if b_t else b.data
         au = None if a.up is None else (a.up.t() if a_t else a.up)
         bu = None if b.up is None else (b.up.t() if b_t else b.up)
-        return kern.gemm_tensor_scaled(au if au is not None else ad, a.scale,
-                                       bu if bu is not None else bd, b.scale, out_dtype, bias)
+        out = kern.gemm_tensor_scaled(au if au is not None else ad, a.scale,
+                                      bu if bu is not None else bd, b.scale, compute_dtype or out_dtype, bias)
+        return out.to(out_dtype)
     av = dequantize(a.data, a.scale, a_tile)
     bv = dequantize(b.data, b.scale, b_tile)
     av = av.t() if a_t else av
@@ -185,7 +190,7 @@ def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: t
         out = torch.mm(av, bv.t())
     else:
         out = torch.addmm(bias.to(mm_dtype), av, bv.t())
-    return out.to(out_dtype)
+    return out.to(compute_dtype or out_dtype).to(out_dtype)
 
 
 def as_bytes(data: torch.Tensor) -> torch.Tensor:

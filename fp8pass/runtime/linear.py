@@ -1,7 +1,10 @@
 """``fp8pass::fp8_linear``: ``y = x W^T (+ b)`` with FP8 GEMMs in forward and backward.
 
 Forward: ``x`` and ``W`` cast to ``fwd_format`` (E4M3), one GEMM, bias added in high precision, output
-in ``x``'s dtype. Backward (the "hybrid" recipe): ``dy`` cast to ``bwd_format`` (E5M2, round to nearest
+in ``out_dtype`` (the replaced node's dtype: under autocast the autocast dtype, whatever ``x``'s is;
+None means ``x``'s). The GEMMs of every pass round to that dtype (CPU: bf16 GEMMs of the upcast codes
+where this machine's bf16 matmul is fast, else fp32 GEMMs and a cast), and each gradient comes back in
+its input's own dtype, as autocast's backward does. Backward (the "hybrid" recipe): ``dy`` cast to ``bwd_format`` (E5M2, round to nearest
 or stochastic), ``dx = dy W`` (E5M2 x E4M3) and ``dW = dy^T x`` (E5M2 x E4M3) from the FP8 codes
 saved in forward (1 byte/element; no high-precision copy of ``x`` or ``W`` is kept), ``db = sum(dy)``.
 
@@ -25,11 +28,12 @@ from ..config import GRANULARITIES, ALGOS
 from .casting import MX_COLS, Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
 from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
+from .op_schema import LinearKnobs, knob_op
 
-__all__ = ["fp8_linear_op", "check_linear_args"]
+__all__ = ["fp8_linear_op", "check_linear_args", "check_knobs", "compute_dtype", "record_grad_amax"]
 
 
-def check_linear_args(x, weight, bias, fwd_format, bwd_format, granularity, block, grad_rounding, algo):
+def check_linear_args(x, weight, bias, k: LinearKnobs):
     """Clear errors for bad arguments (what was wrong and what is valid)."""
     if x.dim() < 1 or weight.dim() != 2:
         raise ValueError(f"fp8_linear needs x [..., in] and weight [out, in]; got {tuple(x.shape)} and "
@@ -39,18 +43,33 @@ def check_linear_args(x, weight, bias, fwd_format, bwd_format, granularity, bloc
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"fp8_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     for name, t in (("x", x), ("weight", weight)):
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"fp8_linear: {name} must be float16/bfloat16/float32/float64, got {t.dtype}")
-    resolve_format(fwd_format)
-    resolve_format(bwd_format)
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
-    if grad_rounding not in ROUNDINGS:
-        raise ValueError(f"unknown grad_rounding {grad_rounding!r}; valid: {', '.join(ROUNDINGS)}")
-    if algo not in ALGOS:
-        raise ValueError(f"unknown algo {algo!r}; valid: {', '.join(ALGOS)}")
+    check_knobs(k)
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_knobs(k: LinearKnobs) -> None:
+    """Clear errors for bad knob values (shared by the linear and GLU ops)."""
+    resolve_format(k.fwd_format)
+    resolve_format(k.bwd_format)
+    if k.granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {k.granularity!r}; valid: {', '.join(GRANULARITIES)}")
+    if k.block < 1:
+        raise ValueError(f"block must be >= 1, got {k.block}")
+    if k.grad_rounding not in ROUNDINGS:
+        raise ValueError(f"unknown grad_rounding {k.grad_rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    if k.algo not in ALGOS:
+        raise ValueError(f"unknown algo {k.algo!r}; valid: {', '.join(ALGOS)}")
+    if k.out_dtype is not None and k.out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be None or float16/bfloat16/float32/float64, got {k.out_dtype}")
+
+
+def compute_dtype(k: LinearKnobs, x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the op computes and outputs in: ``k.out_dtype`` (the replaced node's), else ``x``'s."""
+    return x_dtype if k.out_dtype is None else k.out_dtype
 
 
 def _up(device, out_dtype) -> torch.dtype | None:
@@ -81,116 +100,101 @@ def _scale_shape(granularity, block, rows, cols, weight):
     return (-(-rows // tile[0]), -(-cols // tile[1]))
 
 
-@torch.library.custom_op("fp8pass::fp8_linear", mutates_args=())
-def fp8_linear_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    x_state: list[torch.Tensor],
-    w_state: list[torch.Tensor],
-    g_state: list[torch.Tensor],
-    fwd_format: str,
-    bwd_format: str,
-    granularity: str,
-    block: int,
-    power_of_two: bool,
-    grad_rounding: str,
-    margin: float,
-    interval: int,
-    algo: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@knob_op("fp8pass::fp8_linear",
+         "Tensor x, Tensor weight, Tensor? bias, Tensor[] x_state, Tensor[] w_state, Tensor[] g_state", LinearKnobs,
+         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, *knobs):
     """Returns ``(y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``; see the module doc."""
-    check_linear_args(x, weight, bias, fwd_format, bwd_format, granularity, block, grad_rounding, algo)
-    fmt = resolve_format(fwd_format)
+    k = LinearKnobs(*knobs)
+    check_linear_args(x, weight, bias, k)
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x.dtype)
     x2d = x.reshape(-1, x.shape[-1])
-    up = _up(x.device, x.dtype)
-    xt = tile_for(granularity, block, x2d.shape, weight=False)
-    wt = tile_for(granularity, block, weight.shape, weight=True)
-    xo = cast_operand(x2d, fmt, granularity, xt, x_state, margin, power_of_two, up=up)
-    wo = cast_operand(weight, fmt, granularity, wt, w_state, margin, power_of_two, up=up)
-    mx = granularity == "mx" and fmt is not None
-    y = gemm(xo, xt, wo, wt, x.dtype, bias, mm_dtype=_mx_mm_dtype(x.device, x.dtype) if mx else torch.float32)
+    if fmt is None:  # identity: the values themselves, in the dtype the replaced node computed in
+        x2d, weight = x2d.to(dt), weight.to(dt)
+    up = _up(x.device, dt)
+    xt = tile_for(k.granularity, k.block, x2d.shape, weight=False)
+    wt = tile_for(k.granularity, k.block, weight.shape, weight=True)
+    xo = cast_operand(x2d, fmt, k.granularity, xt, x_state, k.margin, k.power_of_two, up=up)
+    wo = cast_operand(weight, fmt, k.granularity, wt, w_state, k.margin, k.power_of_two, up=up)
+    mx = k.granularity == "mx" and fmt is not None
+    y = gemm(xo, xt, wo, wt, dt, bias, mm_dtype=_mx_mm_dtype(x.device, dt) if mx else torch.float32)
     if mx:  # the backward GEMMs reduce over tokens (x) and out-features (W): save both cast down the rows
-        xo = cast_operand(x2d, fmt, granularity, MX_COLS)
-        wo = cast_operand(weight, fmt, granularity, MX_COLS)
+        xo = cast_operand(x2d, fmt, k.granularity, MX_COLS)
+        wo = cast_operand(weight, fmt, k.granularity, MX_COLS)
     return (y.reshape(*x.shape[:-1], weight.shape[0]), xo.amax, wo.amax,
             as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone())
 
 
 @fp8_linear_op.register_fake
-def _(x, weight, bias, x_state, w_state, g_state, fwd_format, bwd_format, granularity, block, power_of_two,
-      grad_rounding, margin, interval, algo):
-    check_linear_args(x, weight, bias, fwd_format, bwd_format, granularity, block, grad_rounding, algo)
-    fmt = resolve_format(fwd_format)
+def _(x, weight, bias, x_state, w_state, g_state, *knobs):
+    k = LinearKnobs(*knobs)
+    check_linear_args(x, weight, bias, k)
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x.dtype)
     rows = 1
     for d in x.shape[:-1]:
         rows = rows * d
-    k, n = weight.shape[1], weight.shape[0]
-    code = x.dtype if fmt is None else torch.uint8
-    wcode = weight.dtype if fmt is None else torch.uint8
+    kk, n = weight.shape[1], weight.shape[0]
+    code = dt if fmt is None else torch.uint8
     f32 = dict(dtype=torch.float32, device=x.device)
-    if granularity == "mx" and fmt is not None:  # saved cast down the rows (MX_COLS)
-        x_scale, w_scale = (-(-rows // MX_COLS[0]), k), (-(-n // MX_COLS[0]), k)
+    granularity = k.granularity if fmt else "tensor"
+    if granularity == "mx":  # saved cast down the rows (MX_COLS)
+        x_scale, w_scale = (-(-rows // MX_COLS[0]), kk), (-(-n // MX_COLS[0]), kk)
     else:
-        x_scale = _scale_shape(granularity if fmt else "tensor", block, rows, k, False)
-        w_scale = _scale_shape(granularity if fmt else "tensor", block, n, k, True)
+        x_scale = _scale_shape(granularity, k.block, rows, kk, False)
+        w_scale = _scale_shape(granularity, k.block, n, kk, True)
     return (
-        x.new_empty(*x.shape[:-1], n),
+        x.new_empty(*x.shape[:-1], n, dtype=dt),
         x.new_empty((), dtype=torch.float32),
         x.new_empty((), dtype=torch.float32),
-        x.new_empty(rows, k, dtype=code),
+        x.new_empty(rows, kk, dtype=code),
         torch.empty(x_scale, **f32),
-        x.new_empty(n, k, dtype=wcode),
+        x.new_empty(n, kk, dtype=code),
         torch.empty(w_scale, **f32),
     )
 
 
-@torch.library.custom_op("fp8pass::fp8_linear_backward", mutates_args=())
-def fp8_linear_backward_op(
-    dy: torch.Tensor,
-    x_data: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_data: torch.Tensor,
-    w_scale: torch.Tensor,
-    g_state: list[torch.Tensor],
-    x_dtype: torch.dtype,
-    w_dtype: torch.dtype,
-    want_bias_grad: bool,
-    fwd_format: str,
-    bwd_format: str,
-    granularity: str,
-    block: int,
-    power_of_two: bool,
-    grad_rounding: str,
-    margin: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx2d, dW, db_fp32, dy_amax)`` from ``dy`` and the saved FP8 operands (no state mutation)."""
-    fmt = resolve_format(bwd_format)
-    x_data = from_bytes(x_data, resolve_format(fwd_format))
-    w_data = from_bytes(w_data, resolve_format(fwd_format))
+@knob_op("fp8pass::fp8_linear_backward",
+         "Tensor dy, Tensor x_data, Tensor x_scale, Tensor w_data, Tensor w_scale, Tensor[] g_state, "
+         "ScalarType x_dtype, ScalarType w_dtype, bool want_bias_grad", LinearKnobs,
+         "(Tensor, Tensor, Tensor, Tensor)")
+def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad, *knobs):
+    """``(dx2d, dW, db_fp32, dy_amax)`` from ``dy`` and the saved FP8 operands (no state mutation).
+
+    The GEMMs round to the forward's compute dtype (what autocast's backward does), then each
+    gradient takes its input's dtype.
+    """
+    k = LinearKnobs(*knobs)
+    fmt = resolve_format(k.bwd_format)
+    fwd_fmt = resolve_format(k.fwd_format)
+    x_data = from_bytes(x_data, fwd_fmt)
+    w_data = from_bytes(w_data, fwd_fmt)
+    dt = compute_dtype(k, x_dtype)
     dy2d = dy.reshape(-1, dy.shape[-1])
-    up = _up(dy.device, x_dtype)
-    gt = tile_for(granularity, block, dy2d.shape, weight=False)
-    go = cast_operand(dy2d, fmt, granularity, gt, g_state, margin, power_of_two, grad_rounding, up=up,
+    up = _up(dy.device, dt)
+    gt = tile_for(k.granularity, k.block, dy2d.shape, weight=False)
+    go = cast_operand(dy2d, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up,
                       transpose=up is None)
-    xt = tile_for(granularity, block, x_data.shape, weight=False)
-    wt = tile_for(granularity, block, w_data.shape, weight=True)
+    xt = tile_for(k.granularity, k.block, x_data.shape, weight=False)
+    wt = tile_for(k.granularity, k.block, w_data.shape, weight=True)
     xo = Operand(x_data, x_scale, x_scale)
     wo = Operand(w_data, w_scale, w_scale)
     go_w, g_wt, mm = go, gt, torch.float32
-    if granularity == "mx":  # every operand blocked along its GEMM's reduction dim (the module doc)
-        saved_mx = resolve_format(fwd_format) is not None
+    if k.granularity == "mx":  # every operand blocked along its GEMM's reduction dim (the module doc)
+        saved_mx = fwd_fmt is not None
         if saved_mx:
             xt = wt = MX_COLS
         if fmt is not None:
             g_wt = MX_COLS
-            go_w = cast_operand(dy2d, fmt, granularity, MX_COLS, g_state, margin, power_of_two, grad_rounding)
+            go_w = cast_operand(dy2d, fmt, k.granularity, MX_COLS, g_state, k.margin, k.power_of_two,
+                                k.grad_rounding)
         if saved_mx and fmt is not None:
-            mm = _mx_mm_dtype(dy.device, x_dtype)
+            mm = _mx_mm_dtype(dy.device, dt)
     # dx = dy @ W: W^T [in, out] is the "B" operand ([N, K] with K = out).
-    dx = gemm(go, gt, wo, wt, x_dtype, b_t=True, mm_dtype=mm)
+    dx = gemm(go, gt, wo, wt, x_dtype, b_t=True, mm_dtype=mm, compute_dtype=dt)
     # dW = dy^T @ x: dy^T [out, tokens] and x^T [in, tokens].
-    dw = gemm(go_w, g_wt, xo, xt, w_dtype, a_t=True, b_t=True, mm_dtype=mm)
+    dw = gemm(go_w, g_wt, xo, xt, w_dtype, a_t=True, b_t=True, mm_dtype=mm, compute_dtype=dt)
     if want_bias_grad:
         db = dy2d.sum(0, dtype=torch.float32)
     else:  # a sum over all tokens is not free; skip it when there is no bias
@@ -199,17 +203,15 @@ def fp8_linear_backward_op(
 
 
 @fp8_linear_backward_op.register_fake
-def _(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad, fwd_format, bwd_format, granularity, block,
-      power_of_two, grad_rounding, margin):
-    rows, k = x_data.shape
+def _(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad, *knobs):
+    rows, kk = x_data.shape
     n = w_data.shape[0]
-    return (dy.new_empty(rows, k, dtype=x_dtype), dy.new_empty(n, k, dtype=w_dtype),
+    return (dy.new_empty(rows, kk, dtype=x_dtype), dy.new_empty(n, kk, dtype=w_dtype),
             dy.new_empty(n, dtype=torch.float32), dy.new_empty((), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    (x, weight, bias, x_state, w_state, g_state, fwd_format, bwd_format, granularity, block, power_of_two,
-     grad_rounding, margin, interval, algo) = inputs
+    x, weight, bias, x_state, w_state, g_state = inputs[:6]
     _, _, _, x_data, x_scale, w_data, w_scale = output
     ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
     ctx.g_state = list(g_state)
@@ -217,22 +219,24 @@ def _setup_context(ctx, inputs, output):
     ctx.x_shape = x.shape
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
-    ctx.args = (fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
-    ctx.recipe = (margin, interval, algo, power_of_two)
+    ctx.knobs = LinearKnobs.take(inputs)
+
+
+def record_grad_amax(g_state, g_amax, k: LinearKnobs) -> None:
+    """The backward's record of grad_output's amax into its delayed-scaling state (if any)."""
+    if g_state and resolve_format(k.bwd_format) is not None:
+        torch.ops.fp8pass.delayed_record_(*g_state, g_amax, k.bwd_format, k.margin, k.interval, k.algo,
+                                          k.power_of_two)
 
 
 def _backward(ctx, dy, *unused):
-    x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-    fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
+    k = ctx.knobs
     dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_backward(
-        dy, x_data, x_scale, w_data, w_scale, ctx.g_state, ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None, fwd_format, bwd_format, granularity,
-        block, power_of_two, grad_rounding, margin)
-    if ctx.g_state and resolve_format(bwd_format) is not None:
-        m, interval, algo, p2 = ctx.recipe
-        torch.ops.fp8pass.delayed_record_(*ctx.g_state, g_amax, bwd_format, m, interval, algo, p2)
+        dy, *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None, *k.args())
+    record_grad_amax(ctx.g_state, g_amax, k)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
     nx, nw, ng = ctx.n_states
-    return (dx.reshape(ctx.x_shape), dw, dbias, [None] * nx, [None] * nw, [None] * ng) + (None,) * 9
+    return (dx.reshape(ctx.x_shape), dw, dbias, [None] * nx, [None] * nw, [None] * ng) + LinearKnobs.no_grads()
 
 
 fp8_linear_op.register_autograd(_backward, setup_context=_setup_context)

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import GRANULARITIES
 from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
 from .kernels import uses_triton
-from .linear import _scale_shape, _up
+from .linear import _scale_shape, _up, check_knobs, compute_dtype, record_grad_amax
+from .op_schema import GLUKnobs, knob_op
 
 __all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad",
            "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
@@ -160,133 +160,102 @@ def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
     return Operand(codes, scale, amax), s
 
 
-def _check(gate, up, w_down, activation, smooth, granularity):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown GLU activation {activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
-    if smooth not in SMOOTH_MODES:
-        raise ValueError(f"unknown smooth mode {smooth!r}; valid: 'channel', 'token', None/'none'")
+def _check(gate, up, w_down, k: GLUKnobs):
+    if k.activation not in ACTIVATIONS:
+        raise ValueError(f"unknown GLU activation {k.activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
+    if k.smooth not in SMOOTH_MODES:
+        raise ValueError(f"unknown smooth mode {k.smooth!r}; valid: 'channel', 'token', None/'none'")
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     if w_down.dim() != 2 or w_down.shape[1] != gate.shape[-1]:
         raise ValueError(f"swiglu: w_down must be [out, {gate.shape[-1]}], got {tuple(w_down.shape)}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
+    check_knobs(k)
 
 
-@torch.library.custom_op("fp8pass::swiglu_down", mutates_args=())
-def swiglu_down_op(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    w_down: torch.Tensor,
-    a_state: list[torch.Tensor],
-    b_state: list[torch.Tensor],
-    g_state: list[torch.Tensor],
-    activation: str,
-    smooth: str,
-    fwd_format: str,
-    bwd_format: str,
-    granularity: str,
-    block: int,
-    power_of_two: bool,
-    grad_rounding: str,
-    margin: float,
-    interval: int,
-    algo: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
+@knob_op("fp8pass::swiglu_down",
+         "Tensor gate, Tensor up, Tensor w_down, Tensor[] a_state, Tensor[] b_state, Tensor[] g_state", GLUKnobs,
+         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
     """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``."""
-    _check(gate, up, w_down, activation, smooth, granularity)
-    fmt = resolve_format(fwd_format)
+    k = GLUKnobs(*knobs)
+    _check(gate, up, w_down, k)
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, gate.dtype)
     g2 = gate.reshape(-1, gate.shape[-1])
     u2 = up.reshape(-1, up.shape[-1])
-    up_dtype = _up(gate.device, gate.dtype)
-    at = tile_for(granularity, block, g2.shape, weight=False)
-    if uses_triton(gate.device) and fmt is not None and granularity == "tensor" and activation == "silu":
-        ao, s = _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two)
+    up_dtype = _up(gate.device, dt)
+    at = tile_for(k.granularity, k.block, g2.shape, weight=False)
+    if uses_triton(gate.device) and fmt is not None and k.granularity == "tensor" and k.activation == "silu":
+        ao, s = _fused_operand(g2, u2, k.smooth, fmt, a_state, k.margin, k.power_of_two)
     else:
-        a, s = swiglu_operand(g2, u2, smooth, activation)
-        ao = cast_operand(a, fmt, granularity, at, a_state, margin, power_of_two, up=up_dtype)
-    b = w_down / s.to(w_down.dtype) if smooth == "channel" else w_down
-    bt = tile_for(granularity, block, b.shape, weight=True)
-    bo = cast_operand(b, fmt, granularity, bt, [] if smooth == "channel" else b_state, margin, power_of_two,
-                      up=up_dtype)
-    if smooth == "token":
-        y = (gemm(ao, at, bo, bt, gate.dtype).float() * s).to(gate.dtype)
+        a, s = swiglu_operand(g2, u2, k.smooth, k.activation)
+        ao = cast_operand(a, fmt, k.granularity, at, a_state, k.margin, k.power_of_two, up=up_dtype)
+    b = w_down / s.to(w_down.dtype) if k.smooth == "channel" else w_down
+    bt = tile_for(k.granularity, k.block, b.shape, weight=True)
+    bo = cast_operand(b, fmt, k.granularity, bt, [] if k.smooth == "channel" else b_state, k.margin,
+                      k.power_of_two, up=up_dtype)
+    if k.smooth == "token":
+        y = (gemm(ao, at, bo, bt, dt).float() * s).to(dt)
     else:
-        y = gemm(ao, at, bo, bt, gate.dtype)
+        y = gemm(ao, at, bo, bt, dt)
     return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
             ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(), s.clone())
 
 
 @swiglu_down_op.register_fake
-def _(gate, up, w_down, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format, granularity, block,
-      power_of_two, grad_rounding, margin, interval, algo):
-    _check(gate, up, w_down, activation, smooth, granularity)
-    fmt = resolve_format(fwd_format)
+def _(gate, up, w_down, a_state, b_state, g_state, *knobs):
+    k = GLUKnobs(*knobs)
+    _check(gate, up, w_down, k)
+    fmt = resolve_format(k.fwd_format)
     rows = 1
     for d in gate.shape[:-1]:
         rows = rows * d
     f, n = gate.shape[-1], w_down.shape[0]
     f32 = dict(dtype=torch.float32, device=gate.device)
-    s_shape = {"channel": (f,), "token": (rows, 1), "none": ()}[smooth]
+    s_shape = {"channel": (f,), "token": (rows, 1), "none": ()}[k.smooth]
+    granularity = k.granularity if fmt else "tensor"
     return (
-        gate.new_empty(*gate.shape[:-1], n),
+        gate.new_empty(*gate.shape[:-1], n, dtype=compute_dtype(k, gate.dtype)),
         torch.empty((), **f32),
         torch.empty((), **f32),
         gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8),
-        torch.empty(_scale_shape(granularity if fmt else "tensor", block, rows, f, False), **f32),
+        torch.empty(_scale_shape(granularity, k.block, rows, f, False), **f32),
         w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else torch.uint8),
-        torch.empty(_scale_shape(granularity if fmt else "tensor", block, n, f, True), **f32),
+        torch.empty(_scale_shape(granularity, k.block, n, f, True), **f32),
         torch.empty(s_shape, **f32),
     )
 
 
-@torch.library.custom_op("fp8pass::swiglu_down_backward", mutates_args=())
-def swiglu_down_backward_op(
-    dy: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    a_data: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_data: torch.Tensor,
-    b_scale: torch.Tensor,
-    smooth_scales: torch.Tensor,
-    g_state: list[torch.Tensor],
-    w_dtype: torch.dtype,
-    activation: str,
-    smooth: str,
-    fwd_format: str,
-    bwd_format: str,
-    granularity: str,
-    block: int,
-    power_of_two: bool,
-    grad_rounding: str,
-    margin: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@knob_op("fp8pass::swiglu_down_backward",
+         "Tensor dy, Tensor gate, Tensor up, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, "
+         "Tensor smooth_scales, Tensor[] g_state, ScalarType w_dtype", GLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
+def swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, *knobs):
     """``(dgate, dup, dW_down, dy_amax)`` (no state mutation)."""
-    fmt = resolve_format(bwd_format)
-    a_data = from_bytes(a_data, resolve_format(fwd_format))
-    b_data = from_bytes(b_data, resolve_format(fwd_format))
+    k = GLUKnobs(*knobs)
+    fmt = resolve_format(k.bwd_format)
+    a_data = from_bytes(a_data, resolve_format(k.fwd_format))
+    b_data = from_bytes(b_data, resolve_format(k.fwd_format))
+    dt = compute_dtype(k, gate.dtype)
     dy2 = dy.reshape(-1, dy.shape[-1])
     s = smooth_scales
-    if smooth == "token":
+    if k.smooth == "token":
         dy2 = dy2.float() * s
-    up_dtype = _up(dy.device, gate.dtype)
-    gt = tile_for(granularity, block, dy2.shape, weight=False)
-    go = cast_operand(dy2, fmt, granularity, gt, g_state, margin, power_of_two, grad_rounding, up=up_dtype)
-    at = tile_for(granularity, block, a_data.shape, weight=False)
-    bt = tile_for(granularity, block, b_data.shape, weight=True)
+    up_dtype = _up(dy.device, dt)
+    gt = tile_for(k.granularity, k.block, dy2.shape, weight=False)
+    go = cast_operand(dy2, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up_dtype)
+    at = tile_for(k.granularity, k.block, a_data.shape, weight=False)
+    bt = tile_for(k.granularity, k.block, b_data.shape, weight=True)
     ao = Operand(a_data, a_scale, a_scale)
     bo = Operand(b_data, b_scale, b_scale)
-    da = gemm(go, gt, bo, bt, gate.dtype, b_t=True)           # dA = G @ B      [T, F]
-    db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True)     # dB = G^T @ A    [O, F]
-    if smooth == "channel":
+    da = gemm(go, gt, bo, bt, gate.dtype, b_t=True, compute_dtype=dt)           # dA = G @ B      [T, F]
+    db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
+    if k.smooth == "channel":
         db = db / s.to(db.dtype)       # B = W / c  =>  dW = dB / c (exact: powers of two)
     g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
-    if activation == "silu":
-        dgate, dup = _on_cpu(_swiglu_backward_math, da, g2, u2, s, smooth)
+    if k.activation == "silu":
+        dgate, dup = _on_cpu(_swiglu_backward_math, da, g2, u2, s, k.smooth)
     else:  # eager torch math (module doc)
-        dgate, dup = _glu_backward_math(da, g2, u2, s, smooth, activation)
+        dgate, dup = _glu_backward_math(da, g2, u2, s, k.smooth, k.activation)
     return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
 
 
@@ -314,36 +283,30 @@ def _on_cpu(fn, *args):
 
 
 @swiglu_down_backward_op.register_fake
-def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, activation, smooth, fwd_format,
-      bwd_format, granularity, block, power_of_two, grad_rounding, margin):
+def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, *knobs):
     rows, f = a_data.shape
     return (gate.new_empty(rows, f), up.new_empty(rows, f), dy.new_empty(b_data.shape, dtype=w_dtype),
             dy.new_empty((), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    (gate, up, w_down, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format, granularity, block,
-     power_of_two, grad_rounding, margin, interval, algo) = inputs
+    gate, up, w_down, a_state, b_state, g_state = inputs[:6]
     _, _, _, a_data, a_scale, b_data, b_scale, s = output
     ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s)
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.shape, ctx.w_dtype = gate.shape, w_down.dtype
-    ctx.args = (activation, smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin)
-    ctx.recipe = (margin, interval, algo, power_of_two)
+    ctx.knobs = GLUKnobs.take(inputs)
 
 
 def _backward(ctx, dy, *unused):
-    gate, up, a_data, a_scale, b_data, b_scale, s = ctx.saved_tensors
-    activation, smooth, fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin = ctx.args
+    k = ctx.knobs
     dgate, dup, dw, g_amax = torch.ops.fp8pass.swiglu_down_backward(
-        dy, gate, up, a_data, a_scale, b_data, b_scale, s, ctx.g_state, ctx.w_dtype, activation, smooth, fwd_format,
-        bwd_format, granularity, block, power_of_two, grad_rounding, margin)
-    if ctx.g_state and resolve_format(bwd_format) is not None:
-        m, interval, algo, p2 = ctx.recipe
-        torch.ops.fp8pass.delayed_record_(*ctx.g_state, g_amax, bwd_format, m, interval, algo, p2)
+        dy, *ctx.saved_tensors, ctx.g_state, ctx.w_dtype, *k.args())
+    record_grad_amax(ctx.g_state, g_amax, k)
     na, nb, ng = ctx.n_states
-    return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng) + (None,) * 11
+    return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng) + \
+        GLUKnobs.no_grads()
 
 
 swiglu_down_op.register_autograd(_backward, setup_context=_setup_context)

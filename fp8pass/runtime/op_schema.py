@@ -1,0 +1,104 @@
+"""The static knobs of the runtime ops, declared once per op as a frozen dataclass.
+
+``torch.library`` custom ops take tensors, scalars, strings and dtypes only, so the knobs are
+flattened into the op's schema as its last arguments, in field order. Everything else is built from
+the one declaration: the schema text (:func:`knob_op`), the values to pass (:meth:`Knobs.args`),
+the unpacking inside the op, its fake and its ``setup_context`` (:meth:`Knobs.take`), and the
+backward's ``None`` for every knob (:meth:`Knobs.no_grads`). Adding a knob is one new field.
+
+No knob has a default in the schema (the dispatcher drops arguments equal to their defaults, which
+would change the backward's input structure), so every call passes all of them.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "knob_op"]
+
+# Python annotation (as written in the dataclass) -> schema type
+_SCHEMA_TYPES = {str: "str", int: "int", float: "float", bool: "bool", torch.dtype: "ScalarType",
+                 typing.Optional[torch.dtype]: "ScalarType?"}
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Base of an op's knob declaration: subclasses list the knobs as typed fields."""
+
+    @classmethod
+    def schema(cls) -> str:
+        """The knobs as schema arguments, ``"str fwd_format, ..."``."""
+        hints = typing.get_type_hints(cls)
+        return ", ".join(f"{_SCHEMA_TYPES[hints[f.name]]} {f.name}" for f in fields(cls))
+
+    @classmethod
+    def count(cls) -> int:
+        return len(fields(cls))
+
+    @classmethod
+    def take(cls, args) -> "Knobs":
+        """The knobs from an op's full argument list (they are its last ``count()`` arguments)."""
+        return cls(*args[len(args) - cls.count():])
+
+    @classmethod
+    def no_grads(cls) -> tuple:
+        """One ``None`` gradient per knob (the tail of the backward's return)."""
+        return (None,) * cls.count()
+
+    def args(self) -> tuple:
+        """The values to pass to the op, in schema order."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def replace(self, **changes) -> "Knobs":
+        return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+@dataclass(frozen=True)
+class LinearKnobs(Knobs):
+    """Knobs of ``fp8_linear`` (and, after its per-call arguments, ``fp8_linear_backward``).
+
+    Attributes:
+        fwd_format, bwd_format: formats of the forward operands and of grad_output ("identity": no
+            quantization, a testing hook).
+        granularity, block: scale granularity ("tensor" | "row" | "block" | "mx") and tile edge.
+        power_of_two: round scales down to powers of two.
+        grad_rounding: "nearest" | "stochastic" for grad_output.
+        margin, interval, algo: the DelayedScaling recipe's fields.
+        out_dtype: dtype of the op's output and of its GEMMs' rounding: the dtype the replaced node
+            produced (under autocast, the autocast dtype); None means the input's dtype.
+    """
+
+    fwd_format: str
+    bwd_format: str
+    granularity: str
+    block: int
+    power_of_two: bool
+    grad_rounding: str
+    margin: float
+    interval: int
+    algo: str
+    out_dtype: typing.Optional[torch.dtype]
+
+
+@dataclass(frozen=True)
+class GLUKnobs(LinearKnobs):
+    """Knobs of ``swiglu_down`` (and ``swiglu_down_backward``): the linear's plus the GLU's.
+
+    Attributes:
+        activation: "silu" | "gelu" | "gelu_tanh" | "relu".
+        smooth: Smooth-SwiGLU mode, "channel" | "token" | "none".
+    """
+
+    activation: str
+    smooth: str
+
+
+def knob_op(name: str, tensors: str, knobs: type[Knobs], returns: str):
+    """``torch.library.custom_op`` decorator whose schema is ``(tensors, knobs) -> returns``.
+
+    The decorated function takes the tensor arguments by name, then ``*knobs`` (positional).
+    """
+    return torch.library.custom_op(name, mutates_args=(), schema=f"({tensors}, {knobs.schema()}) -> {returns}")
