@@ -17,13 +17,14 @@ x_scale, w_data, w_scale)``
     ``max|x|``, ``max|W|`` of this call (what delayed scaling records). The last four outputs are the
     saved operands for backward (codes as uint8, 1 byte/element, and their fp32 scales): ignore them.
 ``swiglu_down(gate, up, w_down, a_state, b_state, g_state, *GLUKnobs) -> (y, a_amax, b_amax, a_data,
-a_scale, b_data, b_scale, smooth_scales)``
+a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scale)``
     ``y = (act(gate) * up) W_down^T`` with ``activation`` = "silu" (SwiGLU) | "gelu" | "gelu_tanh"
     (GeGLU) | "relu" (ReGLU) and Smooth-SwiGLU ``smooth`` = "channel" | "token" | "none"
     (see :mod:`fp8pass.runtime.swiglu`; silu has the fused CPU/Triton kernels, the others run as
     eager torch math with exact derivatives); ``gate``/``up`` [..., ffn] come from ``fp8_linear`` calls
     (one fused gate/up linear + ``chunk(2, -1)`` is fine). ``a`` is the operand built from ``h``,
-    ``b`` the (column-scaled) ``W_down``; outputs 4-8 are for backward.
+    ``b`` the (column-scaled) ``W_down``; outputs 4-12 are for backward (codes and scales only:
+    ``gate``/``up`` are kept as E4M3 codes, the GLU derivative uses their dequantized values).
 ``fp8_grouped_linear(x, weight, offs, w_transposed, x_state, w_state, g_state, fwd_format, bwd_format,
 power_of_two, grad_rounding, margin, interval, algo) -> (y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
     MoE experts (:mod:`fp8pass.runtime.grouped`): ``x`` [S, K] rows sorted by expert, ``offs`` int32

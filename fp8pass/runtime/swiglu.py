@@ -32,15 +32,16 @@ arithmetic; docs/background.md, Smooth-SwiGLU; ``silu`` below stands for the act
 ``A`` and ``B`` are cast to ``fwd_format`` with the linear's scaling options; in ``channel`` mode ``B``
 depends on this call's ``c`` and is therefore always current-scaled (its delayed state, if given, is
 not used). Backward: ``dy`` (times ``r`` in token mode) cast to ``bwd_format``; dgrad and wgrad are FP8
-GEMMs from the saved codes of ``A`` and ``B``; the GLU derivative runs in fp32 from the saved
-``gate`` and ``up`` (which plain GLU autograd saves as well).
+GEMMs from the saved codes of ``A`` and ``B``; the GLU derivative runs in fp32 from ``gate`` and ``up``
+as saved in FP8 (``fwd_format``, current per-tensor scales: :func:`saved_glu_input`). Backward keeps
+codes and scales only, no high-precision copy of ``gate``, ``up`` or ``h``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .casting import Operand, as_bytes, cast_operand, dequantize, from_bytes, gemm, resolve_format, tile_for
 from .kernels import uses_triton
 from .linear import _scale_shape, _up, check_knobs, compute_dtype, record_grad_amax
 from .op_schema import GLUKnobs, knob_op
@@ -165,8 +166,9 @@ def _check(gate, up, w_down, k: GLUKnobs):
         raise ValueError(f"unknown GLU activation {k.activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
     if k.smooth not in SMOOTH_MODES:
         raise ValueError(f"unknown smooth mode {k.smooth!r}; valid: 'channel', 'token', None/'none'")
-    if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate and up must have the same shape and dtype, got {tuple(gate.shape)} "
+                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
     if w_down.dim() != 2 or w_down.shape[1] != gate.shape[-1]:
         raise ValueError(f"swiglu: w_down must be [out, {gate.shape[-1]}], got {tuple(w_down.shape)}")
     check_knobs(k)
@@ -174,9 +176,10 @@ def _check(gate, up, w_down, k: GLUKnobs):
 
 @knob_op("fp8pass::swiglu_down",
          "Tensor gate, Tensor up, Tensor w_down, Tensor[] a_state, Tensor[] b_state, Tensor[] g_state", GLUKnobs,
-         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
-    """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``."""
+    """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale,
+    up_data, up_scale)``; outputs 3-11 are what backward keeps (see :func:`saved_glu_input`)."""
     k = GLUKnobs(*knobs)
     _check(gate, up, w_down, k)
     fmt = resolve_format(k.fwd_format)
@@ -198,8 +201,22 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
         y = (gemm(ao, at, bo, bt, dt).float() * s).to(dt)
     else:
         y = gemm(ao, at, bo, bt, dt)
+    go, uo = saved_glu_input(g2, fmt), saved_glu_input(u2, fmt)
     return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
-            ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(), s.clone())
+            ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(), s.clone(), as_bytes(go.data), go.scale,
+            as_bytes(uo.data), uo.scale)
+
+
+def saved_glu_input(t2d: torch.Tensor, fmt) -> Operand:
+    """``gate`` or ``up`` as backward keeps it: FP8 codes (``fwd_format``, current per-tensor scale), the
+    only copy of it kept for backward; the identity format keeps the values (a copy, bit-exact math).
+
+    The GLU derivative then runs on the dequantized values: one more E4M3 rounding (relative 2**-4)
+    of gate and up in the gradient, for 1 byte per element instead of 2-4 (bf16/fp32 GLU autograd
+    saves both in high precision)."""
+    if fmt is None:
+        return Operand(t2d.clone(), torch.ones((), dtype=torch.float32, device=t2d.device), None)
+    return cast_operand(t2d, fmt)
 
 
 @swiglu_down_op.register_fake
@@ -223,19 +240,25 @@ def _(gate, up, w_down, a_state, b_state, g_state, *knobs):
         w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else torch.uint8),
         torch.empty(_scale_shape(granularity, k.block, n, f, True), **f32),
         torch.empty(s_shape, **f32),
+        gate.new_empty(rows, f, dtype=gate.dtype if fmt is None else torch.uint8),
+        torch.empty((), **f32),
+        up.new_empty(rows, f, dtype=up.dtype if fmt is None else torch.uint8),
+        torch.empty((), **f32),
     )
 
 
 @knob_op("fp8pass::swiglu_down_backward",
-         "Tensor dy, Tensor gate, Tensor up, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, "
-         "Tensor smooth_scales, Tensor[] g_state, ScalarType w_dtype", GLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
-def swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, *knobs):
+         "Tensor dy, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, Tensor smooth_scales, "
+         "Tensor gate_data, Tensor gate_scale, Tensor up_data, Tensor up_scale, Tensor[] g_state, "
+         "ScalarType gate_dtype, ScalarType w_dtype", GLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
+def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data,
+                            up_scale, g_state, gate_dtype, w_dtype, *knobs):
     """``(dgate, dup, dW_down, dy_amax)`` (no state mutation)."""
     k = GLUKnobs(*knobs)
     fmt = resolve_format(k.bwd_format)
     a_data = from_bytes(a_data, resolve_format(k.fwd_format))
     b_data = from_bytes(b_data, resolve_format(k.fwd_format))
-    dt = compute_dtype(k, gate.dtype)
+    dt = compute_dtype(k, gate_dtype)
     dy2 = dy.reshape(-1, dy.shape[-1])
     s = smooth_scales
     if k.smooth == "token":
@@ -247,16 +270,22 @@ def swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b_scale, smoo
     bt = tile_for(k.granularity, k.block, b_data.shape, weight=True)
     ao = Operand(a_data, a_scale, a_scale)
     bo = Operand(b_data, b_scale, b_scale)
-    da = gemm(go, gt, bo, bt, gate.dtype, b_t=True, compute_dtype=dt)           # dA = G @ B      [T, F]
+    da = gemm(go, gt, bo, bt, gate_dtype, b_t=True, compute_dtype=dt)           # dA = G @ B      [T, F]
     db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
     if k.smooth == "channel":
         db = db / s.to(db.dtype)       # B = W / c  =>  dW = dB / c (exact: powers of two)
-    g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    g2, u2 = (_saved_values(d, sc, k.fwd_format) for d, sc in ((gate_data, gate_scale), (up_data, up_scale)))
     if k.activation == "silu":
         dgate, dup = _on_cpu(_swiglu_backward_math, da, g2, u2, s, k.smooth)
     else:  # eager torch math (module doc)
         dgate, dup = _glu_backward_math(da, g2, u2, s, k.smooth, k.activation)
-    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+    return dgate.to(gate_dtype), dup.to(gate_dtype), db, go.amax
+
+
+def _saved_values(data, scale, fwd_format):
+    """The values :func:`saved_glu_input` kept: fp32 ``codes / scale``, or the identity format's copy."""
+    fmt = resolve_format(fwd_format)
+    return data if fmt is None else dequantize(from_bytes(data, fmt), scale, None)
 
 
 def _swiglu_backward_math(da, gate2d, up2d, s, smooth: str):
@@ -283,26 +312,27 @@ def _on_cpu(fn, *args):
 
 
 @swiglu_down_backward_op.register_fake
-def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, g_state, w_dtype, *knobs):
+def _(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scale, g_state,
+      gate_dtype, w_dtype, *knobs):
     rows, f = a_data.shape
-    return (gate.new_empty(rows, f), up.new_empty(rows, f), dy.new_empty(b_data.shape, dtype=w_dtype),
+    return (dy.new_empty(rows, f, dtype=gate_dtype), dy.new_empty(rows, f, dtype=gate_dtype),
+            dy.new_empty(b_data.shape, dtype=w_dtype),
             dy.new_empty((), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
     gate, up, w_down, a_state, b_state, g_state = inputs[:6]
-    _, _, _, a_data, a_scale, b_data, b_scale, s = output
-    ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s)
+    ctx.save_for_backward(*output[3:])  # FP8 codes and scales only (gate and up too: saved_glu_input)
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
-    ctx.shape, ctx.w_dtype = gate.shape, w_down.dtype
+    ctx.shape, ctx.gate_dtype, ctx.w_dtype = gate.shape, gate.dtype, w_down.dtype
     ctx.knobs = GLUKnobs.take(inputs)
 
 
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dgate, dup, dw, g_amax = torch.ops.fp8pass.swiglu_down_backward(
-        dy, *ctx.saved_tensors, ctx.g_state, ctx.w_dtype, *k.args())
+        dy, *ctx.saved_tensors, ctx.g_state, ctx.gate_dtype, ctx.w_dtype, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     na, nb, ng = ctx.n_states
     return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng) + \
