@@ -56,8 +56,9 @@ SUITES = {s.name: s for s in (
           "FP8 AdamW step vs torch AdamW(foreach), state bytes/param"),
     Suite("compile", "backend_compile.py", ("--max-layers", "8"), (),
           "compile time fp8 / inductor, pass time vs layers"),
-    Suite("train", "train_step.py", ("--steps", "3"), (),
-          "tiny Llama training step fp8 / bf16, saved-activation and optimizer bytes"),
+    Suite("train", "train_step.py", ("--quick",), (),
+          "Llama training step fp8-smooth-fp8adam / bf16-Inductor + torch AdamW (tiny; the full run adds "
+          "the block shape): time, saved-for-backward bytes, params+grads+optimizer+saved bytes"),
     Suite("nvfp4", "nvfp4.py", ("--repeat", "3"), (), "NVFP4 emulation cost and hot-channel patching overhead"),
     Suite("moe", "moe.py", ("--quick",), (), "MoE experts (8 x top-2) fwd+bwd: fp8 grouped ops vs bf16 grouped"),
 )}
@@ -78,6 +79,14 @@ GOALS = (
     Goal("optim", "bytes_per_param", "<=", 2.1, "FP8 AdamW state bytes per parameter",
          {"optimizer": "fp8pass AdamW default"}),
     Goal("compile", "fp8_over_inductor", "<=", 1.3, "compile time fp8 / inductor (4 layers)"),
+    Goal("train", "step fp8/bf16-inductor", "<=", 1.15, "block training step fp8 / bf16-Inductor (CPU)",
+         {"shape": "block"}),
+    Goal("train", "step fp8/bf16-inductor", "<=", 1.6, "tiny training step fp8 / bf16-Inductor (CPU)",
+         {"shape": "tiny"}),
+    Goal("train", "saved fp8/bf16-inductor", "<=", 0.6, "block saved-for-backward bytes fp8 / bf16-Inductor",
+         {"shape": "block"}),
+    Goal("train", "total fp8/bf16-inductor+adamw", "<=", 0.65,
+         "block params+grads+optimizer+saved fp8 / bf16-Inductor+AdamW", {"shape": "block"}),
     Goal("nvfp4", "linear hcp(split) / nvfp4", "<=", 1.10, "hot-channel patching overhead / NVFP4"),
     Goal("moe", "fp8_current/bf16", "<=", 1.3, "CPU MoE experts fwd+bwd fp8 grouped / bf16 grouped"),
 )

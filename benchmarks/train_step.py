@@ -1,17 +1,36 @@
-"""One training step of the tiny Llama: fp8pass vs bf16 (eager and Inductor), time and memory.
+"""One training step of a Llama-style model: fp8pass vs bf16 (eager and Inductor), time and memory.
 
-For each variant, in the same process: median step time (forward + backward + optimizer step), the
-bytes autograd saved for backward during one forward (counted with ``saved_tensors_hooks``, so it is
-exact and device independent), and the optimizer's state bytes per parameter. On CUDA the peak
-allocated memory of a step is reported too.
+Two shapes (``--shape``): ``tiny`` (d_model 256, ffn 672, 4 heads, 4 layers, batch 8 x 256 tokens)
+and ``block`` (d_model 2048, ffn 5632, 16 heads, 2 layers, batch 1 x 2048 tokens: the matmuls of a
+7B layer). Both use a 256-token vocabulary, so the embedding and the LM head (2 x 256 x d_model
+weights, 1% of ``block``'s matmul FLOPs) do not dominate.
 
-    python benchmarks/train_step.py [--d-model 256] [--layers 4] [--batch 8] [--seq 256] [--steps 5] [--json FILE]
+For each variant, in the same process, the variants' steps interleaved round by round (so that load
+from other processes hits all of them alike): median step time (forward + backward + optimizer
+step), and the memory a step holds:
+
+* saved for backward: the activations the compiled (AOT-partitioned) forward hands to backward,
+  read from the partitioned backward graph: its inputs that are neither gradients (tangents) nor
+  the graph's own inputs (parameters and tokens exist anyway), each counted at its size. The
+  ``saved_tensors_hooks`` count of the same forward (storages counted once, parameters' storages
+  left out) is reported beside it as a check; for the eager variant it is the only count.
+* params + grads + optimizer state (all storage of the optimizer's state tensors) + saved.
+
+The ratios against bf16-Inductor + torch AdamW (what the ``bf16`` recipe builds: fp32 moments,
+``foreach`` left to torch, which on CPU means the per-tensor loop) are printed with the goals of
+issue 15. ``--profile DIR`` writes torch.profiler tables of one step of each variant.
+
+    python benchmarks/train_step.py [--shape tiny|block|all] [--variants ...] [--steps 3]
+                                    [--threads 1] [--quick] [--profile DIR] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -19,27 +38,40 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fp8pass  # noqa: E402
-from benchmarks.common import baseline_dtype, dtype_name, machine, time_fn  # noqa: E402
+import fp8pass  # noqa: E402,F401
+from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds  # noqa: E402
 from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
 from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model  # noqa: E402
 
-VARIANTS = (
-    ("bf16 eager", "bf16", False),
-    ("bf16 inductor", "bf16", True),
-    ("fp8-smooth", "fp8-smooth", False),
-    ("fp8-smooth-fp8adam", "fp8-smooth-fp8adam", False),
-)
+SHAPES = {
+    "tiny": dict(d_model=256, ffn=672, n_heads=4, n_layers=4, batch=8, seq=256),
+    "block": dict(d_model=2048, ffn=5632, n_heads=16, n_layers=2, batch=1, seq=2048),
+}
+VOCAB = 256
+VARIANTS = {  # name -> (recipe, compile the bf16 recipe with Inductor)
+    "bf16 eager": ("bf16", False),
+    "bf16 inductor": ("bf16", True),
+    "fp8-smooth": ("fp8-smooth", False),
+    "fp8-smooth-fp8adam": ("fp8-smooth-fp8adam", False),
+}
+BASE, FP8 = "bf16 inductor", "fp8-smooth-fp8adam"
+DEFAULT_VARIANTS = {"tiny": tuple(VARIANTS), "block": (BASE, FP8)}
+GOALS = {  # (shape, measure) -> goal of issue 15 (<=)
+    ("block", "step"): 1.15, ("tiny", "step"): 1.6, ("block", "saved"): 0.6, ("block", "total"): 0.65,
+}
 
 
-def saved_bytes(fn) -> int:
-    """Bytes of the tensors autograd saves for backward while ``fn()`` runs (storage counted once)."""
+def saved_bytes(fn, exclude=()) -> tuple[int, object]:
+    """Bytes of the tensors autograd saves for backward while ``fn()`` runs (storage counted once;
+    storages whose data_ptr is in ``exclude``, e.g. the parameters', left out)."""
     seen: dict[int, int] = {}
+    skip = set(exclude)
 
     def pack(t):
         if isinstance(t, torch.Tensor):
             s = t.untyped_storage()
-            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+            if s.data_ptr() not in skip:
+                seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -47,80 +79,255 @@ def saved_bytes(fn) -> int:
     return sum(seen.values()), out
 
 
+@contextlib.contextmanager
+def record_partitions(records: list):
+    """While active, every Inductor compile (plain or through fp8pass's backend) appends
+    ``{"saved_bytes", "saved_inputs", "saved"}`` of its partitioned backward graph to ``records``.
+    Caches are off so that the partitioner really runs."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.compile_fx as cfx
+    import torch._inductor.config as iconfig
+
+    real = cfx.min_cut_rematerialization_partition
+
+    def partition(joint, *args, **kwargs):
+        fw, bw = real(joint, *args, **kwargs)
+        records.append(backward_inputs(bw, fw))
+        return fw, bw
+
+    cfx.min_cut_rematerialization_partition = partition
+    try:
+        with iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False):
+            yield records
+    finally:
+        cfx.min_cut_rematerialization_partition = real
+
+
+def backward_inputs(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule | None = None) -> dict:
+    """What a partitioned backward graph takes from its forward: placeholders that are not tangents.
+    Those that are the forward's own inputs (``primals_*``: parameters, tokens), or views of them in
+    ``fw`` (a transposed weight), hold no extra memory and are counted apart, as ``input_bytes``."""
+    views_of_inputs = set()
+    if fw is not None:
+        for node in fw.graph.nodes:
+            src = node
+            while src.op == "call_function" and getattr(src.target, "is_view", False) and src.args:
+                src = src.args[0]
+            if src is not node and src.op == "placeholder":
+                views_of_inputs.add(node.name)
+    saved, inputs, names = 0, 0, []
+    for node in bw.graph.find_nodes(op="placeholder"):
+        if node.name.startswith("tangents"):
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue  # symbolic sizes, RNG seeds as ints
+        nbytes = _hint(val.numel()) * val.element_size()
+        if node.name.startswith("primals") or node.name in views_of_inputs:
+            inputs += nbytes
+        else:
+            saved += nbytes
+            names.append(f"{node.name}:{str(val.dtype).removeprefix('torch.')}{list(val.shape)}")
+    return {"saved_bytes": saved, "input_bytes": inputs, "saved": names}
+
+
+def _hint(n) -> int:
+    """An int of a size that may be symbolic (a graph compiled with dynamic shapes): its value here."""
+    return int(n.node.hint) if isinstance(n, torch.SymInt) else int(n)
+
+
 def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Storage of every tensor in the optimizer's state (moments, codes, scales, steps)."""
     total = 0
     for st in opt.state.values():
         for v in st.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if isinstance(v, torch.Tensor):
                 total += v.numel() * v.element_size()
     return total
 
 
-def run(d_model=256, layers=4, batch=8, seq=256, steps=5, device="cpu") -> dict:
-    cfg = ModelConfig(d_model=d_model, n_layers=layers, n_heads=max(1, d_model // 64), ffn=int(d_model * 8 / 3) // 16 * 16,
-                      max_seq_len=seq)
+def build(shape: str, name: str, device: str, dtype: torch.dtype):
+    s = SHAPES[shape]
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
+                      ffn=s["ffn"], max_seq_len=s["seq"])
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (s["batch"], s["seq"] + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    rows = []
-    # The "bf16" recipes' high precision: the machine's fast dtype (fp32 on CPUs without native bf16).
-    dtype = baseline_dtype(device)
-    for name, recipe_name, compile_bf16 in VARIANTS:
-        torch.manual_seed(0)
-        model = TinyLlama(cfg).to(device)
-        recipe = get_recipe(recipe_name)
-        fwd = prepare_model(model, recipe, compile_bf16=compile_bf16)
-        opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1)
+    recipe_name, compile_bf16 = VARIANTS[name]
+    torch.manual_seed(0)
+    model = TinyLlama(cfg).to(device)
+    recipe = get_recipe(recipe_name)
+    fwd = prepare_model(model, recipe, compile_bf16=compile_bf16)
+    opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1)
 
-        def loss_fn():
-            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
-                return fwd(x, y)
+    def loss_fn():
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            return fwd(x, y)
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss_fn().backward()
-            opt.step()
-
-        step()  # compile + optimizer state
-        nbytes, loss = saved_bytes(loss_fn)
-        loss.backward()
+    def step():
         opt.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t = time_fn(step, warmup=1, repeat=steps)
-        row = {"name": name, "step_ms": t["median"] * 1e3, "spread_ms": (t["max"] - t["min"]) * 1e3,
-               "saved_activation_mib": nbytes / 2**20,
-               "optimizer_state_bytes_per_param": state_bytes(opt) / model.num_params(),
-               "params": model.num_params()}
-        if device == "cuda":
-            row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        rows.append(row)
-    base = {r["name"]: r for r in rows}
-    for r in rows:
-        r["ratio_step_vs_bf16_eager"] = r["step_ms"] / base["bf16 eager"]["step_ms"]
-        r["ratio_step_vs_bf16_inductor"] = r["step_ms"] / base["bf16 inductor"]["step_ms"]
-        r["ratio_saved_activations_vs_bf16"] = r["saved_activation_mib"] / base["bf16 eager"]["saved_activation_mib"]
-    return {"config": cfg.to_dict(), "batch": batch, "seq": seq, "precision": dtype_name(dtype), "rows": rows}
+        loss_fn().backward()
+        opt.step()
+
+    return cfg, model, opt, loss_fn, step
+
+
+def run(shape: str = "tiny", variants=None, steps: int = 3, device: str = "cpu", profile: str | None = None) -> dict:
+    variants = tuple(variants or DEFAULT_VARIANTS[shape])
+    dtype = baseline_dtype(device)
+    rows, steps_fn = {}, {}
+    for name in variants:
+        records: list = []
+        with record_partitions(records):
+            cfg, model, opt, loss_fn, step = build(shape, name, device, dtype)
+            step()  # compile + optimizer state
+        params = list(model.parameters())
+        hook_bytes, loss = saved_bytes(loss_fn, exclude={p.untyped_storage().data_ptr() for p in params})
+        loss.backward()
+        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        opt.zero_grad(set_to_none=True)
+        graph_saved = sum(r["saved_bytes"] for r in records) if records else None
+        saved = graph_saved if graph_saved is not None else hook_bytes
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        opt_bytes = state_bytes(opt)
+        rows[name] = {
+            "name": name, "params": model.num_params(), "graphs": len(records),
+            "saved_mib": saved / 2**20, "saved_hooks_mib": hook_bytes / 2**20,
+            "saved_graph_mib": None if graph_saved is None else graph_saved / 2**20,
+            "param_mib": param_bytes / 2**20, "grad_mib": grad_bytes / 2**20, "optimizer_mib": opt_bytes / 2**20,
+            "optimizer_bytes_per_param": opt_bytes / model.num_params(),
+            "total_mib": (param_bytes + grad_bytes + opt_bytes + saved) / 2**20,
+        }
+        steps_fn[name] = step
+    times = time_rounds(steps_fn, device, repeat=steps, warmup=1)
+    for name, t in times.items():
+        rows[name].update(step_ms=statistics.median(t) * 1e3, spread_ms=(max(t) - min(t)) * 1e3,
+                          all_step_ms=[x * 1e3 for x in t])
+    if profile:
+        for name, step in steps_fn.items():
+            rows[name]["profile"] = profile_step(step, Path(profile) / f"{shape}_{name.replace(' ', '_')}.txt")
+    out = {"shape": shape, "config": cfg.to_dict(), "batch": SHAPES[shape]["batch"], "seq": SHAPES[shape]["seq"],
+           "precision": dtype_name(dtype), "threads": torch.get_num_threads(), "rows": list(rows.values())}
+    if BASE in rows:
+        b = rows[BASE]
+        for r in rows.values():
+            r["step/bf16_inductor"] = r["step_ms"] / b["step_ms"]
+            r["saved/bf16_inductor"] = r["saved_mib"] / b["saved_mib"]
+            r["total/bf16_inductor_adamw"] = r["total_mib"] / b["total_mib"]
+        if FP8 in rows:
+            f = rows[FP8]
+            out["ratios"] = {"shape": shape, "step fp8/bf16-inductor": f["step/bf16_inductor"],
+                             "saved fp8/bf16-inductor": f["saved/bf16_inductor"],
+                             "total fp8/bf16-inductor+adamw": f["total/bf16_inductor_adamw"]}
+    return out
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+GROUPS = (  # first match wins; names are aten ops, fp8pass custom ops and profiler scopes
+    ("optimizer", ("Optimizer.", "adam")),
+    ("state records", ("record", "amax_history", "delayed")),
+    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax")),
+    ("GEMMs", ("mm", "matmul", "linear", "gemm", "_scaled_mm", "mkldnn", "onednn")),
+    ("casts", ("cast", "quant", "_to_copy", "to_fp8", "float8", "clamp", "copy_")),
+)
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k.lower() in low for k in keys):
+            return group
+    return "other"
+
+
+def profile_step(step, path: Path) -> dict:
+    """One step under torch.profiler. The optimizer step is one group (everything under
+    ``Optimizer.step``); every other op's self time goes to the group its name falls in. Writes the
+    op table (self time) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    groups: dict[str, float] = {}
+    ops: dict[str, list] = {}
+    total = 0.0
+    for e in prof.events():
+        anc, in_opt = e, False
+        while anc is not None:
+            if anc.name.startswith("Optimizer.step"):
+                in_opt = True
+                break
+            anc = anc.cpu_parent
+        us = e.self_cpu_time_total
+        total += us
+        group = "optimizer" if in_opt else group_of(e.name)
+        groups[group] = groups.get(group, 0.0) + us / 1e3
+        if not in_opt:
+            o = ops.setdefault(e.name, [0, 0.0])
+            o[0] += 1
+            o[1] += us / 1e3
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"profiled_ms": total / 1e3, "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+            "top": [{"op": k, "calls": c, "self_ms": ms, "group": group_of(k)} for k, (c, ms) in top]}
+
+
+# -- report ------------------------------------------------------------------------------------
+
+def print_table(res: dict) -> None:
+    print(f"\n## {res['shape']}: d_model {res['config']['d_model']}, ffn {res['config']['ffn']}, "
+          f"{res['config']['n_layers']} layers, batch {res['batch']} x {res['seq']}, vocab {VOCAB}, "
+          f"high precision {res['precision']}, {res['threads']} threads")
+    print(f"| variant | step ms | /ind. | saved MiB (graph) | saved MiB (hooks) | params+grads+opt+saved MiB | "
+          f"opt B/param |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        graph = "-" if r["saved_graph_mib"] is None else f"{r['saved_graph_mib']:.2f}"
+        print(f"| {r['name']} | {r['step_ms']:.1f} | {r.get('step/bf16_inductor', float('nan')):.2f} | {graph} | "
+              f"{r['saved_hooks_mib']:.2f} | {r['total_mib']:.1f} | {r['optimizer_bytes_per_param']:.2f} |")
+    ratios = res.get("ratios")
+    if ratios:
+        for measure, key in (("step", "step fp8/bf16-inductor"), ("saved", "saved fp8/bf16-inductor"),
+                             ("total", "total fp8/bf16-inductor+adamw")):
+            goal = GOALS.get((res["shape"], measure))
+            val = ratios[key]
+            verdict = "" if goal is None else f"  goal <= {goal}: {'met' if val <= goal else 'NOT met'}"
+            print(f"{res['shape']:>6} {key:32s} {val:6.3f}{verdict}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--shape", default="all", choices=[*SHAPES, "all"])
+    p.add_argument("--variants", default=None, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--steps", type=int, default=3, help="timed rounds (median kept)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared CPU, OpenMP threads waiting for each other made "
+                        "a tiny step 10x slower and the ratios meaningless; 0: torch's default)")
+    p.add_argument("--quick", action="store_true", help=f"tiny only, {BASE} and {FP8}, 2 rounds (the suite)")
+    p.add_argument("--profile", default=None, help="directory for torch.profiler tables of one step each")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json")
     a = p.parse_args(argv)
-    res = run(a.d_model, a.layers, a.batch, a.seq, a.steps, a.device)
-    res["machine"] = machine()
-    print(f"high precision (the bf16 recipes and what fp8 leaves unquantized): {res['precision']}")
-    print(f"{'variant':>20} {'step ms':>9} {'/bf16':>6} {'/ind.':>6} {'saved MiB':>10} {'opt B/param':>11}")
-    for r in res["rows"]:
-        print(f"{r['name']:>20} {r['step_ms']:9.1f} {r['ratio_step_vs_bf16_eager']:6.2f} "
-              f"{r['ratio_step_vs_bf16_inductor']:6.2f} {r['saved_activation_mib']:10.2f} "
-              f"{r['optimizer_state_bytes_per_param']:11.2f}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    shapes = list(SHAPES) if a.shape == "all" else [a.shape]
+    variants = a.variants.split(",") if a.variants else None
+    if a.quick:
+        shapes, variants, a.steps = ["tiny"], [BASE, FP8], 2
+    for v in variants or ():
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; valid: {', '.join(VARIANTS)}")
+    res = {"machine": machine(), "load_before": os.getloadavg(), "results": []}
+    for shape in shapes:
+        r = run(shape, variants, a.steps, a.device, a.profile)
+        print_table(r)
+        res["results"].append(r)
+        if a.json:  # after each shape: a long run keeps what it measured
+            Path(a.json).write_text(json.dumps(res, indent=1))
+    res["load_after"] = os.getloadavg()
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return 0

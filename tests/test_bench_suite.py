@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import suite  # noqa: E402
-from benchmarks.train_step import saved_bytes  # noqa: E402
+from benchmarks.train_step import backward_inputs, record_partitions, saved_bytes  # noqa: E402
 
 
 def test_goals_take_the_worst_row_and_respect_selection():
@@ -63,6 +63,34 @@ def test_saved_bytes_counts_what_autograd_keeps():
     nbytes, out = saved_bytes(lambda: (a * b).sum())
     assert nbytes == 2 * 256 * 4  # mul saves both fp32 inputs
     assert out.requires_grad
+
+
+def test_saved_bytes_leaves_out_excluded_storages():
+    a = torch.randn(256, requires_grad=True)
+    b = torch.randn(256, requires_grad=True)
+    nbytes, _ = saved_bytes(lambda: (a * b).sum(), exclude={a.untyped_storage().data_ptr()})
+    assert nbytes == 256 * 4
+
+
+def test_partition_record_counts_what_the_compiled_forward_hands_to_backward():
+    """An Inductor-compiled ``sin(x @ w)``: backward needs ``x.t()`` (a view of a graph input: no
+    extra memory) and ``x @ w`` (64 x 32 fp32, saved). The hooks see the same bytes (the inputs'
+    storages left out)."""
+    torch._dynamo.reset()
+    x = torch.randn(64, 16)
+    w = torch.randn(16, 32, requires_grad=True)
+    records: list = []
+    with record_partitions(records):
+        f = torch.compile(lambda x: torch.sin(x @ w).sum(), fullgraph=True)
+        f(x).backward()
+    assert len(records) == 1
+    rec = records[0]
+    assert rec["input_bytes"] == 64 * 16 * 4, rec
+    assert rec["saved_bytes"] == 64 * 32 * 4, rec
+    hooks, _ = saved_bytes(lambda: f(x), exclude={w.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()})
+    assert hooks == rec["saved_bytes"]
+    graph = torch.fx.symbolic_trace(lambda a, b: a + b)  # placeholders named like neither class
+    assert backward_inputs(graph) == {"saved_bytes": 0, "input_bytes": 0, "saved": []}
 
 
 def _gone(pid: int) -> bool:
