@@ -427,3 +427,26 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
     assert [o.dtype for o in out] == [r.meta["example_value"].dtype for r in ref] == [torch.bfloat16]
     out[0].float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
+def test_autocast_output_dtype_and_gemm_dtype_are_the_ops_choice(monkeypatch, gemm):
+    """Under autocast(bf16): outputs in bf16 (as F.linear's), gradients in the inputs' fp32, and every
+    GEMM inside the ops (forward and backward, linear and GLU tail) in the dtype the op chose
+    (``FP8PASS_CPU_GEMM_DTYPE``: fp32 as on AVX2-only CPUs, or bf16), never recast by autocast."""
+    from torch.profiler import profile
+
+    monkeypatch.setenv(cpu.GEMM_DTYPE_ENV, gemm)
+    x, w, _ = _data(3, t=32, k=64, n=64)
+    x.requires_grad_()
+    w.requires_grad_()
+    with profile(record_shapes=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ops.fp8_linear(x, w)
+            z = ops.swiglu_mlp(x, w, w, w)
+        (y.float().sum() + z.float().sum()).backward()
+    assert y.dtype == z.dtype == torch.bfloat16 and x.grad.dtype == w.grad.dtype == torch.float32
+    want = {"fp32": "float", "bf16": "c10::BFloat16"}[gemm]
+    gemms = [e.dtypes()[1 if e.name() == "aten::addmm" else 0] for e in prof.profiler.kineto_results.events()
+             if e.name() in ("aten::mm", "aten::addmm")]
+    assert len(gemms) == 12 and set(gemms) == {want}  # 4 FP8 GEMMs x 3 per op call

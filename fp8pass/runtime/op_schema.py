@@ -12,6 +12,7 @@ would change the backward's input structure), so every call passes all of them.
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass, fields
 
@@ -99,6 +100,17 @@ class GLUKnobs(LinearKnobs):
 def knob_op(name: str, tensors: str, knobs: type[Knobs], returns: str):
     """``torch.library.custom_op`` decorator whose schema is ``(tensors, knobs) -> returns``.
 
-    The decorated function takes the tensor arguments by name, then ``*knobs`` (positional).
+    The decorated function takes the tensor arguments by name, then ``*knobs`` (positional). It runs
+    with autocast off: the op chooses its GEMM dtypes itself (``out_dtype``); an ambient autocast would
+    otherwise recast the GEMMs inside it (to bf16 on CPUs where bf16 matmuls are ~100x slower).
     """
-    return torch.library.custom_op(name, mutates_args=(), schema=f"({tensors}, {knobs.schema()}) -> {returns}")
+    def decorate(fn):
+        @functools.wraps(fn)
+        def without_autocast(*args):
+            with torch._C._DisableAutocast():
+                return fn(*args)
+
+        return torch.library.custom_op(name, mutates_args=(),
+                                       schema=f"({tensors}, {knobs.schema()}) -> {returns}")(without_autocast)
+
+    return decorate
