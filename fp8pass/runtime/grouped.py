@@ -108,16 +108,27 @@ def _expert_scales(amax: torch.Tensor, state: list[torch.Tensor], fmt: Format, m
 
 @dataclass
 class GroupedOperand:
-    data: torch.Tensor  # codes (or the values themselves for the identity format)
+    data: torch.Tensor | None  # codes (or the values themselves for the identity format); None when not kept
     scale: torch.Tensor  # fp32 [E] encode scales
     amax: torch.Tensor  # fp32 [E]
+    values: torch.Tensor | None = None  # CPU: the codes' values in the GEMM dtype, made by the cast's own loop
 
     def gemm_input(self, kern, out_dtype):
-        """The codes as the device's GEMM takes them. CPU: upcast once here when the operand feeds two
-        GEMMs (dy in backward), instead of once inside each GEMM."""
+        """The codes as the device's GEMM takes them. CPU: the values the cast wrote beside the codes,
+        else one upcast here (once, also when the operand feeds two GEMMs)."""
+        if self.values is not None:
+            return self.values
         if not hasattr(kern, "gemm_dtype"):
             return self.data
         return kern.upcast(self.data, kern.gemm_dtype(out_dtype, self.data))
+
+
+def _gemm_up(kern, fmt, out_dtype):
+    """The dtype the CPU GEMM takes FP8 codes in (for casts that also write the GEMM operand), or None
+    (no FP8 codes, or a device whose GEMM takes the codes themselves)."""
+    if fmt is None or not hasattr(kern, "gemm_dtype") or not kern.fused_enabled():
+        return None
+    return kern.gemm_dtype(out_dtype, torch.empty(0, dtype=fmt.torch_dtype))
 
 
 def _with_ones(t):
@@ -125,7 +136,16 @@ def _with_ones(t):
     return torch.cat([t, t.new_ones(1, *t.shape[1:])])
 
 
-def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, rounding="nearest") -> GroupedOperand:
+def _cast(kern, x2d, row_scale, fmt, rounding, up, keep_codes):
+    """(codes or None, GEMM values or None) of the rows, from one cast loop."""
+    if up is None:
+        return kern.cast_rows(x2d, row_scale, fmt, rounding), None
+    out = kern.cast_rows(x2d, row_scale, fmt, rounding, up=up, keep_codes=keep_codes)
+    return out if keep_codes else (None, out)
+
+
+def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, rounding="nearest", gemm_out=None,
+                      keep_codes=True) -> GroupedOperand:
     """Cast rows grouped by expert, each group with its expert's scale (padding rows get scale 1).
 
     Args:
@@ -133,24 +153,31 @@ def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, round
         fmt: FP8 Format, or None (identity format: the values themselves, scales 1).
         state: [] (current scaling) or the per-expert delayed state (the op list, ``DelayedScalingState.OP_FIELDS``).
         margin, power_of_two, rounding: cast options.
+        gemm_out: the dtype of the GEMM this operand feeds: on CPU the cast loop then also writes the
+            GEMM operand (``values``), so it is not upcast in a second pass; None: codes only.
+        keep_codes: False for an operand only the GEMMs read (a gradient): ``data`` is then None.
     """
     kern = kernels.for_device(x2d.device)
     amax = _group_amax(kern.row_amax(x2d), ids, experts)
     if fmt is None:
         return GroupedOperand(x2d.clone(), torch.ones(experts, dtype=torch.float32, device=x2d.device), amax)
     scale = _expert_scales(amax, state, fmt, margin, power_of_two)
-    return GroupedOperand(kern.cast_rows(x2d, _with_ones(scale)[ids], fmt, rounding), scale, amax)
+    up = _gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
+    codes, values = _cast(kern, x2d, _with_ones(scale)[ids], fmt, rounding, up, keep_codes or up is None)
+    return GroupedOperand(codes, scale, amax, values)
 
 
-def cast_experts(w, fmt, state, margin, power_of_two) -> GroupedOperand:
-    """Cast stacked expert weights [E, ...] with one scale per expert."""
+def cast_experts(w, fmt, state, margin, power_of_two, gemm_out=None) -> GroupedOperand:
+    """Cast stacked expert weights [E, ...] with one scale per expert (``gemm_out``: as :func:`cast_grouped_rows`)."""
     kern = kernels.for_device(w.device)
     flat = w.reshape(w.shape[0], -1)
     amax = kern.row_amax(flat)
     if fmt is None:
         return GroupedOperand(w.clone(), torch.ones(w.shape[0], dtype=torch.float32, device=w.device), amax)
     scale = _expert_scales(amax, state, fmt, margin, power_of_two)
-    return GroupedOperand(kern.cast_rows(flat, scale, fmt).view(w.shape), scale, amax)
+    up = _gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
+    codes, values = _cast(kern, flat, scale, fmt, "nearest", up, True)
+    return GroupedOperand(codes.view(w.shape), scale, amax, values.view(w.shape) if values is not None else None)
 
 
 def _fwd_b(w, w_transposed):
@@ -196,9 +223,11 @@ def fp8_grouped_linear_op(
     fmt = resolve_format(fwd_format)
     experts = weight.shape[0]
     kern = kernels.for_device(x.device)
-    xo = cast_grouped_rows(x, group_ids(offs, x.shape[0]), experts, fmt, x_state, margin, power_of_two)
-    wo = cast_experts(weight, fmt, w_state, margin, power_of_two)
-    y = kern.grouped_gemm(xo.data, xo.scale, _fwd_b(wo.data, w_transposed), wo.scale, offs, x.dtype)
+    xo = cast_grouped_rows(x, group_ids(offs, x.shape[0]), experts, fmt, x_state, margin, power_of_two,
+                           gemm_out=x.dtype)
+    wo = cast_experts(weight, fmt, w_state, margin, power_of_two, gemm_out=x.dtype)
+    y = kern.grouped_gemm(xo.gemm_input(kern, x.dtype), xo.scale, _fwd_b(wo.gemm_input(kern, x.dtype), w_transposed),
+                          wo.scale, offs, x.dtype)
     return y, xo.amax, wo.amax, as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone()
 
 
@@ -241,7 +270,7 @@ def fp8_grouped_linear_backward_op(
     w_data = from_bytes(w_data, resolve_format(fwd_format))
     kern = kernels.for_device(dy.device)
     go = cast_grouped_rows(dy, group_ids(offs, dy.shape[0]), w_data.shape[0], fmt, g_state, margin, power_of_two,
-                           grad_rounding)
+                           grad_rounding, gemm_out=x_dtype, keep_codes=False)
     g_in = go.gemm_input(kern, x_dtype)
     dx = kern.grouped_gemm(g_in, go.scale, _dgrad_b(w_data, w_transposed), w_scale, offs, x_dtype)
     dw = _wgrad(kern, x_data, x_scale, g_in, go.scale, offs, w_transposed, w_dtype)
@@ -337,8 +366,11 @@ def _per_channel(c, w_transposed):
 
 # --- CPU fast path of the GLU operand (channel / none): two reads of gate/up, no fp32 [S, F] temporaries.
 # The generic path materialises h, |h|, the gathered per-row c and A = h c (fp32, 4 bytes/element each);
-# here one compiled pass per group gives the per-expert channel amax, and one compiled pass casts
-# ((act(g) u) c) s straight to codes, the same operations in the same order (same bits).
+# here one compiled pass gives the channel amax of every aligned chunk of rows (the experts' channel
+# amaxes follow from those, max being exact in any order), and one compiled pass casts ((act(g) u) c) s
+# straight to codes (and their GEMM values), the same operations in the same order (same bits).
+
+_AMAX_CHUNK = 16  # rows per partial channel maximum
 
 def _run_fused(fn, tensors, static):
     from .kernels import cpu
@@ -350,9 +382,39 @@ def _glu_col_amax(gate, up, activation):
     return (glu_activation(gate.float(), activation) * up.float()).abs().amax(dim=0)
 
 
+def _glu_chunk_amax(gate, up, activation):
+    # [S / chunk, F]: a reduction over the rows of each chunk, which Inductor vectorises along the
+    # rows' memory; a column reduction over a whole group's rows walks memory with a row stride (~4x slower)
+    h = (glu_activation(gate.float(), activation) * up.float()).abs()
+    return h.view(-1, _AMAX_CHUNK, h.shape[1]).amax(dim=1)
+
+
+def _glu_group_col_amax(gate, up, bounds, activation):
+    """Per-expert channel amax ``max |act(gate) up|`` over each group's rows, fp32 [E, F] (0 for an
+    empty group): whole chunks from :func:`_glu_chunk_amax`, the < chunk rows at a group's edges directly."""
+    r = _AMAX_CHUNK
+    full = gate.shape[0] // r * r
+    part = _run_fused(_glu_chunk_amax, (gate[:full], up[:full]), (activation,)) if full else None
+    zeros = gate.new_zeros(gate.shape[1], dtype=torch.float32)
+    out = []
+    for lo, hi in bounds:
+        c0, c1 = -(-lo // r), hi // r
+        pieces, edges = [], [(lo, hi)]
+        if c1 > c0:
+            pieces, edges = [part[c0:c1].amax(dim=0)], [(lo, c0 * r), (c1 * r, hi)]
+        pieces += [_glu_col_amax(gate[a:b], up[a:b], activation) for a, b in edges if b > a]
+        out.append(torch.stack(pieces).amax(dim=0) if pieces else zeros)
+    return torch.stack(out)
+
+
 def _glu_cast_rows(gate, up, col_scale, ids, row_scale, activation, fmax, dtype):
     a = (glu_activation(gate.float(), activation) * up.float()) * col_scale[ids]
     return (a * row_scale[ids][:, None]).clamp(-fmax, fmax).to(dtype)
+
+
+def _glu_cast_rows_up(gate, up, col_scale, ids, row_scale, activation, fmax, dtype, gemm_dtype):
+    codes = _glu_cast_rows(gate, up, col_scale, ids, row_scale, activation, fmax, dtype)
+    return codes, codes.to(torch.float32).to(gemm_dtype)
 
 
 def _glu_backward_rows(da, gate, up, col_scale, ids, activation, gate_dtype, up_dtype):
@@ -371,6 +433,11 @@ def _scaled_expert_cast(w, inv_c, scale, fmax, dtype):
     return ((w.float() * inv_c) * scale[:, None, None]).clamp(-fmax, fmax).to(dtype)
 
 
+def _scaled_expert_cast_up(w, inv_c, scale, fmax, dtype, gemm_dtype):
+    codes = _scaled_expert_cast(w, inv_c, scale, fmax, dtype)
+    return codes, codes.to(torch.float32).to(gemm_dtype)
+
+
 def _times(t, factor):
     return t * factor
 
@@ -383,16 +450,16 @@ def _fused_glu_operand(gate, up, offs, ids, experts, smooth, activation, fmt, a_
     """CPU, ``channel``/``none``: (GroupedOperand of A, smoothing scales) without materialising A."""
     from .kernels import cpu
 
-    zeros = gate.new_zeros(gate.shape[1], dtype=torch.float32)
-    col_amax = torch.stack([_run_fused(_glu_col_amax, (gate[lo:hi], up[lo:hi]), (activation,)) if hi > lo else zeros
-                            for lo, hi in cpu.group_bounds(offs, gate.shape[0])])
+    col_amax = _glu_group_col_amax(gate, up, cpu.group_bounds(offs, gate.shape[0]), activation)
     c = channel_scales(col_amax) if smooth == "channel" else torch.ones_like(col_amax)
     amax = (col_amax * c).amax(dim=1)  # = max |h c| per expert, exactly (c is a power of two)
     scale = _expert_scales(amax, a_state, fmt, margin, power_of_two)
-    codes = _run_fused(_glu_cast_rows, (gate, up, _with_ones(c), ids, _with_ones(scale)),
-                       (activation, fmt.max, fmt.torch_dtype))
+    tensors, static = (gate, up, _with_ones(c), ids, _with_ones(scale)), (activation, fmt.max, fmt.torch_dtype)
+    up_dtype = _gemm_up(cpu, fmt, gate.dtype)
+    codes, values = (_run_fused(_glu_cast_rows_up, tensors, static + (up_dtype,)) if up_dtype is not None
+                     else (_run_fused(_glu_cast_rows, tensors, static), None))
     s = c if smooth == "channel" else torch.ones((), dtype=torch.float32, device=gate.device)
-    return GroupedOperand(codes, scale, amax), s
+    return GroupedOperand(codes, scale, amax, values), s
 
 
 @torch.library.custom_op("fp8pass::fp8_grouped_swiglu_down", mutates_args=())
@@ -428,21 +495,29 @@ def fp8_grouped_swiglu_down_op(
                                    power_of_two)
     else:
         a, s = _grouped_operand(gate, up, ids, experts, smooth, activation)
-        ao = cast_grouped_rows(a, ids, experts, fmt, a_state, margin, power_of_two)
+        ao = cast_grouped_rows(a, ids, experts, fmt, a_state, margin, power_of_two, gemm_out=gate.dtype)
     if smooth == "channel" and fmt is not None and _cpu_fast(gate):
         # B = W_down / c without materialising it: amax and codes of W * (1/c) in compiled passes
         inv_c = _per_channel(1 / s, w_transposed)
         b_amax = _run_fused(_scaled_expert_amax, (w_down, inv_c), ())
         b_scale = scale_from_amax(b_amax, fmt, margin, power_of_two)
-        codes = _run_fused(_scaled_expert_cast, (w_down, inv_c, b_scale), (fmt.max, fmt.torch_dtype))
-        bo = GroupedOperand(codes, b_scale, b_amax)
+        up_dtype = _gemm_up(kern, fmt, gate.dtype)
+        if up_dtype is None:
+            bo = GroupedOperand(_run_fused(_scaled_expert_cast, (w_down, inv_c, b_scale), (fmt.max, fmt.torch_dtype)),
+                                b_scale, b_amax)
+        else:
+            codes, values = _run_fused(_scaled_expert_cast_up, (w_down, inv_c, b_scale),
+                                       (fmt.max, fmt.torch_dtype, up_dtype))
+            bo = GroupedOperand(codes, b_scale, b_amax, values)
     elif smooth == "channel":  # B = W_down / c per expert: changes every call, so current-scaled
         # times 1/c: the same bits as dividing (c is a power of two), and a multiply is cheaper
         b = w_down * _per_channel(1 / s, w_transposed).to(w_down.dtype)
-        bo = cast_experts(b, fmt, [], margin, power_of_two)
+        bo = cast_experts(b, fmt, [], margin, power_of_two, gemm_out=gate.dtype)
     else:
-        bo = cast_experts(w_down, fmt, b_state, margin, power_of_two)
-    y = kern.grouped_gemm(ao.data, ao.scale, _fwd_b(bo.data, w_transposed), bo.scale, offs, gate.dtype)
+        bo = cast_experts(w_down, fmt, b_state, margin, power_of_two, gemm_out=gate.dtype)
+    y = kern.grouped_gemm(ao.gemm_input(kern, gate.dtype), ao.scale, _fwd_b(bo.gemm_input(kern, gate.dtype),
+                                                                             w_transposed),
+                          bo.scale, offs, gate.dtype)
     if smooth == "token":
         y = (y.float() * s).to(gate.dtype)
     return (y, ao.amax, bo.amax, as_bytes(ao.data), ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(),
@@ -496,7 +571,8 @@ def fp8_grouped_swiglu_down_backward_op(
     ids = group_ids(offs, dy.shape[0])
     s = smooth_scales
     g = dy.float() * s if smooth == "token" else dy
-    go = cast_grouped_rows(g, ids, experts, fmt, g_state, margin, power_of_two, grad_rounding)
+    go = cast_grouped_rows(g, ids, experts, fmt, g_state, margin, power_of_two, grad_rounding, gemm_out=gate.dtype,
+                           keep_codes=False)
     g_in = go.gemm_input(kern, gate.dtype)
     da = kern.grouped_gemm(g_in, go.scale, _dgrad_b(b_data, w_transposed), b_scale, offs, gate.dtype)  # dA [S, F]
     db = _wgrad(kern, a_data, a_scale, g_in, go.scale, offs, w_transposed, w_dtype)  # dB, w_down's layout

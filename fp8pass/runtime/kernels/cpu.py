@@ -356,49 +356,88 @@ def _cast_rows_sr_math(x2d, row_scale, seed, fmax: float, mbits: int, emin: int,
     return _stochastic_cast_math(x2d.reshape(-1), scale, seed, fmax, mbits, emin, dtype)[0].view(x2d.shape)
 
 
+def _gemm_values(codes, up):
+    # Through fp32 (exact both ways), as ``upcast``: Inductor vectorises float8 -> fp32, not float8 -> bf16.
+    return codes.to(torch.float32).to(up)
+
+
+def _cast_rows_up_math(x2d, row_scale, fmax: float, dtype, up, keep_codes: bool):
+    codes = _cast_rows_math(x2d, row_scale, fmax, dtype)
+    return (codes, _gemm_values(codes, up)) if keep_codes else _gemm_values(codes, up)
+
+
+def _cast_rows_sr_up_math(x2d, row_scale, seed, fmax: float, mbits: int, emin: int, dtype, up, keep_codes: bool):
+    codes = _cast_rows_sr_math(x2d, row_scale, seed, fmax, mbits, emin, dtype)
+    return (codes, _gemm_values(codes, up)) if keep_codes else _gemm_values(codes, up)
+
+
 @functools.cache
-def _compiled_cast_rows(fmax: float, dtype: torch.dtype, src: torch.dtype):
-    def cast_rows_kernel(x2d, row_scale):
-        return _cast_rows_math(x2d, row_scale, fmax, dtype)
+def _compiled_cast_rows(fmax: float, dtype: torch.dtype, src: torch.dtype, up=None, keep_codes=True):
+    if up is None:
+        def cast_rows_kernel(x2d, row_scale):
+            return _cast_rows_math(x2d, row_scale, fmax, dtype)
+    else:
+        def cast_rows_kernel(x2d, row_scale):
+            return _cast_rows_up_math(x2d, row_scale, fmax, dtype, up, keep_codes)
 
-    return compile_variant(cast_rows_kernel, _tag("rows", fmax, dtype, src))
+    return compile_variant(cast_rows_kernel, _tag("rows", fmax, dtype, src, up, keep_codes))
 
 
 @functools.cache
-def _compiled_cast_rows_sr(fmax: float, mbits: int, emin: int, dtype: torch.dtype, src: torch.dtype):
-    def cast_rows_sr_kernel(x2d, row_scale, seed):
-        return _cast_rows_sr_math(x2d, row_scale, seed, fmax, mbits, emin, dtype)
+def _compiled_cast_rows_sr(fmax: float, mbits: int, emin: int, dtype: torch.dtype, src: torch.dtype, up=None,
+                           keep_codes=True):
+    if up is None:
+        def cast_rows_sr_kernel(x2d, row_scale, seed):
+            return _cast_rows_sr_math(x2d, row_scale, seed, fmax, mbits, emin, dtype)
+    else:
+        def cast_rows_sr_kernel(x2d, row_scale, seed):
+            return _cast_rows_sr_up_math(x2d, row_scale, seed, fmax, mbits, emin, dtype, up, keep_codes)
 
-    return compile_variant(cast_rows_sr_kernel, _tag("rows_sr", fmax, dtype, src))
+    return compile_variant(cast_rows_sr_kernel, _tag("rows_sr", fmax, dtype, src, up, keep_codes))
 
 
 def cast_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fmt: Format, rounding: str = "nearest",
-              generator: torch.Generator | None = None) -> torch.Tensor:
+              generator: torch.Generator | None = None, up: torch.dtype | None = None, keep_codes: bool = True):
     """Codes ``saturating_cast(x[i] * row_scale[i])`` of a 2-D tensor, one fp32 scale per row.
 
     Bit-identical to :func:`cast` / :func:`cast_stochastic` of each row with its scalar scale (the
     same math; stochastic rounding draws its bits from one seed of ``generator``, like
     :func:`cast_stochastic` of the flattened tensor). One compiled loop above ``MIN_COMPILED`` elements.
+
+    Args:
+        up: also give the codes' values in this dtype (the GEMM operand, :func:`gemm_dtype`) from the
+            same loop: ``(codes, values)``, or only ``values`` when ``keep_codes`` is False (an operand
+            that is used by GEMMs only, never saved). Same values as :func:`upcast` of the codes, one
+            pass over memory fewer.
     """
     x2d = x2d.contiguous()
     row_scale = row_scale.to(torch.float32).contiguous()
     if x2d.numel() == 0:
-        return torch.empty(x2d.shape, dtype=fmt.torch_dtype, device=x2d.device)
+        codes = torch.empty(x2d.shape, dtype=fmt.torch_dtype, device=x2d.device)
+        if up is None:
+            return codes
+        return (codes, codes.to(up)) if keep_codes else codes.to(up)
     eager_only = x2d.numel() < MIN_COMPILED or x2d.dtype == torch.float64
     if rounding == "nearest":
         args = (fmt.max, fmt.torch_dtype)
-        eager = lambda a, s: _cast_rows_math(a, s, *args)  # noqa: E731
+        if up is None:
+            eager = lambda a, s: _cast_rows_math(a, s, *args)  # noqa: E731
+        else:
+            eager = lambda a, s: _cast_rows_up_math(a, s, *args, up, keep_codes)  # noqa: E731
         if eager_only:
             return eager(x2d, row_scale)
-        return _run_compiled(_compiled_cast_rows(*args, x2d.dtype), eager, x2d, row_scale)
+        return _run_compiled(_compiled_cast_rows(*args, x2d.dtype, up, keep_codes), eager, x2d, row_scale)
     if x2d.numel() >= 2 ** 31:
         raise ValueError("cast_rows: stochastic rounding supports fewer than 2**31 elements")
     seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x2d.device)
     args = (fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype)
-    eager = lambda a, s, sd: _cast_rows_sr_math(a, s, sd, *args)  # noqa: E731
+    if up is None:
+        eager = lambda a, s, sd: _cast_rows_sr_math(a, s, sd, *args)  # noqa: E731
+    else:
+        eager = lambda a, s, sd: _cast_rows_sr_up_math(a, s, sd, *args, up, keep_codes)  # noqa: E731
     if eager_only:
         return eager(x2d, row_scale, seed)
-    return _run_compiled(_compiled_cast_rows_sr(*args, x2d.dtype), eager, x2d, row_scale, seed)
+    return _run_compiled(_compiled_cast_rows_sr(*args, x2d.dtype, up, keep_codes), eager, x2d, row_scale, seed)
 
 
 def group_bounds(offs: torch.Tensor, rows: int) -> list[tuple[int, int]]:
