@@ -58,6 +58,12 @@ class GraphRecord:
     pass_seconds: float = 0.0
 
 
+def _calls_fp8pass_ops(gm) -> bool:
+    """Whether the rewritten graph calls an ``fp8pass::`` custom op."""
+    return any(n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+               and str(n.target).startswith("fp8pass.") for n in gm.graph.nodes)
+
+
 def _inductor_patches(mode: str | None, options: dict | None, dynamic) -> dict:
     """``torch.compile``'s mode/options as Inductor config patches (compile_fx takes neither)."""
     patches: dict[str, Any] = {}
@@ -234,10 +240,16 @@ class Backend:
             if mode or options:
                 raise ValueError("mode=/options= need Config(compiler='inductor')")
             return lookup_backend("aot_eager")(gm, inputs)
+        from torch._functorch import config as functorch_config
         from torch._inductor.compile_fx import compile_fx
 
         patches = _inductor_patches(mode, options, None)
-        return compile_fx(gm, inputs, config_patches=patches or None)
+        if not _calls_fp8pass_ops(gm):
+            return compile_fx(gm, inputs, config_patches=patches or None)
+        # AOTAutograd's on-disk cache keys on the graph, not on our ops' Python autograd formulas: after
+        # an fp8pass upgrade it replayed a stale backward ("Expected Tensor for up_data, found list").
+        with functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, inputs, config_patches=patches or None)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -133,3 +133,27 @@ def test_opcheck_backward_ops():
     o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *knobs)
     torch.library.opcheck(torch.ops.fp8pass.swiglu_down_backward.default,
                           (torch.randn(8, 16, generator=g), *o[3:], [], torch.float32, torch.float32, *knobs))
+
+
+def test_inductor_skips_the_autograd_cache_for_rewritten_graphs(monkeypatch):
+    """AOTAutograd's disk cache keys on the graph, not on the ops' autograd formulas: a cached entry
+    replayed a stale backward after our ops changed. Graphs with fp8pass ops compile with it off;
+    graphs the backend leaves alone keep it."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import compile_fx as compile_fx_module
+
+    seen = []
+    real = compile_fx_module.compile_fx
+
+    def spy(gm, inputs, **kw):
+        seen.append(functorch_config.enable_autograd_cache)
+        return real(gm, inputs, **kw)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(32, 32)
+    torch.compile(lin, backend=fp8pass.backend(fp8pass.Config()))(torch.randn(4, 32)).sum().backward()
+    torch.compile(lambda t: (t * 2).sin(), backend=fp8pass.backend(fp8pass.Config()))(torch.randn(4))
+    assert seen == [False, True]
+    torch._dynamo.reset()
