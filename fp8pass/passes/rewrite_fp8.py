@@ -4,8 +4,8 @@ Replacement of a linear site ``y = x @ W.T (+ b)`` (any form the patterns match)
 
     out = fp8pass::fp8_linear(x, W, b, x_state, w_state, g_state, <recipe knobs>, out_dtype=<y's dtype>)
     y   = out[0]
-    fp8pass::delayed_record_(*x_state, out[1], ...)    # delayed scaling only: record the amaxes
-    fp8pass::delayed_record_(*w_state, out[2], ...)
+    # delayed scaling only: out[1] and out[2] (the x and W amaxes) join the graph's one
+    # fp8pass::delayed_record_many_(...) before the output (rewrite_base), with every other record
 
 The ``*_state`` lists are the op lists (``DelayedScalingState.OP_FIELDS``) of the weight's
 ``LinearScalingState`` (fp8pass.runtime.state), extra placeholders (:mod:`.rewrite_base`). The knobs

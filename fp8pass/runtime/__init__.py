@@ -41,10 +41,15 @@ a_data, a_scale, b_data, b_scale, smooth_scales)``
     with ``w_transposed``), ``y`` [S, D]. Smooth-SwiGLU per expert: ``channel`` scales are
     ``smooth_scales`` [E, F] from each expert's own rows, folded into that expert's ``W_down``
     columns (current-scaled); ``token`` gives [S, 1], ``none`` [].
-``delayed_record_(history, scale, steps, skipped, amax, fmt, margin, interval, algo, power_of_two) -> None``
-    Records one amax into one delayed-scaling state in place (``mutates_args`` = the four state
-    tensors; no autograd). This is the only op that mutates state. It broadcasts over leading dims:
-    history [E, H] with scale/steps/skipped/amax [E] records E per-expert states in one call.
+``delayed_record_(history, scale, steps, skipped, overflows, guard, pending, accumulate, amax, fmt, margin,
+interval, algo, power_of_two) -> None``
+    Records one amax into one delayed-scaling state in place (no autograd; composite, so Inductor
+    fuses it into the backward graph). It broadcasts over leading dims: history [E, H] with
+    scale/steps/skipped/amax [E] records E per-expert states in one call. Inside
+    ``fp8pass.accumulate_scaling`` it only raises ``pending``.
+``delayed_record_many_(lists of the state fields, amaxes, fmts, margin, interval, algo, power_of_two) -> None``
+    Every forward record of a compiled graph in one op at the graph's end (states stacked per shape,
+    updated together, written back with ``_foreach_copy_``). These two are the only ops that mutate state.
 ``fp8_linear_backward`` / ``swiglu_down_backward`` / ``fp8_grouped_linear_backward`` /
 ``fp8_grouped_swiglu_down_backward``: the ops the backward formulas call; internal.
 ``nvfp4_linear(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,
@@ -75,11 +80,12 @@ Knobs (the scalar arguments)
 
 Delayed-scaling state (how it enters and how it is updated)
     A state is the op list of a :class:`fp8pass.numerics.DelayedScalingState`,
-    ``state.op_tensors()`` = ``[amax_history, scale, steps, skipped, overflows, guard]``; an empty list
+    ``state.op_tensors()`` = ``[amax_history, scale, steps, skipped, overflows, guard, pending, accumulate]``; an empty list
     means current scaling for that role. The ops only *read* ``x_state``/``w_state`` (cast with
     ``scale``; with the current amax's scale while the history is empty, or when the overflow guard
-    is on and the tensor outgrew ``scale``) and return the amaxes; the caller records them with
-    ``delayed_record_`` right after the op. ``g_state`` is read in backward, and the backward formula
+    is on and the tensor outgrew ``scale``) and return the amaxes; the eager caller records them with
+    ``delayed_record_`` right after the op, the compile backend with one ``delayed_record_many_`` at
+    the end of the graph. ``g_state`` is read in backward, and the backward formula
     itself calls ``delayed_record_`` on it with ``dy``'s amax (AOT autograd supports mutating a forward
     input in the backward graph; the op with ``register_autograd`` cannot declare ``mutates_args``,
     see docs/background.md, torch.compile facts; so recording is a separate op). In a compiled graph,
