@@ -150,10 +150,12 @@ def test_inductor_skips_the_autograd_cache_for_rewritten_graphs(monkeypatch):
         return real(gm, inputs, **kw)
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
     torch._dynamo.reset()
-    lin = torch.nn.Linear(32, 32)
-    torch.compile(lin, backend=fp8pass.backend(fp8pass.Config()))(torch.randn(4, 32)).sum().backward()
-    torch.compile(lambda t: (t * 2).sin(), backend=fp8pass.backend(fp8pass.Config()))(torch.randn(4))
+    # (config.patch, not monkeypatch: monkeypatch's undo deletes the config entry)
+    with functorch_config.patch(enable_autograd_cache=True):
+        lin = torch.nn.Linear(32, 32)
+        torch.compile(lin, backend=fp8pass.backend(fp8pass.Config()))(torch.randn(4, 32)).sum().backward()
+        torch.compile(lambda t: (t * 2).sin(), backend=fp8pass.backend(fp8pass.Config()))(torch.randn(4))
     assert seen == [False, True]
+    assert functorch_config.enable_autograd_cache  # the setting is back after the compile
     torch._dynamo.reset()
