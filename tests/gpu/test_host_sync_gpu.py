@@ -82,7 +82,11 @@ def test_moment_stochastic_flush_on_gpu_never_syncs():
             p.grad.normal_().mul_(1e-6)
         opt.step()
 
-    _no_sync(step)
+    before = [p.detach().clone() for p in model.parameters()]
+    _no_sync(step)  # raises on any host synchronisation
+    # the step did run under the sync guard: every parameter moved and its state counted the step
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(int(opt.state[p]["step"]) == 2 for p in model.parameters())
 
 
 def test_reduce_overhead_step_is_captured_and_keeps_state_in_place():
