@@ -221,7 +221,7 @@ class Backend:
                 warnings.warn(msg + ". The cut GLU's down projection stays in high precision; "
                                     "see fp8pass.explain(model, ...).", RuntimeWarning, stacklevel=2)
         extra: list[StateInput] = []
-        if plan.glus or plan.linears or plan.expert_glus or plan.expert_linears:
+        if plan.glus or plan.linears or plan.expert_glus or plan.expert_linears or plan.loop_glus or plan.loop_linears:
             new_gm, extra, fp8, kept = apply_plan(new_gm, plan, cfg)
             report.linears = fp8
             report.skipped += kept
@@ -296,6 +296,12 @@ def _expert_entries(plan, graph: int) -> list[ExpertsEntry]:
     for lin in plan.expert_linears:
         weights, variant = stacks.setdefault(_owner(lin.fqn), ([], "grouped linears"))
         weights.append(lin.fqn)
+    for site in plan.loop_glus:  # a per-expert loop: one stack, however many experts the loop calls
+        weights, _ = stacks.setdefault(_owner(site.down), ([], site.variant + " experts (per-expert loop)"))
+        weights += [w for w in dict.fromkeys((site.gate, site.up, site.down)) if w not in weights]
+    for lin in plan.loop_linears:
+        weights, _ = stacks.setdefault(_owner(lin.fqn), ([], "linears (per-expert loop)"))
+        weights += [lin.fqn] if lin.fqn not in weights else []
     return [ExpertsEntry(mod, tuple(w), v, graph) for mod, (w, v) in stacks.items()]
 
 

@@ -24,7 +24,7 @@ from .annotate import facts
 
 __all__ = [
     "Match", "Pattern", "Op", "Bind", "Tag", "OneOf", "Where", "Const", "ANY",
-    "param_fqn", "caller_fqn", "is_param_placeholder", "example_value",
+    "param_fqn", "weight_fqn", "caller_fqn", "is_param_placeholder", "example_value",
 ]
 
 
@@ -210,6 +210,21 @@ def example_value(node: Any):
 def param_fqn(node: fx.Node) -> str | None:
     """Absolute parameter FQN (``model.layers.0.mlp.gate_proj.weight``) of a placeholder, else None."""
     return facts(node).weight_fqn if node.op == "placeholder" else None
+
+
+def weight_fqn(node: fx.Node) -> str | None:
+    """FQN of the parameter a weight operand is: the placeholder's own, or for one expert's matrix of
+    a 3-D expert weight (``W[e]``, ``W.select(0, e)``, e a constant) the expert weight's; else None."""
+    if node.op == "placeholder":
+        return param_fqn(node)
+    if node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
+        base = node.args[0]
+        ev = example_value(base)
+        one_expert = (node.target is operator.getitem and isinstance(node.args[1], int)) or (
+            node.target in ("select", torch.select) and node.args[1:] and node.args[1] == 0)
+        if one_expert and base.op == "placeholder" and isinstance(ev, torch.Tensor) and ev.dim() == 3:
+            return param_fqn(base)
+    return None
 
 
 def is_param_placeholder(node: Any) -> bool:

@@ -16,6 +16,10 @@ Forms covered (all verified on real Dynamo graphs in tests/test_patterns.py):
   ``F.grouped_mm`` / transformers' ``grouped_mm_fallback`` of ``(x, W.transpose(-2, -1), offs)``
   (``W`` [E, out, in]) or ``(x, W, offs)`` (``W`` [E, in, out]); or with a fixed capacity, ``x``
   [E, C, in]: ``torch.bmm`` / ``matmul`` with ``W`` or its transpose, ``torch.einsum("ecd,edf->ecf")``;
+* one expert's matrix of a 3-D expert weight picked with a constant index, as a per-expert Python
+  loop writes it (``for e in range(E): F.linear(x_e, W[e])``): ``W[e]`` / ``W.select(0, e)`` /
+  ``torch.select(W, 0, e)`` stands for a 2-D weight in every projection form above (``W[e].t()``,
+  ``x @ W[e].T``, ...) and binds ``p_w_stack`` (the 3-D parameter) and ``p_w_index`` (``e``, 0 <= e < E);
 * a fused gate+up projection followed by ``chunk``, ``split``, last-dim slicing or
   ``view(..., 2, n).unbind(-2)`` (blocked) / ``view(..., n, 2).unbind(-1)`` (interleaved);
 * the down projection of the GLU output (any projection form above).
@@ -34,7 +38,7 @@ from .matcher import (
 )
 
 __all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "GROUPED_LINEAR", "EXPERT_GLU", "MATMUL_LIKE",
-           "weight_rows", "find_glu_mlps", "find_expert_glus", "grouped_mm_targets"]
+           "expert_slice", "expert_slices", "weight_rows", "find_glu_mlps", "find_expert_glus", "grouped_mm_targets"]
 
 MATMUL = (operator.matmul, torch.matmul, "matmul")
 MM = (torch.mm, "mm")
@@ -60,7 +64,39 @@ MATMUL_LIKE = (F.linear, torch.mm, torch.addmm, torch.bmm, torch.baddbmm, torch.
 
 
 def _weight(name: str) -> Pattern:
-    return Bind(name, Where(lambda n: is_param_placeholder(n) and _ndim(n) == 2))
+    """A 2-D weight: a parameter, or one expert's matrix of a 3-D expert stack (:func:`expert_slice`)."""
+    return OneOf(Bind(name, Where(lambda n: is_param_placeholder(n) and _ndim(n) == 2)), expert_slice(name))
+
+
+class _ExpertIndex(Pattern):
+    """A literal expert index (a Python int, not a bool); binds ``name`` to it, made non-negative
+    with the number of experts of the stack bound as ``stack``."""
+
+    def __init__(self, name: str, stack: str):
+        self.name, self.stack = name, stack
+
+    def match(self, value, m):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return
+        ev = example_value(m.get(self.stack))
+        if not isinstance(ev, torch.Tensor) or not isinstance(ev.shape[0], int):
+            return
+        experts = int(ev.shape[0])
+        if -experts <= value < experts:
+            yield m.extend(self.name, value % experts)
+
+
+def expert_slice(name: str) -> Pattern:
+    """``W[e]`` / ``W.select(0, e)`` / ``torch.select(W, 0, e)``: expert ``e``'s matrix of a 3-D expert
+    weight ``W``, ``e`` a constant (a per-expert Python loop over ``range(E)``).
+
+    Binds ``name`` (the slice node), ``name_stack`` (the 3-D parameter) and ``name_index`` (``e``).
+    A tensor index (the expert ids of a data-dependent loop) is not a constant: no match.
+    """
+    stack = _expert_weight(f"{name}_stack")
+    index = _ExpertIndex(f"{name}_index", f"{name}_stack")
+    return Bind(name, OneOf(Op(operator.getitem, stack, index),
+                            Op(("select", torch.select), stack, Const((0,)), index)))
 
 
 def _expert_weight(name: str) -> Pattern:
@@ -361,6 +397,16 @@ def variant_name(m: Match) -> str:
     if m.get("proj") == "fused":
         return f"{act} (fused gate_up)"
     return act
+
+
+def expert_slices(m: Match) -> dict[fx.Node, tuple[fx.Node, int]]:
+    """The expert-slice weights of a match: slice node -> (3-D parameter, expert index)."""
+    out = {}
+    for name, value in m.bindings.items():
+        if name.endswith("_w_stack") and isinstance(value, fx.Node):
+            base = name[: -len("_stack")]
+            out[m[base]] = (value, m[f"{base}_index"])
+    return out
 
 
 def _internal_ok(m: Match) -> bool:

@@ -2,7 +2,9 @@
 
 ``plan_graph`` only reads the graph (and its annotations, :mod:`.annotate`); ``rewrite.apply_plan``
 changes a copy of it. Explain uses the plan alone, so ``fp8pass.explain`` works on any model without
-running FP8 ops. Every matmul-like call the plan leaves in high precision is listed in ``skipped``
+running FP8 ops. A GLU or linear whose weights are single experts of a 3-D expert weight (``W[e]``
+with a constant ``e``: a per-expert Python loop) goes to ``loop_glus`` / ``loop_linears``: FP8 per
+expert, with one scale per (expert weight, expert), one expert stack in the report. Every matmul-like call the plan leaves in high precision is listed in ``skipped``
 with its reason; attention's score and value products are one "attention, kept" line per module.
 """
 
@@ -16,10 +18,10 @@ from torch import fx
 
 from ..config import Config, NVFP4Scaling
 from .annotate import META_KEY, annotate
-from .matcher import MUL, Match, caller_fqn, example_value, is_call, param_fqn
+from .matcher import MUL, Match, caller_fqn, example_value, is_call, param_fqn, weight_fqn
 from .patterns import (
-    GLU_PRODUCT_LOOSE, GROUPED_LINEAR, LINEAR, MATMUL_LIKE, activation, find_expert_glus, find_glu_mlps,
-    grouped_mm_targets, linear, variant_name,
+    GLU_PRODUCT_LOOSE, GROUPED_LINEAR, LINEAR, MATMUL_LIKE, activation, expert_slices, find_expert_glus,
+    find_glu_mlps, grouped_mm_targets, linear, variant_name,
 )
 from .policy import Decision, decide_linear
 
@@ -46,7 +48,10 @@ class GLUSite:
 
 @dataclass
 class LinearSite:
-    """One linear op ``x @ w.T (+ b)`` that becomes an FP8 linear (``w`` stored [in, out]: ``w_t``)."""
+    """One linear op ``x @ w.T (+ b)`` that becomes an FP8 linear (``w`` stored [in, out]: ``w_t``).
+
+    In a per-expert loop ``w`` is the slice ``W[e]`` and ``expert`` is ``(W, e)``.
+    """
 
     node: fx.Node
     x: fx.Node
@@ -55,6 +60,7 @@ class LinearSite:
     fqn: str
     nodes: list[fx.Node] = field(default_factory=list)   # the match's nodes (erasable once dead)
     w_t: bool = False
+    expert: tuple[fx.Node, int] | None = None
 
 
 @dataclass
@@ -81,6 +87,9 @@ class Plan:
     linears: list[LinearSite] = field(default_factory=list)
     expert_glus: list[ExpertGLUSite] = field(default_factory=list)
     expert_linears: list[ExpertLinearSite] = field(default_factory=list)
+    # per-expert loops: GLUs / linears over single experts ``W[e]`` of 3-D expert weights
+    loop_glus: list[GLUSite] = field(default_factory=list)
+    loop_linears: list[LinearSite] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)   # (where, reason)
     graph_breaks: list[str] = field(default_factory=list)
     # MLP module FQN cut by a break -> where: "act" (after the activation) or "glu" (after the product)
@@ -92,7 +101,7 @@ _ACT_OF_LINEAR = activation(linear("g"))
 
 def _where(call: fx.Node, w: fx.Node | None = None) -> str:
     if w is not None:
-        fqn = param_fqn(w)
+        fqn = _weight_name(w)
         if fqn:
             return fqn
     return caller_fqn(call) or call.name
@@ -116,7 +125,7 @@ def _glu_decision(cfg: Config, m: Match, experts: bool = False) -> Decision:
     for role, call, x, w, b in parts:
         d = decide_linear(cfg, call, x, w, b, experts=experts)
         if not d.fp8:
-            return Decision(False, f"{role} projection {param_fqn(w) or w.name}: {d.reason}")
+            return Decision(False, f"{role} projection {_weight_name(w)}: {d.reason}")
     return Decision(True)
 
 
@@ -126,10 +135,21 @@ def _glu_site(m: Match, cls=GLUSite) -> GLUSite:
     uw = m["gate_up_w"] if fused else m["up_w"]
     return cls(
         match=m, variant=variant_name(m), act=m["act"],
-        gate=param_fqn(gw) or gw.name, up=param_fqn(uw) or uw.name,
-        down=param_fqn(m["down_w"]) or m["down_w"].name,
+        gate=weight_fqn(gw) or gw.name, up=weight_fqn(uw) or uw.name,
+        down=weight_fqn(m["down_w"]) or m["down_w"].name,
         gate_rows=m.get("gate_rows") if fused else None, up_rows=m.get("up_rows") if fused else None,
     )
+
+
+def _weight_name(w: fx.Node) -> str:
+    """``W`` for a parameter, ``W[e]`` for expert ``e``'s matrix of a 3-D expert weight, else the node."""
+    fqn = weight_fqn(w)
+    if fqn is None:
+        return w.name
+    return fqn if w.op == "placeholder" else f"{fqn}[{w.args[-1]}]"
+
+
+_NO_LOOP_NVFP4 = "the NVFP4 recipe has no per-expert state: a per-expert loop's experts stay in high precision"
 
 
 def _is_input(node) -> bool:
@@ -255,8 +275,11 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
         for m in matches:
             d = _glu_kind_decision(cfg, m, experts)
             site = _glu_site(m, cls)
+            loop = not experts and bool(expert_slices(m))
+            if d.fp8 and loop and isinstance(cfg.recipe, NVFP4Scaling):
+                d = Decision(False, _NO_LOOP_NVFP4)
             if d.fp8:
-                sites.append(site)
+                (plan.loop_glus if loop else sites).append(site)
                 covered |= set(m.nodes)
             else:
                 plan.skipped.append((f"{what} {_module_of(site.down)}", f"not fused: {d.reason}"))
@@ -270,7 +293,7 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
         for m in LINEAR(node):
             decided.add(node)
             w = m["lin_w"]
-            where = param_fqn(w) or w.name
+            where = _weight_name(w)
             if node in unsafe:
                 plan.skipped.append((where, "input is a GLU output cut off by a graph break; an "
                                             "unsmoothed FP8 cast of it is the outlier case"))
@@ -279,9 +302,13 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                 d = Decision(False, "MoE router (its output picks the experts: topk): kept in high precision by policy")
             else:
                 d = decide_linear(cfg, node, m["lin_x"], w, m.get("lin_b"))
+            expert = expert_slices(m).get(w)
+            if d.fp8 and expert is not None and isinstance(cfg.recipe, NVFP4Scaling):
+                d = Decision(False, _NO_LOOP_NVFP4)
             if d.fp8:
-                plan.linears.append(LinearSite(node, m["lin_x"], w, m.get("lin_b"), where, list(dict.fromkeys(m.nodes)),
-                                               m.get("lin_layout") == "in_out"))
+                site = LinearSite(node, m["lin_x"], w, m.get("lin_b"), weight_fqn(w) or where,
+                                  list(dict.fromkeys(m.nodes)), m.get("lin_layout") == "in_out", expert)
+                (plan.loop_linears if expert is not None else plan.linears).append(site)
             else:
                 plan.skipped.append((where, d.reason))
             break
@@ -364,6 +391,24 @@ def _param_under(value, depth: int = 4) -> fx.Node | None:
     return None
 
 
+def _tensor_indexed_expert(node: fx.Node) -> bool:
+    """An operand is ``W[idx]`` / ``W.select(0, idx)`` of a 3-D parameter with a tensor (or symbolic) index."""
+    for a in _operands(node):
+        for _ in range(3):  # through a transpose or cast
+            if not isinstance(a, fx.Node) or a.op not in ("call_function", "call_method") or not a.args:
+                break
+            name = getattr(a.target, "__name__", str(a.target))
+            base = a.args[0]
+            if name in ("getitem", "select") and isinstance(base, fx.Node) and base.op == "placeholder":
+                ev = example_value(base)
+                index = a.args[1] if name == "getitem" else (a.args[2] if len(a.args) > 2 else None)
+                if isinstance(ev, torch.Tensor) and ev.dim() == 3 and isinstance(index, fx.Node):
+                    return True
+                break
+            a = base
+    return False
+
+
 def _unplanned_matmuls(graph: fx.Graph, decided: set[fx.Node]) -> list[tuple[str, str]]:
     """(where, reason) for every matmul-like call the plan neither rewrote nor already explained."""
     out: list[tuple[str, str]] = []
@@ -390,6 +435,10 @@ def _unplanned_matmuls(graph: fx.Graph, decided: set[fx.Node]) -> list[tuple[str
         dims = f"{ev.dim()}-D " if isinstance(ev, torch.Tensor) else ""
         if _is_router(node):
             why = "MoE router (its output picks the experts: topk): kept in high precision by policy"
+        elif _tensor_indexed_expert(node):
+            why = ("one expert's matrix picked by a tensor index (a per-expert loop over data-dependent expert "
+                   "ids): not a constant expert, no per-expert state to key; loop over range(E) with int "
+                   "indices, or use transformers' experts_implementation='grouped_mm'")
         elif is_call(node, grouped_mm_targets()):
             why = "grouped expert GEMM in a form the patterns do not know (bias, out_dtype or a reshaped weight)"
         elif isinstance(ev, torch.Tensor) and ev.dim() == 3:

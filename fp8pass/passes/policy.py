@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from ..config import Config
-from .matcher import caller_fqn, example_value, param_fqn
+from .matcher import caller_fqn, example_value, param_fqn, weight_fqn
 
 __all__ = ["Decision", "decide_linear", "module_fqn", "FP8_DTYPES", "block_of", "graph_blocks"]
 
@@ -93,9 +93,10 @@ def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bo
     """Decide for one linear call ``call`` computing ``x @ w.T (+ b)``.
 
     ``experts``: ``w`` is a 3-D expert stack [E, out, in] or [E, in, out]; the shape rules apply to
-    each expert's matrix.
+    each expert's matrix. One expert's matrix of a stack (``W[e]``, a per-expert loop) is a 2-D
+    weight named by the stack's FQN, so the globs treat every form of an expert weight alike.
     """
-    wf = param_fqn(w) or w.name
+    wf = weight_fqn(w) or w.name
     names = [module_fqn(wf), wf, caller_fqn(call)]
     pat = _kept_by_glob(cfg, names)
     if pat is not None:

@@ -1,7 +1,8 @@
 """Apply a plan: the recipe's rewriters over one graph copy, then the covered-node cleanup.
 
 The rewriters are siblings over :mod:`.rewrite_base`: :class:`~.rewrite_fp8.FP8Rewriter` (dense
-linears, GLU MLPs), :class:`~.rewrite_grouped.GroupedRewriter` (MoE expert stacks) and
+linears, GLU MLPs), :class:`~.rewrite_grouped.GroupedRewriter` (MoE expert stacks),
+:class:`~.rewrite_expert_loop.ExpertLoopRewriter` (per-expert loops over ``W[e]``) and
 :class:`~.rewrite_nvfp4.NVFP4Rewriter`. Each appends its state placeholders after the previous
 one's, so the extra inputs keep their order.
 """
@@ -13,6 +14,7 @@ from torch import fx
 from ..config import Config, NVFP4Scaling
 from .plan import Plan
 from .rewrite_base import StateInput, copy_graph_module, finish
+from .rewrite_expert_loop import ExpertLoopRewriter
 from .rewrite_fp8 import FP8Rewriter
 from .rewrite_grouped import GroupedRewriter
 from .rewrite_nvfp4 import NVFP4Rewriter
@@ -27,7 +29,8 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, cfg: Config) -> tuple[fx.GraphMod
         (gm, extra inputs the backend appends on every call, FQNs of weights made FP8 / NVFP4,
         extra (where, reason) entries for ops the rewrite kept in high precision).
     """
-    kinds = [NVFP4Rewriter] if isinstance(cfg.recipe, NVFP4Scaling) else [FP8Rewriter, GroupedRewriter]
+    kinds = ([NVFP4Rewriter] if isinstance(cfg.recipe, NVFP4Scaling)
+             else [FP8Rewriter, GroupedRewriter, ExpertLoopRewriter])
     done: list[str] = []
     kept: list[tuple[str, str]] = []
     extra: list[StateInput] = []
