@@ -404,7 +404,9 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
     cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), fwd_format=fmt, bwd_format=fmt, compiler="eager")
     new_gm, record = fp8pass.backend(cfg).transform(gm, list(inputs))
     assert record.extra_inputs == []
-    assert new_gm.code.count("fp8pass.fp8_linear.default(") == 12 and new_gm.code.count("swiglu_down.default(") == 2
+    # 12 linears of 6 distinct inputs (per layer: q/k/v's, o's, w1/w3's)
+    assert new_gm.code.count("fp8pass.fp8_linear_precast.default(") == 12 and new_gm.code.count("swiglu_down.default(") == 2
+    assert new_gm.code.count("fp8pass.fp8_cast_input.default(") == 6
     before = {n.name: n.meta["example_value"].dtype for n in gm.graph.nodes
               if isinstance(n.meta.get("example_value"), torch.Tensor)}
     got: dict[str, torch.dtype] = {}
@@ -415,7 +417,10 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
             if isinstance(out, torch.Tensor):
                 got[n.name] = out.dtype
             if n.op == "call_function" and "fp8pass" in str(n.target) and "record" not in str(n.target):
-                assert out[0].dtype == torch.bfloat16, n.name
+                # an input cast's first output is the codes (bytes; the identity format: the values)
+                want = (torch.bfloat16 if fmt == "identity" else torch.uint8) if "cast_input" in str(n.target) \
+                    else torch.bfloat16
+                assert out[0].dtype == want, n.name
             return out
 
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -1,9 +1,13 @@
 """What autograd keeps for backward: FP8 codes and scales only, exact byte counts.
 
-Every rewritten linear keeps ``x``'s and ``W``'s codes (1 byte/element) and their two fp32 scalar
-scales; the GLU tail (``swiglu_down``) keeps the codes of its GEMM operands ``A`` and ``B``, of
-``gate`` and ``up`` (no high-precision copy of them) and the smoothing scales. Counted with
-``saved_tensors_hooks``, eager and compiled (AOT autograd's partitioner may not add anything else).
+The eager op ``fp8_linear`` keeps ``x``'s and ``W``'s codes (1 byte/element) and their two fp32
+scalar scales. A compiled graph's linears share one cast per input (``fp8_cast_input`` +
+``fp8_linear_precast``): the codes of each distinct input once however many linears read it (q/k/v,
+gate/up), its scale, and per linear the weight's scale; the weight itself is the parameter (held
+anyway; backward recasts it). The GLU tail (``swiglu_down``) keeps the codes of its GEMM operands
+``A`` and ``B``, of ``gate`` and ``up`` (no high-precision copy of them) and the smoothing scales.
+Counted with ``saved_tensors_hooks``, eager and compiled (AOT autograd's partitioner may not add
+anything else).
 """
 
 import sys
@@ -21,8 +25,9 @@ from _models import D, H, SiluMul  # noqa: E402
 T = 64  # tokens of the inputs below (4 x 16)
 
 
-def _saved(fn):
-    """(list of saved tensors, fn's result); fails if one storage is saved twice."""
+def _saved(fn, params=()):
+    """(list of saved tensors, fn's result); fails if one storage is saved twice. Tensors sharing the
+    storage of one of ``params`` (held anyway) are left out, each at most once too."""
     got = []
 
     def pack(t):
@@ -33,7 +38,13 @@ def _saved(fn):
         out = fn()
     storages = [t.untyped_storage().data_ptr() for t in got if t.numel()]
     assert len(storages) == len(set(storages)), "a tensor was saved twice"
-    return got, out
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    return [t for t in got if t.untyped_storage().data_ptr() not in param_ptrs], out
+
+
+def _precast_bytes(rows, *ks, linears) -> int:
+    """Codes of each distinct input (of ``ks`` features) once, their scales, one scale per linear."""
+    return sum(rows * k + 4 for k in ks) + 4 * linears
 
 
 def _nbytes(tensors) -> int:
@@ -96,22 +107,141 @@ def test_compiled_linears_save_codes_and_scales_only(compiler, autocast):
             return f(x)
 
     for _ in range(2):  # the second call runs the compiled graph as it is reused
-        saved, y = _saved(run)
+        saved, y = _saved(run, model.parameters())
         _only_codes_and_scales(saved)
-        assert _nbytes(saved) == _linear_bytes(T, 32, 48) + _linear_bytes(T, 48, 64)
+        assert _nbytes(saved) == _precast_bytes(T, 32, 48, linears=2)
         assert y.dtype == (torch.bfloat16 if autocast else torch.float32)
         y.float().sum().backward()
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compiled_glu_saves_codes_and_scales_only(compiler):
-    """The rewritten SwiGLU MLP under autocast: gate/up projections keep codes (of x, each its own
-    cast: separate per-projection scales), the GLU tail keeps codes of A, B, gate and up."""
+    """The rewritten SwiGLU MLP under autocast: gate/up projections keep x's codes once (one shared
+    cast), the GLU tail keeps codes of A, B, gate and up."""
     torch._dynamo.reset()
-    f = _compiled(SiluMul(), compiler)
+    model = SiluMul()
+    f = _compiled(model, compiler)
     x = torch.randn(4, 16, D, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        saved, y = _saved(lambda: f(x))
+        saved, y = _saved(lambda: f(x), model.parameters())
     _only_codes_and_scales(saved, max_scale_elems=H)
-    assert _nbytes(saved) == 2 * _linear_bytes(T, D, H) + _glu_tail_bytes(T, H, D)
+    assert _nbytes(saved) == _precast_bytes(T, D, linears=2) + _glu_tail_bytes(T, H, D)
     y.float().sum().backward()
+
+
+class QKVBlock(torch.nn.Module):
+    """q/k/v projections of one input, an output projection, a residual and a SwiGLU MLP of the
+    residual stream (gate and up share their input). The other ops (adds) save nothing, so what is
+    saved is the rewritten matmuls' alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(D, D, bias=i == 1) for i in range(4))
+        self.mlp = SiluMul()
+
+    def forward(self, x):
+        h = x + self.o(self.q(x) + self.k(x) + self.v(x))
+        return h + self.mlp(h)
+
+
+# x codes (q/k/v), o's input codes, h codes (gate/up): 3 inputs, 6 linears; then the GLU tail
+QKV_BLOCK_BYTES = _precast_bytes(T, D, D, D, linears=6) + _glu_tail_bytes(T, H, D)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
+def test_block_saves_each_input_codes_once(compiler, autocast):
+    """Exact count of a block: the codes of each distinct matmul input once (x for q/k/v, h for
+    gate/up), no weight codes (the weights are the parameters, recast in backward), scales."""
+    torch._dynamo.reset()
+    model = QKVBlock()
+    f = _compiled(model, compiler)
+    x = torch.randn(4, 16, D, requires_grad=True)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            saved, y = _saved(lambda: f(x), model.parameters())
+        _only_codes_and_scales(saved, max_scale_elems=H)
+        assert _nbytes(saved) == QKV_BLOCK_BYTES == 3 * T * D + T * H * 3 + D * H + 13 * 4 + H * 4
+        y.float().sum().backward()
+
+
+def _train(model_cls, share: bool, recipe, compiler: str, autocast: bool, monkeypatch, steps=3):
+    """Outputs and gradients of ``steps`` compiled steps, with the shared input casts or without
+    (one ``fp8_linear`` per linear); the model's delayed-scaling states after them."""
+    from fp8pass.passes.rewrite_fp8 import FP8Rewriter
+
+    monkeypatch.setattr(FP8Rewriter, "share_input_casts", share)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = model_cls()
+    cfg = fp8pass.Config(recipe=recipe, compiler=compiler, grad_stochastic_rounding=False)
+    f = torch.compile(model, backend=fp8pass.backend(cfg), fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    got = []
+    for _ in range(steps):
+        x = torch.randn(4, 16, D, generator=g, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = f(x)
+        (y.float() ** 2).sum().backward()
+        got.append([y.detach(), x.grad] + [p.grad for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    states = {}
+    if isinstance(recipe, fp8pass.DelayedScaling):  # the input states of q, k, v
+        states = {n: [t.clone() for t in fp8pass.runtime.state_for(p, recipe, "e4m3", "e5m2").op_args()[0]]
+                  for n, p in model.named_parameters() if n in ("q.weight", "k.weight", "v.weight")}
+    return got, states
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("recipe,autocast", [
+    (fp8pass.CurrentScaling(), True), (fp8pass.CurrentScaling(granularity="row"), False),
+    (fp8pass.DelayedScaling(), True)], ids=["current_bf16", "current_row_fp32", "delayed_bf16"])
+def test_shared_cast_bit_identical_to_per_linear(compiler, recipe, autocast, monkeypatch):
+    """The shared casts change what is saved, never a bit of the outputs or gradients (current
+    scaling: the same casts and GEMMs; delayed: every consumer records the same amax, so the
+    q/k/v input states stay identical to each other and to the per-linear path's)."""
+    shared, st_shared = _train(QKVBlock, True, recipe, compiler, autocast, monkeypatch)
+    alone, st_alone = _train(QKVBlock, False, recipe, compiler, autocast, monkeypatch)
+    for a, b in zip(shared, alone):
+        for u, v in zip(a, b):
+            assert u.dtype == v.dtype and torch.equal(u, v)
+    for name in st_alone:
+        for u, v in zip(st_shared[name], st_alone[name]):
+            assert torch.equal(u, v), name
+    if isinstance(recipe, fp8pass.DelayedScaling):
+        assert int(st_shared["q.weight"][2]) == 3  # three steps recorded
+        for name in ("k.weight", "v.weight"):
+            for u, v in zip(st_shared[name], st_shared["q.weight"]):
+                assert torch.equal(u, v), name
+
+
+def test_shared_cast_ops_opcheck():
+    """The two forward ops and the backward op: fake kernels, schemas and autograd as torch checks them."""
+    from fp8pass.runtime.op_schema import LinearKnobs
+
+    x = torch.randn(4, 16, D, requires_grad=True)
+    w = torch.randn(24, D, requires_grad=True)
+    b = torch.randn(24, requires_grad=True)
+    for gran in ("tensor", "block"):
+        k = LinearKnobs("e4m3", "e5m2", gran, 16, False, "nearest", 0.0, 1, "max", torch.bfloat16)
+        cast_args = (x.detach(), [], *k.args())
+        torch.library.opcheck(torch.ops.fp8pass.fp8_cast_input.default, cast_args)
+        data, scale, _, up = torch.ops.fp8pass.fp8_cast_input(*cast_args)
+        assert data.dtype == torch.uint8 and data.shape == (T, D)
+        args = (x, data, scale, up, w, b, [], [], *k.args())
+        torch.library.opcheck(torch.ops.fp8pass.fp8_linear_precast.default, args)
+        y = torch.ops.fp8pass.fp8_linear_precast(*args)[0]
+        ref = torch.ops.fp8pass.fp8_linear(x, w, b, [], [], [], *k.args())[0]
+        assert torch.equal(y, ref)
+
+
+def test_shared_cast_ops_clear_errors():
+    from fp8pass.runtime.op_schema import LinearKnobs
+
+    k = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None)
+    x = torch.randn(4, 16, D)
+    data, scale, _, up = torch.ops.fp8pass.fp8_cast_input(x, [], *k.args())
+    with pytest.raises(ValueError, match="is not the cast of x"):
+        torch.ops.fp8pass.fp8_linear_precast(x[:2], data, scale, up, torch.randn(8, D), None, [], [], *k.args())
+    with pytest.raises(ValueError, match="MX granularity"):
+        torch.ops.fp8pass.fp8_cast_input(x, [], *k.replace(granularity="mx").args())

@@ -84,7 +84,14 @@ class GraphRewriter:
     Args:
         gm: the copy of Dynamo's GraphModule to edit in place (annotated by :func:`.annotate.annotate`).
         cfg: the backend's Config.
+
+    Attributes:
+        share_input_casts: linears go through one shared input cast per input node
+            (``fp8_cast_input`` + ``fp8_linear_precast``: codes saved once, weights recast in backward)
+            instead of one ``fp8_linear`` each; MX granularity always takes ``fp8_linear``.
     """
+
+    share_input_casts = False
 
     def __init__(self, gm: fx.GraphModule, cfg: Config):
         self.gm, self.graph, self.cfg = gm, gm.graph, cfg
@@ -103,6 +110,7 @@ class GraphRewriter:
         # as one batched op at the end of the forward (see :func:`emit_records`)
         self.records: dict[tuple[int, ...], tuple[list[fx.Node], str, list[fx.Node]]] = {}
         self.covered: set[fx.Node] = set()          # nodes of the matches rewritten: the only erasable ones
+        self._input_casts: dict[tuple, tuple[fx.Node, ...]] = {}  # (x, dtype) -> its shared cast's outputs
 
     def r(self, value):
         """``value`` as it is now: the plan's nodes may have been replaced by an earlier site."""
@@ -166,7 +174,11 @@ class GraphRewriter:
         """Emit an FP8 linear ``x @ w.T + b`` (with its records) before ``before``; returns ``y``.
 
         ``w_t``: ``w`` is stored [in, out] (GPT-2's Conv1D); the op gets its transpose (a view).
+        With :attr:`share_input_casts` (and not MX granularity), ``x`` is cast once by a shared
+        ``fp8_cast_input`` (:meth:`input_cast`) and the linear is an ``fp8_linear_precast``.
         """
+        if self.share_input_casts and self.kw["granularity"] != "mx":
+            return self._fp8_linear_precast(x, w, b, before, w_t)
         xs, ws, gs = (self.state(w, r) for r in ROLES)
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
@@ -176,6 +188,47 @@ class GraphRewriter:
             if self.delayed:
                 self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
                 self.record(ws, self.graph.call_function(operator.getitem, (out, 2)), self.kw["fwd_format"])
+        keep_meta(y, before)
+        return y
+
+    def input_cast(self, x: fx.Node, xs: list[fx.Node], out_dtype) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node]:
+        """``(x_data, x_scale, x_amax, x_up)`` nodes of ``fp8_cast_input(x.detach(), xs)`` (``x_amax``
+        None under current scaling): one cast per (input node, compute dtype), emitted right after
+        ``x`` (so it precedes every consumer) on the first request; later requests get the same nodes
+        (their ``xs`` is not read: the first consumer's state scales the shared cast)."""
+        key = (x, out_dtype)
+        if key not in self._input_casts:
+            if x.op == "placeholder":
+                at = next(n for n in self.graph.nodes if n.op != "placeholder")
+            else:
+                at = x.next
+            with self.graph.inserting_before(at):
+                # detached: the cast is forward-only; dx reaches x through the linears' own x input
+                xd = self.graph.call_method("detach", (x,))
+                cast = self.graph.call_function(self.ops.fp8_cast_input.default, (xd, xs),
+                                                dict(self.kw, out_dtype=out_dtype))
+                # x_amax only where delayed scaling records it
+                outs = tuple(self.graph.call_function(operator.getitem, (cast, i)) if i != 2 or self.delayed
+                             else None for i in range(4))
+            for n in (xd, cast, *outs):
+                if n is not None:
+                    keep_meta(n, x)
+            self._input_casts[key] = outs
+        return self._input_casts[key]
+
+    def _fp8_linear_precast(self, x, w: fx.Node, b, before: fx.Node, w_t: bool) -> fx.Node:
+        xs, ws, gs = (self.state(w, r) for r in ROLES)
+        x = self.r(x)
+        dt = value_dtype(before)
+        data, scale, amax, up = self.input_cast(x, xs, dt)
+        with self.graph.inserting_before(before):
+            weight = self.graph.call_function(torch.t, (w,)) if w_t else w
+            out = self.graph.call_function(self.ops.fp8_linear_precast.default, (x, data, scale, up, weight, b, ws, gs),
+                                           dict(self.kw, out_dtype=dt))
+            y = self.graph.call_function(operator.getitem, (out, 0))
+            if self.delayed:  # every consumer's input state records the shared cast's amax
+                self.record(xs, amax, self.kw["fwd_format"])
+                self.record(ws, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
         keep_meta(y, before)
         return y
 

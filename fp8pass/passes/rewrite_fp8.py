@@ -2,10 +2,16 @@
 
 Replacement of a linear site ``y = x @ W.T (+ b)`` (any form the patterns match)::
 
-    out = fp8pass::fp8_linear(x, W, b, x_state, w_state, g_state, <recipe knobs>, out_dtype=<y's dtype>)
+    c   = fp8pass::fp8_cast_input(x.detach(), x_state, <recipe knobs>, out_dtype=<y's dtype>)  # once per x
+    out = fp8pass::fp8_linear_precast(x, c[0], c[1], c[3], W, b, w_state, g_state, <recipe knobs>, out_dtype=...)
     y   = out[0]
-    # delayed scaling only: out[1] and out[2] (the x and W amaxes) join the graph's one
+    # delayed scaling only: c[2] and out[1] (the x and W amaxes) join the graph's one
     # fp8pass::delayed_record_many_(...) before the output (rewrite_base), with every other record
+
+Every linear reading the same ``x`` (q/k/v, gate/up) takes the same cast, so its codes are saved for
+backward once (``fp8pass.runtime.precast``). Under MX granularity each linear is one
+``fp8pass::fp8_linear(x, W, b, x_state, w_state, g_state, ...)`` instead (``y = out[0]``, amaxes
+``out[1]``, ``out[2]``), as in the NVFP4 rewriter's FP8 linears.
 
 The ``*_state`` lists are the op lists (``DelayedScalingState.OP_FIELDS``) of the weight's
 ``LinearScalingState`` (fp8pass.runtime.state), extra placeholders (:mod:`.rewrite_base`). The knobs
@@ -37,6 +43,8 @@ __all__ = ["FP8Rewriter"]
 
 class FP8Rewriter(GraphRewriter):
     """Dense linears and GLU MLPs in FP8 (``Config.recipe`` = DelayedScaling or CurrentScaling)."""
+
+    share_input_casts = True  # q/k/v, gate/up: one cast of their input, its codes saved once
 
     def replace_linear(self, site: LinearSite) -> None:
         self.replace(site.node, self.fp8_linear(site.x, site.w, site.b, site.node, site.w_t), site.nodes)

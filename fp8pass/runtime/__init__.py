@@ -16,6 +16,14 @@ x_scale, w_data, w_scale)``
     to it, the gradients come back in each input's own dtype. ``x_amax``/``w_amax``: fp32 scalars
     ``max|x|``, ``max|W|`` of this call (what delayed scaling records). The last four outputs are the
     saved operands for backward (codes as uint8, 1 byte/element, and their fp32 scales): ignore them.
+``fp8_cast_input(x, x_state, *LinearKnobs) -> (x_data, x_scale, x_amax, x_up)`` and
+``fp8_linear_precast(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *LinearKnobs) -> (y, w_amax,
+w_scale)``
+    ``fp8_linear`` split in two (:mod:`fp8pass.runtime.precast`): one forward-only cast of ``x`` shared by
+    every linear that reads it (its codes saved once for backward), then each linear from the cast
+    (``x`` passed too, for its gradient; not read). The backward recasts ``W`` with ``w_scale`` instead of
+    keeping its codes. What the compile backend emits (not under MX granularity). Same results as
+    ``fp8_linear`` under current scaling, bit for bit.
 ``swiglu_down(gate, up, w_down, a_state, b_state, g_state, *GLUKnobs) -> (y, a_amax, b_amax, a_data,
 a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scale)``
     ``y = (act(gate) * up) W_down^T`` with ``activation`` = "silu" (SwiGLU) | "gelu" | "gelu_tanh"
@@ -50,7 +58,7 @@ interval, algo, power_of_two) -> None``
 ``delayed_record_many_(lists of the state fields, amaxes, fmts, margin, interval, algo, power_of_two) -> None``
     Every forward record of a compiled graph in one op at the graph's end (states stacked per shape,
     updated together, written back with ``_foreach_copy_``). These two are the only ops that mutate state.
-``fp8_linear_backward`` / ``swiglu_down_backward`` / ``fp8_grouped_linear_backward`` /
+``fp8_linear_backward`` / ``fp8_linear_precast_backward`` / ``swiglu_down_backward`` / ``fp8_grouped_linear_backward`` /
 ``fp8_grouped_swiglu_down_backward``: the ops the backward formulas call; internal.
 ``nvfp4_linear(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,
 hcp_mode, hcp_backward) -> (y, chan_err, hot)``
@@ -110,6 +118,7 @@ Kernels
 
 from .casting import IDENTITY
 from .linear import fp8_linear_op
+from .precast import fp8_cast_input_op, fp8_linear_precast_op
 from .state import ROLES, LinearScalingState, delayed_record_, grouped_state_for, record, state_for
 from .hcp import HCPState, hcp_state_for
 from .nvfp4 import nvfp4_linear_op, nvfp4_values

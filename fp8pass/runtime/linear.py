@@ -30,7 +30,7 @@ from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
 from .op_schema import LinearKnobs, knob_op
 
-__all__ = ["fp8_linear_op", "check_linear_args", "check_knobs", "compute_dtype", "record_grad_amax"]
+__all__ = ["fp8_linear_op", "check_linear_args", "check_knobs", "compute_dtype", "record_grad_amax", "linear_backward"]
 
 
 def check_linear_args(x, weight, bias, k: LinearKnobs):
@@ -166,10 +166,17 @@ def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtyp
     gradient takes its input's dtype.
     """
     k = LinearKnobs(*knobs)
+    fwd_fmt = resolve_format(k.fwd_format)
+    return linear_backward(dy, from_bytes(x_data, fwd_fmt), x_scale, from_bytes(w_data, fwd_fmt), w_scale, g_state,
+                           x_dtype, w_dtype, want_bias_grad, k)
+
+
+def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad,
+                    k: LinearKnobs, w_up: torch.Tensor | None = None):
+    """The backward GEMMs of :func:`fp8_linear_backward_op` from the saved operands as codes (FP8
+    dtypes, not bytes); ``w_up``: ``w_data`` already in the GEMM dtype (same values), if at hand."""
     fmt = resolve_format(k.bwd_format)
     fwd_fmt = resolve_format(k.fwd_format)
-    x_data = from_bytes(x_data, fwd_fmt)
-    w_data = from_bytes(w_data, fwd_fmt)
     dt = compute_dtype(k, x_dtype)
     dy2d = dy.reshape(-1, dy.shape[-1])
     up = _up(dy.device, dt)
@@ -179,7 +186,7 @@ def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtyp
     xt = tile_for(k.granularity, k.block, x_data.shape, weight=False)
     wt = tile_for(k.granularity, k.block, w_data.shape, weight=True)
     xo = Operand(x_data, x_scale, x_scale)
-    wo = Operand(w_data, w_scale, w_scale)
+    wo = Operand(w_data, w_scale, w_scale, w_up)
     go_w, g_wt, mm = go, gt, torch.float32
     if k.granularity == "mx":  # every operand blocked along its GEMM's reduction dim (the module doc)
         saved_mx = fwd_fmt is not None

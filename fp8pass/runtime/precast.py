@@ -1,0 +1,206 @@
+"""Linears that share one input cast: ``fp8pass::fp8_cast_input`` + ``fp8pass::fp8_linear_precast``.
+
+Several linears often read one tensor (q/k/v projections of the normed hidden state; gate and up
+projections of a GLU). :func:`fp8_linear_op <fp8pass.runtime.linear.fp8_linear_op>` casts its ``x``
+itself and saves its own copy of the codes for backward, so three projections of one ``x`` cast it
+three times and save three identical copies. Here the cast is its own forward-only op, emitted once
+per input, and every linear takes its outputs::
+
+    x_data, x_scale, x_amax, x_up = fp8pass::fp8_cast_input(x.detach(), x_state, <knobs>)
+    y_q, w_amax_q, w_scale_q = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_up, W_q, b_q, w_state_q, g_state_q, <knobs>)
+    y_k, ...                  = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_up, W_k, ...)
+
+``x`` is still an input of each linear, so autograd routes its ``dx`` to it, but its values are not
+read. The linear saves for backward its *inputs* ``x_data`` and ``x_scale`` (one graph node, so AOT
+autograd's partitioner keeps the codes once however many linears use them), the weight itself (a
+parameter, held anyway) and the weight's scale: the backward recasts ``W`` with that scale (the same
+codes as the forward's, bit for bit: the same cast of the same values) instead of keeping 1 byte per
+weight element alive from forward to backward. With per-row/per-tile current scaling the recast
+recomputes the scales too (deterministic, identical).
+
+Numerics: under current scaling outputs and gradients are bit-identical to one ``fp8_linear`` per
+linear (the same casts and GEMMs). Under delayed scaling the shared cast uses the first consumer's
+``x_state`` and its amax is recorded into every consumer's ``x_state`` (they see the same tensor, so
+their histories stay identical). MX granularity (a second, column-blocked cast of ``x`` per linear)
+and NVFP4 keep the per-linear ops.
+
+``x_up``: on CPU, the codes already converted to the GEMM dtype (what :func:`~.casting.cast_operand`
+makes beside the codes), shared by the consumers' forward GEMMs; an empty 1-D tensor where the GEMM
+takes the codes (Triton/CUDA) or with the identity format. Forward only: never saved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .kernels import for_device
+from .linear import _scale_shape, _up, check_knobs, check_linear_args, compute_dtype, linear_backward, record_grad_amax
+from .op_schema import LinearKnobs, knob_op
+
+__all__ = ["fp8_cast_input_op", "fp8_linear_precast_op", "shares_input_cast"]
+
+
+def shares_input_cast(k: LinearKnobs) -> bool:
+    """Whether linears with these knobs go through the shared cast (everything but MX granularity)."""
+    return k.granularity != "mx"
+
+
+def _check_cast(x, k: LinearKnobs):
+    if x.dim() < 1:
+        raise ValueError(f"fp8_cast_input needs x [..., in]; got a {x.dim()}-D tensor")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"fp8_cast_input: x must be float16/bfloat16/float32/float64, got {x.dtype}")
+    check_knobs(k)
+    if not shares_input_cast(k):
+        raise ValueError("fp8_cast_input: MX granularity casts x per linear (use fp8_linear)")
+
+
+@knob_op("fp8pass::fp8_cast_input", "Tensor x, Tensor[] x_state", LinearKnobs, "(Tensor, Tensor, Tensor, Tensor)")
+def fp8_cast_input_op(x, x_state, *knobs):
+    """``(x_data [rows, in], x_scale, x_amax, x_up)`` of the module doc; ``x`` [..., in] is cast as
+    ``fp8_linear`` casts it (``x_state``: delayed scaling, [] current)."""
+    k = LinearKnobs(*knobs)
+    _check_cast(x, k)
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x.dtype)
+    x2d = x.reshape(-1, x.shape[-1])
+    if fmt is None:  # identity: the values themselves, in the dtype the replaced node computed in
+        x2d = x2d.to(dt)
+    up = _up_dtype(k, x.device, dt)
+    xt = tile_for(k.granularity, k.block, x2d.shape, weight=False)
+    xo = cast_operand(x2d, fmt, k.granularity, xt, x_state, k.margin, k.power_of_two, up=up)
+    x_up = xo.up if up is not None and xo.up is not None else x.new_empty(0, dtype=dt)
+    if x_up is xo.data:  # outputs may not alias (codes already in the GEMM dtype)
+        x_up = x_up.clone()
+    return as_bytes(xo.data), xo.scale.clone(), xo.amax, x_up
+
+
+@fp8_cast_input_op.register_fake
+def _(x, x_state, *knobs):
+    k = LinearKnobs(*knobs)
+    _check_cast(x, k)
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x.dtype)
+    rows = 1
+    for d in x.shape[:-1]:
+        rows = rows * d
+    kk = x.shape[-1]
+    up = _up_dtype(k, x.device, dt)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (x.new_empty(rows, kk, dtype=torch.uint8 if fmt is not None else dt),
+            torch.empty(_scale_shape(k.granularity if fmt else "tensor", k.block, rows, kk, False), **f32),
+            torch.empty((), **f32),
+            x.new_empty(rows, kk, dtype=up) if up is not None else x.new_empty(0, dtype=dt))
+
+
+def _operand_x(x_data, x_scale, x_up, fmt) -> Operand:
+    data = from_bytes(x_data, fmt)
+    return Operand(data, x_scale, x_scale, x_up if x_up.dim() == 2 else None)
+
+
+def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None) -> Operand:
+    """``W``'s operand as ``fp8_linear`` casts it (``w`` already in the compute dtype for the identity
+    format). With ``scale`` (backward): the cast of ``W`` with that per-tensor scale, the forward's
+    codes again, or, per row/tile (current scaling), the same current cast again."""
+    fmt = resolve_format(k.fwd_format)
+    wt = tile_for(k.granularity, k.block, w.shape, weight=True)
+    if scale is None or fmt is None or k.granularity != "tensor":
+        return cast_operand(w, fmt, k.granularity, wt, w_state if scale is None else None, k.margin,
+                            k.power_of_two, up=up)
+    data, amax, upc = for_device(w.device).cast(w, scale, fmt, up)
+    return Operand(data, scale, amax, upc)
+
+
+def _up_dtype(k: LinearKnobs, device, dt) -> torch.dtype | None:
+    """The GEMM dtype a per-tensor cast also produces its codes in (CPU), else None."""
+    if resolve_format(k.fwd_format) is None or k.granularity != "tensor":
+        return None
+    return _up(device, dt)
+
+
+def _check_precast(x, x_data, x_scale, x_up, weight, bias, k):
+    check_linear_args(x, weight, bias, k)
+    rows = 1
+    for d in x.shape[:-1]:
+        rows = rows * d
+    if x_data.dim() != 2 or x_data.shape[0] != rows or x_data.shape[1] != x.shape[-1]:
+        raise ValueError(f"fp8_linear_precast: x_data {tuple(x_data.shape)} is not the cast of x {tuple(x.shape)} "
+                         f"(expected [{rows}, {x.shape[-1]}]: pass fp8_cast_input(x)'s outputs)")
+
+
+@knob_op("fp8pass::fp8_linear_precast",
+         "Tensor x, Tensor x_data, Tensor x_scale, Tensor x_up, Tensor weight, Tensor? bias, Tensor[] w_state, "
+         "Tensor[] g_state", LinearKnobs, "(Tensor, Tensor, Tensor)")
+def fp8_linear_precast_op(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *knobs):
+    """``(y, w_amax, w_scale)``: ``y = x W^T (+ b)`` from ``fp8_cast_input(x)``'s outputs (``x``'s
+    values are not read); see the module doc."""
+    k = LinearKnobs(*knobs)
+    _check_precast(x, x_data, x_scale, x_up, weight, bias, k)
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x.dtype)
+    w = weight.to(dt) if fmt is None else weight
+    xo = _operand_x(x_data, x_scale, x_up, fmt)
+    wo = _cast_weight(w, k, w_state, _up_dtype(k, x.device, dt))
+    xt = tile_for(k.granularity, k.block, xo.data.shape, weight=False)
+    wt = tile_for(k.granularity, k.block, weight.shape, weight=True)
+    y = gemm(xo, xt, wo, wt, dt, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0]), wo.amax, wo.scale.clone()
+
+
+@fp8_linear_precast_op.register_fake
+def _(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *knobs):
+    k = LinearKnobs(*knobs)
+    _check_precast(x, x_data, x_scale, x_up, weight, bias, k)
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x.dtype)
+    n, kk = weight.shape
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (x.new_empty(*x.shape[:-1], n, dtype=dt), torch.empty((), **f32),
+            torch.empty(_scale_shape(k.granularity if fmt else "tensor", k.block, n, kk, True), **f32))
+
+
+@knob_op("fp8pass::fp8_linear_precast_backward",
+         "Tensor dy, Tensor x_data, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor[] g_state, "
+         "ScalarType x_dtype, bool want_bias_grad", LinearKnobs, "(Tensor, Tensor, Tensor, Tensor)")
+def fp8_linear_precast_backward_op(dy, x_data, x_scale, weight, w_scale, g_state, x_dtype, want_bias_grad, *knobs):
+    """``(dx2d, dW, db_fp32, dy_amax)``: ``W`` recast with the forward's scale, then the GEMMs of
+    ``fp8_linear_backward`` (no state mutation)."""
+    k = LinearKnobs(*knobs)
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x_dtype)
+    w = weight.to(dt) if fmt is None else weight
+    wo = _cast_weight(w, k, [], _up_dtype(k, dy.device, dt), scale=w_scale)
+    return linear_backward(dy, from_bytes(x_data, fmt), x_scale, wo.data, wo.scale, g_state, x_dtype, weight.dtype,
+                           want_bias_grad, k, w_up=wo.up)
+
+
+@fp8_linear_precast_backward_op.register_fake
+def _(dy, x_data, x_scale, weight, w_scale, g_state, x_dtype, want_bias_grad, *knobs):
+    rows, kk = x_data.shape
+    n = weight.shape[0]
+    return (dy.new_empty(rows, kk, dtype=x_dtype), dy.new_empty(n, kk, dtype=weight.dtype),
+            dy.new_empty(n, dtype=torch.float32), dy.new_empty((), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, x_data, x_scale, x_up, weight, bias, w_state, g_state = inputs[:8]
+    ctx.save_for_backward(x_data, x_scale, weight, output[2])  # codes once (a shared input), W itself
+    ctx.g_state = list(g_state)
+    ctx.n_states = (len(w_state), len(g_state))
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+    ctx.b_dtype = None if bias is None else bias.dtype
+    ctx.knobs = LinearKnobs.take(inputs)
+
+
+def _backward(ctx, dy, *unused):
+    k = ctx.knobs
+    dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_precast_backward(
+        dy, *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.b_dtype is not None, *k.args())
+    record_grad_amax(ctx.g_state, g_amax, k)
+    dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
+    nw, ng = ctx.n_states
+    return (dx.reshape(ctx.x_shape), None, None, None, dw, dbias, [None] * nw, [None] * ng) + LinearKnobs.no_grads()
+
+
+fp8_linear_precast_op.register_autograd(_backward, setup_context=_setup_context)
