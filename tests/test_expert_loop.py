@@ -189,6 +189,10 @@ def test_per_expert_states_are_distinct_and_evolve(compiler):
     assert not torch.equal(scales[0][0], scales[-1][0])         # the input grew
     assert not torch.equal(scales[0][1], scales[-1][1])         # the weights changed
     assert m.w.grad is not None and (m.w.grad.flatten(1).norm(dim=1) > 0).all()
+    # the same per-expert state as a grouped expert weight's: checkpoints carry it under the weight's FQN
+    sd = fp8pass.scaling_state_dict(m)
+    assert torch.equal(sd["w.grad_output.amax_history"], st.grad_output.amax_history)
+    assert sd["w.input.scale"].shape == (E,)
 
 
 def test_explain_counts_one_expert_stack():
@@ -241,3 +245,42 @@ def test_current_scaling_and_keep_glob():
     p = _plan(m, x, Config(keep_high_precision=("down",)))
     assert p.loop_glus == [] and len(p.loop_linears) == E     # gate_up per expert still FP8
     assert sum("keep_high_precision pattern 'down'" in r for _, r in p.skipped) >= E
+
+
+class TokenGather(nn.Module):
+    """Token-gathering routing (the older Mixtral loop): each expert gets the rows routed to it
+    (``torch.where`` -> unbacked row counts), its outputs added back with ``index_add``."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * H, D) * D ** -0.5)
+        self.down = nn.Parameter(torch.randn(E, D, H) * H ** -0.5)
+
+    def forward(self, x):
+        x = x.reshape(-1, D)
+        w, top = self.router(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(top == e)
+            g, u = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
+            out = out.index_add(0, tok, F.linear(F.silu(g) * u, self.down[e]) * w[tok, slot, None])
+        return out
+
+
+def test_token_gathering_loop_with_dynamic_output_shapes():
+    """With ``capture_dynamic_output_shape_ops`` the data-dependent gather stays in the graph and the
+    experts (unbacked row counts) are FP8; without it ``torch.where`` breaks the graph per expert."""
+    torch.manual_seed(0)
+    m, x = TokenGather(), torch.randn(2, 8, D)
+    y0, g0 = _run(m, x)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        rep = fp8pass.explain(m, x, config=Config())
+        assert [(e.weights, e.variant) for e in rep.experts] == [
+            (("gate_up", "down"), "swiglu (fused gate_up) experts (per-expert loop)")]
+        assert rep.num_graphs == 1 and rep.graph_breaks == []
+        y1, g1 = _run(m, x, IDENTITY)
+        y8, g8 = _run(m, x, Config(compiler="aot_eager", grad_stochastic_rounding=False))
+    assert torch.equal(y0, y1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+    for n in ("gate_up", "down"):
+        assert F.cosine_similarity(g0[n].flatten(), g8[n].flatten(), dim=0) >= 0.98 and not torch.equal(g0[n], g8[n])
