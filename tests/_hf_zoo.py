@@ -263,3 +263,78 @@ def expected_counts(model: torch.nn.Module) -> ExpectedCounts:
         elif isinstance(m, torch.nn.Embedding):
             c.embeddings += 1
     return c
+
+
+# ----------------------------------------------------------------------------------------------
+# diagnosing an FP8 gradient gap (docs/results/hf_zoo.md, FlexOlmo)
+
+WIDER = dict(hidden_size=128, n_embd=128, d_model=128, intermediate_size=256, n_inner=256)
+
+
+def gradient_cosines(name: str, cfg=None, **config_overrides) -> tuple[dict[str, float], float]:
+    """(cosine of the compiled run's gradient to eager fp32 per parameter group, over all parameters)
+    for ``name`` at the zoo test's sizes (``WIDER``, ids (4, 128)); ``cfg`` defaults to the test's FP8 Config."""
+    import re
+
+    import fp8pass
+    from fp8pass.config import Config
+
+    cfg = cfg or Config(compiler="aot_eager", grad_stochastic_rounding=False)
+    model = build(name, **{**WIDER, "router_jitter_noise": 0.0, "input_jitter_noise": 0.0, **config_overrides})
+    batch = ids(4, 128)
+
+    def grads(m):
+        return {n: p.grad.detach().double().flatten() for n, p in m.named_parameters() if p.grad is not None}
+
+    loss_fn(model, batch).backward()
+    g0 = grads(model)
+    model.zero_grad()
+    torch._dynamo.reset()
+    loss_fn(torch.compile(model, backend=fp8pass.backend(cfg)), batch).backward()
+    g8 = grads(model)
+    torch._dynamo.reset()
+    groups: dict[str, list[str]] = {}
+    for n in g0:
+        groups.setdefault(re.sub(r"\.\d+\.", ".*.", n), []).append(n)
+    cos = torch.nn.functional.cosine_similarity
+    per_group = {k: cos(torch.cat([g0[n] for n in ns]), torch.cat([g8[n] for n in ns]), dim=0).item()
+                 for k, ns in groups.items()}
+    return per_group, cos(torch.cat(list(g0.values())), torch.cat([g8[n] for n in g0]), dim=0).item()
+
+
+def routing_changes(name: str, cfg=None, **config_overrides) -> list[tuple[float, float]]:
+    """Per MoE layer: (fraction of tokens whose top-k expert set differs between eager fp32 and the
+    compiled forward, relative error of the router logits), at the zoo test's sizes."""
+    import fp8pass
+    from fp8pass.config import Config
+
+    cfg = cfg or Config(compiler="aot_eager")
+    model = build(name, **{**WIDER, "router_jitter_noise": 0.0, "input_jitter_noise": 0.0, **config_overrides})
+    batch = ids(4, 128)
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        eager = model(batch, output_router_logits=True).router_logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=fp8pass.backend(cfg))(batch, output_router_logits=True).router_logits
+        torch._dynamo.reset()
+    out = []
+    for a, b in zip(eager, compiled):
+        top_a, top_b = (t.topk(k, -1).indices.sort(-1).values for t in (a, b))
+        out.append(((top_a != top_b).any(-1).float().mean().item(), ((a - b).norm() / a.norm()).item()))
+    return out
+
+
+if __name__ == "__main__":  # python tests/_hf_zoo.py FlexOlmo [num_experts_per_tok=4 ...]
+    import os
+    import sys
+
+    os.environ.setdefault("FP8PASS_CPU_FUSED", "0")  # as tests/test_hf_zoo.py runs
+    arch = sys.argv[1]
+    overrides = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+    groups, total = gradient_cosines(arch, **overrides)
+    for grp, c in groups.items():
+        print(f"{grp:55s} {c:.4f}")
+    print(f"{'all parameters':55s} {total:.4f}")
+    if is_moe(arch) and hasattr(build(arch).config, "num_experts_per_tok"):
+        for i, (changed, rel) in enumerate(routing_changes(arch, **overrides)):
+            print(f"MoE layer {i}: top-k expert set changed for {changed:.1%} of tokens, router logits rel. error {rel:.3f}")
