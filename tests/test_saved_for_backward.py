@@ -215,6 +215,46 @@ def test_shared_cast_bit_identical_to_per_linear(compiler, recipe, autocast, mon
                 assert torch.equal(u, v), name
 
 
+class WrittenBetween(torch.nn.Module):
+    """``h`` is read by two linears and written in place between them: each needs its own cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.p, self.q = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        h = x * 2
+        a = self.p(h)
+        h.mul_(3.0)
+        return a + self.q(h)
+
+
+class LinearBeforeGLU(torch.nn.Module):
+    """A linear and a GLU read ``x``; the GLU is rewritten first, the linear comes first in the
+    graph: the shared cast moves up to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Linear(D, D)
+        self.mlp = SiluMul()
+
+    def forward(self, x):
+        y = self.p(x)
+        return self.mlp(x) + y
+
+
+@pytest.mark.parametrize("model_cls,casts", [(WrittenBetween, 2), (LinearBeforeGLU, 1)])
+def test_shared_cast_placement(model_cls, casts, monkeypatch):
+    """Where the cast goes and who shares it: results bit-identical to the per-linear path."""
+    torch._dynamo.reset()
+    rep = fp8pass.explain(model_cls(), torch.randn(2, 8, D))
+    assert rep.graph_after.count("fp8pass.fp8_cast_input.default(") == casts, rep.graph_after
+    shared, _ = _train(model_cls, True, fp8pass.CurrentScaling(), "aot_eager", False, monkeypatch, steps=1)
+    alone, _ = _train(model_cls, False, fp8pass.CurrentScaling(), "aot_eager", False, monkeypatch, steps=1)
+    for u, v in zip(shared[0], alone[0]):
+        assert torch.equal(u, v)
+
+
 def test_shared_cast_ops_opcheck():
     """The two forward ops and the backward op: fake kernels, schemas and autograd as torch checks them."""
     from fp8pass.runtime.op_schema import LinearKnobs

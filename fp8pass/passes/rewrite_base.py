@@ -110,7 +110,7 @@ class GraphRewriter:
         # as one batched op at the end of the forward (see :func:`emit_records`)
         self.records: dict[tuple[int, ...], tuple[list[fx.Node], str, list[fx.Node]]] = {}
         self.covered: set[fx.Node] = set()          # nodes of the matches rewritten: the only erasable ones
-        self._input_casts: dict[tuple, tuple[fx.Node, ...]] = {}  # (x, dtype) -> its shared cast's outputs
+        self._input_casts: dict[tuple, list[tuple]] = {}  # (x, dtype) -> nodes of its casts (detach, cast, outputs)
 
     def r(self, value):
         """``value`` as it is now: the plan's nodes may have been replaced by an earlier site."""
@@ -191,36 +191,45 @@ class GraphRewriter:
         keep_meta(y, before)
         return y
 
-    def input_cast(self, x: fx.Node, xs: list[fx.Node], out_dtype) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node]:
+    def input_cast(self, x: fx.Node, xs: list[fx.Node], out_dtype, before: fx.Node) -> tuple:
         """``(x_data, x_scale, x_amax, x_up)`` nodes of ``fp8_cast_input(x.detach(), xs)`` (``x_amax``
-        None under current scaling): one cast per (input node, compute dtype), emitted right after
-        ``x`` (so it precedes every consumer) on the first request; later requests get the same nodes
-        (their ``xs`` is not read: the first consumer's state scales the shared cast)."""
-        key = (x, out_dtype)
-        if key not in self._input_casts:
-            if x.op == "placeholder":
-                at = next(n for n in self.graph.nodes if n.op != "placeholder")
-            else:
-                at = x.next
-            with self.graph.inserting_before(at):
-                # detached: the cast is forward-only; dx reaches x through the linears' own x input
-                xd = self.graph.call_method("detach", (x,))
-                cast = self.graph.call_function(self.ops.fp8_cast_input.default, (xd, xs),
-                                                dict(self.kw, out_dtype=out_dtype))
-                # x_amax only where delayed scaling records it
-                outs = tuple(self.graph.call_function(operator.getitem, (cast, i)) if i != 2 or self.delayed
-                             else None for i in range(4))
-            for n in (xd, cast, *outs):
-                if n is not None:
-                    keep_meta(n, x)
-            self._input_casts[key] = outs
-        return self._input_casts[key]
+        None under current scaling) for a linear at ``before``: one cast per (input node, compute
+        dtype), sitting right before the earliest linear that uses it; a later request shares it
+        (and its ``xs`` is not read: the first consumer's state scales the shared cast) unless a
+        node with side effects (an in-place write, possibly into ``x``) lies between the two, in
+        which case this linear gets its own cast."""
+        casts = self._input_casts.setdefault((x, out_dtype), [])
+        for nodes in casts:
+            head = nodes[0]
+            after = _clear_between(head, before)  # before comes later: nothing may write in between
+            if after is None:  # before comes first: move the cast up to it, if nothing writes in between
+                if not _clear_between(before, head):
+                    continue
+                for n in nodes:
+                    if n is not None:
+                        before.prepend(n)
+                return nodes[2:]
+            if after:
+                return nodes[2:]
+        with self.graph.inserting_before(before):
+            # detached: the cast is forward-only; dx reaches x through the linears' own x input
+            xd = self.graph.call_method("detach", (x,))
+            cast = self.graph.call_function(self.ops.fp8_cast_input.default, (xd, xs), dict(self.kw, out_dtype=out_dtype))
+            # x_amax only where delayed scaling records it
+            outs = tuple(self.graph.call_function(operator.getitem, (cast, i)) if i != 2 or self.delayed else None
+                         for i in range(4))
+        nodes = (xd, cast, *outs)
+        for n in nodes:
+            if n is not None:
+                keep_meta(n, before)
+        casts.append(nodes)
+        return outs
 
     def _fp8_linear_precast(self, x, w: fx.Node, b, before: fx.Node, w_t: bool) -> fx.Node:
         xs, ws, gs = (self.state(w, r) for r in ROLES)
         x = self.r(x)
         dt = value_dtype(before)
-        data, scale, amax, up = self.input_cast(x, xs, dt)
+        data, scale, amax, up = self.input_cast(x, xs, dt, before)
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
             out = self.graph.call_function(self.ops.fp8_linear_precast.default, (x, data, scale, up, weight, b, ws, gs),
@@ -231,6 +240,20 @@ class GraphRewriter:
                 self.record(ws, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
         keep_meta(y, before)
         return y
+
+
+def _clear_between(a: fx.Node, b: fx.Node) -> bool | None:
+    """Whether no node strictly between ``a`` and a later ``b`` has side effects; None if ``b`` does
+    not come after ``a``."""
+    clear = True
+    n = a.next
+    while n.op != "root":
+        if n is b:
+            return clear
+        if clear and facts(n).side_effects:
+            clear = False
+        n = n.next
+    return None
 
 
 _VIEWS = {"view", "reshape", "transpose", "t", "permute", "narrow", "select", "unsqueeze", "squeeze", "expand",
