@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fp8pass
-from fp8pass.config import Config, CurrentScaling
+from fp8pass.config import Config, CurrentScaling, NVFP4Scaling
 from fp8pass.passes.plan import plan_graph
 from fp8pass.runtime.state import grouped_state_for
 
@@ -234,6 +234,14 @@ def test_tensor_index_is_kept_with_reason():
     assert p.loop_linears == [] and p.linears == []
     kept = [r for w, r in p.skipped if w == "w"]
     assert len(kept) == E and all("tensor index" in r and "grouped_mm" in r for r in kept)
+
+
+def test_nvfp4_keeps_the_loop_and_says_so():
+    torch.manual_seed(0)
+    p = _plan(LoopGLU(True), torch.randn(6, D), Config(recipe=NVFP4Scaling()))
+    assert p.loop_glus == [] and p.loop_linears == [] and p.glus == [] and p.linears == []
+    kept = [w for w, r in p.skipped if "NVFP4 recipe has no per-expert state" in r]
+    assert kept == ["GLU down"] * E + [f"{w}[{e}]" for e in range(E) for w in ("gate_up", "down")]  # GLU, then each linear
 
 
 def test_current_scaling_and_keep_glob():

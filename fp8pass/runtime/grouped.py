@@ -284,6 +284,11 @@ def _(dy, x_data, x_scale, w_data, w_scale, offs, g_state, w_transposed, x_dtype
             dy.new_empty(w_data.shape[0], dtype=torch.float32))
 
 
+def _out_rows(w_data, w_transposed):
+    """N, the output features of a stacked weight (or its saved codes) [E, N, K] / [E, K, N]."""
+    return _out_features(w_data, w_transposed)[1]
+
+
 def _record_grad(ctx, g_amax, bwd_format):
     if ctx.g_state and resolve_format(bwd_format) is not None:
         m, interval, algo, p2 = ctx.recipe
@@ -295,6 +300,7 @@ def _linear_setup_context(ctx, inputs, output):
      margin, interval, algo) = inputs
     _, _, _, x_data, x_scale, w_data, w_scale = output
     ctx.save_for_backward(x_data, x_scale, w_data, w_scale, offs)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the saved codes (never differentiated)
     ctx.g_state = list(g_state)
     ctx.n_states = (len(x_state), len(w_state), len(g_state))
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -304,6 +310,8 @@ def _linear_setup_context(ctx, inputs, output):
 
 def _linear_backward(ctx, dy, *unused):
     x_data, x_scale, w_data, w_scale, offs = ctx.saved_tensors
+    if dy is None:  # only the amaxes or codes were used: y's gradient is zero
+        dy = x_data.new_zeros(x_data.shape[0], _out_rows(w_data, ctx.args[0]), dtype=ctx.x_dtype)
     w_transposed, fwd_format, bwd_format, power_of_two, grad_rounding, margin = ctx.args
     dx, dw, g_amax = torch.ops.fp8pass.fp8_grouped_linear_backward(
         dy, x_data, x_scale, w_data, w_scale, offs, ctx.g_state, w_transposed, ctx.x_dtype, ctx.w_dtype, fwd_format,
@@ -442,6 +450,11 @@ def _times(t, factor):
     return t * factor
 
 
+def _scaled_values(codes, col_scale, ids, dtype):
+    # codes -> fp32 (exact; vectorised, unlike float8 -> bf16) times each row's expert channel scales
+    return (codes.to(torch.float32) * col_scale[ids]).to(dtype)
+
+
 def _cpu_fast(t):
     return t.device.type == "cpu" and not kernels.uses_triton(t.device) and t.shape[1] > 0
 
@@ -575,8 +588,14 @@ def fp8_grouped_swiglu_down_backward_op(
                            keep_codes=False)
     g_in = go.gemm_input(kern, gate.dtype)
     da = kern.grouped_gemm(g_in, go.scale, _dgrad_b(b_data, w_transposed), b_scale, offs, gate.dtype)  # dA [S, F]
-    db = _wgrad(kern, a_data, a_scale, g_in, go.scale, offs, w_transposed, w_dtype)  # dB, w_down's layout
-    if smooth == "channel":  # B = W / c => dW = dB / c (exact: powers of two)
+    # B = W / c => dW = dB / c (exact: powers of two); on CPU the 1/c scales A's columns as its codes
+    # are upcast for the GEMM (the same bits: every step scales exactly by a power of two), not dB after it
+    fold = (smooth == "channel" and resolve_format(fwd_format) is not None and _cpu_fast(gate)
+            and hasattr(kern, "gemm_dtype"))
+    a_in = (_run_fused(_scaled_values, (a_data, _with_ones(1 / s), ids), (kern.gemm_dtype(w_dtype, g_in),)) if fold
+            else a_data)
+    db = _wgrad(kern, a_in, a_scale, g_in, go.scale, offs, w_transposed, w_dtype)  # dB (dW), w_down's layout
+    if smooth == "channel" and not fold:
         db = _run_fused(_times, (db, _per_channel(1 / s, w_transposed).to(db.dtype)), ())
     if smooth != "token" and _cpu_fast(gate):
         col = _with_ones(s) if smooth == "channel" else gate.new_ones(experts + 1, gate.shape[1], dtype=torch.float32)
@@ -603,6 +622,7 @@ def _swiglu_setup_context(ctx, inputs, output):
      power_of_two, grad_rounding, margin, interval, algo) = inputs
     _, _, _, a_data, a_scale, b_data, b_scale, s = output
     ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s, offs)
+    ctx.set_materialize_grads(False)  # as _linear_setup_context
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.w_dtype = w_down.dtype
@@ -612,6 +632,8 @@ def _swiglu_setup_context(ctx, inputs, output):
 
 def _swiglu_backward(ctx, dy, *unused):
     gate, up, a_data, a_scale, b_data, b_scale, s, offs = ctx.saved_tensors
+    if dy is None:  # as _linear_backward
+        dy = gate.new_zeros(gate.shape[0], _out_rows(b_data, ctx.args[0]))
     w_transposed, activation, smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin = ctx.args
     dgate, dup, dw, g_amax = torch.ops.fp8pass.fp8_grouped_swiglu_down_backward(
         dy, gate, up, a_data, a_scale, b_data, b_scale, s, offs, ctx.g_state, w_transposed, ctx.w_dtype, activation,
