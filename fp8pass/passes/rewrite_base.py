@@ -214,7 +214,8 @@ class GraphRewriter:
         with self.graph.inserting_before(before):
             # detached: the cast is forward-only; dx reaches x through the linears' own x input
             xd = self.graph.call_method("detach", (x,))
-            cast = self.graph.call_function(self.ops.fp8_cast_input.default, (xd, xs), dict(self.kw, out_dtype=out_dtype))
+            cast = self.graph.call_function(self.ops.fp8_cast_input.default, (xd, xs),
+                                            dict(self.kw, out_dtype=out_dtype))
             # x_amax only where delayed scaling records it
             outs = tuple(self.graph.call_function(operator.getitem, (cast, i)) if i != 2 or self.delayed else None
                          for i in range(4))

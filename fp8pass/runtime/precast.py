@@ -7,7 +7,8 @@ three times and save three identical copies. Here the cast is its own forward-on
 per input, and every linear takes its outputs::
 
     x_data, x_scale, x_amax, x_up = fp8pass::fp8_cast_input(x.detach(), x_state, <knobs>)
-    y_q, w_amax_q, w_scale_q = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_up, W_q, b_q, w_state_q, g_state_q, <knobs>)
+    y_q, w_amax_q, w_scale_q = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_up, W_q, b_q, w_state_q,
+                                                           g_state_q, <knobs>)
     y_k, ...                  = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_up, W_k, ...)
 
 ``x`` is still an input of each linear, so autograd routes its ``dx`` to it, but its values are not
