@@ -18,10 +18,11 @@ step), and the memory a step holds:
 
 The ratios against bf16-Inductor + torch AdamW (what the ``bf16`` recipe builds: fp32 moments,
 ``foreach`` left to torch, which on CPU means the per-tensor loop) are printed with the goals of
-issue 15. ``--profile DIR`` writes torch.profiler tables of one step of each variant.
+issue 15. ``--profile DIR`` writes torch.profiler tables of one step of each variant;
+``--saved-breakdown`` lists every saved tensor (dtype, shape, MiB) by the forward op that produced it.
 
     python benchmarks/train_step.py [--shape tiny|block|all] [--variants ...] [--steps 3]
-                                    [--threads 1] [--quick] [--profile DIR] [--json FILE]
+                                    [--threads 1] [--quick] [--profile DIR] [--saved-breakdown] [--json FILE]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import operator
 import os
 import statistics
 import sys
@@ -115,7 +117,8 @@ def backward_inputs(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule | None = 
                 src = src.args[0]
             if src is not node and src.op == "placeholder":
                 views_of_inputs.add(node.name)
-    saved, inputs, names = 0, 0, []
+    producers = {} if fw is None else {node.name: node for node in fw.graph.nodes}
+    saved, inputs, names, table = 0, 0, [], []
     for node in bw.graph.find_nodes(op="placeholder"):
         if node.name.startswith("tangents"):
             continue
@@ -128,7 +131,35 @@ def backward_inputs(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule | None = 
         else:
             saved += nbytes
             names.append(f"{node.name}:{str(val.dtype).removeprefix('torch.')}{list(val.shape)}")
-    return {"saved_bytes": saved, "input_bytes": inputs, "saved": names}
+            table.append({"name": node.name, "dtype": str(val.dtype).removeprefix("torch."),
+                          "shape": [_hint(d) for d in val.shape], "bytes": nbytes,
+                          "producer": producer_of(producers.get(node.name))})
+    return {"saved_bytes": saved, "input_bytes": inputs, "saved": names, "table": table}
+
+
+def producer_of(node: torch.fx.Node | None) -> str:
+    """The forward op that made a saved value: ``op`` or ``op[i]`` for an output of a multi-output op
+    (``fp8_linear[3]`` = its x codes); views and dtype conversions name what they read too."""
+    if node is None:
+        return "?"
+    if node.op != "call_function":
+        return node.op
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return f"{_op_name(node.args[0].target)}[{node.args[1]}]"
+    name = _op_name(node.target)
+    src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if src is not None and (getattr(node.target, "is_view", False)
+                            or name in ("_to_copy", "convert_element_type", "clone")):
+        return f"{name}({producer_of(src)})"
+    return name
+
+
+def _op_name(target) -> str:
+    name = getattr(target, "__name__", str(target))
+    overload = getattr(target, "_overloadpacket", None)
+    if overload is not None:
+        name = getattr(overload, "__name__", name)
+    return name.split(".")[-1] if "." in name and not name.startswith("fp8pass") else name
 
 
 def _hint(n) -> int:
@@ -198,6 +229,7 @@ def run(shape: str = "tiny", variants=None, steps: int = 3, device: str = "cpu",
             "optimizer_bytes_per_param": opt_bytes / model.num_params(),
             "total_mib": (param_bytes + grad_bytes + opt_bytes + saved) / 2**20,
         }
+        rows[name]["saved_breakdown"] = breakdown(records)
         steps_fn[name] = step
     times = time_rounds(steps_fn, device, repeat=steps, warmup=1)
     for name, t in times.items():
@@ -220,6 +252,20 @@ def run(shape: str = "tiny", variants=None, steps: int = 3, device: str = "cpu",
                              "saved fp8/bf16-inductor": f["saved/bf16_inductor"],
                              "total fp8/bf16-inductor+adamw": f["total/bf16_inductor_adamw"]}
     return out
+
+
+def breakdown(records: list) -> list[dict]:
+    """The saved tensors of all of a variant's backward graphs grouped by (producer, dtype, shape),
+    largest total first: ``{"producer", "dtype", "shape", "count", "mib"}``."""
+    groups: dict[tuple, dict] = {}
+    for r in records:
+        for t in r["table"]:
+            key = (t["producer"], t["dtype"], tuple(t["shape"]))
+            g = groups.setdefault(key, {"producer": t["producer"], "dtype": t["dtype"], "shape": list(t["shape"]),
+                                        "count": 0, "mib": 0.0})
+            g["count"] += 1
+            g["mib"] += t["bytes"] / 2**20
+    return sorted(groups.values(), key=lambda g: -g["mib"])
 
 
 # -- profile -----------------------------------------------------------------------------------
@@ -298,6 +344,18 @@ def print_table(res: dict) -> None:
             print(f"{res['shape']:>6} {key:32s} {val:6.3f}{verdict}")
 
 
+def print_breakdown(res: dict) -> None:
+    """Every variant's saved-for-backward tensors by the forward op that produced them."""
+    for r in res["rows"]:
+        if not r.get("saved_breakdown"):
+            continue
+        print(f"\n### saved for backward, {res['shape']}, {r['name']}: {r['saved_mib']:.2f} MiB")
+        print("| produced by (forward op[output]) | dtype | shape | count | MiB |")
+        print("|---|---|---|---|---|")
+        for g in r["saved_breakdown"]:
+            print(f"| {g['producer']} | {g['dtype']} | {g['shape']} | {g['count']} | {g['mib']:.2f} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="all", choices=[*SHAPES, "all"])
@@ -309,6 +367,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help=f"tiny only, {BASE} and {FP8}, 2 rounds (the suite)")
     p.add_argument("--profile", default=None, help="directory for torch.profiler tables of one step each")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--saved-breakdown", action="store_true",
+                   help="also print every saved-for-backward tensor by the forward op that produced it")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if a.threads:
@@ -324,6 +384,8 @@ def main(argv=None) -> int:
     for shape in shapes:
         r = run(shape, variants, a.steps, a.device, a.profile)
         print_table(r)
+        if a.saved_breakdown:
+            print_breakdown(r)
         res["results"].append(r)
         if a.json:  # after each shape: a long run keeps what it measured
             Path(a.json).write_text(json.dumps(res, indent=1))
