@@ -391,3 +391,58 @@ def test_cpu_fused_glu_path_gives_the_generic_paths_bits(monkeypatch, smooth):
     (o1, g1), (o2, g2) = results
     for u, v in zip(o1 + g1, o2 + g2):
         assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("fmt", [E5M2, E4M3])
+def test_gradient_values_cast_equals_the_codes_values_for_every_bf16(fmt):
+    """cast_rows(..., keep_codes=False) computes the GEMM values without the codes (Veltkamp split +
+    subnormal rounding): bit for bit the values of the codes, for every bf16 bit pattern (NaN, Inf,
+    +-0, subnormals, ties) at several row scales, eager and compiled."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    rs = torch.tensor([1.0, 2.0**-20, 3.0, 2.0**10, 1e-30, 7.3e5, 1.37, 2.0**-126]).repeat(32)
+    for src in (x, x.float()):
+        for eager in (True, False):
+            # 31 x 256 < MIN_COMPILED elements: the eager twin (rows 127 and 255 hold Inf and the NaNs)
+            inp = src[list(range(0, 256, 9)) + [127, 255]] if eager else src
+            got = cpu.cast_rows(inp, rs[:inp.shape[0]], fmt, up=torch.bfloat16, keep_codes=False)
+            codes = cpu._cast_rows_math(inp, rs[:inp.shape[0]], fmt.max, fmt.torch_dtype)
+            ref = codes.float().bfloat16()
+            same = (got.view(torch.int16) == ref.view(torch.int16)) | (got.isnan() & ref.isnan())
+            assert same.all(), (eager, src.dtype, inp[~same][:4], got[~same][:4], ref[~same][:4])
+            assert got.isnan().sum() == inp.isnan().sum() > 0
+
+
+def test_backward_keeps_no_zero_gradients_of_the_saved_codes():
+    """The codes outputs are never differentiated: autograd must not zero-fill gradients for them
+    (a memset of every saved byte, weights included, per step); y's gradient alone still works, and
+    a backward through the amaxes only gives zero input gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zeros.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default,
+                        torch.ops.aten.new_zeros.default):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    x, w, offs, dy = _data(16)
+    g = torch.Generator().manual_seed(16)
+    wd = torch.randn(4, 24, 24, generator=g)
+    a = [t.clone().requires_grad_() for t in (x, w, wd)]
+    out = LIN(a[0], a[1], offs, False, [], [], [], *FP8)
+    gate, up = out[0].chunk(2, dim=-1)
+    o2 = GLU(gate, up, a[2], offs, False, [], [], [], "silu", "channel", *FP8)
+    with Fills() as mode:
+        o2[0].backward(dy[:, :24])
+    big = {tuple(x.shape), tuple(w.shape), tuple(wd.shape), (x.shape[0], 24)}
+    assert not big & set(mode.shapes), mode.shapes
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in a)
+    b = [t.clone().requires_grad_() for t in (x, w)]
+    out = LIN(*b, offs, False, [], [], [], *FP8)
+    (out[1].sum() + out[2].sum()).backward()  # no gradient reaches y: the op sees dy None
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in b)
