@@ -31,7 +31,7 @@ from torch import fx
 
 from .config import Config, DelayedScaling
 from .passes.annotate import annotate, relative_param_names
-from .passes.explain import ExpertsEntry, Report, SwiGLUEntry
+from .passes.explain import ExpertsEntry, Report, SwiGLUEntry, expert_weights_outside_graphs, graph_tensors
 from .passes.names import FrameNames, frame_names, frame_root, names_for
 from .passes.plan import plan_graph
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
@@ -374,14 +374,17 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
 
     be = Backend(config)
     records = []
+    graph_inputs: set[int] = set()  # every tensor a graph was called with (expert stacks in no graph)
 
     def plan_only(gm: fx.GraphModule, inputs: list):
+        graph_inputs.update(graph_tensors(gm, inputs))
         _, rec = be.transform(gm, inputs, frame_root())
         records.append(rec.report)
         relative = relative_param_names(gm.graph, inputs)
         seen = {tuple(id(inputs[i]) for i in sorted(relative))}
 
         def run(*args):  # the original graph runs: no FP8 op, no state change
+            graph_inputs.update(graph_tensors(gm, args))
             key = tuple(id(args[i]) for i in sorted(relative))
             names = names_for(list(args), relative) if key not in seen else None
             if names is not None:  # Dynamo reuses this frame for another module: plan it under its names
@@ -408,4 +411,5 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
             where = f" at {fr.filename}:{fr.lineno}"
         reasons.append(f"Dynamo graph break{where}: {str(br.reason).splitlines()[0]}")
     report.graph_breaks = reasons + report.graph_breaks
+    report.skipped += expert_weights_outside_graphs(model, graph_inputs)
     return report

@@ -292,3 +292,20 @@ def test_token_gathering_loop_with_dynamic_output_shapes():
     assert torch.equal(y0, y1) and all(torch.equal(g0[n], g1[n]) for n in g0)
     for n in ("gate_up", "down"):
         assert F.cosine_similarity(g0[n].flatten(), g8[n].flatten(), dim=0) >= 0.98 and not torch.equal(g0[n], g8[n])
+
+
+def test_transformers_eager_experts_are_listed_as_outside_every_graph():
+    """transformers' eager experts loop over data-dependent expert ids: their GEMMs are in no graph
+    (docs/backend.md); explain lists each expert weight with the reason and what to do."""
+    pytest.importorskip("transformers")
+    import _hf_zoo as Z
+    from fp8pass.passes.explain import OUTSIDE_GRAPHS
+
+    ids = Z.ids(1, 8)
+    rep = fp8pass.explain(Z.build("Mixtral", layers=1, experts_impl="eager"), ids)
+    assert rep.experts == []
+    assert [w for w, r in rep.skipped if r == OUTSIDE_GRAPHS] == [
+        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    assert "grouped_mm" in OUTSIDE_GRAPHS
+    rep = fp8pass.explain(Z.build("Mixtral", layers=1), ids)   # grouped_mm: in the graph, FP8
+    assert len(rep.experts) == 1 and not any(r == OUTSIDE_GRAPHS for _, r in rep.skipped)

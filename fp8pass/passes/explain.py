@@ -4,7 +4,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SwiGLUEntry", "ExpertsEntry", "Report"]
+import torch
+
+__all__ = ["SwiGLUEntry", "ExpertsEntry", "Report", "expert_weights_outside_graphs", "graph_tensors", "OUTSIDE_GRAPHS"]
+
+OUTSIDE_GRAPHS = ("3-D expert weight that no graph takes: the code using it ran between graphs, in high precision "
+                  "(a per-expert loop over data-dependent expert ids breaks the graph, e.g. transformers' eager "
+                  "experts); use model.set_experts_implementation('grouped_mm'), or loop over range(E) with int "
+                  "indices")
+
+
+def graph_tensors(gm, inputs) -> set[int]:
+    """``id`` of every tensor a graph takes: its inputs and the attributes it reads (``get_attr``)."""
+    out = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            obj = gm
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part, None)
+            out.add(id(obj))
+    return out
+
+
+def expert_weights_outside_graphs(model, graph_inputs: set[int]) -> list[tuple[str, str]]:
+    """``(FQN, reason)`` for each 3-D parameter of ``model`` (convolutions' aside) whose identity is not
+    among ``graph_inputs`` (the ``id`` of every tensor the graphs were called with).
+
+    Such an expert stack is in no graph, so nothing can make it FP8; without this line the report
+    would not mention it at all.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return []
+    model = getattr(model, "_orig_mod", model)
+    out = []
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.modules.conv._ConvNd):
+            continue
+        for name, p in mod.named_parameters(recurse=False):
+            if p.dim() == 3 and id(p) not in graph_inputs:
+                out.append((f"{mod_name}.{name}" if mod_name else name, OUTSIDE_GRAPHS))
+    return out
 
 
 @dataclass(frozen=True)
