@@ -4,8 +4,9 @@
 changes a copy of it. Explain uses the plan alone, so ``fp8pass.explain`` works on any model without
 running FP8 ops. A GLU or linear whose weights are single experts of a 3-D expert weight (``W[e]``
 with a constant ``e``: a per-expert Python loop) goes to ``loop_glus`` / ``loop_linears``: FP8 per
-expert, with one scale per (expert weight, expert), one expert stack in the report. Every matmul-like call the plan leaves in high precision is listed in ``skipped``
-with its reason; attention's score and value products are one "attention, kept" line per module.
+expert, with one scale per (expert weight, expert), one expert stack in the report. Every
+matmul-like call the plan leaves in high precision is listed in ``skipped`` with its reason;
+attention's score and value products are one "attention, kept" line per module.
 """
 
 from __future__ import annotations
