@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .casting import Operand, as_bytes, cast_operand, dequantize, from_bytes, gemm, resolve_format, tile_for
+from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
 from .kernels import uses_triton
 from .linear import _scale_shape, _up, check_knobs, compute_dtype, record_grad_amax
 from .op_schema import GLUKnobs, knob_op
@@ -274,18 +274,30 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
     if k.smooth == "channel":
         db = db / s.to(db.dtype)       # B = W / c  =>  dW = dB / c (exact: powers of two)
-    g2, u2 = (_saved_values(d, sc, k.fwd_format) for d, sc in ((gate_data, gate_scale), (up_data, up_scale)))
+    fwd_fmt = resolve_format(k.fwd_format)
+    saved = (from_bytes(gate_data, fwd_fmt), gate_scale, from_bytes(up_data, fwd_fmt), up_scale)
     if k.activation == "silu":
-        dgate, dup = _on_cpu(_swiglu_backward_math, da, g2, u2, s, k.smooth)
+        dgate, dup = _on_cpu(_swiglu_backward_from_saved, da, *saved, s, (k.smooth, gate_dtype))
     else:  # eager torch math (module doc)
-        dgate, dup = _glu_backward_math(da, g2, u2, s, k.smooth, k.activation)
-    return dgate.to(gate_dtype), dup.to(gate_dtype), db, go.amax
+        dgate, dup = _glu_backward_from_saved(da, *saved, s, k.smooth, k.activation, gate_dtype)
+    return dgate, dup, db, go.amax
 
 
-def _saved_values(data, scale, fwd_format):
-    """The values :func:`saved_glu_input` kept: fp32 ``codes / scale``, or the identity format's copy."""
-    fmt = resolve_format(fwd_format)
-    return data if fmt is None else dequantize(from_bytes(data, fmt), scale, None)
+def _swiglu_backward_from_saved(da, g_data, g_scale, u_data, u_scale, s, smooth: str, out_dtype):
+    return _glu_backward_from_saved(da, g_data, g_scale, u_data, u_scale, s, smooth, "silu", out_dtype)
+
+
+def _glu_backward_from_saved(da, g_data, g_scale, u_data, u_scale, s, smooth: str, activation: str, out_dtype):
+    """dgate, dup in ``out_dtype`` from dA and gate/up as :func:`saved_glu_input` kept them.
+
+    The dequantization (fp32 ``codes / scale``, as :func:`fp8pass.runtime.casting.dequantize`; the
+    identity format's values divided by 1) and the final rounding to ``out_dtype`` are part of the
+    same loop nest on CPU: eager, the float8 -> fp32 conversion alone cost more than the GLU math.
+    """
+    g = g_data.float() / g_scale
+    u = u_data.float() / u_scale
+    dgate, dup = _glu_backward_math(da, g, u, s, smooth, activation)
+    return dgate.to(out_dtype), dup.to(out_dtype)
 
 
 def _swiglu_backward_math(da, gate2d, up2d, s, smooth: str):
@@ -305,10 +317,12 @@ def _glu_backward_math(da, gate2d, up2d, s, smooth: str, activation: str):
 
 
 def _on_cpu(fn, *args):
-    """``fn(*tensors, mode)`` as one compiled loop nest on large CPU inputs (``cpu.run_fused``)."""
+    """``fn(*tensors, *static)`` as one compiled loop nest on large CPU inputs (``cpu.run_fused``); the
+    last argument is the static one (a mode string) or a tuple of them."""
     from .kernels import cpu
 
-    return cpu.run_fused(fn, args[:-1], args[-1:])
+    static = args[-1] if isinstance(args[-1], tuple) else args[-1:]
+    return cpu.run_fused(fn, args[:-1], static)
 
 
 @swiglu_down_backward_op.register_fake

@@ -25,6 +25,7 @@ cannot compile) selects the eager twins, which compute the same bits more slowly
 from __future__ import annotations
 
 import functools
+import math
 import os
 import types
 import warnings
@@ -174,24 +175,46 @@ def _stochastic_cast_math(x, scale, seed, fmax: float, mbits: int, emin: int, dt
     on ``[0, 2^s)``: E[result] = x * scale exactly. ``s`` is capped at 30 (the int32 sum must not
     overflow): inputs more than 2^7 below the smallest subnormal then drop their lowest significand
     bits first, a bias below 2^-23 of that subnormal. Saturates to +-fmax; NaN stays NaN.
+
+    The FP8 code is assembled in integers, ``code = (max(e - emin, 0) << mbits) + n`` (a carry out of
+    ``n`` moves into the exponent field, as it should; below the smallest normal ``code = n``), then
+    ``min(code, code of fmax)``, NaN's code and the sign bit: no float scaling, no fp32 -> fp8
+    conversion, half the time of computing ``n * 2**(e - mbits)`` and converting it, same bits.
     """
     xf = x.float()
-    v = xf * scale
-    bits = v.view(torch.int32)
+    bits = (xf * scale).view(torch.int32)
     mag = bits & 0x7FFFFFFF
     efield = mag >> 23
-    normal = efield > 0
-    e = torch.where(normal, efield - 127, -126)
-    sig = torch.where(normal, (mag & 0x7FFFFF) | 0x800000, mag & 0x7FFFFF)
-    s = 23 - mbits + torch.clamp(emin - e, min=0)
+    ebias = torch.clamp(efield, min=1)  # fp32 subnormals: the smallest normal's exponent, no implicit bit
+    sig = mag - ((ebias - 1) << 23)  # the significand with its implicit bit
+    s = (23 - mbits) + torch.clamp((emin + 127) - ebias, min=0)
     s_cap = torch.clamp(s, max=30)
     sig = sig >> torch.clamp(s - s_cap, max=31)  # sig < 2**24: any shift >= 24 gives 0; >= 32 is undefined in C
     mask = (1 << s_cap) - 1
-    u = uniform_bits(v.numel(), seed, v.device) & mask
+    u = uniform_bits(mag.numel(), seed, x.device) & mask
     n = (sig >> s_cap) + (((sig & mask) + u) >> s_cap)
-    out = n.to(torch.float32) * torch.exp2((torch.clamp(e, min=emin) - mbits).to(torch.float32))
-    out = torch.where(bits < 0, -out, out).clamp(-fmax, fmax)
-    return torch.where(torch.isnan(v), v, out).to(dtype), xf.abs().amax()
+    code = (torch.clamp(efield - (emin + 127), min=0) << mbits) + n
+    code = torch.clamp(code, max=_max_code(fmax, dtype))
+    code = torch.where(mag > 0x7F800000, _NAN_CODE, code) | ((bits >> 24) & 0x80)
+    return code.to(torch.uint8).view(dtype), xf.abs().amax()
+
+
+_NAN_CODE = 0x7F  # E4M3FN's NaN; for E5M2 a NaN too (exponent all ones, mantissa 11): what c10 writes
+
+
+_LAYOUT = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # (mbits, emin) of the code layout
+
+
+def _max_code(fmax: float, dtype: torch.dtype) -> int:
+    """Sign-less code of ``fmax`` in ``dtype``'s layout, a Python int.
+
+    From the dtype, not from the format's ``mbits``/``emin``: under ``torch.compile(dynamic=True)`` those
+    are symbolic ints, and Inductor computed a clamp to an expression of them, and every op after it,
+    in float (garbage for the bitwise ops).
+    """
+    mbits, emin = _LAYOUT[dtype]
+    frac, exp = math.frexp(fmax)  # fmax = frac * 2**exp, frac in [0.5, 1)
+    return ((exp - emin) << mbits) | int((frac * 2 - 1) * 2 ** mbits)
 
 
 @functools.cache
