@@ -92,3 +92,29 @@ def test_glu_backward_from_saved_codes_equals_dequantize_then_math(rows, smooth,
             nan = torch.isnan(r)
             assert torch.equal(nan, torch.isnan(o))  # NaN payloads may differ, nothing else
             assert torch.equal(torch.where(nan, 0, r).view(torch.uint8), torch.where(nan, 0, o).view(torch.uint8))
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [8, cpu.MIN_COMPILED // 32])
+def test_unsmoothed_weight_gradient_equals_convert_then_divide(rows, w_dtype):
+    g = torch.Generator().manual_seed(5)
+    db = torch.randn(rows, 96, generator=g).bfloat16()
+    db[0, 0] = float("inf")
+    c = torch.exp2(torch.randint(-60, 60, (96,), generator=g).float())
+    got = sw._on_cpu(sw._unsmooth_weight_grad, db, c, (w_dtype,))
+    ref = db.to(w_dtype) / c.to(w_dtype)  # what swiglu_down_backward computed before, in two passes
+    assert got.dtype == w_dtype and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [8, cpu.MIN_COMPILED // 32])
+def test_smoothed_weight_operand_equals_casting_the_divided_weight(rows, w_dtype):
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(rows, 96, generator=g) / 7).to(w_dtype)
+    c = torch.exp2(torch.randint(-4, 4, (96,), generator=g).float())
+    fmt = get_format("e4m3")
+    got = sw._smoothed_weight_operand(w, c, fmt, 0.0, False, torch.bfloat16)
+    ref = cast_operand(w / c.to(w_dtype), fmt, up=torch.bfloat16)  # what swiglu_down cast before
+    assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(got.scale, ref.scale) and torch.equal(got.amax, ref.amax) and torch.equal(got.up, ref.up)
+    assert got.data.dtype == fmt.torch_dtype and (got.data.float() != 0).float().mean() > 0.9

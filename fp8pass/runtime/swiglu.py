@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import scale_from_amax
 from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
 from .linear import _scale_shape, _up, check_knobs, compute_dtype, record_grad_amax
 from .op_schema import GLUKnobs, knob_op
@@ -140,7 +142,6 @@ def _glu_operand(gate2d, up2d, smooth: str, activation: str):
 
 def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
     """GPU: smoothing scales, then one Triton pass for A's amax and one fused silu*up*scale+cast."""
-    from ..numerics import scale_from_amax
     from .casting import state_scale
     from .kernels import triton_kernels as tk
 
@@ -159,6 +160,29 @@ def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
         scale = scale_from_amax(amax_now, fmt, margin, power_of_two)
     codes, amax, scale = tk.swiglu_cast(g2, u2, smooth, fmt, scale, ss)
     return Operand(codes, scale, amax), s
+
+
+def _smoothed_weight(w_down, c):
+    return w_down / c.to(w_down.dtype)
+
+
+def _smoothed_weight_amax(w_down, c):
+    return _smoothed_weight(w_down, c).abs().amax().float()
+
+
+def _smoothed_weight_cast(w_down, c, scale, fmax: float, dtype):
+    b = _smoothed_weight(w_down, c).float()
+    return (b * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def _smoothed_weight_operand(w_down, c, fmt, margin, power_of_two, up) -> Operand:
+    """CPU, per-tensor current scaling: ``B = W_down / c`` cast without writing ``B`` out: its amax in
+    one compiled loop, its codes in another (the same values and bits as :func:`cast_operand` of
+    ``W_down / c``; the division is recomputed instead of stored and read back twice)."""
+    amax = cpu_kernels.run_fused(_smoothed_weight_amax, (w_down, c))
+    scale = scale_from_amax(amax, fmt, margin, power_of_two)
+    codes = cpu_kernels.run_fused(_smoothed_weight_cast, (w_down, c, scale), (fmt.max, fmt.torch_dtype))
+    return Operand(codes, scale, amax, None if up is None else cpu_kernels.upcast(codes, up))
 
 
 def _check(gate, up, w_down, k: GLUKnobs):
@@ -193,10 +217,14 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
     else:
         a, s = swiglu_operand(g2, u2, k.smooth, k.activation)
         ao = cast_operand(a, fmt, k.granularity, at, a_state, k.margin, k.power_of_two, up=up_dtype)
-    b = w_down / s.to(w_down.dtype) if k.smooth == "channel" else w_down
-    bt = tile_for(k.granularity, k.block, b.shape, weight=True)
-    bo = cast_operand(b, fmt, k.granularity, bt, [] if k.smooth == "channel" else b_state, k.margin,
-                      k.power_of_two, up=up_dtype)
+    bt = tile_for(k.granularity, k.block, w_down.shape, weight=True)
+    if k.smooth == "channel" and fmt is not None and k.granularity == "tensor" and w_down.device.type == "cpu" \
+            and not uses_triton(w_down.device):
+        bo = _smoothed_weight_operand(w_down, s, fmt, k.margin, k.power_of_two, up_dtype)
+    else:
+        b = w_down / s.to(w_down.dtype) if k.smooth == "channel" else w_down
+        bo = cast_operand(b, fmt, k.granularity, bt, [] if k.smooth == "channel" else b_state, k.margin,
+                          k.power_of_two, up=up_dtype)
     if k.smooth == "token":
         y = (gemm(ao, at, bo, bt, dt).float() * s).to(dt)
     else:
@@ -271,9 +299,11 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     ao = Operand(a_data, a_scale, a_scale)
     bo = Operand(b_data, b_scale, b_scale)
     da = gemm(go, gt, bo, bt, gate_dtype, b_t=True, compute_dtype=dt)           # dA = G @ B      [T, F]
-    db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
-    if k.smooth == "channel":
-        db = db / s.to(db.dtype)       # B = W / c  =>  dW = dB / c (exact: powers of two)
+    if k.smooth == "channel":  # B = W / c  =>  dW = dB / c (exact: powers of two), one pass with the cast
+        db = gemm(go, gt, ao, at, dt, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
+        db = _on_cpu(_unsmooth_weight_grad, db, s, (w_dtype,))
+    else:
+        db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True, compute_dtype=dt)
     fwd_fmt = resolve_format(k.fwd_format)
     saved = (from_bytes(gate_data, fwd_fmt), gate_scale, from_bytes(up_data, fwd_fmt), up_scale)
     if k.activation == "silu":
@@ -281,6 +311,12 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     else:  # eager torch math (module doc)
         dgate, dup = _glu_backward_from_saved(da, *saved, s, k.smooth, k.activation, gate_dtype)
     return dgate, dup, db, go.amax
+
+
+def _unsmooth_weight_grad(db, s, w_dtype):
+    """``dW = dB / c`` in ``w_dtype`` from the GEMM's ``dB`` (in its compute dtype)."""
+    db = db.to(w_dtype)
+    return db / s.to(db.dtype)
 
 
 def _swiglu_backward_from_saved(da, g_data, g_scale, u_data, u_scale, s, smooth: str, out_dtype):
@@ -319,10 +355,8 @@ def _glu_backward_math(da, gate2d, up2d, s, smooth: str, activation: str):
 def _on_cpu(fn, *args):
     """``fn(*tensors, *static)`` as one compiled loop nest on large CPU inputs (``cpu.run_fused``); the
     last argument is the static one (a mode string) or a tuple of them."""
-    from .kernels import cpu
-
     static = args[-1] if isinstance(args[-1], tuple) else args[-1:]
-    return cpu.run_fused(fn, args[:-1], static)
+    return cpu_kernels.run_fused(fn, args[:-1], static)
 
 
 @swiglu_down_backward_op.register_fake
