@@ -31,7 +31,7 @@ from fp8pass.runtime import LinearScalingState  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.common import time_rounds  # noqa: E402
 
-FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max")
+FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)  # ..., out_dtype (None: the input's)
 
 
 

@@ -18,8 +18,8 @@ from fp8pass.runtime.kernels import cpu
 
 LIN = torch.ops.fp8pass.fp8_grouped_linear
 GLU = torch.ops.fp8pass.fp8_grouped_swiglu_down
-FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max")
-IDENT = ("identity", "identity", False, "nearest", 0.0, 1, "max")
+FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)  # ..., out_dtype (None: the input's)
+IDENT = ("identity", "identity", False, "nearest", 0.0, 1, "max", None)
 OFFS = [10, 10, 33, 40]  # expert 1 empty; rows 40..43 are padding past offs[-1]
 
 
@@ -446,3 +446,107 @@ def test_backward_keeps_no_zero_gradients_of_the_saved_codes():
     out = LIN(*b, offs, False, [], [], [], *FP8)
     (out[1].sum() + out[2].sum()).backward()  # no gradient reaches y: the op sees dy None
     assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in b)
+
+
+class _StackedExperts(torch.nn.Module):
+    """Fixed-capacity experts (``bmm`` over [E, C, D]): fused gate/up [E, D, 2F] and down [E, D, F]."""
+
+    def __init__(self, experts=4, d=32, ffn=48):
+        super().__init__()
+        g = torch.Generator().manual_seed(17)
+        self.gate_up = torch.nn.Parameter(torch.randn(experts, d, 2 * ffn, generator=g) / d ** 0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, d, ffn, generator=g) / ffn ** 0.5)
+
+    def forward(self, x):
+        gate, up = torch.bmm(x, self.gate_up).chunk(2, dim=-1)
+        return torch.bmm(torch.nn.functional.silu(gate) * up, self.down.transpose(1, 2))
+
+
+def _rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "identity"])
+def test_rewrite_under_autocast_keeps_node_dtypes_and_gradients(fmt):
+    """Under ``autocast(bf16)`` the rewritten MoE graph computes in the original's dtypes: every kept
+    node has the dtype it had in Dynamo's graph, the grouped ops output bf16 (the replaced bmm's
+    dtype, not their fp32 inputs'), the parameters' gradients stay fp32, and they match the eager
+    autocast model within the format's error (identity: bf16 rounding; e4m3: FP8 quantization)."""
+    model = _StackedExperts()
+    x = torch.randn(4, 40, 32, generator=torch.Generator().manual_seed(18))
+    dy = torch.randn(4, 40, 32, generator=torch.Generator().manual_seed(19))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(model, backend=capture, fullgraph=True)(x)
+    ((gm, inputs),) = graphs
+    cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), fwd_format=fmt, bwd_format=fmt, compiler="eager",
+                         min_dim=16, smooth_swiglu="channel", grad_stochastic_rounding=False)
+    new_gm, record = fp8pass.backend(cfg).transform(gm, list(inputs))
+    assert record.extra_inputs == []
+    assert new_gm.code.count("fp8pass.fp8_grouped_linear.default(") == 1
+    assert new_gm.code.count("fp8pass.fp8_grouped_swiglu_down.default(") == 1
+    assert "torch.bmm(" not in new_gm.code
+    before = {n.name: n.meta["example_value"].dtype for n in gm.graph.nodes
+              if isinstance(n.meta.get("example_value"), torch.Tensor)}
+    got, grouped = {}, []
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                got[n.name] = out.dtype
+            if n.op == "call_function" and "fp8_grouped" in str(n.target):
+                grouped.append(out[0].dtype)
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (out,) = Recorder(new_gm).run(*inputs)
+    assert grouped == [torch.bfloat16, torch.bfloat16]
+    kept = [name for name in got if name in before]
+    assert len(kept) >= 4 and {k: got[k] for k in kept} == {k: before[k] for k in kept}
+    ref_out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0][0]
+    assert out.dtype == ref_out.meta["example_value"].dtype == torch.bfloat16
+    (out.float() * dy).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert all(g.dtype == torch.float32 for g in grads)
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model(x)
+    (eager.float() * dy).sum().backward()
+    bound = 2.0 ** -6 if fmt == "identity" else 0.1  # a few bf16 roundings; E4M3/E5M2 quantization
+    assert _rel(out, eager) <= bound
+    for g, p in zip(grads, model.parameters()):
+        assert 0 < _rel(g, p.grad) <= bound, (fmt, _rel(g, p.grad))
+
+
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
+def test_autocast_outputs_and_gemm_dtype_are_the_ops_choice(monkeypatch, gemm):
+    """Called under autocast(bf16) with ``out_dtype=bf16`` (what the rewrite passes): outputs bf16,
+    gradients in the inputs' fp32, and every per-expert GEMM inside the ops (forward and backward)
+    in the dtype :func:`cpu.gemm_dtype` chose (``FP8PASS_CPU_GEMM_DTYPE``), never recast by autocast."""
+    from torch.profiler import profile
+
+    monkeypatch.setenv(cpu.GEMM_DTYPE_ENV, gemm)
+    x, w, offs, dy = _data(20, n=48)
+    g = torch.Generator().manual_seed(20)
+    wd = torch.randn(4, 32, 24, generator=g) / 5
+    a = [t.clone().requires_grad_() for t in (x, w, wd)]
+    knobs = FP8[:-1] + (torch.bfloat16,)
+    with profile(record_shapes=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = LIN(a[0], a[1], offs, False, [], [], [], *knobs)
+            gate, up = out[0].chunk(2, dim=-1)
+            y = GLU(gate, up, a[2], offs, False, [], [], [], "silu", "channel", *knobs)[0]
+            (y.float() * dy[:, :32]).sum().backward()
+    assert out[0].dtype == y.dtype == torch.bfloat16
+    assert all(t.grad.dtype == torch.float32 for t in a)
+    want = {"fp32": "float", "bf16": "c10::BFloat16"}[gemm]
+    gemms = [e.dtypes()[1] for e in prof.profiler.kineto_results.events() if e.name() == "aten::addmm_"]
+    assert len(gemms) == 6 * 3 and set(gemms) == {want}  # 3 non-empty experts x 3 GEMMs x 2 ops

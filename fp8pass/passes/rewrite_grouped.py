@@ -3,15 +3,17 @@
 An expert GLU ``down(act(gate) * up)`` over grouped projections (one offsets tensor; or batched
 ``bmm`` over ``x`` [E, C, in], which becomes the same ops with every expert given C rows) becomes::
 
-    out = fp8pass::fp8_grouped_linear(x, W_gate_up, offs, w_transposed, x_state, w_state, g_state, ...)
+    out = fp8pass::fp8_grouped_linear(x, W_gate_up, offs, w_transposed, x_state, w_state, g_state, ...,
+                                      out_dtype=<the replaced projection's dtype>)
     gate, up = <the original slicing of out[0]>
     out = fp8pass::fp8_grouped_swiglu_down(gate, up, W_down, offs, w_transposed, a_state, b_state, g_state,
-                                           act, smooth, ...)          # per-expert Smooth-SwiGLU
+                                           act, smooth, ..., out_dtype=<down's dtype>)  # per-expert Smooth-SwiGLU
     fp8pass::delayed_record_(*state, out[1] / out[2], ...)           # per-expert amaxes [E]
 
-and an expert projection on its own becomes one ``fp8_grouped_linear``. The state of a 3-D expert
-weight holds one scale per expert (``StateInput.kind == "experts"``; the backend resolves it with
-``runtime.grouped_state_for``); the records take the ops' per-expert amax vectors.
+and an expert projection on its own becomes one ``fp8_grouped_linear``. ``out_dtype`` is the dtype the
+replaced node produced (under autocast the autocast dtype), so the rewritten graph keeps every dtype.
+The state of a 3-D expert weight holds one scale per expert (``StateInput.kind == "experts"``; the
+backend resolves it with ``runtime.grouped_state_for``); the records take the ops' per-expert amax vectors.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import operator
 import torch
 from torch import fx
 
+from .annotate import value_dtype
 from .matcher import example_value
 from .plan import ExpertGLUSite, Plan
 from .rewrite_base import ROLES, GraphRewriter, keep_meta
@@ -62,7 +65,8 @@ class GroupedRewriter(GraphRewriter):
         with self.graph.inserting_before(before):
             x2d, offs, back = self.rows_and_offsets(self.r(x), w, offs)
             out = self.graph.call_function(self.ops.fp8_grouped_linear.default,
-                                           (x2d, w, offs, layout == "in_out", xs, ws, gs), self._kw())
+                                           (x2d, w, offs, layout == "in_out", xs, ws, gs),
+                                           dict(self._kw(), out_dtype=value_dtype(before)))
             y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
                 self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
@@ -83,7 +87,7 @@ class GroupedRewriter(GraphRewriter):
         down, w = m["down"], m["down_w"]
         a_s, b_s, g_s = (self.state(w, r, EXPERTS_KIND) for r in ROLES)
         smooth = self.cfg.smooth_swiglu or "none"
-        k = self._kw()
+        k = dict(self._kw(), out_dtype=value_dtype(down))
         with self.graph.inserting_before(down):
             gate, offs, back = self.rows_and_offsets(self.r(m["gate"]), w, m.get("offs"))
             up = self.r(m["up"]) if m.get("offs") is not None else self.graph.call_method(

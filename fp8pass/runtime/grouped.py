@@ -16,6 +16,12 @@ expert whose history is still empty casts with its current amax's scale (``torch
 sync). Saved for backward: the FP8 codes (1 byte/element) and the [E] scales; the GLU op also keeps
 ``gate``/``up`` for the activation derivative, as :mod:`fp8pass.runtime.swiglu` does.
 
+``out_dtype`` (the replaced node's dtype, passed by the rewrite; None: the input's) is the dtype the ops
+compute and output in, as for ``fp8_linear``: under autocast(bf16) the outputs are bf16 whatever the
+inputs' dtype, the GEMMs of both passes round to it (CPU: bf16 GEMMs of the codes where this CPU's bf16
+matmul is native, :func:`fp8pass.runtime.kernels.cpu.gemm_dtype`), each gradient takes its input's
+dtype, and autocast is off inside the ops (it would recast their GEMMs).
+
 Kernels (:mod:`fp8pass.runtime.kernels`): CPU = compiled per-row casts + one GEMM per group on the
 upcast codes (bf16 or fp32, :func:`fp8pass.runtime.kernels.cpu.gemm_dtype`); the GLU op's channel and
 none modes also compute ``A``'s codes, ``W_down / c``'s codes and the GLU backward in compiled passes
@@ -26,6 +32,7 @@ that never materialise fp32 [S, F] temporaries (same bits as the generic path, t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -43,7 +50,7 @@ __all__ = ["fp8_grouped_linear_op", "fp8_grouped_swiglu_down_op", "group_ids", "
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_common(op, x, weight, offs, fwd_format, bwd_format, grad_rounding, algo):
+def _check_common(op, x, weight, offs, fwd_format, bwd_format, grad_rounding, algo, out_dtype=None):
     if x.dim() != 2:
         raise ValueError(f"{op}: needs 2-D rows grouped by expert [S, K], got {tuple(x.shape)}")
     if weight.dim() != 3:
@@ -60,6 +67,19 @@ def _check_common(op, x, weight, offs, fwd_format, bwd_format, grad_rounding, al
         raise ValueError(f"unknown grad_rounding {grad_rounding!r}; valid: {', '.join(ROUNDINGS)}")
     if algo not in ALGOS:
         raise ValueError(f"unknown algo {algo!r}; valid: {', '.join(ALGOS)}")
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise TypeError(f"{op}: out_dtype must be None or float16/bfloat16/float32/float64, got {out_dtype}")
+
+
+def _compute_dtype(out_dtype, x_dtype):
+    """The dtype an op computes and outputs in: ``out_dtype`` (the replaced node's), else its input's."""
+    return x_dtype if out_dtype is None else out_dtype
+
+
+def _autocast_off():
+    """The ops choose their GEMM dtypes themselves (``out_dtype``, :func:`kernels.cpu.gemm_dtype`): an
+    ambient autocast must not recast the GEMMs inside them (bf16 is ~100x slow on AVX2-only CPUs)."""
+    return torch._C._DisableAutocast()
 
 
 def _out_features(weight, w_transposed):
@@ -73,10 +93,11 @@ def _check_state(op, name, state, experts):
                          f"E = {experts}; got {[tuple(t.shape) for t in state]}")
 
 
-def check_grouped_linear_args(x, weight, offs, w_transposed, states, fwd_format, bwd_format, grad_rounding, algo):
+def check_grouped_linear_args(x, weight, offs, w_transposed, states, fwd_format, bwd_format, grad_rounding, algo,
+                              out_dtype=None):
     """Clear errors for bad arguments of ``fp8_grouped_linear`` (what was wrong and what is valid)."""
     op = "fp8_grouped_linear"
-    _check_common(op, x, weight, offs, fwd_format, bwd_format, grad_rounding, algo)
+    _check_common(op, x, weight, offs, fwd_format, bwd_format, grad_rounding, algo, out_dtype)
     k, _ = _out_features(weight, w_transposed)
     if x.shape[1] != k:
         layout = "[E, K, N]" if w_transposed else "[E, N, K]"
@@ -216,33 +237,39 @@ def fp8_grouped_linear_op(
     margin: float,
     interval: int,
     algo: str,
+    out_dtype: Optional[torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``; see the module doc."""
     check_grouped_linear_args(x, weight, offs, w_transposed, (x_state, w_state, g_state), fwd_format, bwd_format,
-                              grad_rounding, algo)
-    fmt = resolve_format(fwd_format)
-    experts = weight.shape[0]
-    kern = kernels.for_device(x.device)
-    xo = cast_grouped_rows(x, group_ids(offs, x.shape[0]), experts, fmt, x_state, margin, power_of_two,
-                           gemm_out=x.dtype)
-    wo = cast_experts(weight, fmt, w_state, margin, power_of_two, gemm_out=x.dtype)
-    y = kern.grouped_gemm(xo.gemm_input(kern, x.dtype), xo.scale, _fwd_b(wo.gemm_input(kern, x.dtype), w_transposed),
-                          wo.scale, offs, x.dtype)
+                              grad_rounding, algo, out_dtype)
+    with _autocast_off():
+        fmt = resolve_format(fwd_format)
+        dt = _compute_dtype(out_dtype, x.dtype)
+        if fmt is None:  # identity: the values themselves, in the dtype the replaced node computed in
+            x, weight = x.to(dt), weight.to(dt)
+        experts = weight.shape[0]
+        kern = kernels.for_device(x.device)
+        xo = cast_grouped_rows(x, group_ids(offs, x.shape[0]), experts, fmt, x_state, margin, power_of_two,
+                               gemm_out=dt)
+        wo = cast_experts(weight, fmt, w_state, margin, power_of_two, gemm_out=dt)
+        y = kern.grouped_gemm(xo.gemm_input(kern, dt), xo.scale, _fwd_b(wo.gemm_input(kern, dt), w_transposed),
+                              wo.scale, offs, dt)
     return y, xo.amax, wo.amax, as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone()
 
 
 @fp8_grouped_linear_op.register_fake
 def _(x, weight, offs, w_transposed, x_state, w_state, g_state, fwd_format, bwd_format, power_of_two, grad_rounding,
-      margin, interval, algo):
+      margin, interval, algo, out_dtype):
     check_grouped_linear_args(x, weight, offs, w_transposed, (x_state, w_state, g_state), fwd_format, bwd_format,
-                              grad_rounding, algo)
+                              grad_rounding, algo, out_dtype)
     fmt = resolve_format(fwd_format)
+    dt = _compute_dtype(out_dtype, x.dtype)
     experts = weight.shape[0]
     _, n = _out_features(weight, w_transposed)
     f32 = dict(dtype=torch.float32, device=x.device)
-    return (x.new_empty(x.shape[0], n), torch.empty(experts, **f32), torch.empty(experts, **f32),
-            x.new_empty(x.shape, dtype=x.dtype if fmt is None else torch.uint8), torch.empty(experts, **f32),
-            weight.new_empty(weight.shape, dtype=weight.dtype if fmt is None else torch.uint8),
+    return (x.new_empty(x.shape[0], n, dtype=dt), torch.empty(experts, **f32), torch.empty(experts, **f32),
+            x.new_empty(x.shape, dtype=dt if fmt is None else torch.uint8), torch.empty(experts, **f32),
+            weight.new_empty(weight.shape, dtype=dt if fmt is None else torch.uint8),
             torch.empty(experts, **f32))
 
 
@@ -263,23 +290,28 @@ def fp8_grouped_linear_backward_op(
     power_of_two: bool,
     grad_rounding: str,
     margin: float,
+    out_dtype: Optional[torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx, dW, dy_amax [E])`` from ``dy`` and the saved FP8 operands (no state mutation)."""
-    fmt = resolve_format(bwd_format)
-    x_data = from_bytes(x_data, resolve_format(fwd_format))
-    w_data = from_bytes(w_data, resolve_format(fwd_format))
-    kern = kernels.for_device(dy.device)
-    go = cast_grouped_rows(dy, group_ids(offs, dy.shape[0]), w_data.shape[0], fmt, g_state, margin, power_of_two,
-                           grad_rounding, gemm_out=x_dtype, keep_codes=False)
-    g_in = go.gemm_input(kern, x_dtype)
-    dx = kern.grouped_gemm(g_in, go.scale, _dgrad_b(w_data, w_transposed), w_scale, offs, x_dtype)
-    dw = _wgrad(kern, x_data, x_scale, g_in, go.scale, offs, w_transposed, w_dtype)
+    """``(dx, dW, dy_amax [E])`` from ``dy`` and the saved FP8 operands (no state mutation). The GEMMs
+    round to the forward's compute dtype, then each gradient takes its input's dtype (as autocast's
+    backward does)."""
+    with _autocast_off():
+        fmt = resolve_format(bwd_format)
+        x_data = from_bytes(x_data, resolve_format(fwd_format))
+        w_data = from_bytes(w_data, resolve_format(fwd_format))
+        dt = _compute_dtype(out_dtype, x_dtype)
+        kern = kernels.for_device(dy.device)
+        go = cast_grouped_rows(dy, group_ids(offs, dy.shape[0]), w_data.shape[0], fmt, g_state, margin, power_of_two,
+                               grad_rounding, gemm_out=dt, keep_codes=False)
+        g_in = go.gemm_input(kern, dt)
+        dx = kern.grouped_gemm(g_in, go.scale, _dgrad_b(w_data, w_transposed), w_scale, offs, dt).to(x_dtype)
+        dw = _wgrad(kern, x_data, x_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)
     return dx, dw, go.amax
 
 
 @fp8_grouped_linear_backward_op.register_fake
 def _(dy, x_data, x_scale, w_data, w_scale, offs, g_state, w_transposed, x_dtype, w_dtype, fwd_format, bwd_format,
-      power_of_two, grad_rounding, margin):
+      power_of_two, grad_rounding, margin, out_dtype):
     return (dy.new_empty(x_data.shape, dtype=x_dtype), dy.new_empty(w_data.shape, dtype=w_dtype),
             dy.new_empty(w_data.shape[0], dtype=torch.float32))
 
@@ -297,28 +329,29 @@ def _record_grad(ctx, g_amax, bwd_format):
 
 def _linear_setup_context(ctx, inputs, output):
     (x, weight, offs, w_transposed, x_state, w_state, g_state, fwd_format, bwd_format, power_of_two, grad_rounding,
-     margin, interval, algo) = inputs
+     margin, interval, algo, out_dtype) = inputs
     _, _, _, x_data, x_scale, w_data, w_scale = output
     ctx.save_for_backward(x_data, x_scale, w_data, w_scale, offs)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the saved codes (never differentiated)
     ctx.g_state = list(g_state)
     ctx.n_states = (len(x_state), len(w_state), len(g_state))
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-    ctx.args = (w_transposed, fwd_format, bwd_format, power_of_two, grad_rounding, margin)
+    ctx.args = (w_transposed, fwd_format, bwd_format, power_of_two, grad_rounding, margin, out_dtype)
     ctx.recipe = (margin, interval, algo, power_of_two)
 
 
 def _linear_backward(ctx, dy, *unused):
     x_data, x_scale, w_data, w_scale, offs = ctx.saved_tensors
     if dy is None:  # only the amaxes or codes were used: y's gradient is zero
-        dy = x_data.new_zeros(x_data.shape[0], _out_rows(w_data, ctx.args[0]), dtype=ctx.x_dtype)
-    w_transposed, fwd_format, bwd_format, power_of_two, grad_rounding, margin = ctx.args
+        dy = x_data.new_zeros(x_data.shape[0], _out_rows(w_data, ctx.args[0]),
+                              dtype=_compute_dtype(ctx.args[-1], ctx.x_dtype))
+    w_transposed, fwd_format, bwd_format, power_of_two, grad_rounding, margin, out_dtype = ctx.args
     dx, dw, g_amax = torch.ops.fp8pass.fp8_grouped_linear_backward(
         dy, x_data, x_scale, w_data, w_scale, offs, ctx.g_state, w_transposed, ctx.x_dtype, ctx.w_dtype, fwd_format,
-        bwd_format, power_of_two, grad_rounding, margin)
+        bwd_format, power_of_two, grad_rounding, margin, out_dtype)
     _record_grad(ctx, g_amax, bwd_format)
     nx, nw, ng = ctx.n_states
-    return (dx, dw, None, None, [None] * nx, [None] * nw, [None] * ng) + (None,) * 7
+    return (dx, dw, None, None, [None] * nx, [None] * nw, [None] * ng) + (None,) * 8
 
 
 fp8_grouped_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -328,7 +361,7 @@ fp8_grouped_linear_op.register_autograd(_linear_backward, setup_context=_linear_
 
 
 def check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, states, activation, smooth, fwd_format,
-                              bwd_format, grad_rounding, algo):
+                              bwd_format, grad_rounding, algo, out_dtype=None):
     """Clear errors for bad arguments of ``fp8_grouped_swiglu_down``."""
     op = "fp8_grouped_swiglu_down"
     if activation not in ACTIVATIONS:
@@ -337,7 +370,7 @@ def check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, states, acti
         raise ValueError(f"unknown smooth mode {smooth!r}; valid: {', '.join(map(repr, SMOOTH_MODES))}")
     if gate.shape != up.shape:
         raise ValueError(f"{op}: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    _check_common(op, gate, w_down, offs, fwd_format, bwd_format, grad_rounding, algo)
+    _check_common(op, gate, w_down, offs, fwd_format, bwd_format, grad_rounding, algo, out_dtype)
     f, _ = _out_features(w_down, w_transposed)
     if gate.shape[1] != f:
         layout = "[E, F, D]" if w_transposed else "[E, D, F]"
@@ -459,7 +492,7 @@ def _cpu_fast(t):
     return t.device.type == "cpu" and not kernels.uses_triton(t.device) and t.shape[1] > 0
 
 
-def _fused_glu_operand(gate, up, offs, ids, experts, smooth, activation, fmt, a_state, margin, power_of_two):
+def _fused_glu_operand(gate, up, offs, ids, experts, smooth, activation, fmt, a_state, margin, power_of_two, dt):
     """CPU, ``channel``/``none``: (GroupedOperand of A, smoothing scales) without materialising A."""
     from .kernels import cpu
 
@@ -468,7 +501,7 @@ def _fused_glu_operand(gate, up, offs, ids, experts, smooth, activation, fmt, a_
     amax = (col_amax * c).amax(dim=1)  # = max |h c| per expert, exactly (c is a power of two)
     scale = _expert_scales(amax, a_state, fmt, margin, power_of_two)
     tensors, static = (gate, up, _with_ones(c), ids, _with_ones(scale)), (activation, fmt.max, fmt.torch_dtype)
-    up_dtype = _gemm_up(cpu, fmt, gate.dtype)
+    up_dtype = _gemm_up(cpu, fmt, dt)
     codes, values = (_run_fused(_glu_cast_rows_up, tensors, static + (up_dtype,)) if up_dtype is not None
                      else (_run_fused(_glu_cast_rows, tensors, static), None))
     s = c if smooth == "channel" else torch.ones((), dtype=torch.float32, device=gate.device)
@@ -494,27 +527,36 @@ def fp8_grouped_swiglu_down_op(
     margin: float,
     interval: int,
     algo: str,
+    out_dtype: Optional[torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``; see the module doc."""
     check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state), activation, smooth,
-                              fwd_format, bwd_format, grad_rounding, algo)
-    fmt = resolve_format(fwd_format)
+                              fwd_format, bwd_format, grad_rounding, algo, out_dtype)
+    with _autocast_off():
+        return _swiglu_forward(gate, up, w_down, offs, w_transposed, a_state, b_state, activation, smooth,
+                               resolve_format(fwd_format), power_of_two, margin, _compute_dtype(out_dtype, gate.dtype))
+
+
+def _swiglu_forward(gate, up, w_down, offs, w_transposed, a_state, b_state, activation, smooth, fmt, power_of_two,
+                    margin, dt):
     experts = w_down.shape[0]
     ids = group_ids(offs, gate.shape[0])
     kern = kernels.for_device(gate.device)
+    if fmt is None:  # identity: the weight's values in the dtype the replaced node computed in
+        w_down = w_down.to(dt)
     if fmt is not None and smooth != "token" and _cpu_fast(gate):
         ao, s = _fused_glu_operand(gate, up, offs, ids, experts, smooth, activation, fmt, a_state, margin,
-                                   power_of_two)
+                                   power_of_two, dt)
     else:
         a, s = _grouped_operand(gate, up, ids, experts, smooth, activation)
-        ao = cast_grouped_rows(a, ids, experts, fmt, a_state, margin, power_of_two, gemm_out=gate.dtype)
+        ao = cast_grouped_rows(a, ids, experts, fmt, a_state, margin, power_of_two, gemm_out=dt)
     if smooth == "channel" and fmt is not None and _cpu_fast(gate):
         # B = W_down / c without materialising it: amax and codes of W * (1/c) in compiled passes
         inv_c = _per_channel(1 / s, w_transposed)
         b_amax = _run_fused(_scaled_expert_amax, (w_down, inv_c), ())
         b_scale = scale_from_amax(b_amax, fmt, margin, power_of_two)
-        up_dtype = _gemm_up(kern, fmt, gate.dtype)
+        up_dtype = _gemm_up(kern, fmt, dt)
         if up_dtype is None:
             bo = GroupedOperand(_run_fused(_scaled_expert_cast, (w_down, inv_c, b_scale), (fmt.max, fmt.torch_dtype)),
                                 b_scale, b_amax)
@@ -525,31 +567,31 @@ def fp8_grouped_swiglu_down_op(
     elif smooth == "channel":  # B = W_down / c per expert: changes every call, so current-scaled
         # times 1/c: the same bits as dividing (c is a power of two), and a multiply is cheaper
         b = w_down * _per_channel(1 / s, w_transposed).to(w_down.dtype)
-        bo = cast_experts(b, fmt, [], margin, power_of_two, gemm_out=gate.dtype)
+        bo = cast_experts(b, fmt, [], margin, power_of_two, gemm_out=dt)
     else:
-        bo = cast_experts(w_down, fmt, b_state, margin, power_of_two, gemm_out=gate.dtype)
-    y = kern.grouped_gemm(ao.gemm_input(kern, gate.dtype), ao.scale, _fwd_b(bo.gemm_input(kern, gate.dtype),
-                                                                             w_transposed),
-                          bo.scale, offs, gate.dtype)
+        bo = cast_experts(w_down, fmt, b_state, margin, power_of_two, gemm_out=dt)
+    y = kern.grouped_gemm(ao.gemm_input(kern, dt), ao.scale, _fwd_b(bo.gemm_input(kern, dt), w_transposed),
+                          bo.scale, offs, dt)
     if smooth == "token":
-        y = (y.float() * s).to(gate.dtype)
+        y = (y.float() * s).to(dt)
     return (y, ao.amax, bo.amax, as_bytes(ao.data), ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(),
             s.clone())
 
 
 @fp8_grouped_swiglu_down_op.register_fake
 def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format,
-      power_of_two, grad_rounding, margin, interval, algo):
+      power_of_two, grad_rounding, margin, interval, algo, out_dtype):
     check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state), activation, smooth,
-                              fwd_format, bwd_format, grad_rounding, algo)
+                              fwd_format, bwd_format, grad_rounding, algo, out_dtype)
     fmt = resolve_format(fwd_format)
+    dt = _compute_dtype(out_dtype, gate.dtype)
     experts, rows, f = w_down.shape[0], gate.shape[0], gate.shape[1]
     _, n = _out_features(w_down, w_transposed)
     f32 = dict(dtype=torch.float32, device=gate.device)
     s_shape = {"channel": (experts, f), "token": (rows, 1), "none": ()}[smooth]
-    return (gate.new_empty(rows, n), torch.empty(experts, **f32), torch.empty(experts, **f32),
+    return (gate.new_empty(rows, n, dtype=dt), torch.empty(experts, **f32), torch.empty(experts, **f32),
             gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8), torch.empty(experts, **f32),
-            w_down.new_empty(w_down.shape, dtype=w_down.dtype if fmt is None else torch.uint8),
+            w_down.new_empty(w_down.shape, dtype=dt if fmt is None else torch.uint8),
             torch.empty(experts, **f32), torch.empty(s_shape, **f32))
 
 
@@ -574,8 +616,19 @@ def fp8_grouped_swiglu_down_backward_op(
     power_of_two: bool,
     grad_rounding: str,
     margin: float,
+    out_dtype: Optional[torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dgate, dup, dW_down, dy_amax [E])`` (no state mutation)."""
+    """``(dgate, dup, dW_down, dy_amax [E])`` (no state mutation); GEMMs in the forward's compute dtype,
+    each gradient in its input's dtype."""
+    with _autocast_off():
+        return _grouped_swiglu_backward(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs,
+                                        g_state, w_transposed, w_dtype, activation, smooth, fwd_format, bwd_format,
+                                        power_of_two, grad_rounding, margin, _compute_dtype(out_dtype, gate.dtype))
+
+
+def _grouped_swiglu_backward(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state,
+                             w_transposed, w_dtype, activation, smooth, fwd_format, bwd_format, power_of_two,
+                             grad_rounding, margin, dt):
     fmt = resolve_format(bwd_format)
     a_data = from_bytes(a_data, resolve_format(fwd_format))
     b_data = from_bytes(b_data, resolve_format(fwd_format))
@@ -584,17 +637,17 @@ def fp8_grouped_swiglu_down_backward_op(
     ids = group_ids(offs, dy.shape[0])
     s = smooth_scales
     g = dy.float() * s if smooth == "token" else dy
-    go = cast_grouped_rows(g, ids, experts, fmt, g_state, margin, power_of_two, grad_rounding, gemm_out=gate.dtype,
+    go = cast_grouped_rows(g, ids, experts, fmt, g_state, margin, power_of_two, grad_rounding, gemm_out=dt,
                            keep_codes=False)
-    g_in = go.gemm_input(kern, gate.dtype)
-    da = kern.grouped_gemm(g_in, go.scale, _dgrad_b(b_data, w_transposed), b_scale, offs, gate.dtype)  # dA [S, F]
+    g_in = go.gemm_input(kern, dt)
+    da = kern.grouped_gemm(g_in, go.scale, _dgrad_b(b_data, w_transposed), b_scale, offs, dt)  # dA [S, F]
     # B = W / c => dW = dB / c (exact: powers of two); on CPU the 1/c scales A's columns as its codes
     # are upcast for the GEMM (the same bits: every step scales exactly by a power of two), not dB after it
     fold = (smooth == "channel" and resolve_format(fwd_format) is not None and _cpu_fast(gate)
             and hasattr(kern, "gemm_dtype"))
-    a_in = (_run_fused(_scaled_values, (a_data, _with_ones(1 / s), ids), (kern.gemm_dtype(w_dtype, g_in),)) if fold
+    a_in = (_run_fused(_scaled_values, (a_data, _with_ones(1 / s), ids), (kern.gemm_dtype(dt, g_in),)) if fold
             else a_data)
-    db = _wgrad(kern, a_in, a_scale, g_in, go.scale, offs, w_transposed, w_dtype)  # dB (dW), w_down's layout
+    db = _wgrad(kern, a_in, a_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)  # dB (dW), w_down's layout
     if smooth == "channel" and not fold:
         db = _run_fused(_times, (db, _per_channel(1 / s, w_transposed).to(db.dtype)), ())
     if smooth != "token" and _cpu_fast(gate):
@@ -612,35 +665,37 @@ def fp8_grouped_swiglu_down_backward_op(
 
 @fp8_grouped_swiglu_down_backward_op.register_fake
 def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state, w_transposed, w_dtype, activation,
-      smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin):
+      smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin, out_dtype):
     return (gate.new_empty(gate.shape), up.new_empty(up.shape), dy.new_empty(b_data.shape, dtype=w_dtype),
             dy.new_empty(b_data.shape[0], dtype=torch.float32))
 
 
 def _swiglu_setup_context(ctx, inputs, output):
     (gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, activation, smooth, fwd_format, bwd_format,
-     power_of_two, grad_rounding, margin, interval, algo) = inputs
+     power_of_two, grad_rounding, margin, interval, algo, out_dtype) = inputs
     _, _, _, a_data, a_scale, b_data, b_scale, s = output
     ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s, offs)
     ctx.set_materialize_grads(False)  # as _linear_setup_context
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.w_dtype = w_down.dtype
-    ctx.args = (w_transposed, activation, smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin)
+    ctx.args = (w_transposed, activation, smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin,
+                out_dtype)
     ctx.recipe = (margin, interval, algo, power_of_two)
 
 
 def _swiglu_backward(ctx, dy, *unused):
     gate, up, a_data, a_scale, b_data, b_scale, s, offs = ctx.saved_tensors
     if dy is None:  # as _linear_backward
-        dy = gate.new_zeros(gate.shape[0], _out_rows(b_data, ctx.args[0]))
-    w_transposed, activation, smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin = ctx.args
+        dy = gate.new_zeros(gate.shape[0], _out_rows(b_data, ctx.args[0]),
+                            dtype=_compute_dtype(ctx.args[-1], gate.dtype))
+    w_transposed, activation, smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin, out_dtype = ctx.args
     dgate, dup, dw, g_amax = torch.ops.fp8pass.fp8_grouped_swiglu_down_backward(
         dy, gate, up, a_data, a_scale, b_data, b_scale, s, offs, ctx.g_state, w_transposed, ctx.w_dtype, activation,
-        smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin)
+        smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin, out_dtype)
     _record_grad(ctx, g_amax, bwd_format)
     na, nb, ng = ctx.n_states
-    return (dgate, dup, dw, None, None, [None] * na, [None] * nb, [None] * ng) + (None,) * 9
+    return (dgate, dup, dw, None, None, [None] * na, [None] * nb, [None] * ng) + (None,) * 10
 
 
 fp8_grouped_swiglu_down_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)

@@ -6,7 +6,7 @@ import torch
 import fp8pass  # noqa: F401  (registers the ops)
 
 pytestmark = pytest.mark.gpu
-FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max")
+FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)  # ..., out_dtype (None: the input's)
 LIN = torch.ops.fp8pass.fp8_grouped_linear
 GLU = torch.ops.fp8pass.fp8_grouped_swiglu_down
 
