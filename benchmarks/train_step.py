@@ -316,9 +316,41 @@ def profile_step(step, path: Path) -> dict:
             o[1] += us / 1e3
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    callers = profile_callers(step)
+    path.with_name(path.stem + "_callers.txt").write_text(
+        "self ms | calls | op [input shapes] | fp8pass/optimizer callers, innermost first\n" +
+        "\n".join(f"{ms:9.1f} | {c:5d} | {op} {shapes} | {who}" for (op, shapes, who), (c, ms) in callers))
     top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:15]
     return {"profiled_ms": total / 1e3, "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "top": [{"op": k, "calls": c, "self_ms": ms, "group": group_of(k)} for k, (c, ms) in top]}
+
+
+CALLER_OPS = ("aten::copy_", "aten::div", "aten::mul", "aten::add", "aten::addmm", "aten::mm", "aten::aminmax",
+              "<built-in function kernel>")  # the last: an Inductor-generated kernel (its graph's caller below)
+
+
+def profile_callers(step, depth: int = 3, top: int = 40) -> list:
+    """One more step, profiled with Python stacks: the self time of copies, divisions, GEMMs and
+    Inductor kernels by input shapes and by the innermost ``depth`` fp8pass / optimizer / Inductor
+    frames that called them (what issued each copy or compiled-loop call). Sorted, the ``top`` rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        step()
+    rows: dict = {}
+    for e in prof.events():
+        if not e.name.startswith(CALLER_OPS):
+            continue
+        who, anc = [], e.cpu_parent
+        while anc is not None and len(who) < depth:
+            if any(k in anc.name for k in ("fp8pass/", "torch/optim/", "output_code.py")) and anc.name not in who:
+                who.append(anc.name.rsplit("site-packages/", 1)[-1].rsplit("/main/", 1)[-1])
+            anc = anc.cpu_parent
+        key = (e.name, str(e.input_shapes) if e.input_shapes else "", " <- ".join(who))
+        r = rows.setdefault(key, [0, 0.0])
+        r[0] += 1
+        r[1] += e.self_cpu_time_total / 1e3
+    return sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
 
 
 # -- report ------------------------------------------------------------------------------------
