@@ -31,9 +31,13 @@ class LoopLinears(nn.Module):
         self.router = nn.Linear(D, E, bias=False)
         # experts of different sizes: each gets its own scales
         self.w = nn.Parameter(torch.randn(E, H, D) * torch.tensor([1.0, 4.0, 0.25, 16.0]).view(E, 1, 1) * D ** -0.5)
+        if how == "bias":
+            self.b = nn.Parameter(torch.randn(E, H))
 
     def expert(self, x, e):
         w = self.w
+        if self.how == "bias":
+            return F.linear(x, w[e], self.b[e])
         if self.how == "getitem":
             return F.linear(x, w[e])
         if self.how == "negative":
@@ -109,11 +113,12 @@ def _plan(model, x, cfg=None):
     return plan_graph(gm.graph, cfg or Config())
 
 
-@pytest.mark.parametrize("how", ["getitem", "negative", "select", "torch.select", "matmul_t", "matmul_T"])
+@pytest.mark.parametrize("how", ["getitem", "negative", "select", "torch.select", "matmul_t", "matmul_T", "bias"])
 def test_every_constant_index_form_is_one_fp8_linear_per_expert(how):
     torch.manual_seed(0)
     p = _plan(LoopLinears(how), torch.randn(6, D))
     assert [(s.fqn, s.expert[1]) for s in p.loop_linears] == [("w", e) for e in range(E)]
+    assert all((s.b is not None) == (how == "bias") for s in p.loop_linears)   # b[e] is the expert's bias
     assert p.linears == [] and p.glus == [] and p.loop_glus == []
     assert p.skipped == [("router.weight", "weight (4, 32) has a dim below min_dim=16")]
 
@@ -140,8 +145,8 @@ def _run(model, x, cfg=None):
 
 
 @pytest.mark.parametrize("model", [lambda: LoopLinears("getitem"), lambda: LoopLinears("matmul_t"),
-                                   lambda: LoopGLU(True), lambda: LoopGLU(False)],
-                         ids=["linears", "linears_matmul", "glu_fused", "glu_separate"])
+                                   lambda: LoopLinears("bias"), lambda: LoopGLU(True), lambda: LoopGLU(False)],
+                         ids=["linears", "linears_matmul", "linears_bias", "glu_fused", "glu_separate"])
 def test_identity_format_equals_eager_bit_for_bit(model):
     torch.manual_seed(0)
     m, x = model(), torch.randn(2, 8, D)

@@ -20,6 +20,7 @@ Forms covered (all verified on real Dynamo graphs in tests/test_patterns.py):
   loop writes it (``for e in range(E): F.linear(x_e, W[e])``): ``W[e]`` / ``W.select(0, e)`` /
   ``torch.select(W, 0, e)`` stands for a 2-D weight in every projection form above (``W[e].t()``,
   ``x @ W[e].T``, ...) and binds ``p_w_stack`` (the 3-D parameter) and ``p_w_index`` (``e``, 0 <= e < E);
+  a bias may likewise be one row ``b[e]`` of a stacked [E, out] bias;
 * a fused gate+up projection followed by ``chunk``, ``split``, last-dim slicing or
   ``view(..., 2, n).unbind(-2)`` (blocked) / ``view(..., n, 2).unbind(-1)`` (interleaved);
 * the down projection of the GLU output (any projection form above).
@@ -104,7 +105,16 @@ def _expert_weight(name: str) -> Pattern:
 
 
 def _bias(name: str) -> Pattern:
-    return Bind(name, Where(lambda n: is_param_placeholder(n) and _ndim(n) == 1))
+    """A 1-D bias: a parameter, or one expert's row ``b[e]`` (``e`` a constant) of a stacked [E, out] bias."""
+    return Bind(name, Where(lambda n: (is_param_placeholder(n) and _ndim(n) == 1) or _expert_bias_row(n)))
+
+
+def _expert_bias_row(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    stack, index = node.args
+    return (is_param_placeholder(stack) and _ndim(stack) == 2 and isinstance(index, int)
+            and not isinstance(index, bool))
 
 
 def _ndim(node) -> int | None:
