@@ -419,10 +419,6 @@ def _run_fused(fn, tensors, static):
     return cpu.run_fused(fn, tensors, static)
 
 
-def _glu_col_amax(gate, up, activation):
-    return (glu_activation(gate.float(), activation) * up.float()).abs().amax(dim=0)
-
-
 def _glu_chunk_amax(gate, up, activation):
     # [S / chunk, F]: a reduction over the rows of each chunk, which Inductor vectorises along the
     # rows' memory; a column reduction over a whole group's rows walks memory with a row stride (~4x slower)
@@ -432,20 +428,42 @@ def _glu_chunk_amax(gate, up, activation):
 
 def _glu_group_col_amax(gate, up, bounds, activation):
     """Per-expert channel amax ``max |act(gate) up|`` over each group's rows, fp32 [E, F] (0 for an
-    empty group): whole chunks from :func:`_glu_chunk_amax`, the < chunk rows at a group's edges directly."""
-    r = _AMAX_CHUNK
-    full = gate.shape[0] // r * r
-    part = _run_fused(_glu_chunk_amax, (gate[:full], up[:full]), (activation,)) if full else None
-    zeros = gate.new_zeros(gate.shape[1], dtype=torch.float32)
-    out = []
-    for lo, hi in bounds:
+    empty group): whole chunks from :func:`_glu_chunk_amax`, the < chunk rows at a group's edges directly
+    (gathered into one tensor). Each source reaches its expert's row by one ``scatter_reduce`` (max is
+    exact in any order); chunks that straddle a group edge or lie past ``offs[-1]`` go to a spare row.
+    A handful of ops per call, not a few per expert (each one an OpenMP region: slow on a loaded CPU)."""
+    r, experts, f = _AMAX_CHUNK, len(bounds), gate.shape[1]
+    chunk_ids = [experts] * (gate.shape[0] // r)
+    edge_rows: list[int] = []
+    edge_ids: list[int] = []
+    for e, (lo, hi) in enumerate(bounds):
         c0, c1 = -(-lo // r), hi // r
-        pieces, edges = [], [(lo, hi)]
+        edges = [(lo, hi)]
         if c1 > c0:
-            pieces, edges = [part[c0:c1].amax(dim=0)], [(lo, c0 * r), (c1 * r, hi)]
-        pieces += [_glu_col_amax(gate[a:b], up[a:b], activation) for a, b in edges if b > a]
-        out.append(torch.stack(pieces).amax(dim=0) if pieces else zeros)
-    return torch.stack(out)
+            chunk_ids[c0:c1] = [e] * (c1 - c0)
+            edges = [(lo, c0 * r), (c1 * r, hi)]
+        for a, b in edges:
+            edge_rows += range(a, b)
+            edge_ids += [e] * (b - a)
+    out = gate.new_zeros(experts + 1, f, dtype=torch.float32)
+    if any(e < experts for e in chunk_ids):
+        full = len(chunk_ids) * r
+        part = _run_fused(_glu_chunk_amax, (gate[:full], up[:full]), (activation,))
+        out = _scatter_amax(out, chunk_ids, part)
+    if edge_rows:
+        rows = torch.tensor(edge_rows, device=gate.device)
+        out = _scatter_amax(out, edge_ids, _glu_abs(gate[rows], up[rows], activation))
+    return out[:experts]
+
+
+def _scatter_amax(out, ids, src):
+    """``out[ids[i]] = max(out[ids[i]], src[i])`` row by row (``ids``: a host list)."""
+    index = torch.tensor(ids, device=src.device)[:, None].expand(src.shape)
+    return out.scatter_reduce(0, index, src, "amax", include_self=True)
+
+
+def _glu_abs(gate, up, activation):
+    return (glu_activation(gate.float(), activation) * up.float()).abs()
 
 
 def _glu_cast_rows(gate, up, col_scale, ids, row_scale, activation, fmax, dtype):
