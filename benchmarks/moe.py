@@ -1,7 +1,7 @@
 """MoE expert layer in FP8 (grouped ops) vs bf16 grouped experts, fwd+bwd, ratios measured in one run.
 
     python benchmarks/moe.py [--tokens 4096] [--experts 8] [--topk 2] [--dim 1024] [--ffn 2816]
-                             [--repeat 5] [--quick] [--json FILE]
+                             [--repeat 5] [--quick] [--threads N] [--json FILE]
 
 A Mixtral-style expert block on the routed rows (tokens x topk rows sorted by expert; the router and
 the token permutation are the same in both variants and left out): fused gate/up ``[E, 2 ffn, dim]``,
@@ -10,6 +10,9 @@ SwiGLU, down ``[E, dim, ffn]``. FP8: ``fp8pass::fp8_grouped_linear`` + ``fp8pass
 with ``torch._grouped_mm`` and with one bf16 matmul per expert; the ratio is taken against the faster
 of the two (the honest baseline on this machine). Medians (and minima) of ``--repeat`` interleaved
 rounds after warm-up; on a shared CPU compare the ratios of one run, not absolute times across runs.
+Each round's process CPU time (all threads, ``time.process_time``) is recorded too: on a CPU shared
+with other processes, wall time also counts the time this process waited for a core, CPU time does
+not (OpenMP threads that spin while waiting for each other still count), so its ratios move less.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -105,15 +109,31 @@ def main(argv=None):
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="1024 tokens, 3 rounds (the suite's size)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); 1 gives CPU times without OpenMP waits on a shared CPU")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     if a.quick:
         a.tokens, a.repeat = 1024, 3
     device = torch.device(a.device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()
     fns, offs = cases(a.tokens, a.experts, a.topk, a.dim, a.ffn, device)
-    rounds = time_rounds(fns, device, a.repeat)
+    cpu_rounds = {k: [] for k in fns}
+
+    def cpu_timed(k, fn):
+        def f():
+            t = time.process_time()
+            fn()
+            cpu_rounds[k].append(time.process_time() - t)
+        return f
+
+    rounds = time_rounds({k: cpu_timed(k, fn) for k, fn in fns.items()}, device, a.repeat)
+    cpu_rounds = {k: v[-a.repeat:] for k, v in cpu_rounds.items()}  # the timed rounds (not the warm-up)
+    cpu_times = {k: statistics.median(v) for k, v in cpu_rounds.items()}
+    cpu_base = min(cpu_times["bf16_grouped_mm"], cpu_times["bf16_per_expert"])
     times = {k: statistics.median(v) for k, v in rounds.items()}
     best = {k: min(v) for k, v in rounds.items()}  # other processes only ever add time: min is the least noisy
     base = min(times["bf16_grouped_mm"], times["bf16_per_expert"])
@@ -129,6 +149,9 @@ def main(argv=None):
         "fp8_delayed/bf16": times["fp8_delayed"] / base,
         "fp8_current/bf16 (min)": best["fp8_current"] / base_min,
         "fp8_delayed/bf16 (min)": best["fp8_delayed"] / base_min,
+        "cpu_seconds": cpu_times, "cpu_rounds": cpu_rounds,
+        "fp8_current/bf16 (cpu time)": cpu_times["fp8_current"] / cpu_base,
+        "fp8_delayed/bf16 (cpu time)": cpu_times["fp8_delayed"] / cpu_base,
     }
     print(f"machine: {result['machine']['cpu']}, capability {result['cpu_capability']}, "
           f"threads {result['machine']['threads']}, load {load_before} -> {result['loadavg_after']}")
@@ -137,6 +160,9 @@ def main(argv=None):
     print(f"baseline {result['bf16_baseline']}: fp8_current/bf16 = {result['fp8_current/bf16']:.3f}, "
           f"fp8_delayed/bf16 = {result['fp8_delayed/bf16']:.3f} (medians); by the fastest round: "
           f"{result['fp8_current/bf16 (min)']:.3f}, {result['fp8_delayed/bf16 (min)']:.3f}")
+    print(f"process CPU time (median): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cpu_times.items())
+          + f"; fp8_current/bf16 = {result['fp8_current/bf16 (cpu time)']:.3f}, "
+          f"fp8_delayed/bf16 = {result['fp8_delayed/bf16 (cpu time)']:.3f}")
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return result
