@@ -30,11 +30,18 @@ from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
 from .op_schema import LinearKnobs, knob_op
 
-__all__ = ["fp8_linear_op", "check_linear_args", "check_knobs", "compute_dtype", "record_grad_amax", "linear_backward"]
+__all__ = ["fp8_linear_op", "check_linear_args", "check_linear_tensors", "check_knobs", "knobs_of", "compute_dtype",
+           "record_grad_amax", "linear_backward"]
 
 
 def check_linear_args(x, weight, bias, k: LinearKnobs):
     """Clear errors for bad arguments (what was wrong and what is valid)."""
+    check_linear_tensors(x, weight, bias)
+    check_knobs(k)
+
+
+def check_linear_tensors(x, weight, bias):
+    """The tensor half of :func:`check_linear_args` (the ops validate their knobs in :func:`knobs_of`)."""
     if x.dim() < 1 or weight.dim() != 2:
         raise ValueError(f"fp8_linear needs x [..., in] and weight [out, in]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -45,7 +52,6 @@ def check_linear_args(x, weight, bias, k: LinearKnobs):
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"fp8_linear: {name} must be float16/bfloat16/float32/float64, got {t.dtype}")
-    check_knobs(k)
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -65,6 +71,12 @@ def check_knobs(k: LinearKnobs) -> None:
         raise ValueError(f"unknown algo {k.algo!r}; valid: {', '.join(ALGOS)}")
     if k.out_dtype is not None and k.out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be None or float16/bfloat16/float32/float64, got {k.out_dtype}")
+
+
+def knobs_of(args: tuple) -> LinearKnobs:
+    """An op's ``*knobs`` as validated :class:`LinearKnobs` (:func:`check_knobs`), built once per
+    distinct tuple (:meth:`Knobs.of <fp8pass.runtime.op_schema.Knobs.of>`)."""
+    return LinearKnobs.of(args, check_knobs)
 
 
 def compute_dtype(k: LinearKnobs, x_dtype: torch.dtype) -> torch.dtype:
@@ -105,8 +117,8 @@ def _scale_shape(granularity, block, rows, cols, weight):
          "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, *knobs):
     """Returns ``(y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``; see the module doc."""
-    k = LinearKnobs(*knobs)
-    check_linear_args(x, weight, bias, k)
+    k = knobs_of(knobs)
+    check_linear_tensors(x, weight, bias)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
     x2d = x.reshape(-1, x.shape[-1])
@@ -128,8 +140,8 @@ def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, *knobs):
 
 @fp8_linear_op.register_fake
 def _(x, weight, bias, x_state, w_state, g_state, *knobs):
-    k = LinearKnobs(*knobs)
-    check_linear_args(x, weight, bias, k)
+    k = knobs_of(knobs)
+    check_linear_tensors(x, weight, bias)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
     rows = 1
@@ -165,7 +177,7 @@ def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtyp
     The GEMMs round to the forward's compute dtype (what autocast's backward does), then each
     gradient takes its input's dtype.
     """
-    k = LinearKnobs(*knobs)
+    k = knobs_of(knobs)
     fwd_fmt = resolve_format(k.fwd_format)
     return linear_backward(dy, from_bytes(x_data, fwd_fmt), x_scale, from_bytes(w_data, fwd_fmt), w_scale, g_state,
                            x_dtype, w_dtype, want_bias_grad, k)
@@ -226,7 +238,7 @@ def _setup_context(ctx, inputs, output):
     ctx.x_shape = x.shape
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
-    ctx.knobs = LinearKnobs.take(inputs)
+    ctx.knobs = LinearKnobs.take(inputs)  # validated by the forward
 
 
 def record_grad_amax(g_state, g_amax, k: LinearKnobs) -> None:

@@ -40,9 +40,32 @@ class Knobs:
         return len(fields(cls))
 
     @classmethod
-    def take(cls, args) -> "Knobs":
+    def of(cls, args: tuple, check=None) -> "Knobs":
+        """``cls(*args)``, made once per distinct ``args``: a rewritten graph passes the same knobs on
+        every call, so per call this is one dict lookup instead of building and validating a dataclass.
+
+        Args:
+            args: the op's knob values, in schema order.
+            check: validation run on a new instance (raises on bad values); a tuple that fails it is
+                not kept, so every call with it raises again.
+        """
+        key = (cls, args)
+        try:
+            k = _MADE.get(key)
+        except TypeError:  # an unhashable value (a symbolic scalar): build it, uncached
+            key, k = None, None
+        if k is None:
+            k = cls(*args)
+            if check is not None:
+                check(k)
+            if key is not None and len(_MADE) < _MADE_MAX:
+                _MADE[key] = k
+        return k
+
+    @classmethod
+    def take(cls, args, check=None) -> "Knobs":
         """The knobs from an op's full argument list (they are its last ``count()`` arguments)."""
-        return cls(*args[len(args) - cls.count():])
+        return cls.of(tuple(args[len(args) - cls.count():]), check)
 
     @classmethod
     def no_grads(cls) -> tuple:
@@ -55,6 +78,12 @@ class Knobs:
 
     def replace(self, **changes) -> "Knobs":
         return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+# Knobs.of's instances by (class, values); bounded: graphs pass a handful of distinct tuples, and a
+# caller sweeping values past the bound just builds instances again
+_MADE: dict[tuple, "Knobs"] = {}
+_MADE_MAX = 1024
 
 
 @dataclass(frozen=True)

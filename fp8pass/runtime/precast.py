@@ -36,7 +36,8 @@ import torch
 
 from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
 from .kernels import for_device
-from .linear import _scale_shape, _up, check_knobs, check_linear_args, compute_dtype, linear_backward, record_grad_amax
+from .linear import (_scale_shape, _up, check_linear_tensors, compute_dtype, knobs_of, linear_backward,
+                     record_grad_amax)
 from .op_schema import LinearKnobs, knob_op
 
 __all__ = ["fp8_cast_input_op", "fp8_linear_precast_op", "shares_input_cast"]
@@ -48,11 +49,11 @@ def shares_input_cast(k: LinearKnobs) -> bool:
 
 
 def _check_cast(x, k: LinearKnobs):
+    """``k`` comes validated from :func:`~.linear.knobs_of`."""
     if x.dim() < 1:
         raise ValueError(f"fp8_cast_input needs x [..., in]; got a {x.dim()}-D tensor")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"fp8_cast_input: x must be float16/bfloat16/float32/float64, got {x.dtype}")
-    check_knobs(k)
     if not shares_input_cast(k):
         raise ValueError("fp8_cast_input: MX granularity casts x per linear (use fp8_linear)")
 
@@ -61,7 +62,7 @@ def _check_cast(x, k: LinearKnobs):
 def fp8_cast_input_op(x, x_state, *knobs):
     """``(x_data [rows, in], x_scale, x_amax, x_up)`` of the module doc; ``x`` [..., in] is cast as
     ``fp8_linear`` casts it (``x_state``: delayed scaling, [] current)."""
-    k = LinearKnobs(*knobs)
+    k = knobs_of(knobs)
     _check_cast(x, k)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
@@ -79,7 +80,7 @@ def fp8_cast_input_op(x, x_state, *knobs):
 
 @fp8_cast_input_op.register_fake
 def _(x, x_state, *knobs):
-    k = LinearKnobs(*knobs)
+    k = knobs_of(knobs)
     _check_cast(x, k)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
@@ -120,8 +121,8 @@ def _up_dtype(k: LinearKnobs, device, dt) -> torch.dtype | None:
     return _up(device, dt)
 
 
-def _check_precast(x, x_data, x_scale, x_up, weight, bias, k):
-    check_linear_args(x, weight, bias, k)
+def _check_precast(x, x_data, x_scale, x_up, weight, bias):
+    check_linear_tensors(x, weight, bias)
     rows = 1
     for d in x.shape[:-1]:
         rows = rows * d
@@ -136,8 +137,8 @@ def _check_precast(x, x_data, x_scale, x_up, weight, bias, k):
 def fp8_linear_precast_op(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *knobs):
     """``(y, w_amax, w_scale)``: ``y = x W^T (+ b)`` from ``fp8_cast_input(x)``'s outputs (``x``'s
     values are not read); see the module doc."""
-    k = LinearKnobs(*knobs)
-    _check_precast(x, x_data, x_scale, x_up, weight, bias, k)
+    k = knobs_of(knobs)
+    _check_precast(x, x_data, x_scale, x_up, weight, bias)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
     w = weight.to(dt) if fmt is None else weight
@@ -151,8 +152,8 @@ def fp8_linear_precast_op(x, x_data, x_scale, x_up, weight, bias, w_state, g_sta
 
 @fp8_linear_precast_op.register_fake
 def _(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *knobs):
-    k = LinearKnobs(*knobs)
-    _check_precast(x, x_data, x_scale, x_up, weight, bias, k)
+    k = knobs_of(knobs)
+    _check_precast(x, x_data, x_scale, x_up, weight, bias)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
     n, kk = weight.shape
@@ -167,7 +168,7 @@ def _(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *knobs):
 def fp8_linear_precast_backward_op(dy, x_data, x_scale, weight, w_scale, g_state, x_dtype, want_bias_grad, *knobs):
     """``(dx2d, dW, db_fp32, dy_amax)``: ``W`` recast with the forward's scale, then the GEMMs of
     ``fp8_linear_backward`` (no state mutation)."""
-    k = LinearKnobs(*knobs)
+    k = knobs_of(knobs)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x_dtype)
     w = weight.to(dt) if fmt is None else weight
@@ -191,7 +192,7 @@ def _setup_context(ctx, inputs, output):
     ctx.n_states = (len(w_state), len(g_state))
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
-    ctx.knobs = LinearKnobs.take(inputs)
+    ctx.knobs = LinearKnobs.take(inputs)  # validated by the forward
 
 
 def _backward(ctx, dy, *unused):

@@ -1,0 +1,42 @@
+"""The ops' knobs are built and validated once per distinct tuple (op_schema.Knobs.of), and a bad
+tuple still raises on every call."""
+
+import pytest
+import torch
+
+import fp8pass  # noqa: F401  (registers the ops)
+from fp8pass.runtime import op_schema
+from fp8pass.runtime.linear import knobs_of
+from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
+
+GOOD = ("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16)
+
+
+def test_of_builds_once_per_tuple():
+    k = knobs_of(GOOD)
+    assert k == LinearKnobs(*GOOD)
+    assert knobs_of(tuple(GOOD)) is k  # an equal tuple: the same instance, no rebuild
+    assert LinearKnobs.take((torch.zeros(1), None, *GOOD)) is k
+    assert k.args() == GOOD
+    other = knobs_of(GOOD[:-1] + (torch.float32,))
+    assert other is not k and other.out_dtype == torch.float32
+    # another Knobs class with a prefix of equal values is never confused with a LinearKnobs
+    glu = GLUKnobs.of(GOOD + ("silu", "channel"))
+    assert type(glu) is GLUKnobs and glu.args() == GOOD + ("silu", "channel")
+    assert LinearKnobs.count() == 10 and GLUKnobs.count() == 12
+    assert GLUKnobs.no_grads() == (None,) * 12
+
+
+@pytest.mark.parametrize("field, value, error", [(2, "bogus", ValueError), (3, 0, ValueError),
+                                                 (5, "sometimes", ValueError), (8, "median", ValueError),
+                                                 (0, "e9m9", ValueError)])
+def test_bad_knobs_raise_on_every_call(field, value, error):
+    bad = GOOD[:field] + (value,) + GOOD[field + 1:]
+    before = len(op_schema._MADE)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    for _ in range(2):  # not cached after the first failure
+        with pytest.raises(error):
+            knobs_of(bad)
+        with pytest.raises(error):
+            torch.ops.fp8pass.fp8_cast_input(x, [], *bad)
+    assert len(op_schema._MADE) == before
