@@ -118,3 +118,61 @@ def test_smoothed_weight_operand_equals_casting_the_divided_weight(rows, w_dtype
     assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(got.scale, ref.scale) and torch.equal(got.amax, ref.amax) and torch.equal(got.up, ref.up)
     assert got.data.dtype == fmt.torch_dtype and (got.data.float() != 0).float().mean() > 0.9
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("up", [torch.bfloat16, torch.float32])
+def test_cast_values_equals_the_upcast_codes_bit_for_bit(name, up):
+    """cpu.cast_values (one loop, no codes) gives the values ``upcast(cast(x))`` gives, for every bf16 bit
+    pattern (NaN, Inf, +-0, subnormals, ties) and random fp32 over 40 octaves, at several scales,
+    compiled (65536 elements) and eager (below MIN_COMPILED), with the same amax."""
+    fmt = get_format(name)
+    every_bf16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    torch.manual_seed(0)
+    wide = (torch.randn(70000) * torch.logspace(-20, 20, 70000, base=2.0)).reshape(700, 100)
+    for src in (every_bf16, every_bf16.float(), wide, wide.bfloat16()):
+        for scale in (1.0, 2.0 ** -20, 3.0, 7.3e5, 1e-30):
+            s = torch.tensor(scale)
+            for x in (src, src.reshape(-1)[:1000]):  # compiled, eager
+                codes, amax, ref = cpu.cast(x, s, fmt, up)
+                got, got_amax = cpu.cast_values(x, s, fmt, up)
+                assert got.dtype == up and got.shape == x.shape
+                same = (_bits(got) == _bits(ref)) | (got.isnan() & ref.isnan())
+                assert same.all(), (name, src.dtype, scale, x[~same][:4], got[~same][:4], ref[~same][:4])
+                assert torch.equal(got_amax, amax) or (got_amax.isnan() and amax.isnan())
+
+
+def test_weight_casts_of_the_precast_linear_write_no_codes_on_cpu(monkeypatch):
+    """fp8_linear_precast casts W (forward, delayed and current) and recasts it (backward) with
+    cast_values only: cpu.cast never sees a tensor of W's shape, and y, dx, dW equal fp8_linear's bit for bit."""
+    import fp8pass  # noqa: F401  (registers the ops)
+    from fp8pass.runtime.op_schema import LinearKnobs
+
+    seen = []
+    real_cast = cpu.cast
+    monkeypatch.setattr(cpu, "cast", lambda x, *a, **kw: seen.append(tuple(x.shape)) or real_cast(x, *a, **kw))
+    torch.manual_seed(1)
+    x = torch.randn(4, 64, 128, dtype=torch.bfloat16)
+    w = torch.randn(160, 128) * 0.05  # above MIN_COMPILED: the compiled loop
+    dy = torch.randn(4, 64, 160, dtype=torch.bfloat16)
+    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16).args()
+    outs = []
+    for precast in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if precast:
+            xd, xs, _, xu = torch.ops.fp8pass.fp8_cast_input(xi.detach(), [], *knobs)
+            y = torch.ops.fp8pass.fp8_linear_precast(xi, xd, xs, xu, wi, None, [], [], *knobs)[0]
+            weight_casts = [s for s in seen if s == tuple(w.shape)]
+        else:
+            y = torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], *knobs)[0]
+        y.backward(dy)
+        if precast:
+            weight_casts += [s for s in seen if s == tuple(w.shape)]
+            assert weight_casts == [] and len(seen) > 0
+        outs.append((y.detach(), xi.grad, wi.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -22,7 +22,7 @@ from ..numerics.scaling import outgrew, scale_to_cast
 from ..numerics.kernels import torch_family
 from . import kernels
 
-__all__ = ["IDENTITY", "Operand", "resolve_format", "cast_operand", "state_scale", "tile_for", "dequantize",
+__all__ = ["IDENTITY", "Operand", "resolve_format", "cast_operand", "cast_with_scale", "state_scale", "tile_for", "dequantize",
            "gemm", "as_bytes", "from_bytes", "MX_ROWS", "MX_COLS"]
 
 IDENTITY = "identity"
@@ -98,6 +98,7 @@ def cast_operand(
     rounding: str = "nearest",
     up: torch.dtype | None = None,
     transpose: bool = False,
+    keep_codes: bool = True,
 ) -> Operand:
     """Cast a 2-D tensor for a GEMM.
 
@@ -112,6 +113,9 @@ def cast_operand(
         up: also produce the codes in this dtype (CPU GEMM operand).
         transpose: also produce the transposed codes in the same pass where the device's kernels can
             (GPU: ``_scaled_mm`` wants the wgrad operands transposed).
+        keep_codes: False for an operand only GEMMs read (never saved): with ``up`` and a kernel that
+            has ``cast_values`` (CPU, per tensor, nearest rounding), no codes are written and ``data``
+            is the values in ``up`` as well (see :func:`cast_with_scale`).
     """
     kern = kernels.for_device(x2d.device)
     if fmt is None:
@@ -127,16 +131,34 @@ def cast_operand(
             return Operand(data, scale, amax, None if up is None else kern.upcast(data, up), data_t)
         amax_now = torch_family.tensor_amax(x2d) if needs_current_amax(state) else None
         scale = state_scale(state, amax_now, fmt, margin, power_of_two)
-        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose)
+        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes)
     if granularity == "tensor":
         scale = scale_from_amax(torch_family.tensor_amax(x2d), fmt, margin, power_of_two)
-        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose)
+        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes)
     q = quantize(x2d, fmt, granularity="mx" if granularity == "mx" else "block", block=tile, rounding=rounding,
                  power_of_two=power_of_two)
     return Operand(q.data, q.scale, torch_family.tensor_amax(x2d))
 
 
-def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False) -> Operand:
+def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None,
+                    keep_codes: bool = True) -> Operand:
+    """Per-tensor RNE cast of ``x2d`` with a given fp32 scalar ``scale`` (e.g. a weight recast in
+    backward with its forward's scale: the same codes again).
+
+    Args:
+        up: also produce the codes in this dtype (CPU GEMM operand), or None.
+        keep_codes: False when only GEMMs read the operand: with ``up`` and a kernel that has
+            ``cast_values`` (CPU) one loop writes the values in ``up`` and no codes; ``data`` and
+            ``up`` are then both those values (bit-identical to upcasting the codes; GEMMs read
+            ``up``). Where the GEMM takes codes (Triton/CUDA, ``up`` None) the codes are made as usual.
+    """
+    return _cast_tensor(kernels.for_device(x2d.device), x2d, scale, fmt, "nearest", up, keep_codes=keep_codes)
+
+
+def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_codes=True) -> Operand:
+    if not keep_codes and up is not None and rounding == "nearest" and hasattr(kern, "cast_values"):
+        values, amax = kern.cast_values(x2d, scale, fmt, up)  # no codes: one loop, one write
+        return Operand(values, scale, amax, values)
     if transpose and hasattr(kern, "transpose_cast"):  # Triton: both layouts in one read, RNE or stochastic
         data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding)
         return Operand(data, scale, amax, None, data_t)

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
-from .kernels import for_device
+from .casting import Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for
 from .linear import (_scale_shape, _up, check_linear_tensors, compute_dtype, knobs_of, linear_backward,
                      record_grad_amax)
 from .op_schema import LinearKnobs, knob_op
@@ -107,11 +106,12 @@ def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None) -> Operand:
     codes again, or, per row/tile (current scaling), the same current cast again."""
     fmt = resolve_format(k.fwd_format)
     wt = tile_for(k.granularity, k.block, w.shape, weight=True)
+    # keep_codes=False: only GEMMs read W's operand (backward recasts it), so on CPU one loop writes
+    # the GEMM values and no codes (casting.cast_with_scale).
     if scale is None or fmt is None or k.granularity != "tensor":
         return cast_operand(w, fmt, k.granularity, wt, w_state if scale is None else None, k.margin,
-                            k.power_of_two, up=up)
-    data, amax, upc = for_device(w.device).cast(w, scale, fmt, up)
-    return Operand(data, scale, amax, upc)
+                            k.power_of_two, up=up, keep_codes=False)
+    return cast_with_scale(w, scale, fmt, up, keep_codes=False)
 
 
 def _up_dtype(k: LinearKnobs, device, dt) -> torch.dtype | None:

@@ -15,6 +15,8 @@ cast below is therefore one Inductor-compiled loop (``dynamic=True``, so shapes 
 ``cast``               one read of ``x``: codes ``sat(x * s)`` and ``max |x|``
 ``cast_stochastic``    the same with stochastic rounding (gradients), random bits made in-loop
 ``upcast``             codes -> fp32 -> bf16 in one loop (vectorised; the direct conversion is not)
+``cast_values``        the values of ``cast``'s codes in the GEMM dtype and ``max |x|``, no codes
+                       written (operands only GEMMs read, e.g. weights recast each step)
 =====================  ==================================================================
 
 Inductor converts fp32 -> fp8 with c10's round-to-nearest-even, bit-identical to
@@ -35,7 +37,7 @@ import torch
 from ...numerics import Format
 from ...numerics.kernels import torch_family
 
-__all__ = ["fused_enabled", "run_fused", "cast", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
+__all__ = ["fused_enabled", "run_fused", "cast", "cast_values", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
            "cpu_capability", "gemm_dtype", "gemm_tensor_scaled",
            "row_amax", "cast_rows", "grouped_gemm", "grouped_gemm_wgrad"]
 
@@ -146,6 +148,44 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
     codes = codes.view(x.shape)
     # A separate upcast loop is faster than writing both outputs from one loop (measured).
     return codes, amax.float(), (upcast(codes, up) if up is not None else None)
+
+
+@functools.cache
+def _compiled_cast_values(fmax: float, split: float, step: float, tiny: float, src: torch.dtype, up: torch.dtype):
+    def cast_values_kernel(x, scale):
+        return _rne_values_amax_math(x, scale, fmax, split, step, tiny, up)
+
+    return compile_variant(cast_values_kernel, _tag("values", fmax, src, up))
+
+
+def cast_values(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype):
+    """``upcast(cast(x, scale, fmt)[0], up)`` and ``max |x|`` without the codes: one compiled loop.
+
+    For operands whose codes nobody reads (a weight recast each step, used by CPU GEMMs only): the
+    codes' 1-byte write and the second loop that upcasts them are skipped. Bit-identical values
+    (:func:`_rne_values_math`'s rounding, tested against codes + upcast).
+
+    Args:
+        x: bf16/fp16/fp32 tensor, any shape (made contiguous). fp64 goes through :func:`cast`.
+        scale: fp32 scalar tensor.
+        fmt: an FP8 format with a torch dtype.
+        up: the GEMM dtype (:func:`gemm_dtype`), bf16 or fp32.
+
+    Returns:
+        (values shaped like ``x`` in ``up``, amax fp32 scalar).
+    """
+    x = x.contiguous()
+    if x.dtype == torch.float64 or x.numel() == 0:
+        _, amax, values = cast(x, scale, fmt, up)
+        return values, amax
+    scale = scale.to(torch.float32).reshape(())
+    args = (fmt.max, *_rne_constants(fmt))
+    eager = lambda a, s: _rne_values_amax_math(a, s, *args, up)  # noqa: E731
+    if x.numel() < MIN_COMPILED:
+        values, amax = eager(x, scale)
+    else:  # 1-D, so that no shape ever recompiles
+        values, amax = _run_compiled(_compiled_cast_values(*args, x.dtype, up), eager, x.reshape(-1), scale)
+    return values.view(x.shape), amax.float()
 
 
 # murmur3's finalizer constants (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35) as int32: int32 products wrap
@@ -392,11 +432,21 @@ def _rne_values_math(x2d, row_scale, fmax: float, split: float, step: float, tin
     multiples of the smallest subnormal ``step``. NaN stays NaN; +-0 keep their sign. Bit-identical to
     :func:`_gemm_values` of the codes (tested on every bf16 and random fp32 bit patterns). The constants
     come in as floats: ints would be symbolic under ``dynamic=True`` and recomputed per element."""
-    v = (x2d.float() * row_scale[:, None]).clamp(-fmax, fmax)
+    return _rne_round((x2d.float() * row_scale[:, None]).clamp(-fmax, fmax), split, step, tiny).to(up)
+
+
+def _rne_round(v, split: float, step: float, tiny: float):
+    """``v`` (fp32, already within +-fmax) rounded to the FP8 grid: the rounding of :func:`_rne_values_math`."""
     t = v * split
     normal = t - (t - v)
     sub = torch.round(v * (1 / step)) * step
-    return torch.where(v.abs() < tiny, sub, normal).to(up)
+    return torch.where(v.abs() < tiny, sub, normal)
+
+
+def _rne_values_amax_math(x, scale, fmax: float, split: float, step: float, tiny: float, up):
+    """:func:`_rne_values_math` for a scalar ``scale``, with ``max |x|`` (:func:`cast_values`)."""
+    xf = x.float()
+    return _rne_round((xf * scale).clamp(-fmax, fmax), split, step, tiny).to(up), xf.abs().amax()
 
 
 def _rne_constants(fmt: Format) -> tuple[float, float, float]:
