@@ -90,7 +90,7 @@ def test_partition_record_counts_what_the_compiled_forward_hands_to_backward():
     hooks, _ = saved_bytes(lambda: f(x), exclude={w.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()})
     assert hooks == rec["saved_bytes"]
     graph = torch.fx.symbolic_trace(lambda a, b: a + b)  # placeholders named like neither class
-    assert backward_inputs(graph) == {"saved_bytes": 0, "input_bytes": 0, "saved": []}
+    assert backward_inputs(graph) == {"saved_bytes": 0, "input_bytes": 0, "saved": [], "table": []}
 
 
 def _gone(pid: int) -> bool:
