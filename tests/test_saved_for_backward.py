@@ -285,3 +285,22 @@ def test_shared_cast_ops_clear_errors():
         torch.ops.fp8pass.fp8_linear_precast(x[:2], data, scale, up, torch.randn(8, D), None, [], [], *k.args())
     with pytest.raises(ValueError, match="MX granularity"):
         torch.ops.fp8pass.fp8_cast_input(x, [], *k.replace(granularity="mx").args())
+
+
+def test_several_ranks_keep_the_weight_codes_of_the_per_linear_op(monkeypatch):
+    """With torch.distributed on more than one rank (FSDP2 rebuilds weights between forward and
+    backward), the rewrite emits ``fp8_linear`` (weight codes saved), never the precast pair that
+    recasts the weight in backward; one rank keeps the shared cast."""
+    model_cls = LinearBeforeGLU
+    torch._dynamo.reset()
+    single = fp8pass.explain(model_cls(), torch.randn(2, 8, D)).graph_after
+    assert "fp8pass.fp8_cast_input.default(" in single and "fp8pass.fp8_linear.default(" not in single
+    from fp8pass.passes import rewrite_base
+
+    assert not rewrite_base.weights_may_be_regathered()  # no process group here
+    # (the 2-rank FSDP2 runs of tests/test_distributed.py, -m slow, take this path for real)
+    monkeypatch.setattr(rewrite_base, "weights_may_be_regathered", lambda: True)
+    torch._dynamo.reset()
+    ranks = fp8pass.explain(model_cls(), torch.randn(2, 8, D)).graph_after
+    assert "fp8_cast_input" not in ranks and "fp8_linear_precast" not in ranks, ranks
+    assert ranks.count("fp8pass.fp8_linear.default(") == 3, ranks  # p, gate, up
