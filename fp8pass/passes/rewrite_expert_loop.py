@@ -110,11 +110,6 @@ class ExpertLoopRewriter(FP8Rewriter):
             self.slices.update(expert_slices(site.match))
         for site in plan.loop_linears:
             self.slices[site.w] = site.expert
-        done: list[str] = []
-        for site in plan.loop_glus:
-            done += self.replace_glu(site)
-        for site in plan.loop_linears:
-            self.replace_linear(site)
-            done.append(site.fqn)
+        done = self.replace_sites(plan.loop_glus, plan.loop_linears)
         self._record_stacks()
         return list(dict.fromkeys(done)), []

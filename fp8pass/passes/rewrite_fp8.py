@@ -106,10 +106,14 @@ class FP8Rewriter(GraphRewriter):
 
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
         """Rewrite the plan's GLUs and linears; returns (weights made FP8, (where, reason) kept)."""
+        return self.replace_sites(plan.glus, plan.linears), []
+
+    def replace_sites(self, glus, linears) -> list[str]:
+        """Rewrite these GLU and linear sites; returns the FQNs of the weights made FP8."""
         fp8: list[str] = []
-        for site in plan.glus:
+        for site in glus:
             fp8 += self.replace_glu(site)
-        for site in plan.linears:
+        for site in linears:
             self.replace_linear(site)
             fp8.append(site.fqn)
-        return fp8, []
+        return fp8
