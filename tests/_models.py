@@ -200,12 +200,13 @@ def tiny_titan_llama(n_layers=2):
     return TitanLlama(n_layers=n_layers)
 
 
-def capture(model, *inputs, **compile_kw):
-    """Dynamo's torch-level graphs for ``model(*inputs)`` (a capturing backend; nothing compiled)."""
+def capture_with_inputs(model, *inputs, **compile_kw):
+    """Dynamo's torch-level graphs for ``model(*inputs)`` with their example inputs, as
+    ``[(GraphModule, [inputs])]`` (a capturing backend; nothing compiled)."""
     graphs = []
 
     def cap(gm, example_inputs):
-        graphs.append(gm)
+        graphs.append((gm, list(example_inputs)))
         return gm.forward
 
     torch._dynamo.reset()
@@ -213,6 +214,19 @@ def capture(model, *inputs, **compile_kw):
     return graphs
 
 
+def capture(model, *inputs, **compile_kw):
+    """Dynamo's torch-level graphs for ``model(*inputs)`` (a capturing backend; nothing compiled)."""
+    return [gm for gm, _ in capture_with_inputs(model, *inputs, **compile_kw)]
+
+
 def tiny_titan_llama_with_inputs():
     """Factory for ``python -m fp8pass inspect _models:tiny_titan_llama_with_inputs``."""
     return tiny_titan_llama(), (torch.randint(0, 128, (2, 8)),)
+
+
+def dynamo_graph_under_autocast(model, *args):
+    """(GraphModule, example inputs) of Dynamo's one full graph of ``model(*args)`` traced under
+    ``autocast(cpu, bf16)``: what the backend receives, for tests that rewrite it themselves."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ((gm, inputs),) = capture_with_inputs(model, *args, fullgraph=True)
+    return gm, inputs

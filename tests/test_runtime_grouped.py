@@ -476,16 +476,9 @@ def test_rewrite_under_autocast_keeps_node_dtypes_and_gradients(fmt):
     model = _StackedExperts()
     x = torch.randn(4, 40, 32, generator=torch.Generator().manual_seed(18))
     dy = torch.randn(4, 40, 32, generator=torch.Generator().manual_seed(19))
-    graphs = []
+    from _models import dynamo_graph_under_autocast  # tests/ is on sys.path (pytest's rootdir conftest)
 
-    def capture(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.compile(model, backend=capture, fullgraph=True)(x)
-    ((gm, inputs),) = graphs
+    gm, inputs = dynamo_graph_under_autocast(model, x)
     cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), fwd_format=fmt, bwd_format=fmt, compiler="eager",
                          min_dim=16, smooth_swiglu="channel", grad_stochastic_rounding=False)
     new_gm, record = fp8pass.backend(cfg).transform(gm, list(inputs))

@@ -387,20 +387,11 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from _models import tiny_titan_llama
+    from _models import dynamo_graph_under_autocast, tiny_titan_llama
 
     model = tiny_titan_llama()
     tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.compile(model, backend=capture, fullgraph=True)(tokens)
-    ((gm, inputs),) = graphs
+    gm, inputs = dynamo_graph_under_autocast(model, tokens)
     cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), fwd_format=fmt, bwd_format=fmt, compiler="eager")
     new_gm, record = fp8pass.backend(cfg).transform(gm, list(inputs))
     assert record.extra_inputs == []
