@@ -193,8 +193,9 @@ def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dt
     dy2d = dy.reshape(-1, dy.shape[-1])
     up = _up(dy.device, dt)
     gt = tile_for(k.granularity, k.block, dy2d.shape, weight=False)
+    # dy's codes are never kept: where GEMMs read values (CPU) none are written (keep_codes=False)
     go = cast_operand(dy2d, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up,
-                      transpose=up is None)
+                      transpose=up is None, keep_codes=False)
     xt = tile_for(k.granularity, k.block, x_data.shape, weight=False)
     wt = tile_for(k.granularity, k.block, w_data.shape, weight=True)
     xo = Operand(x_data, x_scale, x_scale)

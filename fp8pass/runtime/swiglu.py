@@ -293,7 +293,8 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
         dy2 = dy2.float() * s
     up_dtype = _up(dy.device, dt)
     gt = tile_for(k.granularity, k.block, dy2.shape, weight=False)
-    go = cast_operand(dy2, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up_dtype)
+    go = cast_operand(dy2, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up_dtype,
+                      keep_codes=False)  # never kept: on CPU the GEMM values only
     at = tile_for(k.granularity, k.block, a_data.shape, weight=False)
     bt = tile_for(k.granularity, k.block, b_data.shape, weight=True)
     ao = Operand(a_data, a_scale, a_scale)
