@@ -32,10 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8pass  # noqa: E402,F401  (registers the ops)
 from fp8pass.runtime import LinearScalingState  # noqa: E402
+from fp8pass.runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs  # noqa: E402
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.common import time_rounds  # noqa: E402
 
-FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)  # ..., out_dtype (None: the input's)
+# out_dtype None: the input's (bf16)
+FP8 = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)
+FP8_GLU = GroupedGLUKnobs(*FP8.args(), activation="silu", smooth="channel")
 
 
 
@@ -82,9 +85,9 @@ def cases(tokens, experts, topk, dim, ffn, device):
         def f():
             s1 = states[0].op_args() if states else ([], [], [])
             s2 = states[1].op_args() if states else ([], [], [])
-            out = torch.ops.fp8pass.fp8_grouped_linear(x, w_gu, offs, False, *s1, *FP8)
+            out = torch.ops.fp8pass.fp8_grouped_linear(x, w_gu, offs, False, *s1, *FP8.args())
             gate, up = out[0].chunk(2, dim=-1)
-            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate, up, w_d, offs, False, *s2, "silu", "channel", *FP8)
+            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate, up, w_d, offs, False, *s2, *FP8_GLU.args())
             if states:
                 states[0].record_forward(out[1], out[2])
                 states[1].record_forward(o2[1], o2[2])
@@ -160,7 +163,7 @@ def main(argv=None):
     print(f"baseline {result['bf16_baseline']}: fp8_current/bf16 = {result['fp8_current/bf16']:.3f}, "
           f"fp8_delayed/bf16 = {result['fp8_delayed/bf16']:.3f} (medians); by the fastest round: "
           f"{result['fp8_current/bf16 (min)']:.3f}, {result['fp8_delayed/bf16 (min)']:.3f}")
-    print(f"process CPU time (median): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cpu_times.items())
+    print("process CPU time (median): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cpu_times.items())
           + f"; fp8_current/bf16 = {result['fp8_current/bf16 (cpu time)']:.3f}, "
           f"fp8_delayed/bf16 = {result['fp8_delayed/bf16 (cpu time)']:.3f}")
     if a.json:

@@ -7,6 +7,8 @@ applies ``1/(sa*sb)`` once to the accumulator, the reference divides each operan
 rounding per element), so ``|op - ref| <= (K + 2) 2**-24 (|A| |B|^T)`` elementwise.
 """
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -187,8 +189,8 @@ def test_opcheck_both_ops():
     wd = torch.randn(4, 16, 16, generator=g)
     for smooth in ("channel", "token", "none"):
         torch.library.opcheck(GLU.default, (gate.clone().requires_grad_(), up.clone().requires_grad_(),
-                                            wd.clone().requires_grad_(), offs, True, [], [], [], "silu", smooth,
-                                            *FP8))
+                                            wd.clone().requires_grad_(), offs, True, [], [], [], *FP8, "silu",
+                                            smooth))
 
 
 def test_compiled_aot_eager_equals_eager_with_state_records():
@@ -201,7 +203,7 @@ def test_compiled_aot_eager_equals_eager_with_state_records():
         out = LIN(x, w, offs, False, *st.op_args(), *FP8)
         st.record_forward(out[1], out[2])
         gate, up = out[0].chunk(2, dim=-1)
-        o2 = GLU(gate, up, wd, offs, False, *st2.op_args(), "silu", "channel", *FP8)
+        o2 = GLU(gate, up, wd, offs, False, *st2.op_args(), *FP8, "silu", "channel")
         st2.record_forward(o2[1], o2[2])
         return o2[0]
 
@@ -242,7 +244,7 @@ def test_swiglu_identity_format_is_the_plain_glu_for_every_smoothing(smooth, tra
     wd = torch.randn(4, 24, 16, generator=g) if transposed else torch.randn(4, 16, 24, generator=g)
     offs = torch.tensor(OFFS, dtype=torch.int32)
     a = [t.clone().requires_grad_() for t in (gate, up, wd)]
-    y = GLU(*a, offs, transposed, [], [], [], "silu", smooth, *IDENT)[0]
+    y = GLU(*a, offs, transposed, [], [], [], *IDENT, "silu", smooth)[0]
     y.backward(dy)
     r = [t.clone().requires_grad_() for t in (gate, up, wd)]
     ref = _glu_ref(*r, transposed)
@@ -260,8 +262,8 @@ def test_swiglu_channel_fp8_codes_and_result_match_per_expert_reference(transpos
     gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g) * 3
     wd = torch.randn(4, 24, 16, generator=g) if transposed else torch.randn(4, 16, 24, generator=g)
     offs = torch.tensor(OFFS, dtype=torch.int32)
-    y, _, _, a_data, a_scale, b_data, b_scale, c = GLU(gate, up, wd, offs, transposed, [], [], [], "silu",
-                                                       "channel", *FP8)
+    y, _, _, a_data, a_scale, b_data, b_scale, c = GLU(gate, up, wd, offs, transposed, [], [], [], *FP8,
+                                                       "silu", "channel")
     h = torch.nn.functional.silu(gate) * up
     for e, lo, hi in _groups(OFFS):
         w_df = wd[e].t() if transposed else wd[e]  # [D, F]
@@ -282,10 +284,10 @@ def test_channel_outlier_in_one_expert_changes_only_its_scales():
     gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g)
     wd = torch.randn(4, 16, 24, generator=g)
     offs = torch.tensor(OFFS, dtype=torch.int32)
-    base = GLU(gate, up, wd, offs, False, [], [], [], "silu", "channel", *FP8)[7]
+    base = GLU(gate, up, wd, offs, False, [], [], [], *FP8, "silu", "channel")[7]
     up2 = up.clone()
     up2[3, 5] = 1000.0  # row 3 belongs to expert 0
-    out = GLU(gate, up2, wd, offs, False, [], [], [], "silu", "channel", *FP8)[7]
+    out = GLU(gate, up2, wd, offs, False, [], [], [], *FP8, "silu", "channel")[7]
     assert out[0, 5] < base[0, 5] / 100  # the outlier channel is scaled down in expert 0
     assert torch.equal(out[1:], base[1:])  # the other experts' scales are unchanged
     assert torch.equal(out[0, :5], base[0, :5]) and torch.equal(out[0, 6:], base[0, 6:])
@@ -340,9 +342,30 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="x_state"):
         LIN(x, w, offs, False, list(LinearScalingState(fp8pass.DelayedScaling()).op_args()[0]), [], [], *FP8)
     with pytest.raises(ValueError, match="smooth"):
-        GLU(x, x, w, offs, True, [], [], [], "silu", "rows", *FP8)
+        GLU(x, x, w, offs, True, [], [], [], *FP8, "silu", "rows")
+    with pytest.raises(ValueError, match="GLU activation"):
+        GLU(x, x, w, offs, True, [], [], [], *FP8, "swish", "none")
+    with pytest.raises(ValueError, match="grad_rounding"):
+        LIN(x, w, offs, False, [], [], [], *FP8[:3], "up", *FP8[4:])
+    with pytest.raises(TypeError, match="out_dtype"):
+        LIN(x, w, offs, False, [], [], [], *FP8[:-1], torch.int32)
+    for _ in range(2):  # a bad knob tuple is not cached as valid (Knobs.of): it raises on every call
+        with pytest.raises(ValueError, match="algo"):
+            LIN(x, w, offs, False, [], [], [], *FP8[:6], "median", None)
     with pytest.raises(ValueError, match="grouped_state_for"):
         grouped_state_for(w[0], fp8pass.DelayedScaling())
+
+
+def test_knobs_are_the_schemas_last_arguments():
+    """Each grouped op (and its backward) ends with its knob dataclass's fields, in order."""
+    from fp8pass.runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
+
+    for op, knobs in ((LIN, GroupedLinearKnobs), (GLU, GroupedGLUKnobs),
+                      (torch.ops.fp8pass.fp8_grouped_linear_backward, GroupedLinearKnobs),
+                      (torch.ops.fp8pass.fp8_grouped_swiglu_down_backward, GroupedGLUKnobs)):
+        names = [a.name for a in op.default._schema.arguments]
+        assert names[-knobs.count():] == [f.name for f in fields(knobs)]
+    assert FP8 == GroupedLinearKnobs(*FP8).args()
 
 
 def test_cuda_kernel_module_fallback_agrees_on_cpu(monkeypatch):
@@ -359,7 +382,7 @@ def test_cuda_kernel_module_fallback_agrees_on_cpu(monkeypatch):
         out = LIN(*a, offs, False, [], [], [], *FP8)
         out[0].backward(dy)
         b = [t.clone().requires_grad_() for t in (gate, up, wd)]
-        out2 = GLU(*b, offs, True, [], [], [], "silu", "channel", *FP8)
+        out2 = GLU(*b, offs, True, [], [], [], *FP8, "silu", "channel")
         out2[0].backward(dy[:, :16])
         results.append((out, out2, [t.grad for t in a + b]))
     (o1, p1, g1), (o2, p2, g2) = results
@@ -373,7 +396,7 @@ def test_cuda_kernel_module_fallback_agrees_on_cpu(monkeypatch):
 def test_cpu_fused_glu_path_gives_the_generic_paths_bits(monkeypatch, smooth):
     """Large enough for the compiled CPU kernels: the fused GLU operand/backward (no fp32 [S, F]
     temporaries) against the generic path (h, c gathered per row, A = h c, then cast)."""
-    from fp8pass.runtime import grouped
+    from fp8pass.runtime import grouped_swiglu
 
     g = torch.Generator().manual_seed(15)
     offs = torch.tensor([700, 700, 1500, 2000], dtype=torch.int32)
@@ -383,9 +406,9 @@ def test_cpu_fused_glu_path_gives_the_generic_paths_bits(monkeypatch, smooth):
     dy = torch.randn(2048, 64, generator=g).bfloat16()
     results = []
     for fast in (True, False):
-        monkeypatch.setattr(grouped, "_cpu_fast", lambda t, fast=fast: fast)
+        monkeypatch.setattr(grouped_swiglu, "cpu_fast", lambda t, fast=fast: fast)
         a = [t.clone().requires_grad_() for t in (gate, up, wd)]
-        out = GLU(*a, offs, False, [], [], [], "silu", smooth, *FP8)
+        out = GLU(*a, offs, False, [], [], [], *FP8, "silu", smooth)
         out[0].backward(dy)
         results.append(([o.detach() for o in out], [t.grad for t in a]))
     (o1, g1), (o2, g2) = results
@@ -436,7 +459,7 @@ def test_backward_keeps_no_zero_gradients_of_the_saved_codes():
     a = [t.clone().requires_grad_() for t in (x, w, wd)]
     out = LIN(a[0], a[1], offs, False, [], [], [], *FP8)
     gate, up = out[0].chunk(2, dim=-1)
-    o2 = GLU(gate, up, a[2], offs, False, [], [], [], "silu", "channel", *FP8)
+    o2 = GLU(gate, up, a[2], offs, False, [], [], [], *FP8, "silu", "channel")
     with Fills() as mode:
         o2[0].backward(dy[:, :24])
     big = {tuple(x.shape), tuple(w.shape), tuple(wd.shape), (x.shape[0], 24)}
@@ -536,7 +559,7 @@ def test_autocast_outputs_and_gemm_dtype_are_the_ops_choice(monkeypatch, gemm):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = LIN(a[0], a[1], offs, False, [], [], [], *knobs)
             gate, up = out[0].chunk(2, dim=-1)
-            y = GLU(gate, up, a[2], offs, False, [], [], [], "silu", "channel", *knobs)[0]
+            y = GLU(gate, up, a[2], offs, False, [], [], [], *knobs, "silu", "channel")[0]
             (y.float() * dy[:, :32]).sum().backward()
     assert out[0].dtype == y.dtype == torch.bfloat16
     assert all(t.grad.dtype == torch.float32 for t in a)

@@ -7,7 +7,7 @@ An expert GLU ``down(act(gate) * up)`` over grouped projections (one offsets ten
                                       out_dtype=<the replaced projection's dtype>)
     gate, up = <the original slicing of out[0]>
     out = fp8pass::fp8_grouped_swiglu_down(gate, up, W_down, offs, w_transposed, a_state, b_state, g_state,
-                                           act, smooth, ..., out_dtype=<down's dtype>)  # per-expert Smooth-SwiGLU
+                                           ..., out_dtype=<down's dtype>, activation=act, smooth=smooth)
     fp8pass::delayed_record_(*state, out[1] / out[2], ...)           # per-expert amaxes [E]
 
 and an expert projection on its own becomes one ``fp8_grouped_linear``. ``out_dtype`` is the dtype the
@@ -36,10 +36,13 @@ EXPERTS_KIND = "experts"
 class GroupedRewriter(GraphRewriter):
     """MoE expert stacks in FP8 with per-expert scales (FP8 recipes only)."""
 
-    def _kw(self) -> dict:
+    def _kw(self, out_dtype) -> dict:
+        """The recipe as the grouped ops' knobs, by name (``runtime.op_schema.GroupedLinearKnobs``: the
+        recipe's knobs less granularity/block; passes never import the runtime, so by name, not by class)."""
         k = self.kw
         return dict(fwd_format=k["fwd_format"], bwd_format=k["bwd_format"], power_of_two=k["power_of_two"],
-                    grad_rounding=k["grad_rounding"], margin=k["margin"], interval=k["interval"], algo=k["algo"])
+                    grad_rounding=k["grad_rounding"], margin=k["margin"], interval=k["interval"], algo=k["algo"],
+                    out_dtype=out_dtype)
 
     def rows_and_offsets(self, x: fx.Node, w: fx.Node, offs):
         """``(x2d, offs, shape_back)``: the grouped op's operands for either expert form.
@@ -66,7 +69,7 @@ class GroupedRewriter(GraphRewriter):
             x2d, offs, back = self.rows_and_offsets(self.r(x), w, offs)
             out = self.graph.call_function(self.ops.fp8_grouped_linear.default,
                                            (x2d, w, offs, layout == "in_out", xs, ws, gs),
-                                           dict(self._kw(), out_dtype=value_dtype(before)))
+                                           self._kw(value_dtype(before)))
             y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
                 self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
@@ -87,14 +90,14 @@ class GroupedRewriter(GraphRewriter):
         down, w = m["down"], m["down_w"]
         a_s, b_s, g_s = (self.state(w, r, EXPERTS_KIND) for r in ROLES)
         smooth = self.cfg.smooth_swiglu or "none"
-        k = dict(self._kw(), out_dtype=value_dtype(down))
+        k = dict(self._kw(value_dtype(down)), activation=site.act, smooth=smooth)  # GroupedGLUKnobs
         with self.graph.inserting_before(down):
             gate, offs, back = self.rows_and_offsets(self.r(m["gate"]), w, m.get("offs"))
             up = self.r(m["up"]) if m.get("offs") is not None else self.graph.call_method(
                 "reshape", (self.r(m["up"]), (-1, self.graph.call_method("size", (self.r(m["up"]), -1)))))
             out = self.graph.call_function(
                 self.ops.fp8_grouped_swiglu_down.default,
-                (gate, up, w, offs, m["down_layout"] == "in_out", a_s, b_s, g_s, site.act, smooth), k)
+                (gate, up, w, offs, m["down_layout"] == "in_out", a_s, b_s, g_s), k)
             y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
                 self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])

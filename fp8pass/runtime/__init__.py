@@ -33,10 +33,10 @@ a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scal
     (one fused gate/up linear + ``chunk(2, -1)`` is fine). ``a`` is the operand built from ``h``,
     ``b`` the (column-scaled) ``W_down``; outputs 4-12 are for backward (codes and scales only:
     ``gate``/``up`` are kept as E4M3 codes, the GLU derivative uses their dequantized values).
-``fp8_grouped_linear(x, weight, offs, w_transposed, x_state, w_state, g_state, fwd_format, bwd_format,
-power_of_two, grad_rounding, margin, interval, algo, out_dtype) -> (y, x_amax, w_amax, x_data, x_scale, w_data,
-w_scale)``
-    MoE experts (:mod:`fp8pass.runtime.grouped`): ``x`` [S, K] rows sorted by expert, ``offs`` int32
+``fp8_grouped_linear(x, weight, offs, w_transposed, x_state, w_state, g_state, *GroupedLinearKnobs) -> (y,
+x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
+    MoE experts (:mod:`fp8pass.runtime.grouped_linear`; knobs: ``fwd_format, bwd_format, power_of_two,
+    grad_rounding, margin, interval, algo, out_dtype``): ``x`` [S, K] rows sorted by expert, ``offs`` int32
     [E] cumulative group ends as ``torch._grouped_mm`` takes them (rows past ``offs[-1]``: zero output
     and gradient), ``weight`` [E, N, K] (``y_g = x_g W_e^T``) or, ``w_transposed``, [E, K, N]
     (``y_g = x_g W_e``); ``y`` [S, N] in ``out_dtype`` (the replaced node's dtype, as ``fp8_linear``;
@@ -44,10 +44,10 @@ w_scale)``
     fp32 [E] (amax of each expert's rows / weight; 0 for an empty group), and delayed states are
     stacks of E (history [E, H], scale/steps/skipped [E]; :func:`grouped_state_for`). Always
     per-tensor-per-expert (no granularity/block arguments). Outputs 4-7: saved codes and [E] scales.
-``fp8_grouped_swiglu_down(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, activation,
-smooth, fwd_format, bwd_format, power_of_two, grad_rounding, margin, interval, algo, out_dtype) -> (y, a_amax,
-b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``
-    ``swiglu_down`` for grouped rows: ``gate``/``up`` [S, F], ``w_down`` [E, D, F] (or [E, F, D]
+``fp8_grouped_swiglu_down(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *GroupedGLUKnobs) ->
+(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``
+    ``swiglu_down`` for grouped rows (:mod:`fp8pass.runtime.grouped_swiglu`; knobs: the grouped linear's,
+    then ``activation, smooth``): ``gate``/``up`` [S, F], ``w_down`` [E, D, F] (or [E, F, D]
     with ``w_transposed``), ``y`` [S, D]. Smooth-SwiGLU per expert: ``channel`` scales are
     ``smooth_scales`` [E, F] from each expert's own rows, folded into that expert's ``W_down``
     columns (current-scaled); ``token`` gives [S, 1], ``none`` [].
@@ -125,7 +125,8 @@ from .state import ROLES, LinearScalingState, delayed_record_, grouped_state_for
 from .hcp import HCPState, hcp_state_for
 from .nvfp4 import nvfp4_linear_op, nvfp4_values
 from .swiglu import ACTIVATIONS, SMOOTH_MODES, channel_scales, fold_channel_scales, swiglu_down_op, token_scales
-from .grouped import fp8_grouped_linear_op, fp8_grouped_swiglu_down_op
+from .grouped_linear import fp8_grouped_linear_op
+from .grouped_swiglu import fp8_grouped_swiglu_down_op
 
 __all__ = ["IDENTITY", "fp8_linear_op", "swiglu_down_op", "delayed_record_", "record", "ROLES",
            "LinearScalingState", "state_for", "SMOOTH_MODES", "ACTIVATIONS", "channel_scales", "token_scales",

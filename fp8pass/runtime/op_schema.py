@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "knob_op"]
+__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "knob_op"]
 
 # Python annotation (as written in the dataclass) -> schema type
 _SCHEMA_TYPES = {str: "str", int: "int", float: "float", bool: "bool", torch.dtype: "ScalarType",
@@ -121,6 +121,32 @@ class GLUKnobs(LinearKnobs):
         activation: "silu" | "gelu" | "gelu_tanh" | "relu".
         smooth: Smooth-SwiGLU mode, "channel" | "token" | "none".
     """
+
+    activation: str
+    smooth: str
+
+
+
+@dataclass(frozen=True)
+class GroupedLinearKnobs(Knobs):
+    """Knobs of ``fp8_grouped_linear`` (and, after its per-call arguments, ``fp8_grouped_linear_backward``):
+    :class:`LinearKnobs` without ``granularity``/``block`` (the grouped ops always scale per tensor per
+    expert), with the same meanings."""
+
+    fwd_format: str
+    bwd_format: str
+    power_of_two: bool
+    grad_rounding: str
+    margin: float
+    interval: int
+    algo: str
+    out_dtype: typing.Optional[torch.dtype]
+
+
+@dataclass(frozen=True)
+class GroupedGLUKnobs(GroupedLinearKnobs):
+    """Knobs of ``fp8_grouped_swiglu_down`` (and its backward): the grouped linear's plus the GLU's
+    ``activation`` and ``smooth``, as in :class:`GLUKnobs`."""
 
     activation: str
     smooth: str

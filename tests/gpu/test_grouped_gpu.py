@@ -48,7 +48,7 @@ def test_grouped_swiglu_cuda_matches_cpu_and_compiles(smooth):
     o = torch.tensor([32, 64, 128, 160], dtype=torch.int32)
 
     def f(a, b, w):
-        return GLU(a, b, w, o.to(a.device), False, [], [], [], "silu", smooth, *FP8)
+        return GLU(a, b, w, o.to(a.device), False, [], [], [], *FP8, "silu", smooth)
 
     (c, cg), (d, dg) = (_run(f, (gate, up, wd), dy, dev) for dev in ("cpu", "cuda"))
     assert torch.equal(c[7], d[7])  # smoothing scales

@@ -1,0 +1,117 @@
+"""Per-expert FP8 casts of grouped operands (the grouped ops' :mod:`.grouped_linear`, :mod:`.grouped_swiglu`).
+
+Rows grouped by expert (``offs``, int32 [E] cumulative group ends, as ``torch._grouped_mm`` takes them;
+rows past ``offs[-1]`` are padding) are cast with one scale per expert from their own amax
+(:func:`cast_grouped_rows`; an empty group has amax 0 and scale 1, padding rows scale 1); stacked expert
+weights [E, ...] likewise (:func:`cast_experts`). Delayed scaling reads a stack of E states per role
+(history [E, H], scale [E], ...); an expert whose history is still empty casts with its current amax's
+scale (``torch.where``, no host sync). On CPU the cast loop can also write the GEMM operand (the codes'
+values in the GEMM dtype) so it is not upcast in a second pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..numerics import Format, scale_from_amax
+from ..numerics.scaling import scale_to_cast
+from . import kernels
+
+__all__ = ["group_ids", "group_amax", "expert_scales", "GroupedOperand", "gemm_up", "with_ones", "cast_grouped_rows",
+           "cast_experts"]
+
+
+def group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Expert index of every row (int64 [rows]); rows past ``offs[-1]`` get E (no expert)."""
+    r = torch.arange(rows, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, r, right=True)
+
+
+def group_amax(row_amax: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Per-expert max of per-row amaxes, fp32 [E] (0 for empty groups; padding rows left out)."""
+    out = torch.zeros(experts + 1, dtype=torch.float32, device=row_amax.device)
+    out = out.scatter_reduce(0, ids, row_amax, "amax", include_self=True)
+    return out[:experts]
+
+
+def expert_scales(amax: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin, power_of_two):
+    """fp32 [E] scales: current from ``amax``, or the delayed state's (current while its history is empty)."""
+    if not state:
+        return scale_from_amax(amax, fmt, margin, power_of_two)
+    return scale_to_cast(state, amax, fmt, margin, power_of_two)
+
+
+@dataclass
+class GroupedOperand:
+    data: torch.Tensor | None  # codes (or the values themselves for the identity format); None when not kept
+    scale: torch.Tensor  # fp32 [E] encode scales
+    amax: torch.Tensor  # fp32 [E]
+    values: torch.Tensor | None = None  # CPU: the codes' values in the GEMM dtype, made by the cast's own loop
+
+    def gemm_input(self, kern, out_dtype):
+        """The codes as the device's GEMM takes them. CPU: the values the cast wrote beside the codes,
+        else one upcast here (once, also when the operand feeds two GEMMs)."""
+        if self.values is not None:
+            return self.values
+        if not hasattr(kern, "gemm_dtype"):
+            return self.data
+        return kern.upcast(self.data, kern.gemm_dtype(out_dtype, self.data))
+
+
+def gemm_up(kern, fmt, out_dtype):
+    """The dtype the CPU GEMM takes FP8 codes in (for casts that also write the GEMM operand), or None
+    (no FP8 codes, or a device whose GEMM takes the codes themselves)."""
+    if fmt is None or not hasattr(kern, "gemm_dtype") or not kern.fused_enabled():
+        return None
+    return kern.gemm_dtype(out_dtype, torch.empty(0, dtype=fmt.torch_dtype))
+
+
+def with_ones(t):
+    """``t`` [E, ...] with a row of ones appended: the value for padding rows (group id E)."""
+    return torch.cat([t, t.new_ones(1, *t.shape[1:])])
+
+
+def _cast(kern, x2d, row_scale, fmt, rounding, up, keep_codes):
+    """(codes or None, GEMM values or None) of the rows, from one cast loop."""
+    if up is None:
+        return kern.cast_rows(x2d, row_scale, fmt, rounding), None
+    out = kern.cast_rows(x2d, row_scale, fmt, rounding, up=up, keep_codes=keep_codes)
+    return out if keep_codes else (None, out)
+
+
+def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, rounding="nearest", gemm_out=None,
+                      keep_codes=True) -> GroupedOperand:
+    """Cast rows grouped by expert, each group with its expert's scale (padding rows get scale 1).
+
+    Args:
+        x2d: [S, K] rows; ids: :func:`group_ids` of the rows; experts: E.
+        fmt: FP8 Format, or None (identity format: the values themselves, scales 1).
+        state: [] (current scaling) or the per-expert delayed state (the op list, ``DelayedScalingState.OP_FIELDS``).
+        margin, power_of_two, rounding: cast options.
+        gemm_out: the dtype of the GEMM this operand feeds: on CPU the cast loop then also writes the
+            GEMM operand (``values``), so it is not upcast in a second pass; None: codes only.
+        keep_codes: False for an operand only the GEMMs read (a gradient): ``data`` is then None.
+    """
+    kern = kernels.for_device(x2d.device)
+    amax = group_amax(kern.row_amax(x2d), ids, experts)
+    if fmt is None:
+        return GroupedOperand(x2d.clone(), torch.ones(experts, dtype=torch.float32, device=x2d.device), amax)
+    scale = expert_scales(amax, state, fmt, margin, power_of_two)
+    up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
+    codes, values = _cast(kern, x2d, with_ones(scale)[ids], fmt, rounding, up, keep_codes or up is None)
+    return GroupedOperand(codes, scale, amax, values)
+
+
+def cast_experts(w, fmt, state, margin, power_of_two, gemm_out=None) -> GroupedOperand:
+    """Cast stacked expert weights [E, ...] with one scale per expert (``gemm_out``: as :func:`cast_grouped_rows`)."""
+    kern = kernels.for_device(w.device)
+    flat = w.reshape(w.shape[0], -1)
+    amax = kern.row_amax(flat)
+    if fmt is None:
+        return GroupedOperand(w.clone(), torch.ones(w.shape[0], dtype=torch.float32, device=w.device), amax)
+    scale = expert_scales(amax, state, fmt, margin, power_of_two)
+    up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
+    codes, values = _cast(kern, flat, scale, fmt, "nearest", up, True)
+    return GroupedOperand(codes.view(w.shape), scale, amax, values.view(w.shape) if values is not None else None)

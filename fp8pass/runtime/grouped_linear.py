@@ -1,0 +1,205 @@
+"""``fp8pass::fp8_grouped_linear``: MoE expert projections ``y_g = x_g W_e^T`` with per-expert FP8 scales.
+
+The tokens routed to E experts arrive as one 2-D tensor ``x`` [S, K] whose rows are sorted by expert;
+``offs`` (int32 [E]) holds the cumulative END row of each expert's group, exactly as
+``torch._grouped_mm(x, w, offs=offs)`` takes it: group e is rows ``offs[e-1]:offs[e]`` (``offs[-1]``
+for e = 0 is 0), groups may be empty, and rows past ``offs[-1]`` (padding) give zeros in ``y`` and
+get zero gradient. Expert weights are stacked: ``[E, N, K]`` (each expert an ``nn.Linear`` weight,
+``y_g = x_g W_e^T``) or, with ``w_transposed``, ``[E, K, N]`` (``y_g = x_g W_e``).
+
+Scaling is per expert (:mod:`.grouped_casting`): ``x_amax``/``w_amax`` [E], ``dy`` in backward
+likewise. Delayed scaling keeps a stack of E states per role (history [E, H], scale/steps/skipped
+[E]; :func:`fp8pass.runtime.grouped_state_for`), read by the ops and recorded by the same
+``fp8pass::delayed_record_`` op as the dense ops (it broadcasts over the expert dim). Saved for
+backward: the FP8 codes (1 byte/element) and the [E] scales.
+
+The static knobs are :class:`~.op_schema.GroupedLinearKnobs` (the schema's last arguments, declared
+once). ``out_dtype`` (the replaced node's dtype, passed by the rewrite; None: the input's) is the dtype
+the op computes and outputs in, as for ``fp8_linear``: under autocast(bf16) the outputs are bf16
+whatever the inputs' dtype, the GEMMs of both passes round to it (CPU: bf16 GEMMs of the codes where
+this CPU's bf16 matmul is native, :func:`fp8pass.runtime.kernels.cpu.gemm_dtype`), each gradient takes
+its input's dtype, and autocast is off inside the op (:func:`~.op_schema.knob_op`).
+
+Kernels (:mod:`fp8pass.runtime.kernels`): CPU = compiled per-row casts + one GEMM per group on the
+upcast codes; CUDA = ``torch._scaled_grouped_mm`` for the forward where available, else a
+``torch._scaled_mm`` loop. The GLU tail of an expert MLP is :mod:`.grouped_swiglu`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ALGOS
+from ..numerics import ROUNDINGS, DelayedScalingState
+from . import kernels
+from .casting import as_bytes, from_bytes, resolve_format
+from .grouped_casting import cast_experts, cast_grouped_rows, group_ids
+from .linear import FLOAT_DTYPES, compute_dtype, record_grad_amax
+from .op_schema import GroupedLinearKnobs, knob_op
+
+__all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "check_grouped_tensors", "check_grouped_linear_args",
+           "out_features", "fwd_b", "dgrad_b", "wgrad"]
+
+
+def check_grouped_knobs(k: GroupedLinearKnobs) -> None:
+    """Clear errors for bad knob values of the grouped ops (shared by the linear and GLU ops)."""
+    resolve_format(k.fwd_format)
+    resolve_format(k.bwd_format)
+    if k.grad_rounding not in ROUNDINGS:
+        raise ValueError(f"unknown grad_rounding {k.grad_rounding!r}; valid: {', '.join(ROUNDINGS)}")
+    if k.algo not in ALGOS:
+        raise ValueError(f"unknown algo {k.algo!r}; valid: {', '.join(ALGOS)}")
+    if k.out_dtype is not None and k.out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be None or float16/bfloat16/float32/float64, got {k.out_dtype}")
+
+
+def check_grouped_tensors(op, x, weight, offs) -> None:
+    """Clear errors for grouped rows ``x`` [S, K], stacked weights [E, rows, cols] and ``offs``."""
+    if x.dim() != 2:
+        raise ValueError(f"{op}: needs 2-D rows grouped by expert [S, K], got {tuple(x.shape)}")
+    if weight.dim() != 3:
+        raise ValueError(f"{op}: needs stacked expert weights [E, rows, cols], got {tuple(weight.shape)}")
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.numel() != weight.shape[0]:
+        raise ValueError(f"{op}: offs must be int32 [E] = [{weight.shape[0]}] cumulative group ends, got "
+                         f"{offs.dtype} {tuple(offs.shape)}")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+
+
+def check_states(op, names, states, experts) -> None:
+    """Each delayed state is [] or the per-expert op list (``DelayedScalingState.OP_FIELDS``, [E] scales)."""
+    for name, state in zip(names, states):
+        if state and (len(state) != len(DelayedScalingState.OP_FIELDS) or tuple(state[1].shape) != (experts,)):
+            raise ValueError(f"{op}: {name} must be [] or [history [E, H], scale [E], steps, skipped, overflows, "
+                             f"guard] with E = {experts}; got {[tuple(t.shape) for t in state]}")
+
+
+def out_features(weight, w_transposed):
+    """(contraction, output) sizes of one expert of a stacked weight (or its saved codes)."""
+    return (weight.shape[1], weight.shape[2]) if w_transposed else (weight.shape[2], weight.shape[1])
+
+
+def check_grouped_linear_args(x, weight, offs, w_transposed, states) -> None:
+    """Clear errors for bad tensor arguments of ``fp8_grouped_linear`` (the knobs: :func:`check_grouped_knobs`)."""
+    op = "fp8_grouped_linear"
+    check_grouped_tensors(op, x, weight, offs)
+    k, _ = out_features(weight, w_transposed)
+    if x.shape[1] != k:
+        layout = "[E, K, N]" if w_transposed else "[E, N, K]"
+        raise ValueError(f"{op}: x has {x.shape[1]} features, weight {tuple(weight.shape)} ({layout}, "
+                         f"w_transposed={w_transposed}) expects K = {k}")
+    check_states(op, ("x_state", "w_state", "g_state"), states, weight.shape[0])
+
+
+def fwd_b(w, w_transposed):
+    """The expert weight as the ``[E, N, K]`` right operand of ``a @ b^T`` (forward)."""
+    return w.transpose(1, 2) if w_transposed else w
+
+
+def dgrad_b(w, w_transposed):
+    """The expert weight as the ``[E, K, N]`` right operand of ``dy @ b^T`` (input gradient)."""
+    return w if w_transposed else w.transpose(1, 2)
+
+
+def wgrad(kern, xo_data, xo_scale, go_data, go_scale, offs, w_transposed, out_dtype):
+    """Per-expert weight gradient in the weight's layout: ``dy_g^T x_g`` [N, K] or ``x_g^T dy_g`` [K, N]."""
+    if w_transposed:
+        return kern.grouped_gemm_wgrad(xo_data, xo_scale, go_data, go_scale, offs, out_dtype)
+    return kern.grouped_gemm_wgrad(go_data, go_scale, xo_data, xo_scale, offs, out_dtype)
+
+
+def _knobs(args) -> GroupedLinearKnobs:
+    return GroupedLinearKnobs.of(args, check_grouped_knobs)
+
+
+@knob_op("fp8pass::fp8_grouped_linear",
+         "Tensor x, Tensor weight, Tensor offs, bool w_transposed, Tensor[] x_state, Tensor[] w_state, "
+         "Tensor[] g_state", GroupedLinearKnobs, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_state, *knobs):
+    """Returns ``(y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``; see the module doc."""
+    k = _knobs(knobs)
+    check_grouped_linear_args(x, weight, offs, w_transposed, (x_state, w_state, g_state))
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x.dtype)
+    if fmt is None:  # identity: the values themselves, in the dtype the replaced node computed in
+        x, weight = x.to(dt), weight.to(dt)
+    experts = weight.shape[0]
+    kern = kernels.for_device(x.device)
+    xo = cast_grouped_rows(x, group_ids(offs, x.shape[0]), experts, fmt, x_state, k.margin, k.power_of_two,
+                           gemm_out=dt)
+    wo = cast_experts(weight, fmt, w_state, k.margin, k.power_of_two, gemm_out=dt)
+    y = kern.grouped_gemm(xo.gemm_input(kern, dt), xo.scale, fwd_b(wo.gemm_input(kern, dt), w_transposed),
+                          wo.scale, offs, dt)
+    return y, xo.amax, wo.amax, as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone()
+
+
+@fp8_grouped_linear_op.register_fake
+def _(x, weight, offs, w_transposed, x_state, w_state, g_state, *knobs):
+    k = _knobs(knobs)
+    check_grouped_linear_args(x, weight, offs, w_transposed, (x_state, w_state, g_state))
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, x.dtype)
+    experts = weight.shape[0]
+    _, n = out_features(weight, w_transposed)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (x.new_empty(x.shape[0], n, dtype=dt), torch.empty(experts, **f32), torch.empty(experts, **f32),
+            x.new_empty(x.shape, dtype=dt if fmt is None else torch.uint8), torch.empty(experts, **f32),
+            weight.new_empty(weight.shape, dtype=dt if fmt is None else torch.uint8),
+            torch.empty(experts, **f32))
+
+
+@knob_op("fp8pass::fp8_grouped_linear_backward",
+         "Tensor dy, Tensor x_data, Tensor x_scale, Tensor w_data, Tensor w_scale, Tensor offs, Tensor[] g_state, "
+         "bool w_transposed, ScalarType x_dtype, ScalarType w_dtype", GroupedLinearKnobs, "(Tensor, Tensor, Tensor)")
+def fp8_grouped_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, offs, g_state, w_transposed, x_dtype,
+                                   w_dtype, *knobs):
+    """``(dx, dW, dy_amax [E])`` from ``dy`` and the saved FP8 operands (no state mutation). The GEMMs
+    round to the forward's compute dtype, then each gradient takes its input's dtype (as autocast's
+    backward does)."""
+    k = _knobs(knobs)
+    fmt = resolve_format(k.bwd_format)
+    x_data = from_bytes(x_data, resolve_format(k.fwd_format))
+    w_data = from_bytes(w_data, resolve_format(k.fwd_format))
+    dt = compute_dtype(k, x_dtype)
+    kern = kernels.for_device(dy.device)
+    go = cast_grouped_rows(dy, group_ids(offs, dy.shape[0]), w_data.shape[0], fmt, g_state, k.margin, k.power_of_two,
+                           k.grad_rounding, gemm_out=dt, keep_codes=False)
+    g_in = go.gemm_input(kern, dt)
+    dx = kern.grouped_gemm(g_in, go.scale, dgrad_b(w_data, w_transposed), w_scale, offs, dt).to(x_dtype)
+    dw = wgrad(kern, x_data, x_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)
+    return dx, dw, go.amax
+
+
+@fp8_grouped_linear_backward_op.register_fake
+def _(dy, x_data, x_scale, w_data, w_scale, offs, g_state, w_transposed, x_dtype, w_dtype, *knobs):
+    return (dy.new_empty(x_data.shape, dtype=x_dtype), dy.new_empty(w_data.shape, dtype=w_dtype),
+            dy.new_empty(w_data.shape[0], dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, offs, w_transposed, x_state, w_state, g_state = inputs[:7]
+    _, _, _, x_data, x_scale, w_data, w_scale = output
+    ctx.save_for_backward(x_data, x_scale, w_data, w_scale, offs)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the saved codes (never differentiated)
+    ctx.g_state = list(g_state)
+    ctx.n_states = (len(x_state), len(w_state), len(g_state))
+    ctx.w_transposed = w_transposed
+    ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+    ctx.knobs = GroupedLinearKnobs.take(inputs)  # validated by the forward
+
+
+def _backward(ctx, dy, *unused):
+    k = ctx.knobs
+    x_data, x_scale, w_data, w_scale, offs = ctx.saved_tensors
+    if dy is None:  # only the amaxes or codes were used: y's gradient is zero
+        dy = x_data.new_zeros(x_data.shape[0], out_features(w_data, ctx.w_transposed)[1],
+                              dtype=compute_dtype(k, ctx.x_dtype))
+    dx, dw, g_amax = torch.ops.fp8pass.fp8_grouped_linear_backward(
+        dy, *ctx.saved_tensors, ctx.g_state, ctx.w_transposed, ctx.x_dtype, ctx.w_dtype, *k.args())
+    record_grad_amax(ctx.g_state, g_amax, k)
+    nx, nw, ng = ctx.n_states
+    return (dx, dw, None, None, [None] * nx, [None] * nw, [None] * ng) + GroupedLinearKnobs.no_grads()
+
+
+fp8_grouped_linear_op.register_autograd(_backward, setup_context=_setup_context)

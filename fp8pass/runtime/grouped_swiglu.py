@@ -1,0 +1,219 @@
+"""``fp8pass::fp8_grouped_swiglu_down``: the expert GLU tail ``y_g = (act(gate_g) * up_g) W_down_e^T`` in FP8.
+
+``swiglu_down`` (:mod:`.swiglu`) for rows grouped by expert, as :mod:`.grouped_linear` takes them:
+``gate``/``up`` [S, F] (from an ``fp8_grouped_linear``), ``offs`` int32 [E], ``w_down`` [E, D, F]
+(or [E, F, D] with ``w_transposed``), ``y`` [S, D]. The down GEMM's operands are cast per expert
+(:mod:`.grouped_casting`). Smooth-SwiGLU per expert: ``channel`` scales ``c`` [E, F] come from each
+expert's own rows and are folded into that expert's ``W_down`` columns (``B = W_down / c``, cast with
+current scaling since it changes every call); ``token`` gives ``r`` [S, 1], ``none`` []. Saved for
+backward: A's and B's codes and [E] scales, the smoothing scales, and ``gate``/``up`` for the
+activation derivative. The static knobs are :class:`~.op_schema.GroupedGLUKnobs`; ``out_dtype`` as in
+:mod:`.grouped_linear`.
+
+CPU, ``channel``/``none``: A's codes, B's codes and the GLU backward run in compiled passes that never
+materialise fp32 [S, F] temporaries (:mod:`.grouped_glu_cpu`; same bits as the generic path, tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .casting import as_bytes, from_bytes, resolve_format
+from .grouped_casting import cast_experts, cast_grouped_rows, group_ids, with_ones
+from .grouped_glu_cpu import (cpu_fast, fused_glu_operand, fused_smoothed_weight_operand, glu_backward_rows,
+                              scaled_values, times)
+from .grouped_linear import (check_grouped_knobs, check_grouped_tensors, check_states, dgrad_b, fwd_b, out_features,
+                             wgrad)
+from .kernels import cpu
+from .linear import compute_dtype, record_grad_amax
+from .op_schema import GroupedGLUKnobs, knob_op
+from .swiglu import (ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math, channel_scales,
+                     swiglu_operand)
+
+__all__ = ["fp8_grouped_swiglu_down_op", "check_grouped_glu_knobs", "check_grouped_swiglu_args"]
+
+
+def check_grouped_glu_knobs(k: GroupedGLUKnobs) -> None:
+    """Clear errors for bad knob values of ``fp8_grouped_swiglu_down``."""
+    if k.activation not in ACTIVATIONS:
+        raise ValueError(f"unknown GLU activation {k.activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
+    if k.smooth not in SMOOTH_MODES:
+        raise ValueError(f"unknown smooth mode {k.smooth!r}; valid: {', '.join(map(repr, SMOOTH_MODES))}")
+    check_grouped_knobs(k)
+
+
+def check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, states) -> None:
+    """Clear errors for bad tensor arguments of ``fp8_grouped_swiglu_down`` (knobs: :func:`check_grouped_glu_knobs`)."""
+    op = "fp8_grouped_swiglu_down"
+    if gate.shape != up.shape:
+        raise ValueError(f"{op}: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    check_grouped_tensors(op, gate, w_down, offs)
+    f, _ = out_features(w_down, w_transposed)
+    if gate.shape[1] != f:
+        layout = "[E, F, D]" if w_transposed else "[E, D, F]"
+        raise ValueError(f"{op}: gate/up have {gate.shape[1]} channels, w_down {tuple(w_down.shape)} ({layout}, "
+                         f"w_transposed={w_transposed}) expects F = {f}")
+    check_states(op, ("a_state", "b_state", "g_state"), states, w_down.shape[0])
+
+
+def _knobs(args) -> GroupedGLUKnobs:
+    return GroupedGLUKnobs.of(args, check_grouped_glu_knobs)
+
+
+def _grouped_operand(gate, up, ids, experts, smooth, activation):
+    """The down GEMM's left operand ``A`` (fp32 [S, F]) and the smoothing scales (the generic path).
+
+    ``channel``: per-expert per-channel ``c`` [E, F] from each expert's own rows (:func:`channel_scales`
+    of the per-expert channel amax; 1 for an expert without rows); ``token``: ``r`` [S, 1]; ``none``: [].
+    """
+    if smooth != "channel":
+        return swiglu_operand(gate, up, smooth, activation)
+    h, _ = swiglu_operand(gate, up, "none", activation)
+    amax = torch.zeros(experts + 1, h.shape[1], dtype=torch.float32, device=h.device)
+    amax = amax.scatter_reduce(0, ids[:, None].expand(h.shape), h.abs(), "amax", include_self=True)[:experts]
+    c = channel_scales(amax)
+    return h * _row_scales(c, ids), c
+
+
+def _row_scales(c, ids):
+    """Each row's expert channel scales ``c[e]`` ([S, F]; 1 for padding rows)."""
+    return with_ones(c)[ids]
+
+
+def _per_channel(c, w_transposed):
+    """``c`` [E, F] shaped to broadcast over the F dim of ``w_down`` ([E, D, F] or [E, F, D])."""
+    return c[:, :, None] if w_transposed else c[:, None, :]
+
+
+@knob_op("fp8pass::fp8_grouped_swiglu_down",
+         "Tensor gate, Tensor up, Tensor w_down, Tensor offs, bool w_transposed, Tensor[] a_state, Tensor[] b_state, "
+         "Tensor[] g_state", GroupedGLUKnobs,
+         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *knobs):
+    """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``; see the module doc."""
+    k = _knobs(knobs)
+    check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state))
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, gate.dtype)
+    experts = w_down.shape[0]
+    ids = group_ids(offs, gate.shape[0])
+    kern = kernels.for_device(gate.device)
+    if fmt is None:  # identity: the weight's values in the dtype the replaced node computed in
+        w_down = w_down.to(dt)
+    fast = fmt is not None and cpu_fast(gate)
+    if fast and k.smooth != "token":
+        ao, s = fused_glu_operand(gate, up, offs, ids, experts, k.smooth, k.activation, fmt, a_state, k.margin,
+                                  k.power_of_two, dt)
+    else:
+        a, s = _grouped_operand(gate, up, ids, experts, k.smooth, k.activation)
+        ao = cast_grouped_rows(a, ids, experts, fmt, a_state, k.margin, k.power_of_two, gemm_out=dt)
+    if fast and k.smooth == "channel":  # B = W_down / c without materialising it
+        bo = fused_smoothed_weight_operand(w_down, _per_channel(1 / s, w_transposed), fmt, k.margin,
+                                           k.power_of_two, dt)
+    elif k.smooth == "channel":  # B = W_down / c per expert: changes every call, so current-scaled
+        # times 1/c: the same bits as dividing (c is a power of two), and a multiply is cheaper
+        b = w_down * _per_channel(1 / s, w_transposed).to(w_down.dtype)
+        bo = cast_experts(b, fmt, [], k.margin, k.power_of_two, gemm_out=dt)
+    else:
+        bo = cast_experts(w_down, fmt, b_state, k.margin, k.power_of_two, gemm_out=dt)
+    y = kern.grouped_gemm(ao.gemm_input(kern, dt), ao.scale, fwd_b(bo.gemm_input(kern, dt), w_transposed),
+                          bo.scale, offs, dt)
+    if k.smooth == "token":
+        y = (y.float() * s).to(dt)
+    return (y, ao.amax, bo.amax, as_bytes(ao.data), ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(),
+            s.clone())
+
+
+@fp8_grouped_swiglu_down_op.register_fake
+def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *knobs):
+    k = _knobs(knobs)
+    check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state))
+    fmt = resolve_format(k.fwd_format)
+    dt = compute_dtype(k, gate.dtype)
+    experts, rows, f = w_down.shape[0], gate.shape[0], gate.shape[1]
+    _, n = out_features(w_down, w_transposed)
+    f32 = dict(dtype=torch.float32, device=gate.device)
+    s_shape = {"channel": (experts, f), "token": (rows, 1), "none": ()}[k.smooth]
+    return (gate.new_empty(rows, n, dtype=dt), torch.empty(experts, **f32), torch.empty(experts, **f32),
+            gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8), torch.empty(experts, **f32),
+            w_down.new_empty(w_down.shape, dtype=dt if fmt is None else torch.uint8),
+            torch.empty(experts, **f32), torch.empty(s_shape, **f32))
+
+
+@knob_op("fp8pass::fp8_grouped_swiglu_down_backward",
+         "Tensor dy, Tensor gate, Tensor up, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, "
+         "Tensor smooth_scales, Tensor offs, Tensor[] g_state, bool w_transposed, ScalarType w_dtype",
+         GroupedGLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
+def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state,
+                                        w_transposed, w_dtype, *knobs):
+    """``(dgate, dup, dW_down, dy_amax [E])`` (no state mutation); GEMMs in the forward's compute dtype,
+    each gradient in its input's dtype."""
+    k = _knobs(knobs)
+    dt = compute_dtype(k, gate.dtype)
+    fmt = resolve_format(k.bwd_format)
+    fwd_fmt = resolve_format(k.fwd_format)
+    a_data = from_bytes(a_data, fwd_fmt)
+    b_data = from_bytes(b_data, fwd_fmt)
+    kern = kernels.for_device(dy.device)
+    experts = b_data.shape[0]
+    ids = group_ids(offs, dy.shape[0])
+    s = smooth_scales
+    g = dy.float() * s if k.smooth == "token" else dy
+    go = cast_grouped_rows(g, ids, experts, fmt, g_state, k.margin, k.power_of_two, k.grad_rounding, gemm_out=dt,
+                           keep_codes=False)
+    g_in = go.gemm_input(kern, dt)
+    da = kern.grouped_gemm(g_in, go.scale, dgrad_b(b_data, w_transposed), b_scale, offs, dt)  # dA [S, F]
+    # B = W / c => dW = dB / c (exact: powers of two); on CPU the 1/c scales A's columns as its codes
+    # are upcast for the GEMM (the same bits: every step scales exactly by a power of two), not dB after it
+    fast = cpu_fast(gate)
+    fold = k.smooth == "channel" and fwd_fmt is not None and fast and hasattr(kern, "gemm_dtype")
+    a_in = (cpu.run_fused(scaled_values, (a_data, with_ones(1 / s), ids), (kern.gemm_dtype(dt, g_in),)) if fold
+            else a_data)
+    db = wgrad(kern, a_in, a_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)  # dB (dW), w_down's layout
+    if k.smooth == "channel" and not fold:
+        db = cpu.run_fused(times, (db, _per_channel(1 / s, w_transposed).to(db.dtype)), ())
+    if k.smooth != "token" and fast:
+        col = with_ones(s) if k.smooth == "channel" else gate.new_ones(experts + 1, gate.shape[1], dtype=torch.float32)
+        dgate, dup = cpu.run_fused(glu_backward_rows, (da, gate, up, col, ids), (k.activation, gate.dtype, up.dtype))
+        return dgate, dup, db, go.amax
+    if k.smooth == "channel":
+        s = _row_scales(s, ids)
+    if k.activation == "silu":
+        dgate, dup = _on_cpu(_swiglu_backward_math, da, gate, up, s, k.smooth)
+    else:  # eager torch math, as swiglu_down
+        dgate, dup = _glu_backward_math(da, gate, up, s, k.smooth, k.activation)
+    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+
+
+@fp8_grouped_swiglu_down_backward_op.register_fake
+def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state, w_transposed, w_dtype, *knobs):
+    return (gate.new_empty(gate.shape), up.new_empty(up.shape), dy.new_empty(b_data.shape, dtype=w_dtype),
+            dy.new_empty(b_data.shape[0], dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, w_down, offs, w_transposed, a_state, b_state, g_state = inputs[:8]
+    _, _, _, a_data, a_scale, b_data, b_scale, s = output
+    ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s, offs)
+    ctx.set_materialize_grads(False)  # as grouped_linear's
+    ctx.g_state = list(g_state)
+    ctx.n_states = (len(a_state), len(b_state), len(g_state))
+    ctx.w_transposed, ctx.w_dtype = w_transposed, w_down.dtype
+    ctx.knobs = GroupedGLUKnobs.take(inputs)  # validated by the forward
+
+
+def _backward(ctx, dy, *unused):
+    k = ctx.knobs
+    gate, up, a_data, a_scale, b_data, b_scale, s, offs = ctx.saved_tensors
+    if dy is None:  # only the amaxes or codes were used: y's gradient is zero
+        dy = gate.new_zeros(gate.shape[0], out_features(b_data, ctx.w_transposed)[1],
+                            dtype=compute_dtype(k, gate.dtype))
+    dgate, dup, dw, g_amax = torch.ops.fp8pass.fp8_grouped_swiglu_down_backward(
+        dy, *ctx.saved_tensors, ctx.g_state, ctx.w_transposed, ctx.w_dtype, *k.args())
+    record_grad_amax(ctx.g_state, g_amax, k)
+    na, nb, ng = ctx.n_states
+    return (dgate, dup, dw, None, None, [None] * na, [None] * nb, [None] * ng) + GroupedGLUKnobs.no_grads()
+
+
+fp8_grouped_swiglu_down_op.register_autograd(_backward, setup_context=_setup_context)
