@@ -189,32 +189,10 @@ def test_weight_casts_of_the_precast_linear_write_no_codes_on_cpu(monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", _sweep(FORMATS, "e5m2"))
-@pytest.mark.parametrize("up", [torch.bfloat16, torch.float32])
-def test_stochastic_cast_values_equal_the_upcast_codes_bit_for_bit(name, up):
-    """cpu.cast_stochastic_values (one loop, no codes) gives ``upcast(cast_stochastic(x))`` with the
-    same generator state: every code up to fmax, both signs, NaN, Inf, subnormals, compiled and eager."""
-    fmt = get_format(name)
-    for src in (torch.float32, torch.bfloat16):
-        x = _wide_inputs(cpu.MIN_COMPILED * 4, src)
-        for scale in (1.0, 3.0, 2.0 ** -20, 1e30):
-            s = torch.tensor(scale)
-            for part in (x, x[:1000]):  # compiled, eager
-                codes, amax = cpu.cast_stochastic(part, s, fmt, torch.Generator().manual_seed(9))
-                ref = cpu.upcast(codes, up)
-                got, got_amax = cpu.cast_stochastic_values(part, s, fmt, up, torch.Generator().manual_seed(9))
-                assert got.dtype == up and got.shape == part.shape
-                same = (_bits(got) == _bits(ref)) | (got.isnan() & ref.isnan())
-                assert same.all(), (name, src, scale, part[~same][:4], got[~same][:4], ref[~same][:4])
-                assert torch.isnan(got_amax) and torch.isnan(amax)  # x holds a NaN
-        if scale == 1.0:  # the inputs reach every code up to fmax's and both signs
-            assert torch.unique(got).numel() >= 2 * fmt.max_code
-
-
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_gradient_casts_write_no_codes_on_cpu(monkeypatch, rounding):
-    """The backward casts dy straight to the GEMM values (cast_stochastic_values / cast_values): no
-    codes of dy's shape are written or upcast, and dx, dW equal the codes-then-upcast path's bit for bit."""
+def test_gradient_casts_write_no_codes_on_cpu(monkeypatch):
+    """With nearest rounding the backward casts dy straight to the GEMM values (cast_values): no codes
+    of dy's shape are written or upcast, and dx, dW equal the codes-then-upcast path's bit for bit.
+    (Stochastic rounding keeps codes + upcast: a values-only loop measured slower.)"""
     import fp8pass  # noqa: F401  (registers the ops)
     from fp8pass.runtime.op_schema import LinearKnobs
 
@@ -222,18 +200,18 @@ def test_gradient_casts_write_no_codes_on_cpu(monkeypatch, rounding):
     x = torch.randn(4, 64, 128, dtype=torch.bfloat16)
     w = torch.randn(160, 128) * 0.05
     dy = torch.randn(4, 64, 160, dtype=torch.bfloat16)  # 40960 elements: the compiled loops
-    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, rounding, 0.0, 1, "max", torch.bfloat16).args()
+    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16).args()
 
     def grads():
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], *knobs)[0]
-        torch.manual_seed(7)  # the stochastic cast's seed
         y.backward(dy)
         return xi.grad, wi.grad
 
     seen = []
-    for fn in ("cast", "cast_stochastic", "upcast"):
+    for fn in ("cast", "upcast"):
         real = getattr(cpu, fn)
+
         def spy(t, *a, _real=real, _fn=fn, **kw):
             if _fn != "upcast" or t.element_size() == 1:  # upcast of values already in the GEMM dtype: a no-op
                 seen.append(tuple(t.shape))
@@ -242,8 +220,7 @@ def test_gradient_casts_write_no_codes_on_cpu(monkeypatch, rounding):
         monkeypatch.setattr(cpu, fn, spy)
     got = grads()
     assert seen and (256, 160) not in seen  # x's and W's casts were seen, never dy's
-    values_fn = "cast_stochastic_values" if rounding == "stochastic" else "cast_values"
-    monkeypatch.delattr(cpu, values_fn)  # the codes-then-upcast path
+    monkeypatch.delattr(cpu, "cast_values")  # the codes-then-upcast path
     seen.clear()
     ref = grads()
     assert (256, 160) in seen

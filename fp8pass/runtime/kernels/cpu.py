@@ -18,7 +18,6 @@ cast below is therefore one Inductor-compiled loop (``dynamic=True``, so shapes 
 ``upcast``             codes -> fp32 -> bf16 in one loop (vectorised; the direct conversion is not)
 ``cast_values``        the values of ``cast``'s codes in the GEMM dtype and ``max |x|``, no codes
                        written (operands only GEMMs read, e.g. weights recast each step)
-``cast_stochastic_values``  the same for ``cast_stochastic`` (gradients: their codes are never kept)
 =====================  ==================================================================
 
 Inductor converts fp32 -> fp8 with c10's round-to-nearest-even, bit-identical to
@@ -39,7 +38,7 @@ import torch
 from ...numerics import Format
 from ...numerics.kernels import torch_family
 
-__all__ = ["fused_enabled", "run_fused", "cast", "cast_values", "cast_stochastic", "cast_stochastic_values", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
+__all__ = ["fused_enabled", "run_fused", "cast", "cast_values", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
            "cpu_capability", "gemm_dtype", "gemm_tensor_scaled",
            "row_amax", "cast_rows", "grouped_gemm", "grouped_gemm_wgrad"]
 
@@ -236,23 +235,6 @@ def uniform_bits(n: int, seed: torch.Tensor, device=None) -> torch.Tensor:
     return h ^ ((h >> 16) & 0xFFFF)
 
 
-def _stochastic_significand(xf, scale, seed, mbits: int, emin: int):
-    """The shared core of the stochastic casts: ``x * scale``'s fp32 bits, their magnitude, exponent
-    field and the kept significand ``n`` rounded stochastically (see :func:`_stochastic_cast_math`)."""
-    bits = (xf * scale).view(torch.int32)
-    mag = bits & 0x7FFFFFFF
-    efield = mag >> 23
-    ebias = torch.clamp(efield, min=1)  # fp32 subnormals: the smallest normal's exponent, no implicit bit
-    sig = mag - ((ebias - 1) << 23)  # the significand with its implicit bit
-    s = (23 - mbits) + torch.clamp((emin + 127) - ebias, min=0)
-    s_cap = torch.clamp(s, max=30)
-    sig = sig >> torch.clamp(s - s_cap, max=31)  # sig < 2**24: any shift >= 24 gives 0; >= 32 is undefined in C
-    mask = (1 << s_cap) - 1
-    u = uniform_bits(mag.numel(), seed, xf.device) & mask
-    n = (sig >> s_cap) + (((sig & mask) + u) >> s_cap)
-    return bits, mag, efield, ebias, n
-
-
 def _stochastic_cast_math(x, scale, seed, fmax: float, mbits: int, emin: int, dtype):
     """``numerics.casts``' stochastic rounding of ``x * scale`` (1-D), on fp32's integer significand.
 
@@ -267,28 +249,21 @@ def _stochastic_cast_math(x, scale, seed, fmax: float, mbits: int, emin: int, dt
     conversion, half the time of computing ``n * 2**(e - mbits)`` and converting it, same bits.
     """
     xf = x.float()
-    bits, mag, efield, _, n = _stochastic_significand(xf, scale, seed, mbits, emin)
+    bits = (xf * scale).view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    efield = mag >> 23
+    ebias = torch.clamp(efield, min=1)  # fp32 subnormals: the smallest normal's exponent, no implicit bit
+    sig = mag - ((ebias - 1) << 23)  # the significand with its implicit bit
+    s = (23 - mbits) + torch.clamp((emin + 127) - ebias, min=0)
+    s_cap = torch.clamp(s, max=30)
+    sig = sig >> torch.clamp(s - s_cap, max=31)  # sig < 2**24: any shift >= 24 gives 0; >= 32 is undefined in C
+    mask = (1 << s_cap) - 1
+    u = uniform_bits(mag.numel(), seed, x.device) & mask
+    n = (sig >> s_cap) + (((sig & mask) + u) >> s_cap)
     code = (torch.clamp(efield - (emin + 127), min=0) << mbits) + n
     code = torch.clamp(code, max=_max_code(fmax, dtype))
     code = torch.where(mag > 0x7F800000, _NAN_CODE, code) | ((bits >> 24) & 0x80)
     return code.to(torch.uint8).view(dtype), xf.abs().amax()
-
-
-def _stochastic_values_math(x, scale, seed, fmax: float, mbits: int, emin: int, up):
-    """The values of :func:`_stochastic_cast_math`'s codes in ``up`` (the GEMM dtype), without codes.
-
-    ``n`` counts units of ``2^k``, ``k = max(e, emin) - mbits`` (``e`` the unbiased exponent), so the
-    value is ``n * 2^k``, exact in fp32 (``n <= 2^(mbits + 1)``; ``2^k`` is built from its exponent
-    bits), then ``min(., fmax)`` (the code clamp), the sign, NaN. A gradient's codes are never kept, and
-    this skips both the codes' write and the float8 -> ``up`` conversion (scalar code in Inductor for
-    E5M2). Bit-identical to upcasting the codes (tested, NaN payloads aside).
-    """
-    xf = x.float()
-    bits, mag, _, ebias, n = _stochastic_significand(xf, scale, seed, mbits, emin)
-    pow2 = ((torch.clamp(ebias - 127, min=emin) - mbits + 127) << 23).view(torch.float32)
-    v = torch.clamp(n.to(torch.float32) * pow2, max=fmax)
-    v = torch.where(bits < 0, -v, v)
-    return torch.where(mag > 0x7F800000, float("nan"), v).to(up), xf.abs().amax()
 
 
 _NAN_CODE = 0x7F  # E4M3FN's NaN; for E5M2 a NaN too (exponent all ones, mantissa 11): what c10 writes
@@ -340,40 +315,6 @@ def cast_stochastic(x: torch.Tensor, scale: torch.Tensor, fmt: Format, generator
     else:
         codes, amax = _run_compiled(_compiled_cast_stochastic(*args, x.dtype), eager, x.reshape(-1), scale, seed)
     return codes.view(x.shape), amax.float()
-
-
-@functools.cache
-def _compiled_stochastic_values(fmax: float, mbits: int, emin: int, src: torch.dtype, up: torch.dtype):
-    def stochastic_values_kernel(x, scale, seed):
-        return _stochastic_values_math(x, scale, seed, fmax, mbits, emin, up)
-
-    return compile_variant(stochastic_values_kernel, _tag("sr_values", fmax, mbits, src, up))
-
-
-def cast_stochastic_values(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype,
-                           generator: torch.Generator | None = None):
-    """``upcast(cast_stochastic(x, scale, fmt)[0], up)`` and ``max |x|`` without the codes: one loop.
-
-    For gradients, whose codes only GEMMs read: the same random bits (one seed drawn from
-    ``generator``, as :func:`cast_stochastic`), so the same values bit for bit.
-
-    Returns:
-        (values shaped like ``x`` in ``up``, amax fp32 scalar).
-    """
-    x = x.contiguous()
-    if x.dtype == torch.float64 or x.numel() == 0 or x.numel() >= 2 ** 31:
-        codes, amax = cast_stochastic(x, scale, fmt, generator)
-        return upcast(codes, up), amax
-    scale = scale.to(torch.float32).reshape(())
-    seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x.device)
-    args = (fmt.max, fmt.mbits, fmt.emin)
-    eager = lambda a, s, sd: _stochastic_values_math(a, s, sd, *args, up)  # noqa: E731
-    if x.numel() < MIN_COMPILED:
-        values, amax = eager(x.reshape(-1), scale, seed)
-    else:
-        values, amax = _run_compiled(_compiled_stochastic_values(*args, x.dtype, up), eager, x.reshape(-1), scale,
-                                     seed)
-    return values.view(x.shape), amax.float()
 
 
 def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
