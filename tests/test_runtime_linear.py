@@ -446,3 +446,51 @@ def test_autocast_output_dtype_and_gemm_dtype_are_the_ops_choice(monkeypatch, ge
     gemms = [e.dtypes()[1 if e.name() == "aten::addmm" else 0] for e in prof.profiler.kineto_results.events()
              if e.name() in ("aten::mm", "aten::addmm")]
     assert len(gemms) == 12 and set(gemms) == {want}  # 4 FP8 GEMMs x 3 per op call
+
+
+def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
+    """fp8_linear, fp8_linear_precast and swiglu_down: autograd hands their backward None for the
+    saved codes, scales and amaxes (never differentiated) instead of zero-filled tensors as large as
+    x and W; a backward through the amaxes only (y unused) gives zero input gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zeros.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default,
+                        torch.ops.aten.new_zeros.default, torch.ops.aten.zeros_like.default):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    lk = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None).args()
+    gk = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, "silu", "channel").args()
+    x, w, dy = _data(31, t=64, k=96, n=48)
+
+    def linear(xi, wi):
+        return torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], *lk)
+
+    def precast(xi, wi):
+        xd, xs, _, xu = torch.ops.fp8pass.fp8_cast_input(xi.detach(), [], *lk)
+        return torch.ops.fp8pass.fp8_linear_precast(xi, xd, xs, xu, wi, None, [], [], *lk)
+
+    def glu(xi, wi):  # gate = up = x [64, 96], W_down [48, 96]
+        return torch.ops.fp8pass.swiglu_down(xi, xi * 0.5, wi, [], [], [], *gk)
+
+    big = {tuple(x.shape), tuple(w.shape)}
+    for op in (linear, precast, glu):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = op(xi, wi)
+        with Fills() as mode:
+            out[0].backward(dy)
+        assert not big & set(mode.shapes), (op.__name__, mode.shapes)
+        assert torch.isfinite(xi.grad).all() and torch.isfinite(wi.grad).all() and xi.grad.abs().sum() > 0
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = op(xi, wi)
+        (out[1].sum() + out[2].sum()).backward()  # amaxes/scales only: the op's backward sees dy None
+        for t in (xi, wi):
+            assert t.grad is None or torch.equal(t.grad, torch.zeros_like(t)), op.__name__

@@ -230,10 +230,27 @@ def _(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias
             dy.new_empty(n, dtype=torch.float32), dy.new_empty((), dtype=torch.float32))
 
 
+def keep_output_grad_only(ctx, y: torch.Tensor) -> None:
+    """Backward gets ``None`` (not zero-filled tensors) for outputs nobody differentiated: the saved
+    codes, scales and amaxes never are, and ``y``'s own is rebuilt by :func:`output_grad` only when
+    just those were used."""
+    ctx.set_materialize_grads(False)
+    ctx.y_meta = (y.shape, y.dtype, y.device)
+
+
+def output_grad(ctx, dy: torch.Tensor | None) -> torch.Tensor:
+    """``dy``, or zeros shaped like the output when only the op's other outputs were used."""
+    if dy is None:
+        shape, dtype, device = ctx.y_meta
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return dy
+
+
 def _setup_context(ctx, inputs, output):
     x, weight, bias, x_state, w_state, g_state = inputs[:6]
     _, _, _, x_data, x_scale, w_data, w_scale = output
     ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
+    keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)
     ctx.n_states = (len(x_state), len(w_state), len(g_state))
     ctx.x_shape = x.shape
@@ -252,7 +269,7 @@ def record_grad_amax(g_state, g_amax, k: LinearKnobs) -> None:
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_backward(
-        dy, *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None, *k.args())
+        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
     nx, nw, ng = ctx.n_states

@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 
 from .casting import Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for
-from .linear import (_scale_shape, _up, check_linear_tensors, compute_dtype, knobs_of, linear_backward,
-                     record_grad_amax)
+from .linear import (_scale_shape, _up, check_linear_tensors, compute_dtype, keep_output_grad_only, knobs_of,
+                     linear_backward, output_grad, record_grad_amax)
 from .op_schema import LinearKnobs, knob_op
 
 __all__ = ["fp8_cast_input_op", "fp8_linear_precast_op", "shares_input_cast"]
@@ -188,6 +188,7 @@ def _(dy, x_data, x_scale, weight, w_scale, g_state, x_dtype, want_bias_grad, *k
 def _setup_context(ctx, inputs, output):
     x, x_data, x_scale, x_up, weight, bias, w_state, g_state = inputs[:8]
     ctx.save_for_backward(x_data, x_scale, weight, output[2])  # codes once (a shared input), W itself
+    keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)
     ctx.n_states = (len(w_state), len(g_state))
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -198,7 +199,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_precast_backward(
-        dy, *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.b_dtype is not None, *k.args())
+        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.b_dtype is not None, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
     nw, ng = ctx.n_states

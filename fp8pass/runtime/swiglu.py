@@ -45,7 +45,7 @@ from ..numerics import scale_from_amax
 from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
 from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
-from .linear import _scale_shape, _up, check_knobs, compute_dtype, record_grad_amax
+from .linear import _scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad, record_grad_amax
 from .op_schema import GLUKnobs, knob_op
 
 __all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad",
@@ -372,6 +372,7 @@ def _(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale
 def _setup_context(ctx, inputs, output):
     gate, up, w_down, a_state, b_state, g_state = inputs[:6]
     ctx.save_for_backward(*output[3:])  # FP8 codes and scales only (gate and up too: saved_glu_input)
+    keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.shape, ctx.gate_dtype, ctx.w_dtype = gate.shape, gate.dtype, w_down.dtype
@@ -381,7 +382,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dgate, dup, dw, g_amax = torch.ops.fp8pass.swiglu_down_backward(
-        dy, *ctx.saved_tensors, ctx.g_state, ctx.gate_dtype, ctx.w_dtype, *k.args())
+        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, ctx.gate_dtype, ctx.w_dtype, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     na, nb, ng = ctx.n_states
     return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng) + \
