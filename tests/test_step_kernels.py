@@ -124,6 +124,7 @@ def test_smoothed_weight_operand_equals_casting_the_divided_weight(rows, w_dtype
     ref = cast_operand(w / c.to(w_dtype), fmt, up=torch.bfloat16)  # what swiglu_down cast before
     assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(got.scale, ref.scale) and torch.equal(got.amax, ref.amax) and torch.equal(got.up, ref.up)
+    assert torch.equal(got.up, cpu.upcast(got.data, torch.bfloat16))  # the values beside the codes are theirs
     assert got.data.dtype == fmt.torch_dtype and (got.data.float() != 0).float().mean() > 0.9
 
 
@@ -226,3 +227,31 @@ def test_gradient_casts_write_no_codes_on_cpu(monkeypatch):
     assert (256, 160) in seen
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [8, cpu.MIN_COMPILED // 32])  # eager below MIN_COMPILED, compiled above
+@pytest.mark.parametrize("smooth", ["channel", "none"])
+def test_saved_gate_and_up_from_the_operand_loops_amax_equal_casting_them_alone(rows, smooth):
+    """swiglu_down saves gate/up with the amax the operand loop computed beside A: the same codes and
+    scales as cast_operand of gate and up by themselves (which reads them once more for the amax),
+    with NaN/Inf inside and in a bf16 and an fp32 input."""
+    import fp8pass  # noqa: F401  (registers the ops)
+    from fp8pass.numerics.kernels import torch_family
+    from fp8pass.runtime.op_schema import GLUKnobs
+
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.bfloat16, torch.float32):
+        gate = (torch.randn(rows, 96, generator=g) * 3).to(dtype)
+        up = torch.randn(rows, 96, generator=g).to(dtype)
+        up[1, 2] = -7e4  # the largest |up| is negative
+        w = torch.randn(40, 96, generator=g) * 0.1
+        knobs = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, "silu", smooth).args()
+        out = torch.ops.fp8pass.swiglu_down(gate, up, w, [], [], [], *knobs)
+        fmt = get_format("e4m3")
+        for t, codes, scale in ((gate, out[8], out[9]), (up, out[10], out[11])):
+            ref = cast_operand(t, fmt)
+            assert torch.equal(codes, ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale)
+        gate[0, 0], up[3, 3] = float("nan"), float("inf")
+        _, _, g_amax, u_amax = sw.operand_and_input_amax(gate, up, smooth, "silu")
+        assert torch.isnan(g_amax) and torch.isnan(torch_family.tensor_amax(gate))
+        assert torch.equal(u_amax, torch_family.tensor_amax(up)) and torch.isinf(u_amax)

@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 
 from ..numerics import scale_from_amax
-from .casting import Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from ..numerics.kernels import torch_family
+from .casting import Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for
 from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
 from .linear import _scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad, record_grad_amax
@@ -125,6 +126,21 @@ def _swiglu_operand(gate2d, up2d, smooth: str):
     return _glu_operand(gate2d, up2d, smooth, "silu")
 
 
+def operand_and_input_amax(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str, activation: str):
+    """:func:`swiglu_operand` plus ``max |gate|`` and ``max |up|`` (fp32), which the saved copies'
+    current scales need: on CPU (silu) from the same compiled loop nest that reads gate and up for
+    ``A``, instead of two more passes over them."""
+    if activation == "silu":
+        return _on_cpu(_swiglu_operand_and_input_amax, gate2d, up2d, smooth)
+    a, s = _glu_operand(gate2d, up2d, smooth, activation)
+    return a, s, torch_family.tensor_amax(gate2d), torch_family.tensor_amax(up2d)
+
+
+def _swiglu_operand_and_input_amax(gate2d, up2d, smooth: str):
+    a, s = _glu_operand(gate2d, up2d, smooth, "silu")
+    return a, s, gate2d.float().abs().amax(), up2d.float().abs().amax()
+
+
 def _glu_operand(gate2d, up2d, smooth: str, activation: str):
     g = gate2d.float()
     u = up2d.float()
@@ -175,14 +191,25 @@ def _smoothed_weight_cast(w_down, c, scale, fmax: float, dtype):
     return (b * scale).clamp(-fmax, fmax).to(dtype)
 
 
+def _smoothed_weight_cast_up(w_down, c, scale, fmax: float, split: float, step: float, tiny: float, dtype, up):
+    codes, values, _ = cpu_kernels.codes_values_amax_math(_smoothed_weight(w_down, c), scale, fmax, split, step, tiny,
+                                                          dtype, up)
+    return codes, values
+
+
 def _smoothed_weight_operand(w_down, c, fmt, margin, power_of_two, up) -> Operand:
     """CPU, per-tensor current scaling: ``B = W_down / c`` cast without writing ``B`` out: its amax in
-    one compiled loop, its codes in another (the same values and bits as :func:`cast_operand` of
-    ``W_down / c``; the division is recomputed instead of stored and read back twice)."""
+    one compiled loop, its codes (and, with ``up``, their GEMM values) in another (the same values and
+    bits as :func:`cast_operand` of ``W_down / c``; the division is recomputed instead of stored and
+    read back twice)."""
     amax = cpu_kernels.run_fused(_smoothed_weight_amax, (w_down, c))
     scale = scale_from_amax(amax, fmt, margin, power_of_two)
-    codes = cpu_kernels.run_fused(_smoothed_weight_cast, (w_down, c, scale), (fmt.max, fmt.torch_dtype))
-    return Operand(codes, scale, amax, None if up is None else cpu_kernels.upcast(codes, up))
+    if up is None:
+        codes = cpu_kernels.run_fused(_smoothed_weight_cast, (w_down, c, scale), (fmt.max, fmt.torch_dtype))
+        return Operand(codes, scale, amax)
+    codes, values = cpu_kernels.run_fused(_smoothed_weight_cast_up, (w_down, c, scale),
+                                          (fmt.max, *cpu_kernels.rne_constants(fmt), fmt.torch_dtype, up))
+    return Operand(codes, scale, amax, values)
 
 
 def _check(gate, up, w_down, k: GLUKnobs):
@@ -212,10 +239,11 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
     u2 = up.reshape(-1, up.shape[-1])
     up_dtype = _up(gate.device, dt)
     at = tile_for(k.granularity, k.block, g2.shape, weight=False)
+    g_amax = u_amax = None
     if uses_triton(gate.device) and fmt is not None and k.granularity == "tensor" and k.activation == "silu":
         ao, s = _fused_operand(g2, u2, k.smooth, fmt, a_state, k.margin, k.power_of_two)
     else:
-        a, s = swiglu_operand(g2, u2, k.smooth, k.activation)
+        a, s, g_amax, u_amax = operand_and_input_amax(g2, u2, k.smooth, k.activation)
         ao = cast_operand(a, fmt, k.granularity, at, a_state, k.margin, k.power_of_two, up=up_dtype)
     bt = tile_for(k.granularity, k.block, w_down.shape, weight=True)
     if k.smooth == "channel" and fmt is not None and k.granularity == "tensor" and w_down.device.type == "cpu" \
@@ -229,21 +257,24 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
         y = (gemm(ao, at, bo, bt, dt).float() * s).to(dt)
     else:
         y = gemm(ao, at, bo, bt, dt)
-    go, uo = saved_glu_input(g2, fmt), saved_glu_input(u2, fmt)
+    go, uo = saved_glu_input(g2, fmt, g_amax), saved_glu_input(u2, fmt, u_amax)
     return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
             ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(), s.clone(), as_bytes(go.data), go.scale,
             as_bytes(uo.data), uo.scale)
 
 
-def saved_glu_input(t2d: torch.Tensor, fmt) -> Operand:
+def saved_glu_input(t2d: torch.Tensor, fmt, amax: torch.Tensor | None = None) -> Operand:
     """``gate`` or ``up`` as backward keeps it: FP8 codes (``fwd_format``, current per-tensor scale), the
     only copy of it kept for backward; the identity format keeps the values (a copy, bit-exact math).
+    ``amax``: ``max |t2d|`` when already known (:func:`operand_and_input_amax`), saving a pass.
 
     The GLU derivative then runs on the dequantized values: one more E4M3 rounding (relative 2**-4)
     of gate and up in the gradient, for 1 byte per element instead of 2-4 (bf16/fp32 GLU autograd
     saves both in high precision)."""
     if fmt is None:
         return Operand(t2d.clone(), torch.ones((), dtype=torch.float32, device=t2d.device), None)
+    if amax is not None:  # what cast_operand's current scaling computes, without reading t2d for it
+        return cast_with_scale(t2d, scale_from_amax(amax, fmt, 0.0, False), fmt)
     return cast_operand(t2d, fmt)
 
 

@@ -38,7 +38,7 @@ import torch
 from ...numerics import Format
 from ...numerics.kernels import torch_family
 
-__all__ = ["fused_enabled", "run_fused", "cast", "cast_values", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
+__all__ = ["fused_enabled", "run_fused", "cast", "codes_values_amax_math", "rne_constants", "cast_values", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
            "cpu_capability", "gemm_dtype", "gemm_tensor_scaled",
            "row_amax", "cast_rows", "grouped_gemm", "grouped_gemm_wgrad"]
 
@@ -142,8 +142,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
         codes, amax = torch_family.cast_scaled(x, scale, fmt, want_amax=True)
         return codes, amax.float(), (codes.to(up) if up is not None else None)
     if up is not None:  # codes and GEMM values from one loop
-        args = (fmt.max, *_rne_constants(fmt), fmt.torch_dtype, up)
-        eager = lambda a, s: _codes_values_amax_math(a, s, *args)  # noqa: E731
+        args = (fmt.max, *rne_constants(fmt), fmt.torch_dtype, up)
+        eager = lambda a, s: codes_values_amax_math(a, s, *args)  # noqa: E731
         if x.numel() < MIN_COMPILED:
             codes, values, amax = eager(x, scale)
         else:  # 1-D, so that no shape ever recompiles
@@ -157,7 +157,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
     return codes.view(x.shape), amax.float(), None
 
 
-def _codes_values_amax_math(x, scale, fmax: float, split: float, step: float, tiny: float, dtype, up):
+def codes_values_amax_math(x, scale, fmax: float, split: float, step: float, tiny: float, dtype, up):
     """:func:`cast`'s codes, their values in ``up`` and ``max |x|`` from one read of ``x``.
 
     The values are rounded arithmetically (:func:`_rne_round`), not converted from the codes: a
@@ -172,7 +172,7 @@ def _codes_values_amax_math(x, scale, fmax: float, split: float, step: float, ti
 @functools.cache
 def _compiled_codes_values(fmax: float, split: float, step: float, tiny: float, dtype, up, src: torch.dtype):
     def cast_codes_values_kernel(x, scale):
-        return _codes_values_amax_math(x, scale, fmax, split, step, tiny, dtype, up)
+        return codes_values_amax_math(x, scale, fmax, split, step, tiny, dtype, up)
 
     return compile_variant(cast_codes_values_kernel, _tag("codes_values", fmax, dtype, src, up))
 
@@ -206,7 +206,7 @@ def cast_values(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dty
         _, amax, values = cast(x, scale, fmt, up)
         return values, amax
     scale = scale.to(torch.float32).reshape(())
-    args = (fmt.max, *_rne_constants(fmt))
+    args = (fmt.max, *rne_constants(fmt))
     eager = lambda a, s: _rne_values_amax_math(a, s, *args, up)  # noqa: E731
     if x.numel() < MIN_COMPILED:
         values, amax = eager(x, scale)
@@ -476,7 +476,7 @@ def _rne_values_amax_math(x, scale, fmax: float, split: float, step: float, tiny
     return _rne_round((xf * scale).clamp(-fmax, fmax), split, step, tiny).to(up), xf.abs().amax()
 
 
-def _rne_constants(fmt: Format) -> tuple[float, float, float]:
+def rne_constants(fmt: Format) -> tuple[float, float, float]:
     """(split, step, tiny) of :func:`_rne_values_math` for ``fmt``."""
     return float(2 ** (23 - fmt.mbits) + 1), 2.0 ** (fmt.emin - fmt.mbits), 2.0 ** fmt.emin
 
@@ -547,7 +547,7 @@ def cast_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fmt: Format, rounding:
         return (codes, codes.to(up)) if keep_codes else codes.to(up)
     eager_only = x2d.numel() < MIN_COMPILED or x2d.dtype == torch.float64
     if rounding == "nearest" and up is not None and not keep_codes:  # values only: no conversion to codes
-        args = (fmt.max, *_rne_constants(fmt))
+        args = (fmt.max, *rne_constants(fmt))
         eager = lambda a, s: _rne_values_math(a, s, *args, up)  # noqa: E731
         if eager_only:
             return eager(x2d, row_scale)
