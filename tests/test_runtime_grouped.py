@@ -566,3 +566,55 @@ def test_autocast_outputs_and_gemm_dtype_are_the_ops_choice(monkeypatch, gemm):
     want = {"fp32": "float", "bf16": "c10::BFloat16"}[gemm]
     gemms = [e.dtypes()[1] for e in prof.profiler.kineto_results.events() if e.name() == "aten::addmm_"]
     assert len(gemms) == 6 * 3 and set(gemms) == {want}  # 3 non-empty experts x 3 GEMMs x 2 ops
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_delayed_cast_with_amax_in_one_loop_gives_the_two_pass_bits(monkeypatch, transposed):
+    """CPU, delayed scaling with every history non-empty: the rows (x, dy) and the expert weights are
+    cast with the held scales and their amaxes taken in the same loop (no separate amax pass). Every
+    output, gradient and recorded state equals the two-pass path's (amax, then cast) bit for bit, over
+    steps whose held scale differs from the current one; the guard and empty histories take two passes."""
+    from fp8pass.runtime import grouped_casting
+
+    recipe = fp8pass.DelayedScaling(history_len=3)
+    g = torch.Generator().manual_seed(21)
+    offs = torch.tensor([300, 300, 700, 1020], dtype=torch.int32)  # an empty expert, 4 padding rows
+    x = torch.randn(1024, 96, generator=g).bfloat16()
+    w = (torch.randn(4, *((96, 128) if transposed else (128, 96)), generator=g) / 8).bfloat16()
+    gate_up_dy = torch.randn(1024, 128, generator=g).bfloat16()
+    wd = (torch.randn(4, *((64, 48) if transposed else (48, 64)), generator=g) / 8).bfloat16()
+    dy = torch.randn(1024, 48, generator=g).bfloat16()
+    runs, row_amax_of, held_scales = [], cpu.row_amax, grouped_casting.held_scales
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(grouped_casting, "held_scales", lambda state: None)
+        row_amax = []
+        monkeypatch.setattr(cpu, "row_amax", lambda t, calls=row_amax: calls.append(t.shape) or row_amax_of(t))
+        st, st2 = LinearScalingState(recipe, experts=4), LinearScalingState(recipe, experts=4)
+        outs = []
+        for step, factor in enumerate((1.0, 4.0, 0.25)):  # the held scale lags the current amax
+            a = [t.clone().requires_grad_() for t in (x * factor, w, wd)]
+            out = LIN(a[0], a[1], offs, transposed, *st.op_args(), *FP8)
+            st.record_forward(out[1], out[2])
+            gate, up = out[0].chunk(2, dim=-1)
+            o2 = GLU(gate, up, a[2], offs, transposed, *st2.op_args(), *FP8, "silu", "none")
+            st2.record_forward(o2[1], o2[2])
+            ((o2[0].float() * dy).sum() + (out[0].float() * gate_up_dy).sum()).backward()
+            outs += [o.detach() for o in out + o2] + [t.grad for t in a]
+            outs += [t.clone() for s in (st, st2) for t in s.op_args()[0] + s.op_args()[1] + s.op_args()[2]]
+        runs.append((outs, row_amax))
+    (fused_out, fused_amax), (plain_out, plain_amax) = runs
+    assert len(fused_out) == len(plain_out)
+    for u, v in zip(fused_out, plain_out):
+        assert u.dtype == v.dtype and torch.equal(u.view(torch.uint8) if u.element_size() == 1 else u,
+                                                  v.view(torch.uint8) if v.element_size() == 1 else v)
+    # step 1 bootstraps (empty histories: two passes); later steps take no separate amax pass of x, W,
+    # dy (the GLU's A amax comes from its channel pass either way)
+    assert len(fused_amax) == 5 and len(plain_amax) == 3 * 5  # x, W_gu, W_down, dy of down, dy of gate/up
+    state = LinearScalingState(recipe, experts=4).input.op_tensors()
+    assert held_scales(state) is None  # empty history
+    state[2].fill_(1)
+    state[5].fill_(False)
+    assert torch.equal(held_scales(state), state[1])
+    state[5].fill_(True)  # overflow guard on: the current amax decides, two passes
+    assert held_scales(state) is None

@@ -18,9 +18,10 @@ import torch
 from ..numerics import Format, scale_from_amax
 from ..numerics.scaling import scale_to_cast
 from . import kernels
+from .kernels import cpu
 
 __all__ = ["group_ids", "group_amax", "expert_scales", "GroupedOperand", "gemm_up", "with_ones", "cast_grouped_rows",
-           "cast_experts"]
+           "cast_experts", "held_scales"]
 
 
 def group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -81,6 +82,49 @@ def _cast(kern, x2d, row_scale, fmt, rounding, up, keep_codes):
     return out if keep_codes else (None, out)
 
 
+# --- delayed scaling on CPU: cast with the held scales and take the row amaxes in the same loop.
+# Current scaling needs the amax before the cast (two reads of x); a delayed scale is known before x is
+# read, so the amax to record comes out of the cast's own loop. Only when every expert casts with its
+# held scale (each history non-empty, overflow guard off): then ``scale_to_cast`` returns exactly the
+# held scales, and the codes, values and amaxes are those of the two-pass path, bit for bit.
+
+
+def held_scales(state: list[torch.Tensor]) -> torch.Tensor | None:
+    """fp32 [E]: the delayed state's held scales when every expert casts with them, else None (the
+    bootstrap or the overflow guard then need the current amax first). Reads two flags on the host:
+    free on CPU, the only device this is used on."""
+    steps, skipped, guard = state[2], state[3], state[5]
+    if bool(guard.any()) or not bool((steps > skipped).all()):
+        return None
+    return state[1].to(torch.float32).clone()
+
+
+def _codes_values_amax(x2d, row_scale, fmax, dtype, up):
+    return cpu._cast_rows_up_math(x2d, row_scale, fmax, dtype, up, True), cpu._row_amax_math(x2d)
+
+
+def _values_amax(x2d, row_scale, fmax, split, step, tiny, up):
+    return cpu._rne_values_math(x2d, row_scale, fmax, split, step, tiny, up), cpu._row_amax_math(x2d)
+
+
+def _fused_rows(kern, x2d, rounding, up) -> bool:
+    """Whether :func:`_cast_with_amax` applies: the CPU torch kernels writing GEMM values, nearest
+    rounding, a non-empty fp16/bf16/fp32 2-D input."""
+    return (kern is cpu and up is not None and rounding == "nearest" and x2d.numel() > 0
+            and x2d.dtype != torch.float64)
+
+
+def _cast_with_amax(x2d, row_scale, fmt, up, keep_codes):
+    """(codes or None, GEMM values, row amax fp32 [rows]) from one loop: the bits of ``cpu.cast_rows``
+    and ``cpu.row_amax`` (their own math, traced into one compiled kernel)."""
+    x2d, row_scale = x2d.contiguous(), row_scale.to(torch.float32).contiguous()
+    if keep_codes:
+        (codes, values), amax = cpu.run_fused(_codes_values_amax, (x2d, row_scale), (fmt.max, fmt.torch_dtype, up))
+        return codes, values, amax
+    values, amax = cpu.run_fused(_values_amax, (x2d, row_scale), (fmt.max, *cpu.rne_constants(fmt), up))
+    return None, values, amax
+
+
 def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, rounding="nearest", gemm_out=None,
                       keep_codes=True) -> GroupedOperand:
     """Cast rows grouped by expert, each group with its expert's scale (padding rows get scale 1).
@@ -95,11 +139,16 @@ def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, round
         keep_codes: False for an operand only the GEMMs read (a gradient): ``data`` is then None.
     """
     kern = kernels.for_device(x2d.device)
+    up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
+    if state and fmt is not None and _fused_rows(kern, x2d, rounding, up):
+        scale = held_scales(state)
+        if scale is not None:
+            codes, values, row_amax = _cast_with_amax(x2d, with_ones(scale)[ids], fmt, up, keep_codes)
+            return GroupedOperand(codes, scale, group_amax(row_amax, ids, experts), values)
     amax = group_amax(kern.row_amax(x2d), ids, experts)
     if fmt is None:
         return GroupedOperand(x2d.clone(), torch.ones(experts, dtype=torch.float32, device=x2d.device), amax)
     scale = expert_scales(amax, state, fmt, margin, power_of_two)
-    up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
     codes, values = _cast(kern, x2d, with_ones(scale)[ids], fmt, rounding, up, keep_codes or up is None)
     return GroupedOperand(codes, scale, amax, values)
 
@@ -107,11 +156,18 @@ def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, round
 def cast_experts(w, fmt, state, margin, power_of_two, gemm_out=None) -> GroupedOperand:
     """Cast stacked expert weights [E, ...] with one scale per expert (``gemm_out``: as :func:`cast_grouped_rows`)."""
     kern = kernels.for_device(w.device)
+    up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
+    if state and fmt is not None and w.dim() == 3 and _fused_rows(kern, w, "nearest", up):
+        scale = held_scales(state)
+        if scale is not None:  # the rows of every expert's matrix, each with its expert's scale
+            rows = w.reshape(w.shape[0] * w.shape[1], w.shape[2])
+            codes, values, row_amax = _cast_with_amax(rows, scale.repeat_interleave(w.shape[1]), fmt, up, True)
+            return GroupedOperand(codes.view(w.shape), scale, row_amax.view(w.shape[:2]).amax(dim=1),
+                                  values.view(w.shape))
     flat = w.reshape(w.shape[0], -1)
     amax = kern.row_amax(flat)
     if fmt is None:
         return GroupedOperand(w.clone(), torch.ones(w.shape[0], dtype=torch.float32, device=w.device), amax)
     scale = expert_scales(amax, state, fmt, margin, power_of_two)
-    up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
     codes, values = _cast(kern, flat, scale, fmt, "nearest", up, True)
     return GroupedOperand(codes.view(w.shape), scale, amax, values.view(w.shape) if values is not None else None)
