@@ -200,3 +200,52 @@ def test_gemm_pads_for_scaled_mm(mkn, bias, monkeypatch):
     got = cuda_kernels.gemm_tensor_scaled(a, sa, b, sb, torch.bfloat16, bv)
     assert got.shape == (m, n) and got.is_contiguous()
     torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
+    """FP8PASS_KERNELS=triton (the CUDA module on CPU tensors): fp8_cast_input + fp8_linear_precast
+    (codes, no GEMM values: x_up empty; the weight recast in backward with the forward's scale) give
+    what fp8_linear gives on the same path, bit for bit, with current and delayed scaling."""
+    import fp8pass  # noqa: F401  (registers the ops)
+    from fp8pass.config import DelayedScaling
+    from fp8pass.numerics import DelayedScalingState, get_format
+    from fp8pass.runtime.op_schema import LinearKnobs
+
+    from fp8pass.runtime.kernels import cuda
+
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    calls = []
+    for fn in ("gemm_tensor_scaled", "cast_delayed"):
+        real = getattr(cuda, fn)
+        monkeypatch.setattr(cuda, fn, lambda *a, _real=real, _fn=fn, **kw: calls.append(_fn) or _real(*a, **kw))
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 24, 64, generator=g)
+    w = torch.randn(40, 64, generator=g) / 8
+    dy = torch.randn(2, 24, 40, generator=g)
+    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None).args()
+
+    def states():
+        out = []
+        for fmt in ("e4m3", "e4m3", "e5m2"):
+            st = DelayedScalingState(DelayedScaling(), get_format(fmt))
+            st.record(torch.tensor(2.5))
+            out.append(st.op_tensors())
+        return out
+
+    for delayed in (False, True):
+        results = []
+        for precast in (True, False):
+            xs, ws, gs = states() if delayed else ([], [], [])
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            if precast:
+                xd, xsc, _, xu = torch.ops.fp8pass.fp8_cast_input(xi.detach(), xs, *knobs)
+                assert xu.numel() == 0  # the GEMM takes the codes on this path
+                y = torch.ops.fp8pass.fp8_linear_precast(xi, xd, xsc, xu, wi, None, ws, gs, *knobs)[0]
+            else:
+                y = torch.ops.fp8pass.fp8_linear(xi, wi, None, xs, ws, gs, *knobs)[0]
+            y.backward(dy)
+            results.append((y.detach(), xi.grad, wi.grad))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), delayed
+        assert "gemm_tensor_scaled" in calls and ("cast_delayed" in calls) == delayed  # the CUDA module ran
+        calls.clear()
