@@ -9,7 +9,8 @@ SwiGLU, down ``[E, dim, ffn]``. FP8: ``fp8pass::fp8_grouped_linear`` + ``fp8pass
 (Smooth-SwiGLU channel mode), current and delayed per-expert scaling. bf16 baselines: the same math
 with ``torch._grouped_mm`` and with one bf16 matmul per expert; the ratio is taken against the faster
 of the two (the honest baseline on this machine). Medians (and minima) of ``--repeat`` interleaved
-rounds after warm-up; on a shared CPU compare the ratios of one run, not absolute times across runs.
+rounds after warm-up (the order rotated every round); on a shared CPU compare the ratios of one run,
+not absolute times across runs.
 Each round's process CPU time (all threads, ``time.process_time``) is recorded too: on a CPU shared
 with other processes, wall time also counts the time this process waited for a core, CPU time does
 not (OpenMP threads that spin while waiting for each other still count), so its ratios move less.
@@ -102,6 +103,20 @@ def cases(tokens, experts, topk, dim, ffn, device):
     }, offs
 
 
+def rotating_rounds(cases: dict, device, repeat: int) -> dict:
+    """:func:`time_rounds`, the order of the cases rotated every round: with a fixed order each case
+    always ran right after the same other one (fp8 delayed after fp8 current), whatever that leaves
+    behind (freed memory, a descheduled thread) landing on the same case every round."""
+    names = list(cases)
+    times = {k: [] for k in names}
+    for r in range(repeat):
+        order = names[r % len(names):] + names[:r % len(names)]
+        got = time_rounds({k: cases[k] for k in order}, device, 1, warmup=2 if r == 0 else 0)
+        for k, v in got.items():
+            times[k] += v
+    return times
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -133,7 +148,7 @@ def main(argv=None):
             cpu_rounds[k].append(time.process_time() - t)
         return f
 
-    rounds = time_rounds({k: cpu_timed(k, fn) for k, fn in fns.items()}, device, a.repeat)
+    rounds = rotating_rounds({k: cpu_timed(k, fn) for k, fn in fns.items()}, device, a.repeat)
     cpu_rounds = {k: v[-a.repeat:] for k, v in cpu_rounds.items()}  # the timed rounds (not the warm-up)
     cpu_times = {k: statistics.median(v) for k, v in cpu_rounds.items()}
     cpu_base = min(cpu_times["bf16_grouped_mm"], cpu_times["bf16_per_expert"])
