@@ -103,6 +103,38 @@ def cases(tokens, experts, topk, dim, ffn, device):
     }, offs
 
 
+def profile_steps(fns: dict, top: int) -> None:
+    """Print each case's ``top`` ops of one warm step by self CPU time (torch.profiler). The compiled CPU
+    kernels are labelled with their function (``K:<name>``, total time) beside Inductor's anonymous
+    ``CompiledFxGraph`` entries. On a shared machine compare ops within one step, not wall times."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from fp8pass.runtime.kernels import cpu as cpu_kernels
+
+    run_compiled = cpu_kernels._run_compiled
+
+    def labelled(fn, eager, *args):
+        with record_function("K:" + getattr(fn, "__name__", "?")[:60]):
+            return run_compiled(fn, eager, *args)
+
+    cpu_kernels._run_compiled = labelled  # diagnostic only; restored below
+    try:
+        for name, fn in fns.items():
+            fn(), fn()  # warm
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t = time.perf_counter()
+                fn()
+                wall = time.perf_counter() - t
+            events = prof.key_averages()
+            print(f"== {name}: wall {wall * 1e3:.0f} ms, {sum(e.count for e in events)} op events, "
+                  f"load {os.getloadavg()[0]:.2f}, threads {torch.get_num_threads()}")
+            ms = {e.key: (e.cpu_time_total if e.key.startswith("K:") else e.self_cpu_time_total) / 1e3 for e in events}
+            for e in sorted(events, key=lambda e: -ms[e.key])[:top]:
+                print(f"  {ms[e.key]:8.1f} ms {e.count:5d}  {e.key[:100]}")
+    finally:
+        cpu_kernels._run_compiled = run_compiled
+
+
 def rotating_rounds(cases: dict, device, repeat: int) -> dict:
     """:func:`time_rounds`, the order of the cases rotated every round: with a fixed order each case
     always ran right after the same other one (fp8 delayed after fp8 current), whatever that leaves
@@ -130,6 +162,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); 1 gives CPU times without OpenMP waits on a shared CPU")
     p.add_argument("--json", type=Path)
+    p.add_argument("--profile", type=int, metavar="TOP", default=0,
+                   help="instead of timing: profile one warm step of each case and print its TOP ops by self "
+                        "CPU time, with call counts (compiled CPU kernels named)")
     a = p.parse_args(argv)
     if a.quick:
         a.tokens, a.repeat = 1024, 3
@@ -139,6 +174,9 @@ def main(argv=None):
     torch.manual_seed(0)
     load_before = os.getloadavg()
     fns, offs = cases(a.tokens, a.experts, a.topk, a.dim, a.ffn, device)
+    if a.profile:
+        profile_steps(fns, a.profile)
+        return None
     cpu_rounds = {k: [] for k in fns}
 
     def cpu_timed(k, fn):
