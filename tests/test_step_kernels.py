@@ -251,6 +251,8 @@ def test_saved_gate_and_up_from_the_operand_loops_amax_equal_casting_them_alone(
         for t, codes, scale in ((gate, out[8], out[9]), (up, out[10], out[11])):
             ref = cast_operand(t, fmt)
             assert torch.equal(codes, ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale)
+        empty = torch.ops.fp8pass.swiglu_down(gate[:0], up[:0], w, [], [], [], *knobs)  # no tokens
+        assert empty[0].shape == (0, 40) and torch.equal(empty[9], torch.ones(()))  # amax 0: scale 1
         gate[0, 0], up[3, 3] = float("nan"), float("inf")
         _, _, g_amax, u_amax = sw.operand_and_input_amax(gate, up, smooth, "silu")
         assert torch.isnan(g_amax) and torch.isnan(torch_family.tensor_amax(gate))

@@ -269,7 +269,8 @@ def record_grad_amax(g_state, g_amax, k: LinearKnobs) -> None:
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_backward(
-        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None, *k.args())
+        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None,
+        *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
     nx, nw, ng = ctx.n_states

@@ -46,7 +46,8 @@ from ..numerics.kernels import torch_family
 from .casting import Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for
 from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
-from .linear import _scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad, record_grad_amax
+from .linear import (_scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad,
+                     record_grad_amax)
 from .op_schema import GLUKnobs, knob_op
 
 __all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad",
@@ -130,9 +131,9 @@ def operand_and_input_amax(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str
     """:func:`swiglu_operand` plus ``max |gate|`` and ``max |up|`` (fp32), which the saved copies'
     current scales need: on CPU (silu) from the same compiled loop nest that reads gate and up for
     ``A``, instead of two more passes over them."""
-    if activation == "silu":
+    if activation == "silu" and gate2d.numel() > 0:  # (amax() of an empty tensor raises)
         return _on_cpu(_swiglu_operand_and_input_amax, gate2d, up2d, smooth)
-    a, s = _glu_operand(gate2d, up2d, smooth, activation)
+    a, s = swiglu_operand(gate2d, up2d, smooth, activation)
     return a, s, torch_family.tensor_amax(gate2d), torch_family.tensor_amax(up2d)
 
 
