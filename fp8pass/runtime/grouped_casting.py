@@ -99,30 +99,11 @@ def held_scales(state: list[torch.Tensor]) -> torch.Tensor | None:
     return state[1].to(torch.float32).clone()
 
 
-def _codes_values_amax(x2d, row_scale, fmax, dtype, up):
-    return cpu._cast_rows_up_math(x2d, row_scale, fmax, dtype, up, True), cpu._row_amax_math(x2d)
-
-
-def _values_amax(x2d, row_scale, fmax, split, step, tiny, up):
-    return cpu._rne_values_math(x2d, row_scale, fmax, split, step, tiny, up), cpu._row_amax_math(x2d)
-
-
 def _fused_rows(kern, x2d, rounding, up) -> bool:
-    """Whether :func:`_cast_with_amax` applies: the CPU torch kernels writing GEMM values, nearest
+    """Whether ``cpu.cast_rows_with_amax`` applies: the CPU torch kernels writing GEMM values, nearest
     rounding, a non-empty fp16/bf16/fp32 2-D input."""
     return (kern is cpu and up is not None and rounding == "nearest" and x2d.numel() > 0
             and x2d.dtype != torch.float64)
-
-
-def _cast_with_amax(x2d, row_scale, fmt, up, keep_codes):
-    """(codes or None, GEMM values, row amax fp32 [rows]) from one loop: the bits of ``cpu.cast_rows``
-    and ``cpu.row_amax`` (their own math, traced into one compiled kernel)."""
-    x2d, row_scale = x2d.contiguous(), row_scale.to(torch.float32).contiguous()
-    if keep_codes:
-        (codes, values), amax = cpu.run_fused(_codes_values_amax, (x2d, row_scale), (fmt.max, fmt.torch_dtype, up))
-        return codes, values, amax
-    values, amax = cpu.run_fused(_values_amax, (x2d, row_scale), (fmt.max, *cpu.rne_constants(fmt), up))
-    return None, values, amax
 
 
 def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, rounding="nearest", gemm_out=None,
@@ -143,7 +124,7 @@ def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, round
     if state and fmt is not None and _fused_rows(kern, x2d, rounding, up):
         scale = held_scales(state)
         if scale is not None:
-            codes, values, row_amax = _cast_with_amax(x2d, with_ones(scale)[ids], fmt, up, keep_codes)
+            codes, values, row_amax = cpu.cast_rows_with_amax(x2d, with_ones(scale)[ids], fmt, up, keep_codes)
             return GroupedOperand(codes, scale, group_amax(row_amax, ids, experts), values)
     amax = group_amax(kern.row_amax(x2d), ids, experts)
     if fmt is None:
@@ -161,7 +142,7 @@ def cast_experts(w, fmt, state, margin, power_of_two, gemm_out=None) -> GroupedO
         scale = held_scales(state)
         if scale is not None:  # the rows of every expert's matrix, each with its expert's scale
             rows = w.reshape(w.shape[0] * w.shape[1], w.shape[2])
-            codes, values, row_amax = _cast_with_amax(rows, scale.repeat_interleave(w.shape[1]), fmt, up, True)
+            codes, values, row_amax = cpu.cast_rows_with_amax(rows, scale.repeat_interleave(w.shape[1]), fmt, up, True)
             return GroupedOperand(codes.view(w.shape), scale, row_amax.view(w.shape[:2]).amax(dim=1),
                                   values.view(w.shape))
     flat = w.reshape(w.shape[0], -1)

@@ -40,7 +40,8 @@ from ...numerics.kernels import torch_family
 
 __all__ = ["fused_enabled", "run_fused", "cast", "codes_values_amax_math", "rne_constants", "cast_values",
            "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype", "cpu_capability",
-           "gemm_dtype", "gemm_tensor_scaled", "row_amax", "cast_rows", "grouped_gemm", "grouped_gemm_wgrad"]
+           "gemm_dtype", "gemm_tensor_scaled", "row_amax", "cast_rows", "cast_rows_with_amax", "grouped_gemm",
+           "grouped_gemm_wgrad"]
 
 _BROKEN: list[str] = []  # set once when Inductor fails, so we warn once and stay eager
 
@@ -572,6 +573,35 @@ def cast_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fmt: Format, rounding:
     if eager_only:
         return eager(x2d, row_scale, seed)
     return _run_compiled(_compiled_cast_rows_sr(*args, x2d.dtype, up, keep_codes), eager, x2d, row_scale, seed)
+
+
+def _cast_rows_up_amax_math(x2d, row_scale, fmax: float, dtype, up):
+    return _cast_rows_up_math(x2d, row_scale, fmax, dtype, up, True), _row_amax_math(x2d)
+
+
+def _rne_values_amax_rows_math(x2d, row_scale, fmax: float, split: float, step: float, tiny: float, up):
+    return _rne_values_math(x2d, row_scale, fmax, split, step, tiny, up), _row_amax_math(x2d)
+
+
+def cast_rows_with_amax(x2d: torch.Tensor, row_scale: torch.Tensor, fmt: Format, up: torch.dtype,
+                        keep_codes: bool = True):
+    """:func:`cast_rows` (nearest rounding, with ``up``) and :func:`row_amax` of the same rows from one
+    loop: for a scale known before ``x`` is read (delayed scaling's held scale), the amax to record
+    comes out of the cast's own read. The same bits as the two calls (their own math, traced together).
+
+    Args:
+        x2d: non-empty 2-D fp16/bf16/fp32 tensor; row_scale: fp32 [rows].
+        up: the GEMM dtype of the values; keep_codes: also return the codes.
+
+    Returns:
+        (codes or None, values in ``up``, row amax fp32 [rows]).
+    """
+    x2d, row_scale = x2d.contiguous(), row_scale.to(torch.float32).contiguous()
+    if keep_codes:
+        (codes, values), amax = run_fused(_cast_rows_up_amax_math, (x2d, row_scale), (fmt.max, fmt.torch_dtype, up))
+        return codes, values, amax
+    values, amax = run_fused(_rne_values_amax_rows_math, (x2d, row_scale), (fmt.max, *rne_constants(fmt), up))
+    return None, values, amax
 
 
 def group_bounds(offs: torch.Tensor, rows: int) -> list[tuple[int, int]]:
