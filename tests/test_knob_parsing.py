@@ -21,10 +21,11 @@ def test_of_builds_once_per_tuple():
     other = knobs_of(GOOD[:-1] + (torch.float32,))
     assert other is not k and other.out_dtype == torch.float32
     # another Knobs class with a prefix of equal values is never confused with a LinearKnobs
-    glu = GLUKnobs.of(GOOD + ("silu", "channel"))
-    assert type(glu) is GLUKnobs and glu.args() == GOOD + ("silu", "channel")
-    assert LinearKnobs.count() == 10 and GLUKnobs.count() == 12
-    assert GLUKnobs.no_grads() == (None,) * 12
+    glu = GLUKnobs.of(GOOD + ("silu", "channel", True))
+    assert type(glu) is GLUKnobs and glu.args() == GOOD + ("silu", "channel", True)
+    assert LinearKnobs.count() == 10 and GLUKnobs.count() == 13
+    assert GLUKnobs.no_grads() == (None,) * 13
+    assert GLUKnobs(*GOOD, "silu", "channel").recast_weight is False  # the default: W_down's codes kept
 
 
 @pytest.mark.parametrize("field, value, error", [(2, "bogus", ValueError), (3, 0, ValueError),

@@ -181,3 +181,40 @@ def test_swiglu_bad_inputs():
         ops.swiglu_mlp(x, wg, wu, wd, smooth="row")
     with pytest.raises(ValueError, match="w_down"):
         ops.swiglu_mlp(x, wg, wu, wd.T)
+
+
+@pytest.mark.parametrize("family,size", [("torch", "eager"), ("torch", "compiled"), ("triton", "eager")])
+def test_recast_weight_gives_the_same_bits_and_saves_no_weight_codes(family, size, monkeypatch):
+    """recast_weight=True: backward casts W_down (/ c) again with the forward's scale instead of
+    keeping its codes. Outputs and gradients equal the saved-codes path bit for bit (every smooth
+    mode, current and delayed scaling, an fp32 and a bf16 weight, the CPU kernels and the CUDA module's
+    path on CPU), and no tensor of W_down's shape is saved, only W_down itself."""
+    from fp8pass.config import DelayedScaling
+
+    monkeypatch.setenv("FP8PASS_KERNELS", family)
+    # "compiled": W_down [64, 256] and gate [512, 256] reach the compiled CPU loops (MIN_COMPILED)
+    x, wg, wu, wd, dy = _weights(7) if size == "eager" else _weights(7, t=512, d=64, f=256)
+    gate, up = F.linear(x, wg).detach(), F.linear(x, wu).detach()
+    for w_dtype in (torch.float32, torch.bfloat16):
+        for mode in ("channel", "none", "token"):
+            for delayed in (False, True):
+                results = []
+                for recast in (False, True):
+                    states = [[], [], []]
+                    if delayed:
+                        st = LinearScalingState(DelayedScaling(), "cpu")
+                        for s in (st.input, st.weight):  # a history, so the held scales cast
+                            s.record(torch.tensor(3.0))
+                        states = list(st.op_args())
+                    k = _knobs("silu", mode).replace(recast_weight=recast)
+                    g, u, w = (t.clone().requires_grad_() for t in (gate, up, wd.to(w_dtype)))
+                    saved = []
+                    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                        out = torch.ops.fp8pass.swiglu_down(g, u, w, *states, *k.args())
+                    out[0].backward(dy.to(out[0].dtype))
+                    codes_of_w = [t for t in saved if t.shape == w.shape and t.dtype == torch.uint8]
+                    assert len(codes_of_w) == (0 if recast else 1), (mode, delayed, recast)
+                    assert any(t is w for t in saved) == recast
+                    results.append([out[0].detach(), g.grad, u.grad, w.grad])
+                for a, b in zip(*results):
+                    assert torch.equal(a, b), (family, w_dtype, mode, delayed)

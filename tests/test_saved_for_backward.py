@@ -55,9 +55,10 @@ def _linear_bytes(rows, k, n) -> int:
     return rows * k + n * k + 2 * 4  # x codes, W codes, two fp32 scalar scales
 
 
-def _glu_tail_bytes(rows, f, d) -> int:
-    # A codes, B codes, gate codes, up codes, four fp32 scalar scales, channel scales [f] fp32
-    return rows * f + d * f + 2 * rows * f + 4 * 4 + f * 4
+def _glu_tail_bytes(rows, f, d, weight_codes=False) -> int:
+    # A codes, gate codes, up codes, four fp32 scalar scales, channel scales [f] fp32; B = W_down / c's
+    # codes only where backward does not recast W_down (recast_weight off: the eager ops' default)
+    return rows * f + (d * f if weight_codes else 0) + 2 * rows * f + 4 * 4 + f * 4
 
 
 def _only_codes_and_scales(tensors, max_scale_elems=1):
@@ -83,7 +84,7 @@ def test_eager_glu_saves_no_high_precision_gate_or_up():
     wd = torch.randn(D, H, requires_grad=True)
     saved, y = _saved(lambda: ops.swiglu_mlp(x, wg, wu, wd, smooth="channel"))
     _only_codes_and_scales(saved, max_scale_elems=H)
-    assert _nbytes(saved) == 2 * _linear_bytes(T, D, H) + _glu_tail_bytes(T, H, D)
+    assert _nbytes(saved) == 2 * _linear_bytes(T, D, H) + _glu_tail_bytes(T, H, D, weight_codes=True)
     y.sum().backward()
 
 
@@ -117,7 +118,7 @@ def test_compiled_linears_save_codes_and_scales_only(compiler, autocast):
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compiled_glu_saves_codes_and_scales_only(compiler):
     """The rewritten SwiGLU MLP under autocast: gate/up projections keep x's codes once (one shared
-    cast), the GLU tail keeps codes of A, B, gate and up."""
+    cast), the GLU tail keeps codes of A, gate and up (W_down is recast in backward)."""
     torch._dynamo.reset()
     model = SiluMul()
     f = _compiled(model, compiler)
@@ -152,7 +153,8 @@ QKV_BLOCK_BYTES = _precast_bytes(T, D, D, D, linears=6) + _glu_tail_bytes(T, H, 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
 def test_block_saves_each_input_codes_once(compiler, autocast):
     """Exact count of a block: the codes of each distinct matmul input once (x for q/k/v, h for
-    gate/up), no weight codes (the weights are the parameters, recast in backward), scales."""
+    gate/up; A, gate and up in the GLU), no weight codes (the weights, W_down included, are the
+    parameters, recast in backward), scales."""
     torch._dynamo.reset()
     model = QKVBlock()
     f = _compiled(model, compiler)
@@ -161,7 +163,7 @@ def test_block_saves_each_input_codes_once(compiler, autocast):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             saved, y = _saved(lambda: f(x), model.parameters())
         _only_codes_and_scales(saved, max_scale_elems=H)
-        assert _nbytes(saved) == QKV_BLOCK_BYTES == 3 * T * D + T * H * 3 + D * H + 13 * 4 + H * 4
+        assert _nbytes(saved) == QKV_BLOCK_BYTES == 3 * T * D + T * H * 3 + 13 * 4 + H * 4
         y.float().sum().backward()
 
 
@@ -290,11 +292,13 @@ def test_shared_cast_ops_clear_errors():
 def test_several_ranks_keep_the_weight_codes_of_the_per_linear_op(monkeypatch):
     """With torch.distributed on more than one rank (FSDP2 rebuilds weights between forward and
     backward), the rewrite emits ``fp8_linear`` (weight codes saved), never the precast pair that
-    recasts the weight in backward; one rank keeps the shared cast."""
+    recasts the weight in backward, and ``swiglu_down`` keeps W_down's codes; one rank keeps the
+    shared cast and the recasts."""
     model_cls = LinearBeforeGLU
     torch._dynamo.reset()
     single = fp8pass.explain(model_cls(), torch.randn(2, 8, D)).graph_after
     assert "fp8pass.fp8_cast_input.default(" in single and "fp8pass.fp8_linear.default(" not in single
+    assert "recast_weight = True" in single  # swiglu_down recasts W_down in backward on one rank
     from fp8pass.passes import rewrite_base
 
     assert not rewrite_base.weights_may_be_regathered()  # no process group here
@@ -304,3 +308,4 @@ def test_several_ranks_keep_the_weight_codes_of_the_per_linear_op(monkeypatch):
     ranks = fp8pass.explain(model_cls(), torch.randn(2, 8, D)).graph_after
     assert "fp8_cast_input" not in ranks and "fp8_linear_precast" not in ranks, ranks
     assert ranks.count("fp8pass.fp8_linear.default(") == 3, ranks  # p, gate, up
+    assert "recast_weight = False" in ranks and "recast_weight = True" not in ranks  # W_down's codes kept

@@ -37,7 +37,8 @@ def weights_may_be_regathered() -> bool:
     than one rank, FSDP2 frees unsharded weights after forward and gathers them again for backward
     (the FP8 all-gather re-quantizes them, possibly with a newer scale, and its in-place fill bumps the
     version counter). ``fp8_linear_precast`` recasts the weight in backward, which needs the forward's
-    values; there the per-linear ``fp8_linear`` (weight codes saved from forward) is used instead."""
+    values; there the per-linear ``fp8_linear`` (weight codes saved from forward) is used instead, and
+    ``swiglu_down`` keeps ``W_down``'s codes (``recast_weight=False``)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized() and \
         torch.distributed.get_world_size() > 1
 

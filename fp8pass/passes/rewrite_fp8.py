@@ -36,6 +36,7 @@ import torch
 
 from .annotate import value_dtype
 from .plan import GLUSite, LinearSite, Plan
+from . import rewrite_base
 from .rewrite_base import ROLES, GraphRewriter, keep_meta
 
 __all__ = ["FP8Rewriter"]
@@ -78,7 +79,8 @@ class FP8Rewriter(GraphRewriter):
             w_down = self.graph.call_function(torch.t, (w,)) if m.get("down_layout") == "in_out" else w
             out = self.graph.call_function(
                 self.ops.swiglu_down.default, (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s),
-                dict(k, out_dtype=value_dtype(down), activation=site.act, smooth=smooth))
+                dict(k, out_dtype=value_dtype(down), activation=site.act, smooth=smooth,
+                     recast_weight=not rewrite_base.weights_may_be_regathered()))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
                 self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])

@@ -120,10 +120,14 @@ class GLUKnobs(LinearKnobs):
     Attributes:
         activation: "silu" | "gelu" | "gelu_tanh" | "relu".
         smooth: Smooth-SwiGLU mode, "channel" | "token" | "none".
+        recast_weight: backward recasts ``W_down`` (``/ c``) with the forward's scale instead of keeping
+            its FP8 codes from forward (per-tensor FP8 only; the same codes, bit for bit). Off where a
+            weight may be rebuilt between forward and backward (FSDP2 re-gathers it).
     """
 
     activation: str
     smooth: str
+    recast_weight: bool = False
 
 
 

@@ -313,7 +313,8 @@ def _(gate, up, w_down, a_state, b_state, g_state, *knobs):
          "ScalarType gate_dtype, ScalarType w_dtype", GLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
 def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data,
                             up_scale, g_state, gate_dtype, w_dtype, *knobs):
-    """``(dgate, dup, dW_down, dy_amax)`` (no state mutation)."""
+    """``(dgate, dup, dW_down, dy_amax)`` (no state mutation). With :func:`recasts_weight`, ``b_data``
+    is ``W_down`` itself, cast again here with ``b_scale``."""
     k = GLUKnobs(*knobs)
     fmt = resolve_format(k.bwd_format)
     a_data = from_bytes(a_data, resolve_format(k.fwd_format))
@@ -330,7 +331,7 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     at = tile_for(k.granularity, k.block, a_data.shape, weight=False)
     bt = tile_for(k.granularity, k.block, b_data.shape, weight=True)
     ao = Operand(a_data, a_scale, a_scale)
-    bo = Operand(b_data, b_scale, b_scale)
+    bo = _recast_weight(b_data, s, b_scale, k, up_dtype) if recasts_weight(k) else Operand(b_data, b_scale, b_scale)
     da = gemm(go, gt, bo, bt, gate_dtype, b_t=True, compute_dtype=dt)           # dA = G @ B      [T, F]
     if k.smooth == "channel":  # B = W / c  =>  dW = dB / c (exact: powers of two), one pass with the cast
         db = gemm(go, gt, ao, at, dt, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
@@ -401,14 +402,38 @@ def _(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale
             dy.new_empty((), dtype=torch.float32))
 
 
+def recasts_weight(k: GLUKnobs) -> bool:
+    """Whether backward recasts ``W_down`` instead of reading forward's codes (``k.recast_weight``,
+    per-tensor FP8 scaling: the recast needs only the saved scalar scale)."""
+    return k.recast_weight and k.granularity == "tensor" and resolve_format(k.fwd_format) is not None
+
+
+def _recast_weight(w_down, s, b_scale, k: GLUKnobs, up_dtype) -> Operand:
+    """``B`` (``W_down / c`` in channel mode, else ``W_down``) cast again with forward's scale: the
+    codes (GPU) or GEMM values (CPU) forward's ``B`` had, bit for bit, from the parameter itself."""
+    fmt = resolve_format(k.fwd_format)
+    if k.smooth == "channel" and w_down.device.type == "cpu" and not uses_triton(w_down.device):
+        if up_dtype is None:
+            codes = cpu_kernels.run_fused(_smoothed_weight_cast, (w_down, s, b_scale), (fmt.max, fmt.torch_dtype))
+            return Operand(codes, b_scale, b_scale)
+        _, values = cpu_kernels.run_fused(_smoothed_weight_cast_up, (w_down, s, b_scale),
+                                          (fmt.max, *cpu_kernels.rne_constants(fmt), fmt.torch_dtype, up_dtype))
+        return Operand(values, b_scale, b_scale, values)
+    b = w_down / s.to(w_down.dtype) if k.smooth == "channel" else w_down
+    return cast_with_scale(b, b_scale, fmt, up_dtype, keep_codes=False)
+
+
 def _setup_context(ctx, inputs, output):
     gate, up, w_down, a_state, b_state, g_state = inputs[:6]
-    ctx.save_for_backward(*output[3:])  # FP8 codes and scales only (gate and up too: saved_glu_input)
+    ctx.knobs = GLUKnobs.take(inputs)
+    saved = list(output[3:])  # FP8 codes and scales only (gate and up too: saved_glu_input)
+    if recasts_weight(ctx.knobs):
+        saved[2] = w_down  # a parameter (held anyway), recast in backward: its codes are not kept
+    ctx.save_for_backward(*saved)
     keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.shape, ctx.gate_dtype, ctx.w_dtype = gate.shape, gate.dtype, w_down.dtype
-    ctx.knobs = GLUKnobs.take(inputs)
 
 
 def _backward(ctx, dy, *unused):
