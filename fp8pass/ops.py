@@ -23,7 +23,9 @@ from .runtime import (
     fold_channel_scales,
     state_for,
 )
+from .passes.rewrite_base import weights_may_be_regathered
 from .runtime.op_schema import GLUKnobs, LinearKnobs
+from .runtime.precast import shares_input_cast
 
 __all__ = ["fp8_linear", "swiglu_mlp", "nvfp4_linear", "LinearScalingState", "channel_scales", "fold_channel_scales",
            "IDENTITY"]
@@ -99,9 +101,34 @@ def fp8_linear(
     return out[0]
 
 
+def _gate_and_up(x, w_gate, w_up, recipe, states, fwd, bwd, grad_rounding):
+    """The gate and up projections from one cast of ``x`` (``fp8_cast_input`` + two
+    ``fp8_linear_precast``, as the compile backend emits them): ``x``'s codes are made and kept once,
+    the weights recast in backward. Bit-identical to two :func:`fp8_linear` calls under current
+    scaling; under delayed scaling the cast takes the gate's input state and its amax is recorded into
+    both (they see the same tensor). Returns None where the per-linear ops are used instead (MX
+    granularity; several ranks, where FSDP2 rebuilds weights between forward and backward)."""
+    xs, ws_g, gs_g, knobs, st_g = _recipe_args(recipe, w_gate, states.get("gate"), fwd, bwd, grad_rounding,
+                                               _autocast_dtype(x))
+    if not shares_input_cast(knobs) or weights_may_be_regathered():
+        return None
+    _, ws_u, gs_u, _, st_u = _recipe_args(recipe, w_up, states.get("up"), fwd, bwd, grad_rounding,
+                                          _autocast_dtype(x))
+    x_data, x_scale, x_amax, x_up = torch.ops.fp8pass.fp8_cast_input(x.detach(), xs, *knobs.args())
+    outs = []
+    for w, ws, gs, st in ((w_gate, ws_g, gs_g, st_g), (w_up, ws_u, gs_u, st_u)):
+        y, w_amax, _ = torch.ops.fp8pass.fp8_linear_precast(x, x_data, x_scale, x_up, w, None, ws, gs,
+                                                              *knobs.args())
+        if st is not None:
+            st.record_forward(x_amax, w_amax)
+        outs.append(y)
+    return outs
+
+
 def _swiglu_down(gate, up, w_down, activation, smooth, recipe, state, fwd, bwd, grad_rounding):
     xs, ws, gs, knobs, st = _recipe_args(recipe, w_down, state, fwd, bwd, grad_rounding, _autocast_dtype(gate))
-    knobs = GLUKnobs(*knobs.args(), activation, smooth)
+    # W_down recast in backward (not its codes kept) unless FSDP2 may rebuild it in between
+    knobs = GLUKnobs(*knobs.args(), activation, smooth, not weights_may_be_regathered())
     out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, *knobs.args())
     if st is not None:
         st.record_forward(out[1], out[2])
@@ -149,8 +176,13 @@ def swiglu_mlp(
         gu = fp8_linear(x, w_gate, None, recipe, state=states.get("gate"), **kw)
         gate, up = gu.chunk(2, dim=-1)
     else:
-        gate = fp8_linear(x, w_gate, None, recipe, state=states.get("gate"), **kw)
-        up = fp8_linear(x, w_up, None, recipe, state=states.get("up"), **kw)
+        shared = _gate_and_up(x, w_gate, w_up, recipe, states, _fmt_name(fwd_format), _fmt_name(bwd_format),
+                              grad_rounding)
+        if shared is not None:
+            gate, up = shared
+        else:
+            gate = fp8_linear(x, w_gate, None, recipe, state=states.get("gate"), **kw)
+            up = fp8_linear(x, w_up, None, recipe, state=states.get("up"), **kw)
     return _swiglu_down(gate, up, w_down, activation, mode, recipe, states.get("down"), _fmt_name(fwd_format),
                         _fmt_name(bwd_format), grad_rounding)
 

@@ -218,3 +218,40 @@ def test_recast_weight_gives_the_same_bits_and_saves_no_weight_codes(family, siz
                     results.append([out[0].detach(), g.grad, u.grad, w.grad])
                 for a, b in zip(*results):
                     assert torch.equal(a, b), (family, w_dtype, mode, delayed)
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed"])
+def test_eager_swiglu_mlp_shares_the_input_cast_bit_for_bit(recipe, monkeypatch):
+    """ops.swiglu_mlp casts x once for the gate and up projections (fp8_cast_input + two
+    fp8_linear_precast) and recasts W_down in backward: over 3 steps, outputs, gradients and delayed
+    states equal the per-linear path's (two fp8_linear, W_down's codes kept) bit for bit."""
+    from fp8pass.config import DelayedScaling
+
+    def run(shared):
+        if not shared:
+            monkeypatch.setattr(ops, "_gate_and_up", lambda *a, **k: None)
+            monkeypatch.setattr(ops, "weights_may_be_regathered", lambda: True)  # recast_weight off too
+        _, wg, wu, wd, _ = _weights(11)
+        rec = DelayedScaling() if recipe == "delayed" else None
+        states = None
+        if rec is not None:
+            states = {k: LinearScalingState(rec, "cpu") for k in ("gate", "up", "down")}
+        g = torch.Generator().manual_seed(3)
+        got = []
+        leaves = [t.clone().requires_grad_() for t in (wg, wu, wd)]
+        for _ in range(3):
+            x = torch.randn(2, 12, 16, generator=g, requires_grad=True)
+            y = ops.swiglu_mlp(x, *leaves, smooth="channel", recipe=rec, states=states)
+            (y ** 2).sum().backward()
+            got += [y.detach(), x.grad.clone()] + [t.grad.clone() for t in leaves]
+            for t in leaves:
+                t.grad = None
+        if states:
+            got += [t.clone() for s in states.values() for role in s.op_args() for t in role]
+        monkeypatch.undo()
+        return got
+
+    shared, per_linear = run(True), run(False)
+    assert len(shared) == len(per_linear)
+    for a, b in zip(shared, per_linear):
+        assert torch.equal(a, b)

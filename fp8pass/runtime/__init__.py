@@ -33,8 +33,8 @@ a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scal
     (one fused gate/up linear + ``chunk(2, -1)`` is fine). ``a`` is the operand built from ``h``,
     ``b`` the (column-scaled) ``W_down``; outputs 4-12 are for backward (codes and scales only:
     ``gate``/``up`` are kept as E4M3 codes, the GLU derivative uses their dequantized values; with the
-    ``recast_weight`` knob, what the backend passes on one rank, ``b``'s codes are not kept: backward
-    casts ``W_down`` again with ``b_scale``).
+    ``recast_weight`` knob, which the backend and ``ops.swiglu_mlp`` set on one rank, ``b``'s codes are
+    not kept: backward casts ``W_down`` again with ``b_scale``).
 ``fp8_grouped_linear(x, weight, offs, w_transposed, x_state, w_state, g_state, *GroupedLinearKnobs) -> (y,
 x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
     MoE experts (:mod:`fp8pass.runtime.grouped_linear`; knobs: ``fwd_format, bwd_format, power_of_two,
