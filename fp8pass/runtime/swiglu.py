@@ -204,7 +204,12 @@ def _smoothed_weight_operand(w_down, c, fmt, margin, power_of_two, up) -> Operan
     bits as :func:`cast_operand` of ``W_down / c``; the division is recomputed instead of stored and
     read back twice)."""
     amax = cpu_kernels.run_fused(_smoothed_weight_amax, (w_down, c))
-    scale = scale_from_amax(amax, fmt, margin, power_of_two)
+    return _smoothed_weight_cast_with(w_down, c, scale_from_amax(amax, fmt, margin, power_of_two), amax, fmt, up)
+
+
+def _smoothed_weight_cast_with(w_down, c, scale, amax, fmt, up) -> Operand:
+    """``W_down / c`` cast with a given ``scale`` in one compiled loop (CPU): codes, and with ``up``
+    their GEMM values; forward's cast and backward's recast (:func:`_recast_weight`) alike."""
     if up is None:
         codes = cpu_kernels.run_fused(_smoothed_weight_cast, (w_down, c, scale), (fmt.max, fmt.torch_dtype))
         return Operand(codes, scale, amax)
@@ -413,12 +418,7 @@ def _recast_weight(w_down, s, b_scale, k: GLUKnobs, up_dtype) -> Operand:
     codes (GPU) or GEMM values (CPU) forward's ``B`` had, bit for bit, from the parameter itself."""
     fmt = resolve_format(k.fwd_format)
     if k.smooth == "channel" and w_down.device.type == "cpu" and not uses_triton(w_down.device):
-        if up_dtype is None:
-            codes = cpu_kernels.run_fused(_smoothed_weight_cast, (w_down, s, b_scale), (fmt.max, fmt.torch_dtype))
-            return Operand(codes, b_scale, b_scale)
-        _, values = cpu_kernels.run_fused(_smoothed_weight_cast_up, (w_down, s, b_scale),
-                                          (fmt.max, *cpu_kernels.rne_constants(fmt), fmt.torch_dtype, up_dtype))
-        return Operand(values, b_scale, b_scale, values)
+        return _smoothed_weight_cast_with(w_down, s, b_scale, b_scale, fmt, up_dtype)
     b = w_down / s.to(w_down.dtype) if k.smooth == "channel" else w_down
     return cast_with_scale(b, b_scale, fmt, up_dtype, keep_codes=False)
 
