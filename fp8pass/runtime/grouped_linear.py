@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ALGOS
-from ..numerics import ROUNDINGS, DelayedScalingState
+from ..numerics import DelayedScalingState
 from . import kernels
 from .casting import as_bytes, from_bytes, resolve_format
 from .grouped_casting import cast_experts, cast_grouped_rows, group_ids
-from .linear import FLOAT_DTYPES, compute_dtype, record_grad_amax
+from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax
 from .op_schema import GroupedLinearKnobs, knob_op
 
 __all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "check_grouped_tensors", "check_grouped_linear_args",
@@ -42,15 +41,9 @@ __all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "check_grouped_tensor
 
 
 def check_grouped_knobs(k: GroupedLinearKnobs) -> None:
-    """Clear errors for bad knob values of the grouped ops (shared by the linear and GLU ops)."""
-    resolve_format(k.fwd_format)
-    resolve_format(k.bwd_format)
-    if k.grad_rounding not in ROUNDINGS:
-        raise ValueError(f"unknown grad_rounding {k.grad_rounding!r}; valid: {', '.join(ROUNDINGS)}")
-    if k.algo not in ALGOS:
-        raise ValueError(f"unknown algo {k.algo!r}; valid: {', '.join(ALGOS)}")
-    if k.out_dtype is not None and k.out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype must be None or float16/bfloat16/float32/float64, got {k.out_dtype}")
+    """Clear errors for bad knob values of the grouped ops (shared by the linear and GLU ops): the
+    dense ops' checks of the knobs they have in common (the grouped ops have no granularity/block)."""
+    check_recipe_knobs(k)
 
 
 def check_grouped_tensors(op, x, weight, offs) -> None:

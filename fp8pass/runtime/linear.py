@@ -59,12 +59,18 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_knobs(k: LinearKnobs) -> None:
     """Clear errors for bad knob values (shared by the linear and GLU ops)."""
-    resolve_format(k.fwd_format)
-    resolve_format(k.bwd_format)
+    check_recipe_knobs(k)
     if k.granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {k.granularity!r}; valid: {', '.join(GRANULARITIES)}")
     if k.block < 1:
         raise ValueError(f"block must be >= 1, got {k.block}")
+
+
+def check_recipe_knobs(k) -> None:
+    """Clear errors for the knobs every FP8 op has (formats, grad_rounding, algo, out_dtype): dense
+    :class:`LinearKnobs` and the grouped ops' knobs alike."""
+    resolve_format(k.fwd_format)
+    resolve_format(k.bwd_format)
     if k.grad_rounding not in ROUNDINGS:
         raise ValueError(f"unknown grad_rounding {k.grad_rounding!r}; valid: {', '.join(ROUNDINGS)}")
     if k.algo not in ALGOS:
