@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 D, H = 32, 64
 
@@ -230,3 +231,21 @@ def dynamo_graph_under_autocast(model, *args):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ((gm, inputs),) = capture_with_inputs(model, *args, fullgraph=True)
     return gm, inputs
+
+
+class FillRecorder(TorchDispatchMode):
+    """Records the shape of every tensor made by a zero-fill (``zeros``, ``fill_``, ``zero_``,
+    ``new_zeros``, ``zeros_like``) while active: what autograd's materialized gradients would show."""
+
+    FILLS = (torch.ops.aten.zeros.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default,
+             torch.ops.aten.new_zeros.default, torch.ops.aten.zeros_like.default)
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.FILLS:
+            self.shapes.append(tuple(out.shape))
+        return out

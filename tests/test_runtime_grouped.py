@@ -439,19 +439,7 @@ def test_backward_keeps_no_zero_gradients_of_the_saved_codes():
     """The codes outputs are never differentiated: autograd must not zero-fill gradients for them
     (a memset of every saved byte, weights included, per step); y's gradient alone still works, and
     a backward through the amaxes only gives zero input gradients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Fills(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.zeros.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default,
-                        torch.ops.aten.new_zeros.default):
-                self.shapes.append(tuple(out.shape))
-            return out
+    from _models import FillRecorder  # tests/ is on sys.path (pytest's rootdir conftest)
 
     x, w, offs, dy = _data(16)
     g = torch.Generator().manual_seed(16)
@@ -460,7 +448,7 @@ def test_backward_keeps_no_zero_gradients_of_the_saved_codes():
     out = LIN(a[0], a[1], offs, False, [], [], [], *FP8)
     gate, up = out[0].chunk(2, dim=-1)
     o2 = GLU(gate, up, a[2], offs, False, [], [], [], *FP8, "silu", "channel")
-    with Fills() as mode:
+    with FillRecorder() as mode:
         o2[0].backward(dy[:, :24])
     big = {tuple(x.shape), tuple(w.shape), tuple(wd.shape), (x.shape[0], 24)}
     assert not big & set(mode.shapes), mode.shapes

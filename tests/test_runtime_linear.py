@@ -452,20 +452,8 @@ def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
     """fp8_linear, fp8_linear_precast and swiglu_down: autograd hands their backward None for the
     saved codes, scales and amaxes (never differentiated) instead of zero-filled tensors as large as
     x and W; a backward through the amaxes only (y unused) gives zero input gradients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from _models import FillRecorder  # tests/ is on sys.path (pytest's rootdir conftest)
     from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
-
-    class Fills(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.zeros.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default,
-                        torch.ops.aten.new_zeros.default, torch.ops.aten.zeros_like.default):
-                self.shapes.append(tuple(out.shape))
-            return out
 
     lk = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None).args()
     gk = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, "silu", "channel").args()
@@ -485,7 +473,7 @@ def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
     for op in (linear, precast, glu):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = op(xi, wi)
-        with Fills() as mode:
+        with FillRecorder() as mode:
             out[0].backward(dy)
         assert not big & set(mode.shapes), (op.__name__, mode.shapes)
         assert torch.isfinite(xi.grad).all() and torch.isfinite(wi.grad).all() and xi.grad.abs().sum() > 0
