@@ -140,7 +140,8 @@ def _span_update(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, e, mask, blk_ok, b1
                  M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_IEEE: tl.constexpr,
                  V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_IEEE: tl.constexpr,
                  V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr):
-    """The Adam(W) update of one [NB, SPAN] span (math: torch_step module doc): new p, m, v, sqrt(v)."""
+    """The Adam(W) update of one [NB, SPAN] span (math: torch_step module doc): new p, m and v as
+    stored (sqrt(v) for a sqrt-storing v)."""
     p = tl.load(p_ptr + e, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + e, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
@@ -154,7 +155,73 @@ def _span_update(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, e, mask, blk_ok, b1
     r = tl.math.sqrt_rn(v)
     p = p * decay
     p = p - tl.math.div_rn(m, r * inv_bc2s + eps) * step_size
-    return p, m, v, r
+    if V_SQRT:
+        v = r
+    return p, m, v
+
+
+@triton.jit
+def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, first_elem,
+                M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
+                M_NAN_CODE: tl.constexpr, M_MIN_SUB: tl.constexpr,
+                V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_MAX_CODE: tl.constexpr,
+                V_NAN_CODE: tl.constexpr, V_MIN_SUB: tl.constexpr, STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr):
+    """Store a span's new parameter and moments (codes with the given per-row scales). Random bits
+    are Philox keyed by each element's index in the launch (``first_elem + e``): seed for m, seed+1 for v."""
+    _store_float(p_ptr + e, p, mask)
+    r_m = 0
+    r_v = 0
+    if STOCHASTIC or SFLUSH:
+        r_m = _random_bits(seed, first_elem[:, None] + e)
+        r_v = _random_bits(seed + 1, first_elem[:, None] + e)
+    _store_moment(m, m_ptr, e, mask, m_scale, r_m, M_KIND, M_MBITS, M_BIAS, M_MAX_CODE, M_NAN_CODE, M_MIN_SUB,
+                  STOCHASTIC, SFLUSH)
+    _store_moment(v, v_ptr, e, mask, v_scale, r_v, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
+                  STOCHASTIC, SFLUSH)
+
+
+@triton.jit
+def _tensor_of(table_ptr, rows, row_ok, n_tensors, FIRST_COL: tl.constexpr, W: tl.constexpr,
+               SEARCH_STEPS: tl.constexpr):
+    """Table row of each of ``rows``: the last tensor t with table[t, FIRST_COL] <= row (binary search)."""
+    lo = tl.zeros(rows.shape, dtype=tl.int64)
+    hi = lo + n_tensors
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(table_ptr + mid * W + FIRST_COL, mask=row_ok, other=0) <= rows
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return table_ptr + lo * W
+
+
+@triton.jit
+def _tensor_offsets(t, row_ok, ALIGNED: tl.constexpr):
+    """Element offsets of a tensor's parameter, gradient and moments (table columns 0, 1, 2, 4)."""
+    p_off = tl.load(t + 0, mask=row_ok, other=0)
+    g_off = tl.load(t + 1, mask=row_ok, other=0)
+    m_off = tl.load(t + 2, mask=row_ok, other=0)
+    v_off = tl.load(t + 4, mask=row_ok, other=0)
+    if ALIGNED:  # every tensor starts 16 elements apart from its base: vector loads and stores
+        p_off = tl.multiple_of(p_off, 16)
+        g_off = tl.multiple_of(g_off, 16)
+        m_off = tl.multiple_of(m_off, 16)
+        v_off = tl.multiple_of(v_off, 16)
+    return p_off, g_off, m_off, v_off
+
+
+@triton.jit
+def _hyper_params(hp, row_ok):
+    """The fp32 scalars of ``torch_step.HP_FIELDS`` per row, as [NB, 1] columns."""
+    b1 = tl.load(hp + 0, mask=row_ok, other=0.0)[:, None]
+    omb1 = tl.load(hp + 1, mask=row_ok, other=0.0)[:, None]
+    b2 = tl.load(hp + 2, mask=row_ok, other=0.0)[:, None]
+    omb2 = tl.load(hp + 3, mask=row_ok, other=0.0)[:, None]
+    inv_bc2s = tl.load(hp + 4, mask=row_ok, other=0.0)[:, None]
+    eps = tl.load(hp + 5, mask=row_ok, other=1.0)[:, None]
+    step_size = tl.load(hp + 6, mask=row_ok, other=0.0)[:, None]
+    decay = tl.load(hp + 7, mask=row_ok, other=1.0)[:, None]
+    l2 = tl.load(hp + 8, mask=row_ok, other=0.0)[:, None]
+    return b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2
 
 
 _ADAM_CONFIGS = [triton.Config({"NB": nb}, num_warps=w) for nb, w in ((1, 4), (2, 4), (4, 4), (8, 4), (16, 4), (32, 8))]
@@ -197,43 +264,21 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * NB + tl.arange(0, NB)
     row_ok = rows < n_rows
-    # The tensor of each row: the last t with first_block[t] <= row (binary search in the table).
-    lo = tl.zeros([NB], dtype=tl.int64)
-    hi = lo + n_tensors
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        right = tl.load(table_ptr + mid * W + 8, mask=row_ok, other=0) <= rows
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    t = table_ptr + lo * W
-    p_off = tl.load(t + 0, mask=row_ok, other=0)
-    g_off = tl.load(t + 1, mask=row_ok, other=0)
-    m_off = tl.load(t + 2, mask=row_ok, other=0)
-    v_off = tl.load(t + 4, mask=row_ok, other=0)
-    if ALIGNED:  # every tensor starts 16 elements apart from its base: vector loads and stores
-        p_off = tl.multiple_of(p_off, 16)
-        g_off = tl.multiple_of(g_off, 16)
-        m_off = tl.multiple_of(m_off, 16)
-        v_off = tl.multiple_of(v_off, 16)
-    hp = hp_ptr + tl.load(t + 6, mask=row_ok, other=0)
+    t = _tensor_of(table_ptr, rows, row_ok, n_tensors, 8, W, SEARCH_STEPS)
+    p_off, g_off, m_off, v_off = _tensor_offsets(t, row_ok, ALIGNED)
     numel = tl.load(t + 7, mask=row_ok, other=0)
     blk = rows - tl.load(t + 8, mask=row_ok, other=0)
     first_elem = tl.load(t + 9, mask=row_ok, other=0)
     ms = ms_ptr + tl.load(t + 3, mask=row_ok, other=0) + blk
     vs = vs_ptr + tl.load(t + 5, mask=row_ok, other=0) + blk
-    b1 = tl.load(hp + 0, mask=row_ok, other=0.0)[:, None]
-    omb1 = tl.load(hp + 1, mask=row_ok, other=0.0)[:, None]
-    b2 = tl.load(hp + 2, mask=row_ok, other=0.0)[:, None]
-    omb2 = tl.load(hp + 3, mask=row_ok, other=0.0)[:, None]
-    inv_bc2s = tl.load(hp + 4, mask=row_ok, other=0.0)[:, None]
-    eps = tl.load(hp + 5, mask=row_ok, other=1.0)[:, None]
-    step_size = tl.load(hp + 6, mask=row_ok, other=0.0)[:, None]
-    decay = tl.load(hp + 7, mask=row_ok, other=1.0)[:, None]
-    l2 = tl.load(hp + 8, mask=row_ok, other=0.0)[:, None]
+    b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = _hyper_params(
+        hp_ptr + tl.load(t + 6, mask=row_ok, other=0), row_ok)
     seed = 0
     if STOCHASTIC or SFLUSH:
         seed = tl.load(seed_ptr)
     lane = tl.arange(0, SPAN)
+    p_row, g_row = p_ptr + p_off[:, None], g_ptr + g_off[:, None]
+    m_row, v_row = m_ptr + m_off[:, None], v_ptr + v_off[:, None]
 
     m_scale = tl.zeros([NB], dtype=tl.float32) + 1.0
     v_scale = tl.zeros([NB], dtype=tl.float32) + 1.0
@@ -243,40 +288,26 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
         for s0 in range(0, BLOCK, SPAN):
             e = blk[:, None] * BLOCK + (s0 + lane)[None, :]
             mask = row_ok[:, None] & ((s0 + lane) < BLOCK)[None, :] & (e < numel[:, None])
-            p, m, v, r = _span_update(p_ptr + p_off[:, None], g_ptr + g_off[:, None], m_ptr + m_off[:, None], ms,
-                                      v_ptr + v_off[:, None], vs, e, mask, row_ok, b1, omb1, b2, omb2, inv_bc2s,
-                                      eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS,
-                                      V_BIAS, V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
+            p, m, v = _span_update(p_row, g_row, m_row, ms, v_row, vs, e, mask, row_ok, b1, omb1, b2, omb2, inv_bc2s,
+                                   eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS,
+                                   V_BIAS, V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
             m_amax = tl.maximum(m_amax, _finite_amax(m, mask))
-            if V_SQRT:
-                v_amax = tl.maximum(v_amax, _finite_amax(r, mask))
-            else:
-                v_amax = tl.maximum(v_amax, _finite_amax(v, mask))
+            v_amax = tl.maximum(v_amax, _finite_amax(v, mask))
         m_scale = _block_scale(m_amax, M_FMAX, SCALE_CAP)
         v_scale = _block_scale(v_amax, V_FMAX, SCALE_CAP)
 
     for s0 in range(0, BLOCK, SPAN):  # the update, written (one span when the block fits a tile)
         e = blk[:, None] * BLOCK + (s0 + lane)[None, :]
         mask = row_ok[:, None] & ((s0 + lane) < BLOCK)[None, :] & (e < numel[:, None])
-        p, m, v, r = _span_update(p_ptr + p_off[:, None], g_ptr + g_off[:, None], m_ptr + m_off[:, None], ms,
-                                  v_ptr + v_off[:, None], vs, e, mask, row_ok, b1, omb1, b2, omb2, inv_bc2s, eps,
-                                  step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS, V_BIAS,
-                                  V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
-        _store_float(p_ptr + p_off[:, None] + e, p, mask)
-        if V_SQRT:
-            v = r
+        p, m, v = _span_update(p_row, g_row, m_row, ms, v_row, vs, e, mask, row_ok, b1, omb1, b2, omb2, inv_bc2s, eps,
+                               step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS, V_BIAS,
+                               V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
         if BLOCK <= SPAN:
             m_scale = _block_scale(_finite_amax(m, mask), M_FMAX, SCALE_CAP)
             v_scale = _block_scale(_finite_amax(v, mask), V_FMAX, SCALE_CAP)
-        r_m = 0
-        r_v = 0
-        if STOCHASTIC or SFLUSH:
-            r_m = _random_bits(seed, first_elem[:, None] + e)
-            r_v = _random_bits(seed + 1, first_elem[:, None] + e)
-        _store_moment(m, m_ptr + m_off[:, None], e, mask, m_scale, r_m, M_KIND, M_MBITS, M_BIAS, M_MAX_CODE,
-                      M_NAN_CODE, M_MIN_SUB, STOCHASTIC, SFLUSH)
-        _store_moment(v, v_ptr + v_off[:, None], e, mask, v_scale, r_v, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE,
-                      V_NAN_CODE, V_MIN_SUB, STOCHASTIC, SFLUSH)
+        _write_span(p, m, v, p_row, m_row, v_row, e, mask, m_scale, v_scale, seed, first_elem, M_KIND, M_MBITS,
+                    M_BIAS, M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE,
+                    V_MIN_SUB, STOCHASTIC, SFLUSH)
     if M_KIND == 0:
         tl.store(ms, m_scale, mask=row_ok)
     if V_KIND == 0:
@@ -335,15 +366,18 @@ def _table(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
 _TUNED: set = set()
 
 
-def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_class: int | None = None) -> None:
-    """One kernel launch over ``items``: (param, grad, state, hp) of one device and one pair of dtypes."""
+def _tensor_rows(items, m_spec: MomentSpec, v_spec: MomentSpec, blocks) -> tuple[list, int, int, bool]:
+    """Launch-table rows (the columns of ``_COLS``) of ``items``, one scale-block width per item.
+
+    Returns:
+        (rows, number of scale blocks, number of elements, whether every tensor starts a multiple of
+        16 elements from its base tensor).
+    """
     p0, g0, st0, hp0 = items[0]
-    device = p0.device
     m0, ms0 = _storage(st0, m_spec)
     v0, vs0 = _storage(st0, v_spec)
-    block = m_spec.block
-    rows, first_block, first_elem, aligned = [], 0, 0, block % 16 == 0
-    for p, g, st, hp in items:
+    rows, first_block, first_elem, aligned = [], 0, 0, True
+    for (p, g, st, hp), block in zip(items, blocks):
         m, ms = _storage(st, m_spec)
         v, vs = _storage(st, v_spec)
         offs = (_offset(p, p0), _offset(g, g0), _offset(m, m0), _offset(ms, ms0), _offset(v, v0), _offset(vs, vs0),
@@ -352,24 +386,47 @@ def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_clas
         rows.append((*offs, p.numel(), first_block, first_elem))
         first_block += -(-p.numel() // block)
         first_elem += p.numel()
-    table = _table(rows, device)
-    stochastic = opts["rounding"] == "stochastic"
-    sflush = opts["stochastic_flush"]
+    return rows, first_block, first_elem, aligned
+
+
+def _base_args(items, m_spec: MomentSpec, v_spec: MomentSpec) -> tuple:
+    """The launch's base tensors: parameter, gradient, m, m's scales, v, v's scales, hyper-parameters."""
+    p0, g0, st0, hp0 = items[0]
+    return (p0, g0, *_storage(st0, m_spec), *_storage(st0, v_spec), hp0)
+
+
+def _launch_seed(opts: dict, device: torch.device, unused: torch.Tensor) -> torch.Tensor:
+    """The seed pointer of a launch: drawn on the device for stochastic rounding, else ``unused``."""
+    if opts["rounding"] != "stochastic" and not opts["stochastic_flush"]:
+        return unused
     gen = opts["generator"]
-    seed = random_seed(gen if gen is not None and gen.device == device else None, device) \
-        if (stochastic or sflush) else hp0
-    rows_class = size_class(first_block) if rows_class is None else rows_class
+    return random_seed(gen if gen is not None and gen.device == device else None, device)
+
+
+def _step_meta(m_spec: MomentSpec, v_spec: MomentSpec, opts: dict) -> dict:
+    """The compile-time arguments of the update shared by the Adam kernels (formats and flags)."""
+    return dict(**_fmt_args(m_spec, "M"), **_fmt_args(v_spec, "V"), V_SQRT=v_spec.stores_sqrt,
+                MAXIMIZE=opts["maximize"], COUPLED_WD=opts["coupled_wd"],
+                STOCHASTIC=opts["rounding"] == "stochastic", SFLUSH=opts["stochastic_flush"], SCALE_CAP=MAX_SCALE)
+
+
+def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_class: int | None = None) -> None:
+    """One kernel launch over ``items``: (param, grad, state, hp) of one device and one pair of dtypes."""
+    p0, g0, m0, ms0, v0, vs0, hp0 = _base_args(items, m_spec, v_spec)
+    device = p0.device
+    block = m_spec.block
+    rows, n_rows, n_elems, aligned = _tensor_rows(items, m_spec, v_spec, [block] * len(items))
+    table = _table(rows, device)
+    seed = _launch_seed(opts, device, hp0)
+    rows_class = size_class(n_rows) if rows_class is None else rows_class
     span = min(triton.next_power_of_2(block), MAX_SPAN)
-    meta = dict(**_fmt_args(m_spec, "M"), **_fmt_args(v_spec, "V"), V_SQRT=v_spec.stores_sqrt,
-                MAXIMIZE=opts["maximize"], COUPLED_WD=opts["coupled_wd"], STOCHASTIC=stochastic, SFLUSH=sflush,
-                SCALE_CAP=MAX_SCALE, BLOCK=block, SPAN=span, SEARCH_STEPS=max(1, len(items).bit_length()),
-                ALIGNED=aligned, W=_W)
+    meta = dict(**_step_meta(m_spec, v_spec, opts), BLOCK=block, SPAN=span,
+                SEARCH_STEPS=max(1, len(items).bit_length()), ALIGNED=aligned and block % 16 == 0, W=_W)
     key = (device, p0.dtype, g0.dtype, m0.dtype, v0.dtype, seed.dtype, rows_class, block, m_spec.fmt, v_spec.fmt,
-           v_spec.stores_sqrt, stochastic, sflush)
+           v_spec.stores_sqrt, meta["STOCHASTIC"], meta["SFLUSH"])
     if not INTERPRETING and key not in _TUNED and not _TUNING[0]:
-        _tune_on_scratch(items[0], m_spec, v_spec, opts, rows_class, min(first_elem, _TUNING_SCRATCH))
+        _tune_on_scratch(items[0], m_spec, v_spec, opts, rows_class, min(n_elems, _TUNING_SCRATCH))
         _TUNED.add(key)
-    n_rows = first_block
     _adam_kernel[lambda cfg: (triton.cdiv(n_rows, cfg["NB"]),)](
         p0, g0, m0, ms0, v0, vs0, hp0, seed, table, len(items), n_rows, rows_class, **meta,
         enable_fp_fusion=False,  # no FMA: bit-identical to the torch path's single-rounding ops
@@ -415,13 +472,21 @@ def adam_step_triton_multi(params, grads, states, hps, m_spec: MomentSpec, v_spe
     """
     opts = dict(maximize=maximize, coupled_wd=coupled_wd, rounding=rounding, stochastic_flush=stochastic_flush,
                 generator=generator)
+    for items, _ in _launch_groups(params, grads, states, hps, [m_spec.block] * len(params)):
+        _launch(items, m_spec, v_spec, opts)
+
+
+def _launch_groups(params, grads, states, hps, blocks) -> list[tuple[list, list]]:
+    """The non-empty tensors grouped by launch (device, parameter dtype, gradient dtype): per group its
+    items (param, grad, state, hp on the param's device) and their scale-block widths."""
     groups: dict = {}
-    for p, g, st, hp in zip(params, grads, states, hps):
+    for p, g, st, hp, block in zip(params, grads, states, hps, blocks):
         _check(p, g)
         if p.numel():
-            groups.setdefault((p.device, p.dtype, g.dtype), []).append((p, g, st, hp.to(p.device)))
-    for items in groups.values():
-        _launch(items, m_spec, v_spec, opts)
+            items, widths = groups.setdefault((p.device, p.dtype, g.dtype), ([], []))
+            items.append((p, g, st, hp.to(p.device)))
+            widths.append(block)
+    return list(groups.values())
 
 
 def adam_step_triton(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: MomentSpec,
