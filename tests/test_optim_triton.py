@@ -1,5 +1,6 @@
-"""The fused multi-tensor Triton Adam kernel against the torch path, bit for bit, under the interpreter
-(TRITON_INTERPRET=1, set by conftest.py for the CPU suite)."""
+"""The fused multi-tensor Triton Adam kernel and the split-block kernels (blocks wider than one program
+takes) against the torch path, bit for bit, under the interpreter (TRITON_INTERPRET=1, set by
+conftest.py for the CPU suite)."""
 
 import pytest
 import torch
@@ -157,27 +158,6 @@ def test_blocks_wider_than_a_span_two_passes(kw):
     _check_same(a, oa, b, ob)
 
 
-def test_step_has_no_host_sync(monkeypatch):
-    """Stochastic rounding draws its seed on the device: no .item()/.tolist() in the Triton step."""
-    g = torch.Generator().manual_seed(2)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MANY]
-    opt = fo.AdamW(params, kernels="triton", capturable=True, rounding="stochastic", stochastic_flush=True,
-                   generator=torch.Generator().manual_seed(3))
-    _grads(params, g, 0)
-    opt.step()  # state creation may sync; the steady-state step must not
-
-    def refuse(*a, **k):
-        raise AssertionError("host synchronisation in the optimizer step")
-
-    _grads(params, g, 1)
-    monkeypatch.setattr(torch.Tensor, "item", refuse)
-    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
-    before = [p.detach().clone() for p in params]
-    opt.step()
-    monkeypatch.undo()
-    assert all(p.numel() == 0 or not torch.equal(b, p) for b, p in zip(before, params))  # the step did update
-
-
 def test_stochastic_streams_differ_between_tensors_and_steps():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1000, generator=g)
@@ -203,3 +183,178 @@ def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
     monkeypatch.setattr(triton_family, "INTERPRETING", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         triton_family.check_interpretable(torch.device("cpu"))
+
+
+# Split-block path: per-tensor scales (block_size=None) wider than TRITON_MAX_BLOCK. The limits are made
+# small so that the interpreter stays quick: every tensor above 256 elements is a wide block of spans of 128.
+WIDE_LIMIT, WIDE_SPAN = 256, 128
+MIXED = [(3, 100), (5,), (1000,), (16, 16), (7, 37), (129,)]  # 300, 1000, 259 wide; 256 (the limit) narrow
+WIDE = {300, 1000, 259}
+
+
+@pytest.fixture
+def small_wide_limits(monkeypatch):
+    from fp8pass.optim import adam, triton_step
+
+    monkeypatch.setattr(adam, "TRITON_MAX_BLOCK", WIDE_LIMIT)
+    monkeypatch.setattr(triton_step, "MAX_SPAN", WIDE_SPAN)
+
+
+def _spy_launches(monkeypatch):
+    """Record the tensor sizes of each fused and each split launch, and refuse the torch path."""
+    from fp8pass.optim import adam, triton_split, triton_step
+
+    launches = []
+    fused, split = triton_step._launch, triton_split._launch_split
+    monkeypatch.setattr(triton_step, "_launch", lambda items, *a, **k: (
+        launches.append(("fused", sorted(it[0].numel() for it in items))), fused(items, *a, **k)))
+    monkeypatch.setattr(triton_split, "_launch_split", lambda items, *a, **k: (
+        launches.append(("split", sorted(it[0].numel() for it in items))), split(items, *a, **k)))
+
+    def refuse(*a, **k):
+        raise AssertionError("a tensor took the torch path")
+
+    monkeypatch.setattr(adam, "adam_step_torch", refuse)
+    return launches
+
+
+def _run_wide(kernels, shapes, steps=3, specials=True, **kw):
+    """Steps of AdamW over ``shapes``; every 7th gradient entry is made 1e-5 times smaller, so that blocks
+    hold moments below the formats' subnormals (flushed, or rounded stochastically). ``specials``: at
+    step 1 the first two WIDE tensors get NaN / Inf gradient entries, and at step 0 the third one's
+    gradient is zero (an all-zero block: scale 1)."""
+    g = torch.Generator().manual_seed(6)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = fo.AdamW(params, lr=1e-2, kernels=kernels, **kw)
+    for t in range(steps):
+        _grads(params, g, t)
+        for p in params:
+            p.grad.view(-1)[::7] *= 1e-5
+        wide = [p for p in params if p.numel() in WIDE]
+        if specials and t == 0:
+            wide[2].grad.zero_()
+        if specials and t == 1:
+            wide[0].grad.view(-1)[7] = float("nan")
+            wide[1].grad.view(-1)[-3] = float("-inf")
+        opt.step()
+    return params, opt
+
+
+WIDE_CASES = {
+    "e4m3 m, e5m2 v": dict(),
+    "e5m2 m, e4m3 sqrt(v)": dict(m_format="e5m2", v_format="e4m3", v_sqrt=True),
+    "e4m3 m, bf16 v, maximize": dict(v_format="bf16", maximize=True),
+    "bf16 and fp32 moments": dict(m_format="bf16", v_format="fp32"),
+}
+
+
+@pytest.mark.parametrize("case", list(WIDE_CASES))
+def test_wide_blocks_take_the_split_kernels_bit_identical_to_torch(case, small_wide_limits, monkeypatch):
+    """One scale per tensor: tensors wider than TRITON_MAX_BLOCK go through the split-block kernels (one
+    pair of launches per step for all of them), the others through the fused kernel, never the torch
+    path; every parameter, code and scale equals the torch path's, NaN/Inf gradients included."""
+    kw = dict(WIDE_CASES[case], block_size=None)
+    a, oa = _run_wide("torch", MIXED, **kw)
+    launches = _spy_launches(monkeypatch)
+    b, ob = _run_wide("triton", MIXED, **kw)
+    _check_same(a, oa, b, ob)
+    split = [sizes for kind, sizes in launches if kind == "split"]
+    assert split == [sorted(WIDE)] * 3
+    fused = sorted(n for kind, sizes in launches if kind == "fused" for n in sizes)
+    assert fused == sorted([5, 256, 129] * 3)
+    nan_param = next(p for p in b if p.numel() in WIDE)
+    assert nan_param.isnan().any()
+    scales = [v for q in b for k, v in ob.state[q].items() if k.endswith("_scale")]
+    assert all(torch.isfinite(s).all() for s in scales)
+
+
+@pytest.mark.parametrize("rounding, flush", [("stochastic", False), ("nearest", True)])
+def test_split_kernels_draw_the_fused_kernels_random_bits(rounding, flush, monkeypatch):
+    """Stochastic rounding cannot match the torch path's generator; the split kernels key Philox as the
+    fused kernel does (launch seed, element index in the launch): the same bits for the same seed."""
+    from fp8pass.optim import adam, triton_step
+
+    monkeypatch.setattr(triton_step, "MAX_SPAN", WIDE_SPAN)
+    shapes = [(900,), (2, 250), (5,)]  # blocks of 300: three whole, one whole and a partial, one partial
+    kw = dict(block_size=300, rounding=rounding, stochastic_flush=flush, specials=False, steps=2)
+    a, oa = _run_wide("triton", shapes, generator=torch.Generator().manual_seed(9), **kw)  # fused: 300 <= 8192
+    monkeypatch.setattr(adam, "TRITON_MAX_BLOCK", 256)
+    launches = _spy_launches(monkeypatch)
+    b, ob = _run_wide("triton", shapes, generator=torch.Generator().manual_seed(9), **kw)
+    assert launches == [("split", [5, 500, 900])] * 2
+    _check_same(a, oa, b, ob)
+    kw.update(rounding="nearest", stochastic_flush=False)
+    c, oc = _run_wide("triton", shapes, **kw)
+    codes = [(oc.state[r][k].view(torch.uint8), ob.state[q][k].view(torch.uint8)) for r, q in zip(c, b)
+             for k in ("exp_avg_codes", "exp_avg_sq_codes")]
+    assert any(not torch.equal(near, drawn) for near, drawn in codes)  # the random bits were used
+
+
+@pytest.mark.parametrize("block_size", [128, None], ids=["blocks of 128", "per tensor, split kernels"])
+def test_step_has_no_host_sync(block_size, small_wide_limits, monkeypatch):
+    """Stochastic rounding draws its seed on the device: no .item()/.tolist() in the Triton step (nor
+    in the split-block kernels, which per-tensor scales take here for the tensors above 256 elements)."""
+    launches = _spy_launches(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MANY]
+    opt = fo.AdamW(params, kernels="triton", capturable=True, rounding="stochastic", stochastic_flush=True,
+                   generator=torch.Generator().manual_seed(3), block_size=block_size)
+    _grads(params, g, 0)
+    opt.step()  # state creation may sync; the steady-state step must not
+
+    def refuse(*a, **k):
+        raise AssertionError("host synchronisation in the optimizer step")
+
+    _grads(params, g, 1)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    monkeypatch.undo()
+    assert all(p.numel() == 0 or not torch.equal(b, p) for b, p in zip(before, params))  # the step did update
+    assert any(kind == "split" for kind, _ in launches) == (block_size is None)
+
+
+def test_split_kernels_refuse_mixed_storage():
+    from fp8pass.optim.moments import MomentSpec, init_moment
+    from fp8pass.optim.torch_step import hyper_params
+    from fp8pass.optim.triton_split import adam_step_triton_split
+
+    params, states = [torch.zeros(300), torch.zeros(400)], [{}, {}]
+    m_specs = [MomentSpec("exp_avg", "e4m3", 300), MomentSpec("exp_avg", "e5m2", 400)]
+    v_specs = [MomentSpec("exp_avg_sq", "e5m2", 300), MomentSpec("exp_avg_sq", "e5m2", 400)]
+    for p, st, m, v in zip(params, states, m_specs, v_specs):
+        init_moment(st, m, p)
+        init_moment(st, v, p)
+    hp = hyper_params(1e-3, 0.9, 0.99, 1e-8, 0, 1, True, "cpu")
+    with pytest.raises(ValueError, match="one moment storage"):
+        adam_step_triton_split(params, [torch.ones(300), torch.ones(400)], states, [hp, hp], m_specs, v_specs)
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in params)  # nothing was launched
+
+
+@pytest.mark.parametrize("block", [1000, 300], ids=["one block", "blocks of 300, partial last"])
+def test_split_kernels_stay_in_bounds(block, strict_interpreter, monkeypatch):
+    """Every masked-in load and store of both phases lies inside the launch's tensors (partial last
+    spans; with blocks of 300 in spans of 128, the partial last block's spans past the tensor's end
+    are empty), and the result is the torch path's."""
+    from fp8pass.optim import triton_step
+    from fp8pass.optim.moments import MomentSpec, init_moment
+    from fp8pass.optim.torch_step import adam_step_torch, hyper_params
+    from fp8pass.optim.triton_split import adam_step_triton_split
+
+    monkeypatch.setattr(triton_step, "MAX_SPAN", WIDE_SPAN)
+    g = torch.Generator().manual_seed(8)
+    m, v = MomentSpec("exp_avg", "e4m3", block), MomentSpec("exp_avg_sq", "e5m2", block)
+    ref_p = torch.randn(1000, generator=g)
+    p = ref_p.clone()
+    st = {}
+    init_moment(st, m, p)
+    init_moment(st, v, p)
+    ref_st = {k: t.clone() for k, t in st.items()}
+    for step in (1, 2):
+        grad = torch.randn(1000, generator=g) * torch.logspace(-4, 0, 1000)
+        hp = hyper_params(1e-2, 0.9, 0.99, 1e-8, 0.01, step, True, "cpu")
+        adam_step_torch(ref_p, grad, ref_st, m, v, hp)
+        adam_step_triton_split([p], [grad], [st], [hp], [m], [v])
+    assert _same(p, ref_p)
+    assert all(_same(st[k], ref_st[k]) for k in st)

@@ -36,8 +36,8 @@ KERNELS = ("auto", "torch", "compiled", "triton")
 # compiled graph, dynamic in the block count, serves every tensor of the optimizer); smaller
 # optimizers, where compiling (seconds to a minute) would not pay off, stay eager.
 AUTO_COMPILE_NUMEL = 1 << 20
-# The Triton kernel holds one scale block per program in registers; larger blocks (one scale for a
-# whole large tensor) take the torch path, which handles them in two passes over chunks.
+# Scale blocks up to this width are done by one program of the fused Triton kernel; wider ones (one
+# scale for a whole large tensor) by the split-block kernels, one program per span of the block.
 TRITON_MAX_BLOCK = 1 << 13
 # Keys fp8pass adds to a torch Adam(W) param group.
 FP8_GROUP_KEYS = ("m_format", "v_format", "block_size", "v_sqrt", "rounding", "stochastic_flush", "kernels")
@@ -225,6 +225,7 @@ class Adam(torch.optim.Optimizer):
             coupled_wd = not decoupled and group["weight_decay"] != 0
             hps: dict = {}
             batches: dict = {}  # (m_spec, v_spec) -> [(p, grad, state, hp)]: one Triton launch each
+            wide: list = []  # (p, grad, state, hp, m_spec, v_spec) of blocks too wide for one program
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -247,16 +248,23 @@ class Adam(torch.optim.Optimizer):
                     hp = hps[key]
                 if is_dtensor(p):  # FSDP2 shard: update the local shard and its blocks
                     self._update(*local_view(p, grad, state), group, m_spec, v_spec, hp, coupled_wd)
-                elif self._kind(group, p) == "triton" and p.is_contiguous() and m_spec.block <= TRITON_MAX_BLOCK:
-                    batches.setdefault((m_spec, v_spec), []).append((p, grad.contiguous(), state, hp))
+                elif self._kind(group, p) == "triton" and p.is_contiguous():
+                    if m_spec.block <= TRITON_MAX_BLOCK:
+                        batches.setdefault((m_spec, v_spec), []).append((p, grad.contiguous(), state, hp))
+                    else:
+                        wide.append((p, grad.contiguous(), state, hp, m_spec, v_spec))
                 else:
                     self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd)
+            opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
+                        stochastic_flush=group["stochastic_flush"], generator=self.generator)
             for (m_spec, v_spec), batch in batches.items():
                 from .triton_step import adam_step_triton_multi
 
-                adam_step_triton_multi(*zip(*batch), m_spec, v_spec, maximize=group["maximize"], coupled_wd=coupled_wd,
-                                       rounding=group["rounding"], stochastic_flush=group["stochastic_flush"],
-                                       generator=self.generator)
+                adam_step_triton_multi(*zip(*batch), m_spec, v_spec, **opts)
+            if wide:  # one pair of launches for all of them, whatever their widths
+                from .triton_split import adam_step_triton_split
+
+                adam_step_triton_split(*zip(*wide), **opts)
         return loss
 
     def _kind(self, group, p) -> str:
@@ -285,11 +293,15 @@ class Adam(torch.optim.Optimizer):
                     stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
         if kind == "compiled" and m_spec.block > CHUNK:
             kind = "torch"  # the compiled chunk holds whole blocks; larger ones take the two-pass torch path
-        if kind == "triton" and p.is_contiguous() and m_spec.block <= TRITON_MAX_BLOCK:
-            # the kernel wants flat memory and blocks that fit one program; others take the torch path
-            from .triton_step import adam_step_triton
+        if kind == "triton" and p.is_contiguous():  # the kernels want flat memory; others take the torch path
+            if m_spec.block <= TRITON_MAX_BLOCK:
+                from .triton_step import adam_step_triton
 
-            adam_step_triton(p, grad.contiguous(), state, m_spec, v_spec, hp, **opts)
+                adam_step_triton(p, grad.contiguous(), state, m_spec, v_spec, hp, **opts)
+            else:
+                from .triton_split import adam_step_triton_split
+
+                adam_step_triton_split([p], [grad.contiguous()], [state], [hp], [m_spec], [v_spec], **opts)
         else:
             step_fn = adam_step_torch
             if kind == "compiled":

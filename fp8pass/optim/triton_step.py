@@ -8,9 +8,11 @@ scale blocks of the whole set (a binary search in the table finds each block's t
 parameter, the gradient, both moments' codes and block scales, applies exactly the update of
 ``torch_step`` (same fp32 ops in the same order, IEEE ``sqrt_rn`` / ``div_rn``, FMA contraction off),
 takes the new block amaxes over the finite values, and writes the parameter, the codes and the scales.
-A block wider than ``MAX_SPAN`` elements (one scale for a large tensor) is walked in spans twice: once
-for its amaxes, once to write (the same ops, so the same values). Per element that is 2 bytes of
-moments read and written instead of torch AdamW's 16, and no fp32 moment ever reaches memory.
+A block wider than ``MAX_SPAN`` elements is walked in spans twice: once for its amaxes, once to write
+(the same ops, so the same values). Per element that is 2 bytes of moments read and written instead
+of torch AdamW's 16, and no fp32 moment ever reaches memory. Blocks wider than ``adam.TRITON_MAX_BLOCK``
+(one scale for a large tensor) would be one serial program each: the optimizer gives them to
+``triton_split``, whose kernels run their spans in parallel with this module's jit helpers.
 
 Codes are computed with integer operations (the algorithm of ``fp8pass.numerics.casts.encode``), never
 with Triton's fp32 -> fp8 conversion, which the interpreter gets wrong (docs/background.md, Traps); decoding
