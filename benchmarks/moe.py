@@ -87,8 +87,8 @@ def cases(tokens, experts, topk, dim, ffn, device):
             s1 = states[0].op_args() if states else ([], [], [])
             s2 = states[1].op_args() if states else ([], [], [])
             out = torch.ops.fp8pass.fp8_grouped_linear(x, w_gu, offs, False, *s1, *FP8.args())
-            gate, up = out[0].chunk(2, dim=-1)
-            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate, up, w_d, offs, False, *s2, *FP8_GLU.args())
+            # gate_up whole (up=None), as the backend passes a chunk(2, -1) split: no cat in backward
+            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(out[0], None, w_d, offs, False, *s2, *FP8_GLU.args())
             if states:
                 states[0].record_forward(out[1], out[2])
                 states[1].record_forward(o2[1], o2[2])

@@ -191,6 +191,10 @@ def test_opcheck_both_ops():
         torch.library.opcheck(GLU.default, (gate.clone().requires_grad_(), up.clone().requires_grad_(),
                                             wd.clone().requires_grad_(), offs, True, [], [], [], *FP8, "silu",
                                             smooth))
+        # the fused gate_up form (up=None)
+        torch.library.opcheck(GLU.default, (torch.cat((gate, up), 1).requires_grad_(), None,
+                                            wd.clone().requires_grad_(), offs, True, [], [], [], *FP8, "silu",
+                                            smooth))
 
 
 def test_compiled_aot_eager_equals_eager_with_state_records():
@@ -416,6 +420,39 @@ def test_cpu_fused_glu_path_gives_the_generic_paths_bits(monkeypatch, smooth):
         assert torch.equal(u, v)
 
 
+@pytest.mark.parametrize("smooth", ["channel", "none", "token"])
+@pytest.mark.parametrize("rows", [44, 2048])  # generic eager path / compiled CPU loops
+def test_fused_gate_up_input_gives_the_split_inputs_bits(smooth, rows):
+    """``up=None`` with ``gate`` the fused [S, 2F] projection output (gate first, up second) computes
+    what the ``chunk(2, -1)`` pieces give: the same outputs, and d(gate_up) equals the ``cat`` of
+    dgate and dup that autograd builds from the chunk's backward, bit for bit; ``w_down``'s gradient too."""
+    g = torch.Generator().manual_seed(16)
+    offs = torch.tensor([r * rows // 44 for r in OFFS], dtype=torch.int32)
+    gate_up = torch.randn(rows, 2 * 48, generator=g).bfloat16()
+    gate_up[3, 60] = 200.0  # an outlier up channel
+    wd = (torch.randn(4, 32, 48, generator=g) / 8).bfloat16()
+    dy = torch.randn(rows, 32, generator=g).bfloat16()
+    results = []
+    for joined in (True, False):
+        gu, w = gate_up.clone().requires_grad_(), wd.clone().requires_grad_()
+        args = (gu, None) if joined else gu.chunk(2, dim=-1)
+        out = GLU(*args, w, offs, False, [], [], [], *FP8, "silu", smooth)
+        out[0].backward(dy)
+        results.append(([o.detach() for o in out], [gu.grad, w.grad]))
+    (o1, g1), (o2, g2) = results
+    assert g1[0].shape == gate_up.shape and g1[0].abs().sum() > 0
+    for u, v in zip(o1 + g1, o2 + g2):
+        assert torch.equal(u, v)
+
+
+def test_fused_gate_up_input_must_have_an_even_width():
+    x, w, offs, _ = _data(17)
+    with pytest.raises(ValueError, match="fused gate_up output"):
+        GLU(torch.randn(44, 95), None, torch.randn(4, 32, 47), offs, False, [], [], [], *FP8, "silu", "channel")
+    with pytest.raises(ValueError, match="channels"):  # halves of 2 x 40 against an F = 47 weight
+        GLU(torch.randn(44, 80), None, torch.randn(4, 32, 47), offs, False, [], [], [], *FP8, "silu", "channel")
+
+
 @pytest.mark.parametrize("fmt", [E5M2, E4M3])
 def test_gradient_values_cast_equals_the_codes_values_for_every_bf16(fmt):
     """cast_rows(..., keep_codes=False) computes the GEMM values without the codes (Veltkamp split +
@@ -514,7 +551,9 @@ def test_rewrite_under_autocast_keeps_node_dtypes_and_gradients(fmt):
         (out,) = Recorder(new_gm).run(*inputs)
     assert grouped == [torch.bfloat16, torch.bfloat16]
     kept = [name for name in got if name in before]
-    assert len(kept) >= 4 and {k: got[k] for k in kept} == {k: before[k] for k in kept}
+    # x, both weights (the chunk's pieces went: the GLU op takes the fused output whole)
+    assert len(kept) >= 3 and {k: got[k] for k in kept} == {k: before[k] for k in kept}
+    assert "chunk" not in new_gm.code
     ref_out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0][0]
     assert out.dtype == ref_out.meta["example_value"].dtype == torch.bfloat16
     (out.float() * dy).sum().backward()

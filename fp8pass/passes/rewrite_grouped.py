@@ -8,6 +8,10 @@ An expert GLU ``down(act(gate) * up)`` over grouped projections (one offsets ten
     gate, up = <the original slicing of out[0]>
     out = fp8pass::fp8_grouped_swiglu_down(gate, up, W_down, offs, w_transposed, a_state, b_state, g_state,
                                            ..., out_dtype=<down's dtype>, activation=act, smooth=smooth)
+
+(when gate and up are the first and second half of the fused output, ``chunk(2, -1)`` as transformers'
+experts split it, the op takes ``out[0]`` itself with ``up=None``: its backward returns d(gate_up)
+in one pass instead of dgate and dup that the ``chunk`` backward would ``cat``)
     fp8pass::delayed_record_(*state, out[1] / out[2], ...)           # per-expert amaxes [E]
 
 and an expert projection on its own becomes one ``fp8_grouped_linear``. ``out_dtype`` is the dtype the
@@ -31,6 +35,19 @@ from .rewrite_base import ROLES, GraphRewriter, keep_meta
 __all__ = ["GroupedRewriter", "EXPERTS_KIND"]
 
 EXPERTS_KIND = "experts"
+
+
+def _split_in_halves(site: ExpertGLUSite) -> bool:
+    """Whether a fused expert GLU's gate and up are the first and second half of the gate_up output
+    (``chunk(2, -1)``, ``split(F, -1)``, ``[..., :F]`` / ``[..., F:]``): the form the grouped GLU op
+    takes whole (``up=None``)."""
+    if not site.fused:
+        return False
+    width = example_value(site.match["gate_up"]).shape[-1]
+    if not isinstance(width, int) or width % 2:
+        return False
+    half = width // 2
+    return site.gate_rows == slice(0, half, 1) and site.up_rows == slice(half, width, 1)
 
 
 class GroupedRewriter(GraphRewriter):
@@ -92,9 +109,13 @@ class GroupedRewriter(GraphRewriter):
         smooth = self.cfg.smooth_swiglu or "none"
         k = dict(self._kw(value_dtype(down)), activation=site.act, smooth=smooth)  # GroupedGLUKnobs
         with self.graph.inserting_before(down):
-            gate, offs, back = self.rows_and_offsets(self.r(m["gate"]), w, m.get("offs"))
-            up = self.r(m["up"]) if m.get("offs") is not None else self.graph.call_method(
-                "reshape", (self.r(m["up"]), (-1, self.graph.call_method("size", (self.r(m["up"]), -1)))))
+            if _split_in_halves(site):  # the op takes gate_up itself: its backward writes d(gate_up), no cat
+                gate, offs, back = self.rows_and_offsets(self.r(m["gate_up"]), w, m.get("offs"))
+                up = None
+            else:
+                gate, offs, back = self.rows_and_offsets(self.r(m["gate"]), w, m.get("offs"))
+                up = self.r(m["up"]) if m.get("offs") is not None else self.graph.call_method(
+                    "reshape", (self.r(m["up"]), (-1, self.graph.call_method("size", (self.r(m["up"]), -1)))))
             out = self.graph.call_function(
                 self.ops.fp8_grouped_swiglu_down.default,
                 (gate, up, w, offs, m["down_layout"] == "in_out", a_s, b_s, g_s), k)

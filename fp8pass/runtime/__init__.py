@@ -49,7 +49,8 @@ x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
 ``fp8_grouped_swiglu_down(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *GroupedGLUKnobs) ->
 (y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``
     ``swiglu_down`` for grouped rows (:mod:`fp8pass.runtime.grouped_swiglu`; knobs: the grouped linear's,
-    then ``activation, smooth``): ``gate``/``up`` [S, F], ``w_down`` [E, D, F] (or [E, F, D]
+    then ``activation, smooth``): ``gate``/``up`` [S, F] (or ``up`` None and ``gate`` the fused [S, 2F],
+    gate first), ``w_down`` [E, D, F] (or [E, F, D]
     with ``w_transposed``), ``y`` [S, D]. Smooth-SwiGLU per expert: ``channel`` scales are
     ``smooth_scales`` [E, F] from each expert's own rows, folded into that expert's ``W_down``
     columns (current-scaled); ``token`` gives [S, 1], ``none`` [].

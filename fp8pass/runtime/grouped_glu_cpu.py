@@ -18,8 +18,8 @@ from .grouped_casting import GroupedOperand, expert_scales, gemm_up, with_ones
 from .kernels import cpu
 from .swiglu import channel_scales, glu_activation, glu_activation_backward
 
-__all__ = ["cpu_fast", "fused_glu_operand", "fused_smoothed_weight_operand", "glu_backward_rows", "scaled_values",
-           "times"]
+__all__ = ["cpu_fast", "fused_glu_operand", "fused_smoothed_weight_operand", "glu_backward_rows",
+           "glu_backward_rows_joined", "scaled_values", "times"]
 
 _AMAX_CHUNK = 16  # rows per partial channel maximum
 
@@ -135,6 +135,14 @@ def glu_backward_rows(da, gate, up, col_scale, ids, activation, gate_dtype, up_d
     dh = da.float() * col_scale[ids]
     dgate = glu_activation_backward(dh * up.float(), g, activation)
     return dgate.to(gate_dtype), (dh * glu_activation(g, activation)).to(up_dtype)
+
+
+def glu_backward_rows_joined(da, gate, up, col_scale, ids, activation, gate_dtype, up_dtype):
+    """:func:`glu_backward_rows` as one [S, 2F] tensor ``[dgate | dup]``, the gradient of a fused gate_up
+    output split by ``chunk(2, -1)``: in one compiled loop nest Inductor writes both halves in place,
+    so no ``cat`` pass (the backward of ``chunk``) reads and writes them again."""
+    dgate, dup = glu_backward_rows(da, gate, up, col_scale, ids, activation, gate_dtype, up_dtype)
+    return torch.cat((dgate, dup), dim=1)
 
 
 def times(t, factor):

@@ -1,7 +1,10 @@
 """``fp8pass::fp8_grouped_swiglu_down``: the expert GLU tail ``y_g = (act(gate_g) * up_g) W_down_e^T`` in FP8.
 
 ``swiglu_down`` (:mod:`.swiglu`) for rows grouped by expert, as :mod:`.grouped_linear` takes them:
-``gate``/``up`` [S, F] (from an ``fp8_grouped_linear``), ``offs`` int32 [E], ``w_down`` [E, D, F]
+``gate``/``up`` [S, F] (from an ``fp8_grouped_linear``; or ``up`` None and ``gate`` the fused
+projection's output [S, 2F], gate its first half and up its second, as ``chunk(2, -1)`` splits it: the
+backward then returns d(gate_up) from the GLU backward's own loop, with no ``cat`` of dgate and dup
+after it), ``offs`` int32 [E], ``w_down`` [E, D, F]
 (or [E, F, D] with ``w_transposed``), ``y`` [S, D]. The down GEMM's operands are cast per expert
 (:mod:`.grouped_casting`). Smooth-SwiGLU per expert: ``channel`` scales ``c`` [E, F] come from each
 expert's own rows and are folded into that expert's ``W_down`` columns (``B = W_down / c``, cast with
@@ -22,7 +25,7 @@ from . import kernels
 from .casting import as_bytes, from_bytes, resolve_format
 from .grouped_casting import cast_experts, cast_grouped_rows, group_ids, with_ones
 from .grouped_glu_cpu import (cpu_fast, fused_glu_operand, fused_smoothed_weight_operand, glu_backward_rows,
-                              scaled_values, times)
+                              glu_backward_rows_joined, scaled_values, times)
 from .grouped_linear import (check_grouped_knobs, check_grouped_tensors, check_states, dgrad_b, fwd_b, out_features,
                              wgrad)
 from .kernels import cpu
@@ -46,6 +49,10 @@ def check_grouped_glu_knobs(k: GroupedGLUKnobs) -> None:
 def check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, states) -> None:
     """Clear errors for bad tensor arguments of ``fp8_grouped_swiglu_down`` (knobs: :func:`check_grouped_glu_knobs`)."""
     op = "fp8_grouped_swiglu_down"
+    if up is None and (gate.dim() != 2 or gate.shape[1] % 2):
+        raise ValueError(f"{op}: with up=None, gate is the fused gate_up output [S, 2F] (an even width), got "
+                         f"{tuple(gate.shape)}")
+    gate, up = halves(gate, up)
     if gate.shape != up.shape:
         raise ValueError(f"{op}: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     check_grouped_tensors(op, gate, w_down, offs)
@@ -55,6 +62,14 @@ def check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, states) -> N
         raise ValueError(f"{op}: gate/up have {gate.shape[1]} channels, w_down {tuple(w_down.shape)} ({layout}, "
                          f"w_transposed={w_transposed}) expects F = {f}")
     check_states(op, ("a_state", "b_state", "g_state"), states, w_down.shape[0])
+
+
+def halves(gate, up):
+    """``(gate, up)``; with ``up`` None, the two halves of the fused ``gate`` [S, 2F] (views)."""
+    if up is not None:
+        return gate, up
+    f = gate.shape[1] // 2
+    return gate[:, :f], gate[:, f:]
 
 
 def _knobs(args) -> GroupedGLUKnobs:
@@ -87,13 +102,14 @@ def _per_channel(c, w_transposed):
 
 
 @knob_op("fp8pass::fp8_grouped_swiglu_down",
-         "Tensor gate, Tensor up, Tensor w_down, Tensor offs, bool w_transposed, Tensor[] a_state, Tensor[] b_state, "
+         "Tensor gate, Tensor? up, Tensor w_down, Tensor offs, bool w_transposed, Tensor[] a_state, Tensor[] b_state, "
          "Tensor[] g_state", GroupedGLUKnobs,
          "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *knobs):
     """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``; see the module doc."""
     k = _knobs(knobs)
     check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state))
+    gate, up = halves(gate, up)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, gate.dtype)
     experts = w_down.shape[0]
@@ -129,6 +145,7 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
 def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *knobs):
     k = _knobs(knobs)
     check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state))
+    gate, up = halves(gate, up)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, gate.dtype)
     experts, rows, f = w_down.shape[0], gate.shape[0], gate.shape[1]
@@ -142,14 +159,17 @@ def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *knobs):
 
 
 @knob_op("fp8pass::fp8_grouped_swiglu_down_backward",
-         "Tensor dy, Tensor gate, Tensor up, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, "
+         "Tensor dy, Tensor gate, Tensor? up, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, "
          "Tensor smooth_scales, Tensor offs, Tensor[] g_state, bool w_transposed, ScalarType w_dtype",
          GroupedGLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
 def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state,
                                         w_transposed, w_dtype, *knobs):
     """``(dgate, dup, dW_down, dy_amax [E])`` (no state mutation); GEMMs in the forward's compute dtype,
-    each gradient in its input's dtype."""
+    each gradient in its input's dtype. With ``up`` None (``gate`` the fused gate_up): ``dgate`` is
+    d(gate_up) [S, 2F], both halves written by one pass, and ``dup`` is empty."""
     k = _knobs(knobs)
+    fused = up is None
+    gate, up = halves(gate, up)
     dt = compute_dtype(k, gate.dtype)
     fmt = resolve_format(k.bwd_format)
     fwd_fmt = resolve_format(k.fwd_format)
@@ -175,20 +195,25 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
         db = cpu.run_fused(times, (db, _per_channel(1 / s, w_transposed).to(db.dtype)), ())
     if k.smooth != "token" and fast:
         col = with_ones(s) if k.smooth == "channel" else gate.new_ones(experts + 1, gate.shape[1], dtype=torch.float32)
-        dgate, dup = cpu.run_fused(glu_backward_rows, (da, gate, up, col, ids), (k.activation, gate.dtype, up.dtype))
-        return dgate, dup, db, go.amax
+        fn = glu_backward_rows_joined if fused else glu_backward_rows
+        grads = cpu.run_fused(fn, (da, gate, up, col, ids), (k.activation, gate.dtype, up.dtype))
+        return (grads, grads.new_empty(0), db, go.amax) if fused else (*grads, db, go.amax)
     if k.smooth == "channel":
         s = _row_scales(s, ids)
     if k.activation == "silu":
         dgate, dup = _on_cpu(_swiglu_backward_math, da, gate, up, s, k.smooth)
     else:  # eager torch math, as swiglu_down
         dgate, dup = _glu_backward_math(da, gate, up, s, k.smooth, k.activation)
-    return dgate.to(gate.dtype), dup.to(up.dtype), db, go.amax
+    dgate, dup = dgate.to(gate.dtype), dup.to(up.dtype)
+    if fused:
+        return torch.cat((dgate, dup), dim=1), dgate.new_empty(0), db, go.amax
+    return dgate, dup, db, go.amax
 
 
 @fp8_grouped_swiglu_down_backward_op.register_fake
 def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state, w_transposed, w_dtype, *knobs):
-    return (gate.new_empty(gate.shape), up.new_empty(up.shape), dy.new_empty(b_data.shape, dtype=w_dtype),
+    return (gate.new_empty(gate.shape), gate.new_empty(0) if up is None else up.new_empty(up.shape),
+            dy.new_empty(b_data.shape, dtype=w_dtype),
             dy.new_empty(b_data.shape[0], dtype=torch.float32))
 
 
@@ -213,7 +238,8 @@ def _backward(ctx, dy, *unused):
         dy, *ctx.saved_tensors, ctx.g_state, ctx.w_transposed, ctx.w_dtype, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     na, nb, ng = ctx.n_states
-    return (dgate, dup, dw, None, None, [None] * na, [None] * nb, [None] * ng) + GroupedGLUKnobs.no_grads()
+    return (dgate, None if up is None else dup, dw, None, None, [None] * na, [None] * nb, [None] * ng) + \
+        GroupedGLUKnobs.no_grads()
 
 
 fp8_grouped_swiglu_down_op.register_autograd(_backward, setup_context=_setup_context)

@@ -57,3 +57,22 @@ def test_grouped_swiglu_cuda_matches_cpu_and_compiles(smooth):
         torch.testing.assert_close(b.float(), a.float(), rtol=2**-5, atol=5e-2)
     comp = torch.compile(f, backend="inductor")(gate.cuda(), up.cuda(), wd.cuda())[0]
     assert torch.equal(comp.cpu(), d[0])
+
+
+def test_grouped_swiglu_fused_gate_up_on_cuda_gives_the_split_bits():
+    """``up=None`` (gate the fused [S, 2F]) on CUDA: the outputs and d(gate_up) equal the chunk(2)
+    pieces' outputs and the cat of their gradients, bit for bit (the CPU test's property, on the GPU path)."""
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(160, 192, generator=g).bfloat16().cuda()
+    wd = (torch.randn(4, 64, 96, generator=g) / 8).bfloat16().cuda()
+    dy = torch.randn(160, 64, generator=g).bfloat16().cuda()
+    o = torch.tensor([32, 64, 128, 160], dtype=torch.int32, device="cuda")
+    results = []
+    for joined in (True, False):
+        gu, w = gate_up.clone().requires_grad_(), wd.clone().requires_grad_()
+        args = (gu, None) if joined else gu.chunk(2, dim=-1)
+        out = GLU(*args, w, o, False, [], [], [], *FP8, "silu", "channel")
+        out[0].backward(dy)
+        results.append([out[0].detach(), gu.grad, w.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
