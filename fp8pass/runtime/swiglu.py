@@ -198,6 +198,10 @@ def _smoothed_weight_cast_up(w_down, c, scale, fmax: float, split: float, step: 
     return codes, values
 
 
+def _smoothed_weight_values(w_down, c, scale, fmax: float, split: float, step: float, tiny: float, up):
+    return cpu_kernels.rne_values_math(_smoothed_weight(w_down, c), scale, fmax, split, step, tiny, up)
+
+
 def _smoothed_weight_operand(w_down, c, fmt, margin, power_of_two, up) -> Operand:
     """CPU, per-tensor current scaling: ``B = W_down / c`` cast without writing ``B`` out: its amax in
     one compiled loop, its codes (and, with ``up``, their GEMM values) in another (the same values and
@@ -207,9 +211,15 @@ def _smoothed_weight_operand(w_down, c, fmt, margin, power_of_two, up) -> Operan
     return _smoothed_weight_cast_with(w_down, c, scale_from_amax(amax, fmt, margin, power_of_two), amax, fmt, up)
 
 
-def _smoothed_weight_cast_with(w_down, c, scale, amax, fmt, up) -> Operand:
+def _smoothed_weight_cast_with(w_down, c, scale, amax, fmt, up, keep_codes: bool = True) -> Operand:
     """``W_down / c`` cast with a given ``scale`` in one compiled loop (CPU): codes, and with ``up``
-    their GEMM values; forward's cast and backward's recast (:func:`_recast_weight`) alike."""
+    their GEMM values; forward's cast and backward's recast (:func:`_recast_weight`) alike. With ``up``
+    and ``keep_codes`` False only the values (the operand's ``data`` too): backward's recast, whose
+    codes nobody reads, skips their write."""
+    if up is not None and not keep_codes:
+        values = cpu_kernels.run_fused(_smoothed_weight_values, (w_down, c, scale),
+                                       (fmt.max, *cpu_kernels.rne_constants(fmt), up))
+        return Operand(values, scale, amax, values)
     if up is None:
         codes = cpu_kernels.run_fused(_smoothed_weight_cast, (w_down, c, scale), (fmt.max, fmt.torch_dtype))
         return Operand(codes, scale, amax)
@@ -418,7 +428,7 @@ def _recast_weight(w_down, s, b_scale, k: GLUKnobs, up_dtype) -> Operand:
     codes (GPU) or GEMM values (CPU) forward's ``B`` had, bit for bit, from the parameter itself."""
     fmt = resolve_format(k.fwd_format)
     if k.smooth == "channel" and w_down.device.type == "cpu" and not uses_triton(w_down.device):
-        return _smoothed_weight_cast_with(w_down, s, b_scale, b_scale, fmt, up_dtype)
+        return _smoothed_weight_cast_with(w_down, s, b_scale, b_scale, fmt, up_dtype, keep_codes=False)
     b = w_down / s.to(w_down.dtype) if k.smooth == "channel" else w_down
     return cast_with_scale(b, b_scale, fmt, up_dtype, keep_codes=False)
 

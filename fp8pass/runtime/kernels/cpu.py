@@ -38,7 +38,8 @@ import torch
 from ...numerics import Format
 from ...numerics.kernels import torch_family
 
-__all__ = ["fused_enabled", "run_fused", "cast", "codes_values_amax_math", "rne_constants", "cast_values",
+__all__ = ["fused_enabled", "run_fused", "cast", "codes_values_amax_math", "rne_values_math", "rne_constants",
+           "cast_values",
            "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype", "cpu_capability",
            "gemm_dtype", "gemm_tensor_scaled", "row_amax", "cast_rows", "cast_rows_with_amax", "grouped_gemm",
            "grouped_gemm_wgrad"]
@@ -471,10 +472,15 @@ def _rne_round(v, split: float, step: float, tiny: float):
     return torch.where(v.abs() < tiny, sub, normal)
 
 
+def rne_values_math(x, scale, fmax: float, split: float, step: float, tiny: float, up):
+    """:func:`_rne_values_math` for a scalar ``scale``: the GEMM values of ``x``'s codes, no codes."""
+    return _rne_round((x.float() * scale).clamp(-fmax, fmax), split, step, tiny).to(up)
+
+
 def _rne_values_amax_math(x, scale, fmax: float, split: float, step: float, tiny: float, up):
-    """:func:`_rne_values_math` for a scalar ``scale``, with ``max |x|`` (:func:`cast_values`)."""
+    """:func:`rne_values_math` with ``max |x|`` (:func:`cast_values`)."""
     xf = x.float()
-    return _rne_round((xf * scale).clamp(-fmax, fmax), split, step, tiny).to(up), xf.abs().amax()
+    return rne_values_math(xf, scale, fmax, split, step, tiny, up), xf.abs().amax()
 
 
 def rne_constants(fmt: Format) -> tuple[float, float, float]:
