@@ -50,17 +50,27 @@ def _run(model, x, backend, seed=0):
     return y.detach(), xi.grad.clone(), grads
 
 
-def _assert_same(model, x, backend=None, min_rewritten=1):
+def _fp32_close(a, b) -> bool:
+    """Equal up to the order of an fp32 GEMM's sums: a few units in the last place of the largest value."""
+    return a.shape == b.shape and bool((a - b).abs().max() <= 8 * torch.finfo(a.dtype).eps * b.abs().max())
+
+
+def _assert_same(model, x, backend=None, min_rewritten=1, exact=True):
+    """The rewritten model's output and gradients equal the original's bit for bit. ``exact=False``
+    where the rewrite changes which GEMM call computes a product (``bmm``/``einsum`` over stacked
+    experts -> one GEMM per expert): BLAS may sum in another order there (on a CPU without AMX, 3.6e-7
+    on values ~1), so those are equal to fp32 rounding (:func:`_fp32_close`), still far below any cast."""
     y0, dx0, g0 = _run(model, x, _passthrough)
     be = backend or _identity()
     y1, dx1, g1 = _run(model, x, be)
     rep = be.report()
     assert len(rep.linears) >= min_rewritten, str(rep)
-    assert torch.equal(y0, y1), (y0 - y1).abs().max()
-    assert torch.equal(dx0, dx1), (dx0 - dx1).abs().max()
+    same = torch.equal if exact else _fp32_close
+    assert same(y0, y1), (y0 - y1).abs().max()
+    assert same(dx0, dx1), (dx0 - dx1).abs().max()
     assert g0.keys() == g1.keys()
     for n in g0:
-        assert torch.equal(g0[n], g1[n]), (n, (g0[n] - g1[n]).abs().max())
+        assert same(g0[n], g1[n]), (n, (g0[n] - g1[n]).abs().max())
     return rep
 
 
@@ -336,7 +346,7 @@ class StackedExperts(nn.Module):
 def test_stacked_expert_forms_become_one_fp8_expert_glu(form):
     torch.manual_seed(0)
     model = StackedExperts(form)
-    rep = _assert_same(model, torch.randn(4, 6, D), _identity(smooth="channel"), min_rewritten=2)
+    rep = _assert_same(model, torch.randn(4, 6, D), _identity(smooth="channel"), min_rewritten=2, exact=False)
     assert len(rep.experts) == 1 and rep.experts[0].variant.startswith("swiglu (fused gate_up)")
     assert "fp8pass.fp8_grouped_swiglu_down.default(" in rep.graph_after
     assert "torch.bmm(" not in rep.graph_after and "einsum(" not in rep.graph_after
