@@ -1,4 +1,5 @@
-"""Public runtime ops: ``fp8pass.ops.fp8_linear`` and ``fp8pass.ops.swiglu_mlp`` (autograd included).
+"""Public runtime ops: ``fp8pass.ops.fp8_linear``, ``fp8_linears`` (one cast of a shared input) and
+``swiglu_mlp`` (autograd included).
 
 Usable without the compile backend. ``recipe=None`` means current per-tensor scaling;
 ``CurrentScaling(granularity=...)`` selects per-row or block scales; ``DelayedScaling(...)`` scales
@@ -27,8 +28,8 @@ from .passes.rewrite_base import weights_may_be_regathered
 from .runtime.op_schema import GLUKnobs, LinearKnobs
 from .runtime.precast import shares_input_cast
 
-__all__ = ["fp8_linear", "swiglu_mlp", "nvfp4_linear", "LinearScalingState", "channel_scales", "fold_channel_scales",
-           "IDENTITY"]
+__all__ = ["fp8_linear", "fp8_linears", "swiglu_mlp", "nvfp4_linear", "LinearScalingState", "channel_scales",
+           "fold_channel_scales", "IDENTITY"]
 
 
 def _fmt_name(fmt) -> str:
@@ -101,28 +102,72 @@ def fp8_linear(
     return out[0]
 
 
-def _gate_and_up(x, w_gate, w_up, recipe, states, fwd, bwd, grad_rounding):
-    """The gate and up projections from one cast of ``x`` (``fp8_cast_input`` + two
-    ``fp8_linear_precast``, as the compile backend emits them): ``x``'s codes are made and kept once,
-    the weights recast in backward. Bit-identical to two :func:`fp8_linear` calls under current
-    scaling; under delayed scaling the cast takes the gate's input state and its amax is recorded into
-    both (they see the same tensor). Returns None where the per-linear ops are used instead (MX
-    granularity; several ranks, where FSDP2 rebuilds weights between forward and backward)."""
-    xs, ws_g, gs_g, knobs, st_g = _recipe_args(recipe, w_gate, states.get("gate"), fwd, bwd, grad_rounding,
-                                               _autocast_dtype(x))
+def _shared_input_linears(x, weights, biases, recipe, states, fwd, bwd, grad_rounding):
+    """Linears of one input from one cast of ``x`` (``fp8_cast_input`` + one ``fp8_linear_precast``
+    per weight, as the compile backend emits them): ``x``'s codes are made and kept once, the weights
+    recast in backward. Bit-identical to one :func:`fp8_linear` per weight under current scaling;
+    under delayed scaling the cast takes the first linear's input state and its amax is recorded into
+    every linear's (they all see the same tensor). Returns None where the per-linear ops are used
+    instead (MX granularity; several ranks, where FSDP2 rebuilds weights between forward and backward)."""
+    dtype = _autocast_dtype(x)
+    args = [_recipe_args(recipe, w, st, fwd, bwd, grad_rounding, dtype) for w, st in zip(weights, states)]
+    xs, knobs = args[0][0], args[0][3]
     if not shares_input_cast(knobs) or weights_may_be_regathered():
         return None
-    _, ws_u, gs_u, _, st_u = _recipe_args(recipe, w_up, states.get("up"), fwd, bwd, grad_rounding,
-                                          _autocast_dtype(x))
     x_data, x_scale, x_amax, x_up = torch.ops.fp8pass.fp8_cast_input(x.detach(), xs, *knobs.args())
     outs = []
-    for w, ws, gs, st in ((w_gate, ws_g, gs_g, st_g), (w_up, ws_u, gs_u, st_u)):
-        y, w_amax, _ = torch.ops.fp8pass.fp8_linear_precast(x, x_data, x_scale, x_up, w, None, ws, gs,
-                                                              *knobs.args())
+    for w, b, (_, ws, gs, _, st) in zip(weights, biases, args):
+        y, w_amax, _ = torch.ops.fp8pass.fp8_linear_precast(x, x_data, x_scale, x_up, w, b, ws, gs, *knobs.args())
         if st is not None:
             st.record_forward(x_amax, w_amax)
         outs.append(y)
     return outs
+
+
+def fp8_linears(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None] | None = None,
+    recipe: CurrentScaling | DelayedScaling | None = None,
+    *,
+    states: list[LinearScalingState | None] | None = None,
+    fwd_format: Format | str = E4M3,
+    bwd_format: Format | str = E5M2,
+    grad_rounding: str = "nearest",
+) -> list[torch.Tensor]:
+    """Several FP8 linears of the same input (q/k/v, gate/up) with one cast of ``x``.
+
+    ``[fp8_linear(x, w, b, ...) for w, b in zip(weights, biases)]``, bit for bit under current
+    scaling, but ``x`` is cast once and its codes are saved for backward once, not once per linear
+    (what the compile backend does for linears that share an input node). Under delayed scaling the
+    cast uses the first linear's input scale and records ``x``'s amax into every linear's state. With
+    MX granularity, or with several ranks (FSDP2 may rebuild the weights between forward and
+    backward), it is the per-linear calls.
+
+    Args:
+        x: [..., in] input.
+        weights: [out_i, in] each (at least one).
+        biases: one [out_i] or None per weight, or None for no biases.
+        recipe, fwd_format, bwd_format, grad_rounding: as for :func:`fp8_linear`, for every linear.
+        states: DelayedScaling only: one LinearScalingState or None (the one kept for the weight) per weight.
+
+    Returns:
+        The outputs, one per weight, as :func:`fp8_linear` returns them.
+    """
+    weights = list(weights)
+    if not weights:
+        raise ValueError("fp8_linears needs at least one weight")
+    biases = [None] * len(weights) if biases is None else list(biases)
+    states = [None] * len(weights) if states is None else list(states)
+    if len(biases) != len(weights) or len(states) != len(weights):
+        raise ValueError(f"fp8_linears: {len(weights)} weights but {len(biases)} biases and {len(states)} states; "
+                         "give one (or None) per weight")
+    fwd, bwd = _fmt_name(fwd_format), _fmt_name(bwd_format)
+    shared = _shared_input_linears(x, weights, biases, recipe, states, fwd, bwd, grad_rounding)
+    if shared is not None:
+        return shared
+    return [fp8_linear(x, w, b, recipe, state=st, fwd_format=fwd_format, bwd_format=bwd_format,
+                       grad_rounding=grad_rounding) for w, b, st in zip(weights, biases, states)]
 
 
 def _swiglu_down(gate, up, w_down, activation, smooth, recipe, state, fwd, bwd, grad_rounding):
@@ -176,13 +221,7 @@ def swiglu_mlp(
         gu = fp8_linear(x, w_gate, None, recipe, state=states.get("gate"), **kw)
         gate, up = gu.chunk(2, dim=-1)
     else:
-        shared = _gate_and_up(x, w_gate, w_up, recipe, states, _fmt_name(fwd_format), _fmt_name(bwd_format),
-                              grad_rounding)
-        if shared is not None:
-            gate, up = shared
-        else:
-            gate = fp8_linear(x, w_gate, None, recipe, state=states.get("gate"), **kw)
-            up = fp8_linear(x, w_up, None, recipe, state=states.get("up"), **kw)
+        gate, up = fp8_linears(x, [w_gate, w_up], None, recipe, states=[states.get("gate"), states.get("up")], **kw)
     return _swiglu_down(gate, up, w_down, activation, mode, recipe, states.get("down"), _fmt_name(fwd_format),
                         _fmt_name(bwd_format), grad_rounding)
 

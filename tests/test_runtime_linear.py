@@ -482,3 +482,53 @@ def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
         (out[1].sum() + out[2].sum()).backward()  # amaxes/scales only: the op's backward sees dy None
         for t in (xi, wi):
             assert t.grad is None or torch.equal(t.grad, torch.zeros_like(t)), op.__name__
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed"])
+@pytest.mark.parametrize("rows", [6, 2048])  # eager casts / compiled CPU loops
+def test_fp8_linears_cast_a_shared_input_once_bit_for_bit(recipe, rows):
+    """ops.fp8_linears (q/k/v-style: three weights, one with a bias) equals one ops.fp8_linear per
+    weight bit for bit over 3 steps (outputs, every gradient, delayed states), and saves x's codes for
+    backward once instead of three times."""
+    from fp8pass.config import DelayedScaling
+
+    g = torch.Generator().manual_seed(21)
+    ws = [torch.randn(n, 64, generator=g) / 8 for n in (64, 32, 32)]
+    b = torch.randn(32, generator=g)
+    xs = [torch.randn(rows, 64, generator=g).bfloat16() * (k + 1) for k in range(3)]
+
+    def run(shared):
+        w = [t.clone().requires_grad_() for t in ws]
+        bias = b.clone().requires_grad_()
+        rec = DelayedScaling() if recipe == "delayed" else None
+        states = [LinearScalingState(rec, "cpu") for _ in w] if rec else [None] * 3
+        got, n_codes = [], []
+        for x0 in xs:
+            x = x0.clone().requires_grad_()
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                if shared:
+                    ys = ops.fp8_linears(x, w, [None, bias, None], rec, states=states)
+                else:
+                    ys = [ops.fp8_linear(x, wi, bi, rec, state=st) for wi, bi, st in zip(w, [None, bias, None], states)]
+            n_codes.append(len({t.data_ptr() for t in saved if t.shape == x.shape and t.dtype == torch.uint8}))
+            sum((y.float() * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+            got += [y.detach() for y in ys] + [x.grad]
+        got += [t.grad for t in w] + [bias.grad]
+        if rec:
+            got += [t for st in states for t in st.state_dict().values()]
+        return got, n_codes
+
+    (a, codes_a), (c, codes_c) = run(True), run(False)
+    assert codes_a == [1, 1, 1] and codes_c == [3, 3, 3]
+    assert len(a) == len(c)
+    for u, v in zip(a, c):
+        assert torch.equal(u, v)
+
+
+def test_fp8_linears_rejects_mismatched_lists():
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="at least one weight"):
+        ops.fp8_linears(x, [])
+    with pytest.raises(ValueError, match="one \\(or None\\) per weight"):
+        ops.fp8_linears(x, [w, w], [None])
