@@ -8,16 +8,16 @@ An expert GLU ``down(act(gate) * up)`` over grouped projections (one offsets ten
     gate, up = <the original slicing of out[0]>
     out = fp8pass::fp8_grouped_swiglu_down(gate, up, W_down, offs, w_transposed, a_state, b_state, g_state,
                                            ..., out_dtype=<down's dtype>, activation=act, smooth=smooth)
-
-(when gate and up are the first and second half of the fused output, ``chunk(2, -1)`` as transformers'
-experts split it, the op takes ``out[0]`` itself with ``up=None``: its backward returns d(gate_up)
-in one pass instead of dgate and dup that the ``chunk`` backward would ``cat``)
     fp8pass::delayed_record_(*state, out[1] / out[2], ...)           # per-expert amaxes [E]
 
 and an expert projection on its own becomes one ``fp8_grouped_linear``. ``out_dtype`` is the dtype the
 replaced node produced (under autocast the autocast dtype), so the rewritten graph keeps every dtype.
 The state of a 3-D expert weight holds one scale per expert (``StateInput.kind == "experts"``; the
 backend resolves it with ``runtime.grouped_state_for``); the records take the ops' per-expert amax vectors.
+
+When gate and up are the first and second half of the fused output (``chunk(2, -1)``, as transformers'
+experts split it), the GLU op takes ``out[0]`` itself with ``up=None``: its backward returns d(gate_up)
+in one pass instead of dgate and dup that the ``chunk`` backward would ``cat``.
 """
 
 from __future__ import annotations
