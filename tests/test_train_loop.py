@@ -75,6 +75,19 @@ def test_divergence_stops_the_run(tmp_path, corpus):
     assert end[-1]["status"] == "diverged"
 
 
+def test_result_throughput_is_the_median_step_and_wall_time_is_separate(tmp_path, corpus):
+    """The summary's tokens/s is the median of the steps' own rates (a first step that compiles does
+    not drag it down), wall_s the whole run, and tokens_per_s all tokens over that wall time."""
+    import statistics
+
+    r = train(cfg(tmp_path, corpus, monitor_every=0))
+    rates = [m["tokens_per_s"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")]
+    assert len(rates) == 6 and r.step_tokens_per_s == statistics.median(rates)
+    wall = read_metrics(tmp_path / "run" / "metrics.jsonl", "end")[-1]["wall_s"]
+    assert r.wall_s == wall > 0
+    assert r.tokens_per_s == pytest.approx(6 * 4 * 32 / wall)
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown recipe 'fp16'"):
         TrainConfig(recipe="fp16")

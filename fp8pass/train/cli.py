@@ -160,10 +160,11 @@ def run_train(args) -> int:
         except CheckpointError as e:  # the resume's checkpoint (validated again as train loads it)
             print(f"error: {e}", file=sys.stderr)
             return 2
-    print("\nrecipe                 status     steps  train loss  val loss  tokens/s")
+    # tokens/s: the median step's (steady state); wall s: the whole run, first-step compilation included
+    print("\nrecipe                 status     steps  train loss  val loss  tokens/s  wall s")
     for r, (cfg, _) in zip(results, jobs):
         print(f"{cfg.recipe:22s} {r.status:9s} {r.steps:6d} {r.final_loss:11.4f} {r.final_val_loss:9.4f} "
-              f"{r.tokens_per_s:9.0f}")
+              f"{r.step_tokens_per_s:9.0f} {r.wall_s:7.1f}")
     if len(results) > 1:
         base = results[0].final_val_loss
         for r, (cfg, _) in list(zip(results, jobs))[1:]:

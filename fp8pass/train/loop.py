@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -180,7 +181,9 @@ class TrainResult:
     final_loss: float
     final_val_loss: float
     losses: list = field(default_factory=list)
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0       # all tokens over the run's wall time (compilation, evals, checkpoints in it)
+    step_tokens_per_s: float = 0.0  # median of the steps' own throughput: the steady state, compiles left out
+    wall_s: float = 0.0
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -300,7 +303,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
 
     params = [p for p in model.parameters() if p.requires_grad]
     bar = ProgressBar(cfg.steps, cfg.recipe, start) if cfg.progress else None
-    losses, status, val_loss, tok_s = [], "finished", float("nan"), 0.0
+    losses, status, val_loss, tok_s, step_rates = [], "finished", float("nan"), 0.0, []
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     if start == 0:
         for cb in callbacks:
@@ -352,6 +355,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             dt = time.perf_counter() - t0
             lv, tok_s = loss.item(), tokens_per_step / dt
             losses.append(lv)
+            step_rates.append(tok_s)
             fp8_counts = {}
             if fp8_on:  # read with the loss (the step's one host sync); warn the first time non-zero
                 tele = scaling_telemetry(model)
@@ -393,4 +397,5 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
              "mean_tokens_per_s": n * tokens_per_step / elapsed if elapsed > 0 else 0.0})
         log.close()
     return TrainResult(out, status, start + len(losses), losses[-1] if losses else float("nan"), val_loss,
-                       losses, len(losses) * tokens_per_step / max(time.perf_counter() - t_run, 1e-9))
+                       losses, len(losses) * tokens_per_step / max(elapsed, 1e-9),
+                       statistics.median(step_rates) if step_rates else 0.0, elapsed)
