@@ -22,7 +22,7 @@ mkdir -p "$OUT"
 CPU_MODE=${FP8PASS_GPU_CHECK_CPU:-0}
 if [ "$CPU_MODE" = 1 ]; then BUDGET=${GPU_CHECK_BUDGET:-1800}; else BUDGET=${GPU_CHECK_BUDGET:-470}; fi  # seconds
 # CPU mode compiles one variant family per kernel (GPU_COMPILE_ONLY= compiles all ~100: ~10 min on 2 cores)
-COMPILE_ONLY=${GPU_COMPILE_ONLY-"cast e4m3 sr=True,amax,transpose_cast T=True,tiles e2m1,swiglu,adam e4m3/e5m2 block=128 sr=True,adam e4m3/e5m2 block=8192 sr=False"}
+COMPILE_ONLY=${GPU_COMPILE_ONLY-"cast e4m3 sr=True,amax,transpose_cast T=True,tiles e2m1,swiglu,adam e4m3/e5m2 block=128 sr=True,adam e4m3/e5m2 block=8192 sr=False,adam split e4m3/e5m2 sr=True"}
 START=$SECONDS
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 PY=${PYTHON:-python3}

@@ -31,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fp8pass.numerics import E2M1, E4M3, E5M2  # noqa: E402
 from fp8pass.numerics.kernels import triton_family as tf  # noqa: E402
 from fp8pass.numerics.scaling import MAX_SCALE  # noqa: E402
+from fp8pass.optim import triton_split as tsplit  # noqa: E402
 from fp8pass.optim import triton_step as ts  # noqa: E402
 from fp8pass.optim.moments import MomentSpec  # noqa: E402
 from fp8pass.runtime.kernels import triton_kernels as tk  # noqa: E402
@@ -102,6 +103,21 @@ def cases():
                          SPAN=span, SEARCH_STEPS=4, ALIGNED=True, W=ts._W, **cfg.kwargs)
                 out.append((f"adam {mf}/{vf} block={block} sr={stochastic} {cfg.kwargs}", ts._adam_kernel, sig, c,
                             cfg))
+    # split-block kernel (one scale per tensor): both phases; its launch configuration is fixed
+    for mf, vf in (("e4m3", "e5m2"), ("e5m2", "e4m3"), ("bf16", "fp32")):
+        ms, vs = MomentSpec("exp_avg", mf, 1 << 20), MomentSpec("exp_avg_sq", vf, 1 << 20, sqrt=True)
+        for stochastic in (False, True):
+            for write in (False, True):
+                sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": moments[mf],
+                       "ms_ptr": "*fp32" if ms.fp8 else moments[mf], "v_ptr": moments[vf],
+                       "vs_ptr": "*fp32" if vs.fp8 else moments[vf], "hp_ptr": "*fp32", "seed_ptr": "*i64",
+                       "table_ptr": "*i64", "scratch_ptr": "*fp32", "n_tensors": "i32", "n_rows": "i32"}
+                c = dict(**ts._fmt_args(ms, "M"), **ts._fmt_args(vs, "V"), V_SQRT=True, MAXIMIZE=False,
+                         COUPLED_WD=False, STOCHASTIC=stochastic, SFLUSH=False, SCALE_CAP=MAX_SCALE, WRITE=write,
+                         SPAN=ts.MAX_SPAN, SEARCH_STEPS=4, ALIGNED=True, W=len(tsplit._SPLIT_COLS), SLOT=tsplit._SLOT,
+                         NB=1)
+                out.append((f"adam split {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel, sig, c,
+                            triton.Config({}, num_warps=tsplit._NUM_WARPS)))
     return out
 
 
@@ -114,7 +130,7 @@ def compile_all(arch: int = 90, only: str | None = None) -> list[dict]:
         fn = _jit(kernel)
         full = dict(sig, **{k: "constexpr" for k in consts})
         opts = {"num_warps": cfg.num_warps} if cfg is not None else {}
-        if kernel is ts._adam_kernel:
+        if kernel in (ts._adam_kernel, tsplit._split_kernel):
             opts["enable_fp_fusion"] = False
         t = time.perf_counter()
         try:
