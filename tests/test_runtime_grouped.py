@@ -372,6 +372,30 @@ def test_knobs_are_the_schemas_last_arguments():
     assert FP8 == GroupedLinearKnobs(*FP8).args()
 
 
+@pytest.mark.parametrize("transposed_view", [False, True])
+def test_scaled_grouped_mm_call_passes_torchs_own_checks(monkeypatch, transposed_view):
+    """The CUDA forward's ``torch._scaled_grouped_mm`` call (never run: no GPU so far) meets the
+    contract torch's meta function checks (the checks of ``_scaled_grouped_mm_cuda`` in Blas.cpp):
+    E4M3 operands, ``a`` row-major, ``b`` column-major [E, K, N], 16-byte aligned strides, fp32 scales
+    of [S] and [E, N], bf16 out. Run on meta tensors, so the arguments are checked, not the math."""
+    from fp8pass.runtime.kernels import cuda
+
+    monkeypatch.setattr(cuda, "_scaled_grouped_mm_ok", lambda a, b, out_dtype: True)
+    meta = dict(device="meta")
+    a = torch.empty(160, 64, dtype=torch.float8_e4m3fn, **meta)
+    # [E, N, K]: an nn.Linear-layout stack, or (w_transposed) the transposed view of an [E, K, N] one
+    b = (torch.empty(4, 64, 96, dtype=torch.float8_e4m3fn, **meta).transpose(1, 2) if transposed_view
+         else torch.empty(4, 96, 64, dtype=torch.float8_e4m3fn, **meta))
+    scale = torch.empty(4, dtype=torch.float32, **meta)
+    offs = torch.empty(4, dtype=torch.int32, **meta)
+    out = cuda.grouped_gemm(a, scale, b, scale, offs, torch.bfloat16)
+    assert out.shape == (160, 96) and out.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="column major"):  # the check is live: a row-major b fails it
+        torch._scaled_grouped_mm(a, torch.empty(4, 64, 96, dtype=torch.float8_e4m3fn, **meta),
+                                 torch.empty(160, **meta), torch.empty(4, 96, **meta), offs=offs,
+                                 out_dtype=torch.bfloat16)
+
+
 def test_cuda_kernel_module_fallback_agrees_on_cpu(monkeypatch):
     """FP8PASS_KERNELS=triton runs the CUDA kernel module on CPU tensors: its per-row casts and its
     per-group GEMM loop (the fallback taken without ``_scaled_grouped_mm``) against the CPU module."""

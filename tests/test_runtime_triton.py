@@ -202,6 +202,29 @@ def test_gemm_pads_for_scaled_mm(mkn, bias, monkeypatch):
     torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtypes", [(FP8[0], FP8[0]), (FP8[1], FP8[0]), (FP8[0], FP8[1])])  # fwd, dgrad, wgrad
+@pytest.mark.parametrize("mkn,bias,out_dtype", [((33, 72, 40), True, torch.bfloat16),
+                                                ((16, 32, 48), True, torch.bfloat16),
+                                                ((5, 17, 3), False, torch.float32)])
+def test_scaled_mm_call_passes_torchs_own_checks(dtypes, mkn, bias, out_dtype, monkeypatch):
+    """The padded ``torch._scaled_mm`` call on meta tensors: torch's own meta function (the checks of
+    the CUDA op: dtypes, K and N multiples of 16, row-/column-major operands, scalar fp32 scales, bias
+    dtype) accepts the arguments gemm_tensor_scaled builds, for the three GEMMs' operand pairs."""
+    m, k, n = mkn
+    meta = dict(device="meta")
+    a = torch.empty(m, k, dtype=dtypes[0], **meta)
+    b = torch.empty(n, k, dtype=dtypes[1], **meta)
+    scale = torch.empty((), dtype=torch.float32, **meta)
+    real_plan = cuda_kernels.scaled_mm_plan
+    monkeypatch.setattr(cuda_kernels, "scaled_mm_plan", lambda *args: real_plan(*args[:-1], "cuda"))
+    calls = []
+    real_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a_, **k_: calls.append(1) or real_mm(*a_, **k_))
+    out = cuda_kernels.gemm_tensor_scaled(a, scale, b, scale, out_dtype,
+                                          torch.empty(n, dtype=torch.float32, **meta) if bias else None)
+    assert calls == [1] and out.shape == (m, n) and out.dtype == out_dtype
+
+
 def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
     """FP8PASS_KERNELS=triton (the CUDA module on CPU tensors): fp8_cast_input + fp8_linear_precast
     (codes, no GEMM values: x_up empty; the weight recast in backward with the forward's scale) give
