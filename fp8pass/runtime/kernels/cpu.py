@@ -39,10 +39,9 @@ from ...numerics import Format
 from ...numerics.kernels import torch_family
 
 __all__ = ["fused_enabled", "run_fused", "cast", "codes_values_amax_math", "rne_values_math", "rne_constants",
-           "cast_values",
-           "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype", "cpu_capability",
-           "gemm_dtype", "gemm_tensor_scaled", "row_amax", "cast_rows", "cast_rows_with_amax", "grouped_gemm",
-           "grouped_gemm_wgrad"]
+           "cast_values", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
+           "cpu_capability", "gemm_dtype", "gemm_tensor_scaled", "row_amax", "cast_rows", "cast_rows_with_amax",
+           "grouped_gemm", "grouped_gemm_wgrad"]
 
 _BROKEN: list[str] = []  # set once when Inductor fails, so we warn once and stay eager
 
