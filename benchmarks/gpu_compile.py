@@ -48,6 +48,25 @@ def _configs(kernel) -> list:
     return list(getattr(kernel, "configs", [None]))
 
 
+_MOMENT_PTR = {"e4m3": "*u8", "e5m2": "*u8", "bf16": "*bf16", "fp32": "*fp32"}
+
+
+def _adam_signature(ms: MomentSpec, vs: MomentSpec, split: bool) -> dict:
+    """Runtime-argument types of the fused Adam kernel, or (``split``) of the split-block one."""
+    m, v = _MOMENT_PTR[ms.fmt], _MOMENT_PTR[vs.fmt]
+    sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": m, "ms_ptr": "*fp32" if ms.fp8 else m, "v_ptr": v,
+           "vs_ptr": "*fp32" if vs.fp8 else v, "hp_ptr": "*fp32", "seed_ptr": "*i64", "table_ptr": "*i64"}
+    if split:
+        return {**sig, "scratch_ptr": "*fp32", "n_tensors": "i32", "n_rows": "i32"}
+    return {**sig, "n_tensors": "i32", "n_rows": "i32", "rows_class": "i32"}
+
+
+def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool) -> dict:
+    """The update's compile-time arguments, as the launchers build them (``triton_step._step_meta``)."""
+    return ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
+                                      rounding="stochastic" if stochastic else "nearest", stochastic_flush=False))
+
+
 def cases():
     """(name, kernel, runtime-arg types, constexprs) for every kernel variant worth compiling."""
     out = []
@@ -87,36 +106,25 @@ def cases():
     out.append(("swiglu_colamax", tk._swiglu_colamax_kernel,
                 {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "F": "i32"}, dict(BT=32, BF=64),
                 None))
-    moments = {"e4m3": "*u8", "e5m2": "*u8", "bf16": "*bf16", "fp32": "*fp32"}
     for mf, vf, block in (("e4m3", "e5m2", 128), ("e5m2", "e4m3", 128), ("bf16", "fp32", 128),
                           ("e4m3", "e5m2", 8192)):
         ms, vs = MomentSpec("exp_avg", mf, block), MomentSpec("exp_avg_sq", vf, block, sqrt=True)
         for stochastic in (False, True):
             span = min(triton.next_power_of_2(block), ts.MAX_SPAN)
             for cfg in ts._prune_adam_configs(_configs(ts._adam_kernel), {}, SPAN=span):
-                sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": moments[mf],
-                       "ms_ptr": "*fp32" if ms.fp8 else moments[mf], "v_ptr": moments[vf],
-                       "vs_ptr": "*fp32" if vs.fp8 else moments[vf], "hp_ptr": "*fp32", "seed_ptr": "*i64",
-                       "table_ptr": "*i64", "n_tensors": "i32", "n_rows": "i32", "rows_class": "i32"}
-                c = dict(**ts._fmt_args(ms, "M"), **ts._fmt_args(vs, "V"), V_SQRT=True, MAXIMIZE=False,
-                         COUPLED_WD=False, STOCHASTIC=stochastic, SFLUSH=False, SCALE_CAP=MAX_SCALE, BLOCK=block,
-                         SPAN=span, SEARCH_STEPS=4, ALIGNED=True, W=ts._W, **cfg.kwargs)
-                out.append((f"adam {mf}/{vf} block={block} sr={stochastic} {cfg.kwargs}", ts._adam_kernel, sig, c,
-                            cfg))
+                c = dict(**_adam_meta(ms, vs, stochastic), BLOCK=block, SPAN=span, SEARCH_STEPS=4, ALIGNED=True,
+                         W=ts._W, **cfg.kwargs)
+                out.append((f"adam {mf}/{vf} block={block} sr={stochastic} {cfg.kwargs}", ts._adam_kernel,
+                            _adam_signature(ms, vs, split=False), c, cfg))
     # split-block kernel (one scale per tensor): both phases; its launch configuration is fixed
     for mf, vf in (("e4m3", "e5m2"), ("e5m2", "e4m3"), ("bf16", "fp32")):
         ms, vs = MomentSpec("exp_avg", mf, 1 << 20), MomentSpec("exp_avg_sq", vf, 1 << 20, sqrt=True)
         for stochastic in (False, True):
             for write in (False, True):
-                sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": moments[mf],
-                       "ms_ptr": "*fp32" if ms.fp8 else moments[mf], "v_ptr": moments[vf],
-                       "vs_ptr": "*fp32" if vs.fp8 else moments[vf], "hp_ptr": "*fp32", "seed_ptr": "*i64",
-                       "table_ptr": "*i64", "scratch_ptr": "*fp32", "n_tensors": "i32", "n_rows": "i32"}
-                c = dict(**ts._fmt_args(ms, "M"), **ts._fmt_args(vs, "V"), V_SQRT=True, MAXIMIZE=False,
-                         COUPLED_WD=False, STOCHASTIC=stochastic, SFLUSH=False, SCALE_CAP=MAX_SCALE, WRITE=write,
-                         SPAN=ts.MAX_SPAN, SEARCH_STEPS=4, ALIGNED=True, W=len(tsplit._SPLIT_COLS), SLOT=tsplit._SLOT,
-                         NB=1)
-                out.append((f"adam split {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel, sig, c,
+                c = dict(**_adam_meta(ms, vs, stochastic), WRITE=write, SPAN=ts.MAX_SPAN, SEARCH_STEPS=4,
+                         ALIGNED=True, W=len(tsplit._SPLIT_COLS), SLOT=tsplit._SLOT, NB=1)
+                out.append((f"adam split {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel,
+                            _adam_signature(ms, vs, split=True), c,
                             triton.Config({}, num_warps=tsplit._NUM_WARPS)))
     return out
 
