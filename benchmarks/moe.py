@@ -50,7 +50,7 @@ def routed_offsets(tokens: int, experts: int, topk: int, seed: int = 0) -> torch
     return torch.bincount(choice, minlength=experts).cumsum(0).to(torch.int32)
 
 
-def cases(tokens, experts, topk, dim, ffn, device):
+def cases(tokens, experts, topk, dim, ffn, device, split_glu=False):
     dtype = torch.bfloat16
     offs = routed_offsets(tokens, experts, topk).to(device)
     rows = tokens * topk
@@ -82,25 +82,30 @@ def cases(tokens, experts, topk, dim, ffn, device):
     st_gu, st_d = LinearScalingState(delayed, device, experts=experts), LinearScalingState(delayed, device,
                                                                                            experts=experts)
 
-    def fp8(states):
+    def fp8(states, split_glu=False):
         def f():
             s1 = states[0].op_args() if states else ([], [], [])
             s2 = states[1].op_args() if states else ([], [], [])
             out = torch.ops.fp8pass.fp8_grouped_linear(x, w_gu, offs, False, *s1, *FP8.args())
-            # gate_up whole (up=None), as the backend passes a chunk(2, -1) split: no cat in backward
-            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(out[0], None, w_d, offs, False, *s2, *FP8_GLU.args())
+            # gate_up whole (up=None), as the backend passes a chunk(2, -1) split: no cat in backward;
+            # split_glu: the chunk's two views instead (autograd cats their gradients)
+            gate, up = out[0].chunk(2, dim=-1) if split_glu else (out[0], None)
+            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate, up, w_d, offs, False, *s2, *FP8_GLU.args())
             if states:
                 states[0].record_forward(out[1], out[2])
                 states[1].record_forward(o2[1], o2[2])
             return o2[0]
         return f
 
-    return {
+    fns = {
         "bf16_grouped_mm": run(bf16_grouped),
         "bf16_per_expert": run(bf16_loop),
         "fp8_current": run(fp8(None)),
         "fp8_delayed": run(fp8((st_gu, st_d))),
-    }, offs
+    }
+    if split_glu:
+        fns["fp8_current_split_glu"] = run(fp8(None, split_glu=True))
+    return fns, offs
 
 
 def profile_steps(fns: dict, top: int) -> None:
@@ -161,6 +166,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="1024 tokens, 3 rounds (the suite's size)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); 1 gives CPU times without OpenMP waits on a shared CPU")
+    p.add_argument("--split-glu", action="store_true",
+                   help="also time fp8 current scaling with the GLU op given chunk(2)'s gate and up views "
+                        "(the form before the op took gate_up whole)")
     p.add_argument("--json", type=Path)
     p.add_argument("--profile", type=int, metavar="TOP", default=0,
                    help="instead of timing: profile one warm step of each case and print its TOP ops by self "
@@ -173,7 +181,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()
-    fns, offs = cases(a.tokens, a.experts, a.topk, a.dim, a.ffn, device)
+    fns, offs = cases(a.tokens, a.experts, a.topk, a.dim, a.ffn, device, a.split_glu)
     if a.profile:
         profile_steps(fns, a.profile)
         return None
@@ -209,6 +217,8 @@ def main(argv=None):
         "fp8_current/bf16 (cpu time)": cpu_times["fp8_current"] / cpu_base,
         "fp8_delayed/bf16 (cpu time)": cpu_times["fp8_delayed"] / cpu_base,
     }
+    if a.split_glu:
+        result["fp8_current/fp8_current_split_glu"] = times["fp8_current"] / times["fp8_current_split_glu"]
     print(f"machine: {result['machine']['cpu']}, capability {result['cpu_capability']}, "
           f"threads {result['machine']['threads']}, load {load_before} -> {result['loadavg_after']}")
     print(f"shape: {result['shape']}")
@@ -219,6 +229,9 @@ def main(argv=None):
     print("process CPU time (median): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cpu_times.items())
           + f"; fp8_current/bf16 = {result['fp8_current/bf16 (cpu time)']:.3f}, "
           f"fp8_delayed/bf16 = {result['fp8_delayed/bf16 (cpu time)']:.3f}")
+    if a.split_glu:
+        print(f"fp8_current (gate_up whole) / fp8_current_split_glu (chunk views) = "
+              f"{result['fp8_current/fp8_current_split_glu']:.3f} (medians)")
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return result
