@@ -139,3 +139,15 @@ def test_bench_help_names_the_timeout(capsys):
     with pytest.raises(SystemExit):
         suite.main(["--help"])
     assert "process group is killed" in " ".join(capsys.readouterr().out.split())
+
+
+def test_step_ab_experiments_name_todays_choice_first():
+    """Each A/B experiment toggles an attribute that exists, and its first choice is what the code
+    does today (the ratios are printed against it); bad round counts are refused."""
+    from benchmarks import step_ab
+
+    for name, (module, attr, choices) in step_ab.EXPERIMENTS.items():
+        assert len(choices) == 2, name
+        assert getattr(module, attr) == next(iter(choices.values())), name
+    with pytest.raises(SystemExit):
+        step_ab.main(["e5m2-upcast", "--rounds", "0"])

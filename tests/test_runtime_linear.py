@@ -296,15 +296,20 @@ def test_bad_inputs_raise_clear_errors():
         ops.fp8_linear(x, w, recipe=fp8pass.DelayedScaling(history_len=8))
 
 
-def test_compiled_upcast_every_code():
-    """The compiled fp8 -> bf16 upcast gives every code's exact value (NaN for NaN codes)."""
+@pytest.mark.parametrize("up", [torch.bfloat16, torch.float16, torch.float32])
+def test_compiled_upcast_every_code(up):
+    """The compiled fp8 -> bf16/fp16/fp32 upcast gives every code's exact value (NaN for NaN codes),
+    in one loop (E4M3) or through fp32 (E5M2 to a 2-byte dtype), flat and as a transposed 2-D view."""
     n = cpu.MIN_COMPILED
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = torch.arange(256, dtype=torch.uint8).repeat(n // 256).view(dtype)
-        got, ref = cpu.upcast(codes, torch.bfloat16), codes.to(torch.bfloat16)
-        nan = ref.isnan()
-        assert torch.equal(got.isnan(), nan)
-        assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+        for c in (codes, codes.view(128, -1).t()):
+            got, ref = cpu.upcast(c, up), c.to(up)
+            assert got.dtype == up and got.shape == c.shape
+            nan = ref.isnan()
+            assert torch.equal(got.isnan(), nan)
+            bits = torch.int32 if up == torch.float32 else torch.int16
+            assert torch.equal(got.contiguous().view(bits)[~nan], ref.contiguous().view(bits)[~nan])
 
 
 def test_many_format_dtype_variants_stay_compiled():

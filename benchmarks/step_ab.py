@@ -1,0 +1,87 @@
+"""A/B of one implementation choice inside whole training steps, in one process.
+
+A kernel timed alone can mislead: the same E5M2 upcast measured 2x slower alone through fp32 (a
+fresh 1 MiB allocation per call page-faults in a quiet process) and 3% faster in the step, where
+the allocator is warm. So a choice is kept when whole steps say so: one model, one optimizer, the
+step run with choice A and with choice B alternately, round by round (load from other processes
+hits both alike), medians and each round printed.
+
+Each experiment names a module attribute and its two values; both must compute the same bits (the
+tests hold that), only the time may differ.
+
+    python benchmarks/step_ab.py e5m2-upcast [--shape tiny|block] [--variant fp8-smooth-fp8adam]
+                                 [--rounds 11] [--warmup 2] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import baseline_dtype, machine  # noqa: E402
+from benchmarks.train_step import SHAPES, VARIANTS, build  # noqa: E402
+from fp8pass.runtime.kernels import cpu  # noqa: E402
+
+EXPERIMENTS = {  # name -> (module, attribute, {label: value}); the first label is today's choice
+    "e5m2-upcast": (cpu, "_UPCAST_OUTSIDE_THE_LOOP",
+                    {"via fp32": (torch.float8_e5m2,), "one loop": ()}),
+}
+
+
+def run(name: str, shape: str = "tiny", variant: str = "fp8-smooth-fp8adam", rounds: int = 11,
+        warmup: int = 2, device: str = "cpu") -> dict:
+    module, attr, choices = EXPERIMENTS[name]
+    keep = getattr(module, attr)
+    step = build(shape, variant, device, baseline_dtype(device))[-1]
+    times: dict[str, list[float]] = {label: [] for label in choices}
+    try:
+        for _ in range(warmup):
+            for value in choices.values():
+                setattr(module, attr, value)
+                step()
+        for _ in range(rounds):
+            for label, value in choices.items():
+                setattr(module, attr, value)
+                start = time.perf_counter()
+                step()
+                times[label].append((time.perf_counter() - start) * 1e3)
+    finally:
+        setattr(module, attr, keep)
+    medians = {label: statistics.median(t) for label, t in times.items()}
+    first = next(iter(medians))
+    return {"experiment": name, "shape": shape, "variant": variant, "medians_ms": medians,
+            "ratios": {label: m / medians[first] for label, m in medians.items()}, "rounds_ms": times}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="fp8-smooth-fp8adam")
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 1:
+        ap.error("--rounds and --warmup must be at least 1 (the first steps compile)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(machine())
+    res = run(args.experiment, args.shape, args.variant, args.rounds, args.warmup)
+    print(f"\n## {res['experiment']}: {res['variant']} step, {res['shape']}, {args.rounds} alternated rounds")
+    print("| choice | median ms | / first | rounds ms |\n|---|---|---|---|")
+    for label, m in res["medians_ms"].items():
+        rounds = " ".join(f"{t:.0f}" for t in res["rounds_ms"][label])
+        print(f"| {label} | {m:.1f} | {res['ratios'][label]:.3f} | {rounds} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
