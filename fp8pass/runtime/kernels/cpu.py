@@ -343,8 +343,8 @@ def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # A loop that writes 2-byte values runs 32 fp32 lanes, and ATen's vector library converts E5M2 codes to
 # 32 fp32 lanes element by element (it has that conversion for E4M3 only; 16 lanes exist for both).
 # E5M2 codes are therefore upcast to fp32 in the compiled loop (16 lanes) and to bf16/fp16 by one
-# eager conversion: 512K codes 0.45 -> 0.12 ms, 4M 3.4 -> 1.25 ms (docs/results/step.md). E4M3 stays
-# in one loop (equal at 512K, faster at 4M).
+# eager conversion: a whole tiny fp8 step 3% faster (`benchmarks/step_ab.py e5m2-upcast`; timed alone
+# the two kernels mislead, docs/results/step.md). E4M3 stays in one loop (equal or faster alone).
 _UPCAST_OUTSIDE_THE_LOOP = (torch.float8_e5m2,)
 
 
