@@ -1,12 +1,13 @@
 """MoE expert layer in FP8 (grouped ops) vs bf16 grouped experts, fwd+bwd, ratios measured in one run.
 
     python benchmarks/moe.py [--tokens 4096] [--experts 8] [--topk 2] [--dim 1024] [--ffn 2816]
-                             [--repeat 5] [--quick] [--threads N] [--json FILE]
+                             [--repeat 5] [--quick] [--threads N] [--grad-rounding nearest] [--json FILE]
 
 A Mixtral-style expert block on the routed rows (tokens x topk rows sorted by expert; the router and
 the token permutation are the same in both variants and left out): fused gate/up ``[E, 2 ffn, dim]``,
 SwiGLU, down ``[E, dim, ffn]``. FP8: ``fp8pass::fp8_grouped_linear`` + ``fp8pass::fp8_grouped_swiglu_down``
-(Smooth-SwiGLU channel mode), current and delayed per-expert scaling. bf16 baselines: the same math
+(Smooth-SwiGLU channel mode), current and delayed per-expert scaling; gradients rounded to nearest
+(the recorded results) or, ``--grad-rounding stochastic``, as the backend's default. bf16 baselines: the same math
 with ``torch._grouped_mm`` and with one bf16 matmul per expert; the ratio is taken against the faster
 of the two (the honest baseline on this machine). Medians (and minima) of ``--repeat`` interleaved
 rounds after warm-up (the order rotated every round); on a shared CPU compare the ratios of one run,
@@ -24,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,7 +52,7 @@ def routed_offsets(tokens: int, experts: int, topk: int, seed: int = 0) -> torch
     return torch.bincount(choice, minlength=experts).cumsum(0).to(torch.int32)
 
 
-def cases(tokens, experts, topk, dim, ffn, device, split_glu=False):
+def cases(tokens, experts, topk, dim, ffn, device, split_glu=False, grad_rounding="nearest"):
     dtype = torch.bfloat16
     offs = routed_offsets(tokens, experts, topk).to(device)
     rows = tokens * topk
@@ -82,15 +84,18 @@ def cases(tokens, experts, topk, dim, ffn, device, split_glu=False):
     st_gu, st_d = LinearScalingState(delayed, device, experts=experts), LinearScalingState(delayed, device,
                                                                                            experts=experts)
 
+    lin_knobs = replace(FP8, grad_rounding=grad_rounding)
+    glu_knobs = replace(FP8_GLU, grad_rounding=grad_rounding)
+
     def fp8(states, split_glu=False):
         def f():
             s1 = states[0].op_args() if states else ([], [], [])
             s2 = states[1].op_args() if states else ([], [], [])
-            out = torch.ops.fp8pass.fp8_grouped_linear(x, w_gu, offs, False, *s1, *FP8.args())
+            out = torch.ops.fp8pass.fp8_grouped_linear(x, w_gu, offs, False, *s1, *lin_knobs.args())
             # gate_up whole (up=None), as the backend passes a chunk(2, -1) split: no cat in backward;
             # split_glu: the chunk's two views instead (autograd cats their gradients)
             gate, up = out[0].chunk(2, dim=-1) if split_glu else (out[0], None)
-            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate, up, w_d, offs, False, *s2, *FP8_GLU.args())
+            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate, up, w_d, offs, False, *s2, *glu_knobs.args())
             if states:
                 states[0].record_forward(out[1], out[2])
                 states[1].record_forward(o2[1], o2[2])
@@ -169,6 +174,8 @@ def main(argv=None):
     p.add_argument("--split-glu", action="store_true",
                    help="also time fp8 current scaling with the GLU op given chunk(2)'s gate and up views "
                         "(the form before the op took gate_up whole)")
+    p.add_argument("--grad-rounding", choices=("nearest", "stochastic"), default="nearest",
+                   help="rounding of the FP8 gradients (the backend's default is stochastic)")
     p.add_argument("--json", type=Path)
     p.add_argument("--profile", type=int, metavar="TOP", default=0,
                    help="instead of timing: profile one warm step of each case and print its TOP ops by self "
@@ -181,7 +188,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()
-    fns, offs = cases(a.tokens, a.experts, a.topk, a.dim, a.ffn, device, a.split_glu)
+    fns, offs = cases(a.tokens, a.experts, a.topk, a.dim, a.ffn, device, a.split_glu, a.grad_rounding)
     if a.profile:
         profile_steps(fns, a.profile)
         return None
@@ -207,7 +214,7 @@ def main(argv=None):
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "shape": {"tokens": a.tokens, "experts": a.experts, "topk": a.topk, "dim": a.dim, "ffn": a.ffn,
                   "rows_per_expert": torch.diff(offs.cpu(), prepend=offs.new_zeros(1).cpu()).tolist()},
-        "repeat": a.repeat, "seconds": times, "seconds_min": best, "rounds": rounds,
+        "grad_rounding": a.grad_rounding, "repeat": a.repeat, "seconds": times, "seconds_min": best, "rounds": rounds,
         "bf16_baseline": "bf16_grouped_mm" if base == times["bf16_grouped_mm"] else "bf16_per_expert",
         "fp8_current/bf16": times["fp8_current"] / base,
         "fp8_delayed/bf16": times["fp8_delayed"] / base,

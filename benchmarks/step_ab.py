@@ -11,6 +11,8 @@ tests hold that), only the time may differ.
 
     python benchmarks/step_ab.py e5m2-upcast [--shape tiny|block] [--variant fp8-smooth-fp8adam]
                                  [--rounds 11] [--warmup 2] [--threads 1]
+    python benchmarks/step_ab.py e5m2-upcast --moe fp8_current|fp8_delayed [--moe-grad-rounding stochastic]
+                                 # the MoE layer step of benchmarks/moe.py at its default size
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import moe  # noqa: E402
 from benchmarks.common import baseline_dtype, machine  # noqa: E402
 from benchmarks.train_step import SHAPES, VARIANTS, build  # noqa: E402
 from fp8pass.runtime.kernels import cpu  # noqa: E402
@@ -35,11 +38,24 @@ EXPERIMENTS = {  # name -> (module, attribute, {label: value}); the first label 
 }
 
 
+MOE_CASES = ("fp8_current", "fp8_delayed")
+
+
+def make_step(shape: str, variant: str, device: str = "cpu", grad_rounding: str = "nearest"):
+    """One training step of ``train_step``'s ``shape`` and ``variant``; ``shape="moe"``: forward +
+    backward of ``moe.py``'s expert layer (its default size, gradients rounded by ``grad_rounding``)
+    for the case named by ``variant``."""
+    if shape == "moe":
+        fns, _ = moe.cases(4096, 8, 2, 1024, 2816, device, grad_rounding=grad_rounding)
+        return fns[variant]
+    return build(shape, variant, device, baseline_dtype(device))[-1]
+
+
 def run(name: str, shape: str = "tiny", variant: str = "fp8-smooth-fp8adam", rounds: int = 11,
-        warmup: int = 2, device: str = "cpu") -> dict:
+        warmup: int = 2, device: str = "cpu", grad_rounding: str = "nearest") -> dict:
     module, attr, choices = EXPERIMENTS[name]
     keep = getattr(module, attr)
-    step = build(shape, variant, device, baseline_dtype(device))[-1]
+    step = make_step(shape, variant, device, grad_rounding)
     times: dict[str, list[float]] = {label: [] for label in choices}
     try:
         for _ in range(warmup):
@@ -68,13 +84,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    ap.add_argument("--moe", choices=MOE_CASES, default=None,
+                    help="time moe.py's expert layer (this case) instead of a training step")
+    ap.add_argument("--moe-grad-rounding", choices=("nearest", "stochastic"), default="nearest",
+                    help="the MoE layer's gradient rounding (moe.py --grad-rounding)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.warmup < 1:
         ap.error("--rounds and --warmup must be at least 1 (the first steps compile)")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(machine())
-    res = run(args.experiment, args.shape, args.variant, args.rounds, args.warmup)
+    shape, variant = ("moe", args.moe) if args.moe else (args.shape, args.variant)
+    res = run(args.experiment, shape, variant, args.rounds, args.warmup, grad_rounding=args.moe_grad_rounding)
     print(f"\n## {res['experiment']}: {res['variant']} step, {res['shape']}, {args.rounds} alternated rounds")
     print("| choice | median ms | / first | rounds ms |\n|---|---|---|---|")
     for label, m in res["medians_ms"].items():

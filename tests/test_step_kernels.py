@@ -257,3 +257,26 @@ def test_saved_gate_and_up_from_the_operand_loops_amax_equal_casting_them_alone(
         _, _, g_amax, u_amax = sw.operand_and_input_amax(gate, up, smooth, "silu")
         assert torch.isnan(g_amax) and torch.isnan(torch_family.tensor_amax(gate))
         assert torch.equal(u_amax, torch_family.tensor_amax(up)) and torch.isinf(u_amax)
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("keep_codes", [True, False])
+def test_stochastic_row_cast_with_values_gives_the_fused_loops_bits(name, keep_codes):
+    """``cast_rows(stochastic, up=bf16)`` gives the bits of its one-loop eager twin for the same seed:
+    E5M2 through the codes loop and :func:`cpu.upcast` (no fused E5M2 -> bf16 conversion), E4M3 in one
+    loop; the codes equal those of ``cast_rows`` without ``up`` for the same generator state."""
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, cpu.MIN_COMPILED // 32, generator=g) * 20).to(torch.bfloat16)
+    rs = torch.rand(64, generator=g) * 8 + 0.5
+    got = cpu.cast_rows(x, rs, fmt, "stochastic", torch.Generator().manual_seed(7), up=torch.bfloat16,
+                        keep_codes=keep_codes)
+    seed = torch.randint(0, 2 ** 31 - 1, (), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    codes, values = cpu._cast_rows_sr_up_math(x, rs, seed, fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype,
+                                              torch.bfloat16, True)
+    alone = cpu.cast_rows(x, rs, fmt, "stochastic", torch.Generator().manual_seed(7))
+    assert torch.equal(alone.view(torch.uint8), codes.view(torch.uint8))
+    got_values = got[1] if keep_codes else got
+    assert torch.equal(got_values.view(torch.int16), values.view(torch.int16))
+    if keep_codes:
+        assert torch.equal(got[0].view(torch.uint8), codes.view(torch.uint8))
