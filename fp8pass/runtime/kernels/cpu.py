@@ -349,9 +349,10 @@ _UPCAST_OUTSIDE_THE_LOOP = (torch.float8_e5m2,)
 
 
 def _upcasts_outside_the_loop(codes_dtype: torch.dtype, up: torch.dtype) -> bool:
-    """Whether ``codes_dtype`` -> ``up`` goes through fp32 outside the compiled loop (see above); cast
-    loops that would also write such values write the codes only and leave the values to :func:`upcast`
-    (stochastic row casts of E5M2 gradients: 3.5 -> 1.8 ms for 2048 x 256, docs/results/moe.md)."""
+    """Whether ``codes_dtype`` -> ``up`` goes through fp32 outside the compiled loop (see above). The
+    stochastic row cast, which would also write such values, then writes the codes only and leaves the
+    values to :func:`upcast` (E5M2 gradients: 3.5 -> 1.8 ms for 2048 x 256); the nearest-rounded casts
+    with codes and values keep one loop (split, they measured mixed; docs/results/moe.md)."""
     return codes_dtype in _UPCAST_OUTSIDE_THE_LOOP and up.itemsize == 2
 
 
