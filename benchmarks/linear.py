@@ -51,12 +51,17 @@ def time_interleaved(cases: dict, device, repeat: int, warmup: int = 2) -> dict:
     return {k: statistics.median(v) for k, v in time_rounds(cases, device, repeat, warmup).items()}
 
 
-def linear_cases(t, d_in, d_out, device, dtype):
+def linear_cases(t, d_in, d_out, device, dtype, wrap=None):
+    """fwd+bwd steps of F.linear and the FP8 linear (current, delayed); ``wrap`` (e.g. ``torch.compile``)
+    is applied to each forward function."""
+    wrap = wrap or (lambda fn: fn)
     x = torch.randn(t, d_in, device=device, dtype=dtype, requires_grad=True)
     w = (torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5).requires_grad_()
     g = torch.randn(t, d_out, device=device, dtype=dtype)
 
     def run(f):
+        f = wrap(f)
+
         def step():
             x.grad = w.grad = None
             f(x, w).backward(g)
@@ -70,17 +75,22 @@ def linear_cases(t, d_in, d_out, device, dtype):
     }, (x, w, g)
 
 
-def mlp_cases(t, d, f, device, dtype, smooth="channel"):
+def mlp_cases(t, d, f, device, dtype, smooth="channel", wrap=None):
+    """fwd+bwd steps of the bf16 SwiGLU MLP and the FP8 Smooth-SwiGLU one (current, delayed); ``wrap``
+    (e.g. ``torch.compile``) is applied to each forward function."""
+    wrap = wrap or (lambda fn: fn)
     x = torch.randn(t, d, device=device, dtype=dtype, requires_grad=True)
     wg = (torch.randn(f, d, device=device, dtype=dtype) / d**0.5).requires_grad_()
     wu = (torch.randn(f, d, device=device, dtype=dtype) / d**0.5).requires_grad_()
     wd = (torch.randn(d, f, device=device, dtype=dtype) / f**0.5).requires_grad_()
     g = torch.randn(t, d, device=device, dtype=dtype)
 
-    def run(f):
+    def run(fn):
+        fn = wrap(fn)
+
         def step():
             x.grad = wg.grad = wu.grad = wd.grad = None
-            f().backward(g)
+            fn().backward(g)
         return step
 
     def baseline():

@@ -52,7 +52,10 @@ def routed_offsets(tokens: int, experts: int, topk: int, seed: int = 0) -> torch
     return torch.bincount(choice, minlength=experts).cumsum(0).to(torch.int32)
 
 
-def cases(tokens, experts, topk, dim, ffn, device, split_glu=False, grad_rounding="nearest"):
+def cases(tokens, experts, topk, dim, ffn, device, split_glu=False, grad_rounding="nearest", wrap=None):
+    """fwd+bwd steps of the expert block: bf16 (grouped, per expert) and FP8 (current, delayed);
+    ``wrap`` (e.g. ``torch.compile``) is applied to each forward function."""
+    wrap = wrap or (lambda fn: fn)
     dtype = torch.bfloat16
     offs = routed_offsets(tokens, experts, topk).to(device)
     rows = tokens * topk
@@ -63,6 +66,8 @@ def cases(tokens, experts, topk, dim, ffn, device, split_glu=False, grad_roundin
     bounds = [0] + offs.tolist()
 
     def run(f):
+        f = wrap(f)
+
         def step():
             x.grad = w_gu.grad = w_d.grad = None
             f().backward(dy)
