@@ -28,12 +28,6 @@
 # Wheels in .whl/ (git-ignored; e.g. torchao) are installed from there if the folder was carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-LOG=$OUT/gpu_check.log
-: >"$LOG"
-rm -f "$OUT/gpu_tests.xml"
 CPU_MODE=${FP8PASS_GPU_CHECK_CPU:-0}
 INJECT=${FP8PASS_GPU_CHECK_FAIL:-}
 PY=${PYTHON:-python3}
@@ -55,7 +49,17 @@ if [ $((PLAN_SUM + TESTS_MIN + RESERVE)) -gt "$BUDGET" ]; then
   echo "stage limits ($PLAN_SUM s) + GPU tests ($TESTS_MIN s) + reserve ($RESERVE s) exceed the ${BUDGET} s budget" >&2
   exit 2
 fi
+if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then  # the plan alone: nothing runs, nothing is written
+  echo "mode $MODE: budget ${BUDGET} s = stages $PLAN ($PLAN_SUM s) + GPU tests >= $TESTS_MIN s + reserve $RESERVE s"
+  exit 0
+fi
 limit_of() { echo "$PLAN" | tr ',' '\n' | grep "^$1=" | cut -d= -f2; }
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/gpu_check.log
+: >"$LOG"
+rm -f "$OUT/gpu_tests.xml"
 START=$SECONDS
 say() { echo "$*" | tee -a "$LOG"; }
 $BOOK start "$OUT" --mode "$MODE" --budget "$BUDGET" --plan "$PLAN,gpu_tests=$TESTS_MIN" || exit 1
@@ -80,9 +84,9 @@ stage() {
     set -- "$PY" -c "raise RuntimeError('injected failure in stage $name (FP8PASS_GPU_CHECK_FAIL)')"
   fi
   local offset t0=$SECONDS rc=0
-  offset=$(stat -c %s "$LOG")
   $BOOK record "$OUT" "$name" --limit "$limit"
   say "== stage $name (limit ${limit} s, at $((SECONDS - START)) s of ${BUDGET})"
+  offset=$(stat -c %s "$LOG")  # the stage's own output starts here
   timeout -s "$sig" --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?
   $BOOK record "$OUT" "$name" --rc "$rc" --seconds $((SECONDS - t0)) --log-offset "$offset" $tests
   say "== stage $name: exit $rc after $((SECONDS - t0)) s"
