@@ -1,0 +1,153 @@
+"""benchmarks/gpu_check.sh run on the CPU (``FP8PASS_GPU_CHECK_CPU=quick``): the device's limits hold and a
+failing stage can be diagnosed from gpu_check.json alone.
+
+The device returns at most 8 files from ``$OUT``, in no promised order, and kills the call at 10 minutes:
+the script must never hold more than 8 files there, keep every measured case through a kill, and record
+for a failing stage its traceback and last log lines while the other stages still run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import gpu_bench  # noqa: E402
+
+# what the script may write, the temp files of the atomic rewrites included
+ALLOWED = {"gpu_check.json", "gpu_check.md", "gpu_check.log", "gpu_tests.xml", "gpu_check.json.tmp",
+           "gpu_check.md.tmp"}
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FP8PASS_GPU_CHECK", "GPU_CHECK"))}
+    env.update(PYTHON=sys.executable, **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One quick run with an injected failure in gemm, its OUT folder watched the whole time."""
+    out = tmp_path_factory.mktemp("gpu_out")
+    seen: set = set()
+    most = [0]
+    stop = threading.Event()
+
+    def watch():  # lists OUT continuously: a file that exists for a moment is seen with the others
+        while not stop.is_set():
+            files = gpu_bench.out_files(out)
+            seen.update(files)
+            most[0] = max(most[0], len(files))
+            stop.wait(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                              env=_env(OUT=str(out), FP8PASS_GPU_CHECK_CPU="quick", FP8PASS_GPU_CHECK_FAIL="gemm"))
+    finally:
+        stop.set()
+        watcher.join()
+    doc = json.loads((out / "gpu_check.json").read_text())
+    return proc, out, seen, most[0], doc
+
+
+def test_out_never_holds_more_than_eight_files(quick_run):
+    proc, out, seen, most, doc = quick_run
+    assert most <= gpu_bench.MAX_OUT_FILES, seen
+    assert seen <= ALLOWED, seen - ALLOWED
+    assert set(gpu_bench.out_files(out)) == {"gpu_check.json", "gpu_check.md", "gpu_check.log", "gpu_tests.xml"}
+    assert 4 <= doc["max_out_files"] <= gpu_bench.MAX_OUT_FILES  # the script's own count agrees
+
+
+def test_injected_failure_lands_with_traceback_and_log_tail(quick_run):
+    proc, out, seen, most, doc = quick_run
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    gemm = doc["stages"]["gemm"]
+    assert gemm["status"] == "failed (exit 1)"
+    assert gemm["traceback"].startswith("Traceback (most recent call last)")
+    assert "RuntimeError: injected failure in stage gemm" in gemm["traceback"]
+    assert "stage_gemm" in gemm["traceback"]  # the stack says where, not only what
+    tail = gemm["log_tail"]
+    assert 0 < len(tail) <= gpu_bench.LOG_TAIL_LINES
+    assert any("injected failure in stage gemm" in line for line in tail)
+    assert not any(line.startswith("== stage") for line in tail)  # only the stage's own output
+    # the case measured before the failure is kept, with its prediction
+    first = next(iter(gpu_bench.stage_cases("gemm", "quick")))
+    assert gemm["cases"][first]["ms"] > 0 and gemm["cases"][first]["predicted_ms"] > 0
+    md = (out / "gpu_check.md").read_text()
+    assert "| gemm | failed (exit 1) |" in md and "injected failure in stage gemm" in md
+
+
+def test_the_other_stages_still_run_and_record_every_case(quick_run):
+    proc, out, seen, most, doc = quick_run
+    stages = doc["stages"]
+    assert list(stages) == ["train", "gemm", "adam", "mlp", "moe", "gpu_tests"]  # goal stages first
+    for name in ("train", "adam", "mlp", "moe"):
+        s = stages[name]
+        assert s["status"] == "ok", (name, s)
+        # every planned case measured, except torchao (CUDA only: a note says so)
+        want = {c for c in gpu_bench.stage_cases(name, "quick") if not c.startswith("torchao")}
+        assert set(s["cases"]) == want, name
+        for case, row in s["cases"].items():
+            assert row["ms"] > 0 and row["predicted_ms"] > 0, (name, case)
+    assert any("torchao skipped" in n for n in stages["train"]["notes"])
+    tests = stages["gpu_tests"]
+    assert tests["status"] == "ok"
+    assert tests["tests"]["from"] == "gpu_tests.xml" and tests["tests"]["skipped"] > 50  # no CUDA here
+    assert doc["env"]["torch"] and doc["mode"] == "quick"
+
+
+def test_stage_limits_fit_the_budget_and_an_overrun_is_refused():
+    for mode in ("0", "1", "quick"):
+        r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                           env=_env(FP8PASS_GPU_CHECK_CPU=mode, GPU_CHECK_DRY="1"))
+        assert r.returncode == 0, r.stderr
+    gpu = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                         env=_env(GPU_CHECK_DRY="1")).stdout
+    assert "budget 540 s" in gpu  # 9 minutes, the install included: one 10-minute device call holds it
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                       env=_env(GPU_CHECK_DRY="1", GPU_CHECK_BUDGET="300"))
+    assert r.returncode == 2 and "exceed the 300 s budget" in r.stderr
+
+
+def test_a_timed_out_stage_records_where_it_hung(tmp_path):
+    """``timeout`` sends SIGTERM: the stage's threads' stacks go to the log (faulthandler), and the record
+    of the stage names the case that was running and the frame it hung in."""
+    results = gpu_bench.Results(tmp_path)
+    results.update(lambda d: d.update(env={"torch": "recorded earlier"}))  # skips the torch import
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from benchmarks import gpu_bench as g\n"
+            "def hang(run):\n    run.running('torch fused AdamW')\n    time.sleep(120)\n"
+            "g.STAGES['adam'] = hang\ng.run_stage('adam', g.Path(sys.argv[2]), 'quick')\n")
+    log = tmp_path / "gpu_check.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(["timeout", "-s", "TERM", "--kill-after=10", "4", sys.executable, "-c", code, str(ROOT),
+                             str(tmp_path)], stdout=f, stderr=subprocess.STDOUT, env=_env()).returncode
+    assert rc == 124
+    gpu_bench.cmd_record(tmp_path, "adam", None, rc, 4.0, 0, None, False)
+    s = results.load()["stages"]["adam"]
+    assert s["status"].startswith("timed out")
+    assert s["running_case"] == "torch fused AdamW"
+    assert "Current thread" in s["traceback"] and "in hang" in s["traceback"]
+
+
+def test_find_traceback_takes_the_last_one():
+    lines = ["noise", "Traceback (most recent call last):", '  File "a.py", line 1, in f', "    g()",
+             "ValueError: first", "more noise", "Traceback (most recent call last):", '  File "b.py", line 2, in h',
+             "    k()", "KeyError: 'second'", "after"]
+    assert gpu_bench.find_traceback(lines) == "\n".join(lines[6:10])
+    assert gpu_bench.find_traceback(["nothing", "here"]) is None
+
+
+def test_goal_values_need_every_case():
+    goal = gpu_bench.GOALS["cast_amax_bw_fraction"]  # 3 B moved per element against a copy's 4 B
+    assert goal.value({"gemm": {"cast copy": {"ms": 1.0}, "cast amax_cast": {"ms": 1.5}}}) == pytest.approx(0.5)
+    assert goal.value({"gemm": {"cast copy": {"ms": 1.0}}}) is None
+    assert goal.met(0.5) == "NO" and goal.met(0.9) == "yes"
