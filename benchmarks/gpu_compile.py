@@ -56,15 +56,17 @@ def _adam_signature(ms: MomentSpec, vs: MomentSpec, split: bool) -> dict:
     m, v = _MOMENT_PTR[ms.fmt], _MOMENT_PTR[vs.fmt]
     sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": m, "ms_ptr": "*fp32" if ms.fp8 else m, "v_ptr": v,
            "vs_ptr": "*fp32" if vs.fp8 else v, "hp_ptr": "*fp32", "seed_ptr": "*i64", "table_ptr": "*i64"}
+    hp = {name: "fp32" for name in ts._HP_ARGS}  # the hyper-parameters as fp32 arguments (host step count)
     if split:
-        return {**sig, "scratch_ptr": "*fp32", "n_tensors": "i32", "n_rows": "i32"}
-    return {**sig, "n_tensors": "i32", "n_rows": "i32", "rows_class": "i32"}
+        return {**sig, "scratch_ptr": "*fp32", "n_tensors": "i32", "n_rows": "i32", **hp}
+    return {**sig, "n_tensors": "i32", "n_rows": "i32", "rows_class": "i32", **hp}
 
 
 def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool) -> dict:
     """The update's compile-time arguments, as the launchers build them (``triton_step._step_meta``)."""
-    return ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
-                                      rounding="stochastic" if stochastic else "nearest", stochastic_flush=False))
+    return dict(ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
+                                           rounding="stochastic" if stochastic else "nearest",
+                                           stochastic_flush=False)), HP_TABLE=False)
 
 
 def cases():

@@ -26,7 +26,7 @@ from ..numerics import ROUNDINGS
 from ..numerics.kernels import family_name
 from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
 from .state_check import check_optimizer_state
-from .torch_step import CHUNK, adam_step_torch, hyper_params
+from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
 from .sharded import init_sharded_moment, is_dtensor, local_view
 
 __all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
@@ -214,41 +214,46 @@ class Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimisation step; ``closure`` re-evaluates the model and returns the loss."""
+        """One optimisation step; ``closure`` re-evaluates the model and returns the loss.
+
+        On an accelerator the step reads nothing back to the host and builds no tensor from host data:
+        the step counts advance in one multi-tensor op per device, and the hyper-parameters reach the
+        Triton kernels as fp32 arguments (a step count kept on the host, the default) or are computed
+        on the device for all tensors at once (``capturable=True``: ``torch_step.device_hyper_params``).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = (float(b) for b in group["betas"])
             decoupled = bool(group.get("decoupled_weight_decay", False))
             coupled_wd = not decoupled and group["weight_decay"] != 0
-            hps: dict = {}
-            batches: dict = {}  # (m_spec, v_spec) -> [(p, grad, state, hp)]: one Triton launch each
-            wide: list = []  # (p, grad, state, hp, m_spec, v_spec) of blocks too wide for one program
+            todo = []  # (p, grad, state, m_spec, v_spec) of the parameters with a gradient
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad
-                _check_grad(p, grad)
+                _check_grad(p, p.grad)
                 m_spec, v_spec = moment_specs(group, p.numel())
                 state = self.state[p]
                 if not state or any(k not in state for k in (*m_spec.keys, *v_spec.keys)):
                     self._init_state(p, group, state)
-                step_t = state["step"]
-                step_t += 1
-                if group["capturable"]:
-                    hp = hyper_params(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step_t,
-                                      decoupled, p.device)
-                else:
-                    key = (float(step_t), p.device)
-                    if key not in hps:
-                        hps[key] = hyper_params(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                                                key[0], decoupled, p.device)
-                    hp = hps[key]
+                todo.append((p, p.grad, state, m_spec, v_spec))
+            if not todo:
+                continue
+            steps = [st["step"] for _, _, st, _, _ in todo]
+            for same_device in _by_device(steps).values():  # one multi-tensor add per device
+                torch._foreach_add_(same_device, 1)
+            host = not group["capturable"] and not isinstance(group["lr"], torch.Tensor)
+            counts = []
+            for s in steps:  # a step count kept on the CPU (the default, as in torch): read there, no device sync
+                counts.append(float(s) if host and s.device.type == "cpu" else None)
+            hps = _hyper_params(group, decoupled, [(p.device, s, c) for (p, *_), s, c in zip(todo, steps, counts)])
+            batches: dict = {}  # (m_spec, v_spec) -> [(p, grad, state, hp)]: one Triton launch per kind of hp
+            wide: list = []  # (p, grad, state, hp, m_spec, v_spec) of blocks too wide for one program
+            for (p, grad, state, m_spec, v_spec), hp in zip(todo, hps):
                 if is_dtensor(p):  # FSDP2 shard: update the local shard and its blocks
-                    self._update(*local_view(p, grad, state), group, m_spec, v_spec, hp, coupled_wd)
-                elif self._kind(group, p) == "triton" and p.is_contiguous():
+                    p, grad, state = local_view(p, grad, state)
+                if self._kind(group, p) == "triton" and p.is_contiguous():
                     if m_spec.block <= TRITON_MAX_BLOCK:
                         batches.setdefault((m_spec, v_spec), []).append((p, grad.contiguous(), state, hp))
                     else:
@@ -288,31 +293,20 @@ class Adam(torch.optim.Optimizer):
         return n
 
     def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd) -> None:
+        """The torch paths (eager or compiled) for one parameter: what the Triton kernels do not take."""
         kind = self._kind(group, p)
         opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                     stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
-        if kind == "compiled" and m_spec.block > CHUNK:
-            kind = "torch"  # the compiled chunk holds whole blocks; larger ones take the two-pass torch path
-        if kind == "triton" and p.is_contiguous():  # the kernels want flat memory; others take the torch path
-            if m_spec.block <= TRITON_MAX_BLOCK:
-                from .triton_step import adam_step_triton
+        step_fn = adam_step_torch
+        if kind == "compiled" and m_spec.block <= CHUNK:  # larger blocks take the two-pass torch path
+            from .compiled_step import adam_step_compiled as step_fn
+            if group["kernels"] == "auto":
+                from .compiled_step import guarded
 
-                adam_step_triton(p, grad.contiguous(), state, m_spec, v_spec, hp, **opts)
-            else:
-                from .triton_split import adam_step_triton_split
-
-                adam_step_triton_split([p], [grad.contiguous()], [state], [hp], [m_spec], [v_spec], **opts)
-        else:
-            step_fn = adam_step_torch
-            if kind == "compiled":
-                from .compiled_step import adam_step_compiled as step_fn
-                if group["kernels"] == "auto":
-                    from .compiled_step import guarded
-
-                    step_fn = guarded(step_fn)
-            ws = self._workspaces.get(p.device)
-            ws = step_fn(p, grad, state, m_spec, v_spec, hp, workspace=ws, **opts)
-            self._workspaces[p.device] = ws
+                step_fn = guarded(step_fn)
+        ws = self._workspaces.get(p.device)
+        ws = step_fn(p, grad, state, m_spec, v_spec, hp, workspace=ws, **opts)
+        self._workspaces[p.device] = ws
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -336,6 +330,48 @@ class AdamW(Adam):
             raise ValueError("AdamW always decouples weight decay; use fp8pass.optim.Adam for L2 decay")
         kwargs["decoupled_weight_decay"] = True
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _by_device(tensors: list) -> dict:
+    """``tensors`` grouped by device, in order."""
+    out: dict = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def _hyper_params(group: dict, decoupled: bool, where: list) -> list:
+    """Per parameter, the scalars of its step (``torch_step.HP_FIELDS``).
+
+    Args:
+        group: the param group.
+        decoupled: AdamW's decay.
+        where: per parameter its device, its (already advanced) step tensor and the step count read on
+            the host, or None where it is not to be read (``capturable=True``, a tensor ``lr``, or a
+            step tensor on a device).
+
+    Returns:
+        per parameter ``host_hyper_params``' values (Python floats, computed once per distinct count)
+        when its count was read, else a row of the ``device_hyper_params`` tensor computed by a fixed
+        number of ops for all such parameters on its device (steps on the CPU are copied there).
+    """
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    out: list = [None] * len(where)
+    on_device: dict = {}  # param device -> [(index, step tensor)]
+    host: dict = {}  # step count -> host values
+    for i, (device, step, count) in enumerate(where):
+        if count is not None:
+            if count not in host:
+                host[count] = host_hyper_params(lr, beta1, beta2, eps, wd, count, decoupled)
+            out[i] = host[count]
+        else:
+            on_device.setdefault(device, []).append((i, step))
+    for device, items in on_device.items():
+        rows = device_hyper_params(lr, beta1, beta2, eps, wd, [s for _, s in items], decoupled, device)
+        for (i, _), row in zip(items, rows.unbind(0)):
+            out[i] = row
+    return out
 
 
 def _check_param(p: torch.Tensor) -> None:

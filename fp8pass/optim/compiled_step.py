@@ -20,7 +20,7 @@ import torch
 
 from ..numerics import saturating_cast, scale_from_amax
 from .moments import MomentSpec
-from .torch_step import CHUNK, _Workspace, adam_step_torch
+from .torch_step import CHUNK, _Workspace, adam_step_torch, as_tensor_hp
 
 __all__ = ["adam_step_compiled", "guarded"]
 
@@ -92,6 +92,7 @@ def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, h
     (so that an intermediate Inductor keeps is never larger than a chunk); a partial last block, and
     tensors of fewer than two blocks, take the eager path.
     """
+    hp = as_tensor_hp(hp, p.device)
     block = m_spec.block
     n = p.numel()
     if rounding != "nearest" or stochastic_flush or not (p.is_contiguous() and grad.is_contiguous()) \

@@ -26,7 +26,8 @@ import torch
 from ..numerics import saturating_cast, scale_from_amax
 from .moments import MomentSpec, finite_block_amax
 
-__all__ = ["CHUNK", "HP_FIELDS", "hyper_params", "adam_step_torch", "cast_moment"]
+__all__ = ["CHUNK", "HP_FIELDS", "host_hyper_params", "device_hyper_params", "hyper_params", "as_tensor_hp",
+           "adam_step_torch", "cast_moment"]
 
 # Elements per chunk (a multiple of the block is used): 6 fp32 buffers of 1 MiB stay in L2/L3.
 CHUNK = 1 << 18
@@ -35,30 +36,90 @@ HP_FIELDS = ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "inv_bc2_sq
              "decay", "l2")
 
 
-def hyper_params(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, device) -> torch.Tensor:
-    """The fp32 scalars of one step as a tensor [len(HP_FIELDS)] on ``device``.
+def host_hyper_params(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
+                      decoupled: bool) -> tuple[float, ...]:
+    """The scalars of ``HP_FIELDS`` for a step count known on the host: computed in float64 and rounded
+    once to fp32 (as torch does with Python scalars), returned as Python floats that are fp32 values,
+    so that a kernel taking them as fp32 arguments sees exactly these numbers.
 
-    ``step`` is a Python number (computed in float64, rounded once to fp32, as torch does with
-    scalars), or a tensor on ``device`` (capturable: computed on the device without a host sync).
+    Args:
+        lr, beta1, beta2, eps, weight_decay: the group's hyper-parameters (Python numbers).
+        step: the step count after this step's increment.
+        decoupled: AdamW's decoupled decay (else Adam's L2 term ``l2``).
     """
-    if isinstance(step, torch.Tensor) or isinstance(lr, torch.Tensor):
-        t = step if isinstance(step, torch.Tensor) else torch.tensor(float(step), device=device)
-        t = t.to(device=device, dtype=torch.float32)
-        lr_t = lr.to(device=device, dtype=torch.float32) if isinstance(lr, torch.Tensor) else torch.tensor(
-            float(lr), device=device)
-        bc1 = 1 - torch.pow(torch.tensor(float(beta1), device=device), t)
-        bc2 = 1 - torch.pow(torch.tensor(float(beta2), device=device), t)
-        wd = float(weight_decay)
-        one = torch.ones((), device=device)
-        parts = [one * beta1, one * (1 - beta1), one * beta2, one * (1 - beta2), torch.rsqrt(bc2), one * eps,
-                 lr_t / bc1, 1 - lr_t * wd if decoupled else one, one * (0.0 if decoupled else wd)]
-        return torch.stack([x.reshape(()).to(torch.float32) for x in parts])
     step = float(step)
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
-    vals = [beta1, 1 - beta1, beta2, 1 - beta2, 1 / math.sqrt(bc2), eps, lr / bc1,
-            1 - lr * weight_decay if decoupled else 1.0, 0.0 if decoupled else weight_decay]
+    vals = (beta1, 1 - beta1, beta2, 1 - beta2, 1 / math.sqrt(bc2), eps, lr / bc1,
+            1 - lr * weight_decay if decoupled else 1.0, 0.0 if decoupled else weight_decay)
+    return tuple(float(np.float32(v)) for v in vals)
+
+
+def device_hyper_params(lr, beta1: float, beta2: float, eps: float, weight_decay: float, steps: list,
+                        decoupled: bool, device) -> torch.Tensor:
+    """The fp32 scalars of ``HP_FIELDS`` for step counts held in tensors (capturable): one row per
+    step tensor, [len(steps), len(HP_FIELDS)] on ``device``, computed there by a fixed number of ops
+    whatever the number of tensors, with no host read and no tensor built from host data.
+
+    The bias corrections are fp32 on the device (``1 - beta**t`` with the fp32 beta), so they differ
+    from ``host_hyper_params``'s float64 ones in the last bits. Each column is written through a strided
+    view: CPU kernels then take their scalar loops, so every value is the one a 0-dim computation gives
+    (ATen's vectorised CPU ``pow`` differs from its scalar one in the last bit for some inputs).
+
+    Args:
+        lr: a Python number or a tensor (moved to ``device``: keep it there to avoid a copy).
+        beta1, beta2, eps, weight_decay, decoupled: as in ``host_hyper_params``.
+        steps: fp32 step-count tensors (after this step's increment); moved to ``device`` if elsewhere.
+        device: where the result lives.
+    """
+    hp = torch.empty((len(steps), len(HP_FIELDS)), dtype=torch.float32, device=device)
+    t = torch.stack(steps) if len(steps) > 1 else steps[0].reshape(1)
+    t = t.to(device=device, dtype=torch.float32)
+    col = dict(zip(HP_FIELDS, hp.unbind(1)))  # strided [k] views
+    for name, value in (("beta1", beta1), ("one_minus_beta1", 1 - beta1), ("beta2", beta2),
+                        ("one_minus_beta2", 1 - beta2), ("eps", eps),
+                        ("l2", 0.0 if decoupled else weight_decay)):
+        col[name].fill_(value)  # rounds the float64 value once to fp32
+    if isinstance(lr, torch.Tensor):
+        lr_t = lr.to(device=device, dtype=torch.float32)
+    else:
+        lr_t = torch.full((), float(lr), dtype=torch.float32, device=device)
+    bc1, inv_bc2s = col["step_size"], col["inv_bc2_sqrt"]
+    torch.pow(col["beta1"], t, out=bc1)  # the fp32 beta to the fp32 step count
+    bc1.neg_().add_(1)  # 1 - x, rounded once
+    torch.div(lr_t, bc1, out=bc1)  # step_size = lr / (1 - beta1**t)
+    torch.pow(col["beta2"], t, out=inv_bc2s)
+    inv_bc2s.neg_().add_(1)
+    torch.rsqrt(inv_bc2s, out=inv_bc2s)
+    if decoupled:
+        torch.mul(lr_t.expand(len(steps)), float(weight_decay), out=col["decay"])
+        col["decay"].neg_().add_(1)
+    else:
+        col["decay"].fill_(1.0)
+    return hp
+
+
+def hyper_params(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, device) -> torch.Tensor:
+    """The fp32 scalars of one step as a tensor [len(HP_FIELDS)] on ``device``.
+
+    ``step`` is a Python number (``host_hyper_params``; the tensor is built from host values, so on an
+    accelerator this is a host-to-device copy: the Triton step takes the host values as kernel
+    arguments instead), or a tensor (capturable: ``device_hyper_params``, no host read).
+    """
+    if isinstance(step, torch.Tensor) or isinstance(lr, torch.Tensor):
+        if not isinstance(step, torch.Tensor):
+            step = torch.tensor(float(step), dtype=torch.float32)
+        return device_hyper_params(lr, beta1, beta2, eps, weight_decay, [step], decoupled, device)[0]
+    vals = host_hyper_params(lr, beta1, beta2, eps, weight_decay, step, decoupled)
     return torch.tensor(vals, dtype=torch.float32, device=device)
+
+
+def as_tensor_hp(hp, device) -> torch.Tensor:
+    """``hp`` as the fp32 [len(HP_FIELDS)] tensor the torch paths read: a tensor as it is, host values
+    (``host_hyper_params``) built into one on ``device``."""
+    if isinstance(hp, torch.Tensor):
+        return hp
+    return torch.tensor(hp, dtype=torch.float32, device=device)
 
 
 def cast_moment(x: torch.Tensor, spec: MomentSpec, rounding: str, stochastic_flush: bool,
@@ -109,7 +170,8 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
         grad: its dense gradient.
         state: the parameter's optimizer state with the keys of ``m_spec`` / ``v_spec``.
         m_spec, v_spec: storage of the first and second moments (same block size).
-        hp: fp32 scalars from ``hyper_params``.
+        hp: the fp32 scalars: a tensor from ``hyper_params`` / a row of ``device_hyper_params``, or the
+            values of ``host_hyper_params``.
         maximize: ascend instead of descend.
         coupled_wd: Adam's L2 weight decay (``g + l2 * p``) is on; AdamW's decay is in ``hp``.
         rounding: "nearest" or "stochastic" for the FP8 moments.
@@ -120,6 +182,7 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
     Returns:
         the workspace, to pass to the next call.
     """
+    hp = as_tensor_hp(hp, p.device)
     n = p.numel()
     block = m_spec.block
     whole = block <= CHUNK  # chunks of whole blocks; else every block spans several chunks

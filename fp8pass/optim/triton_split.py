@@ -35,6 +35,7 @@ from .triton_step import (
     _base_args,
     _block_scale,
     _finite_amax,
+    _hp_args,
     _hyper_params,
     _launch_groups,
     _launch_seed,
@@ -58,14 +59,14 @@ _NUM_WARPS = 4  # one span of MAX_SPAN lanes per program: the fused kernel's cho
 
 @triton.jit
 def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, table_ptr, scratch_ptr, n_tensors,
-                  n_rows,
+                  n_rows, b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg,
                   M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                   M_NAN_CODE: tl.constexpr, M_FMAX: tl.constexpr, M_MIN_SUB: tl.constexpr, M_IEEE: tl.constexpr,
                   V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_MAX_CODE: tl.constexpr,
                   V_NAN_CODE: tl.constexpr, V_FMAX: tl.constexpr, V_MIN_SUB: tl.constexpr, V_IEEE: tl.constexpr,
                   V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr,
                   STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, SCALE_CAP: tl.constexpr,
-                  WRITE: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr, ALIGNED: tl.constexpr,
+                  HP_TABLE: tl.constexpr, WRITE: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr, ALIGNED: tl.constexpr,
                   W: tl.constexpr, SLOT: tl.constexpr, NB: tl.constexpr):
     """Phase 1 (``WRITE`` False) or phase 2 of the split-block step over NB spans ("rows") of the
     launch's wide blocks (see the module doc)."""
@@ -91,7 +92,8 @@ def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, 
     if WRITE:  # the state's scales are being overwritten: decode with the copies phase 1 saved
         old_ms, old_vs = slot + 2, slot + 3
     b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = _hyper_params(
-        hp_ptr + tl.load(t + 6, mask=row_ok, other=0), row_ok)
+        hp_ptr + tl.load(t + 6, mask=row_ok, other=0), row_ok,
+        (b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg), HP_TABLE)
     lane = tl.arange(0, SPAN)
     e = start[:, None] + lane[None, :]
     mask = row_ok[:, None] & ((s0[:, None] + lane[None, :]) < block[:, None]) & (e < numel[:, None])
@@ -149,7 +151,7 @@ def _launch_split(items, blocks, m_spec: MomentSpec, v_spec: MomentSpec, opts: d
     table = _table(rows, device)
     scratch = torch.zeros((n_blocks, _SLOT), dtype=torch.float32, device=device)
     seed = _launch_seed(opts, device, hp0)
-    meta = dict(**_step_meta(m_spec, v_spec, opts), SPAN=span, SEARCH_STEPS=max(1, len(items).bit_length()),
+    meta = dict(**_step_meta(m_spec, v_spec, opts), **_hp_args(items), SPAN=span, SEARCH_STEPS=max(1, len(items).bit_length()),
                 ALIGNED=aligned and span % 16 == 0 and all(b % 16 == 0 for b in blocks), W=len(_SPLIT_COLS),
                 SLOT=_SLOT, NB=1, num_warps=_NUM_WARPS,
                 enable_fp_fusion=False)  # no FMA: bit-identical to the torch path's single-rounding ops
@@ -166,7 +168,7 @@ def adam_step_triton_split(params, grads, states, hps, m_specs, v_specs, maximiz
 
     Args:
         params, grads, states, hps: per parameter its contiguous tensor, dense gradient, state dict and
-            fp32 hyper-parameter vector (``torch_step.hyper_params``).
+            hyper-parameters (host values or a device row: see ``triton_step.adam_step_triton_multi``).
         m_specs, v_specs: per parameter its moments' storage: one format pair for all, any block widths
             (one scale per tensor gives each tensor its own).
         maximize, coupled_wd, rounding, stochastic_flush: as in ``adam_step_torch``.

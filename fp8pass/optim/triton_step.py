@@ -3,7 +3,8 @@
 One launch updates many parameters (``adam_step_triton_multi``; ``adam_step_triton`` is the one-tensor
 case). A table on the device, built once per set of tensors and cached, holds per tensor the element
 offsets of its parameter, gradient, moments and block scales from the launch's base tensors, its
-hyper-parameter vector, its size and its first scale block. Each program takes ``NB`` consecutive
+hyper-parameter row (when they come from the device: ``capturable``; else they are the launch's fp32
+arguments), its size and its first scale block. Each program takes ``NB`` consecutive
 scale blocks of the whole set (a binary search in the table finds each block's tensor), reads the
 parameter, the gradient, both moments' codes and block scales, applies exactly the update of
 ``torch_step`` (same fp32 ops in the same order, IEEE ``sqrt_rn`` / ``div_rn``, FMA contraction off),
@@ -48,6 +49,7 @@ from ..numerics.kernels.triton_family import (  # the one exact in-kernel cast a
 )
 from ..numerics.scaling import MAX_SCALE
 from .moments import MomentSpec
+from .torch_step import HP_FIELDS
 
 __all__ = ["adam_step_triton", "adam_step_triton_multi", "MAX_SPAN"]
 
@@ -57,6 +59,9 @@ MAX_SPAN = 4096
 # Columns of the launch table (int64, one row per tensor).
 _COLS = ("p", "g", "m", "m_scale", "v", "v_scale", "hp", "numel", "first_block", "first_elem")
 _W = len(_COLS)
+# The kernels' fp32 hyper-parameter arguments, in the order of torch_step.HP_FIELDS.
+_HP_ARGS = tuple(f"{name}_arg" for name in ("b1", "omb1", "b2", "omb2", "inv_bc2s", "eps", "step_size", "decay",
+                                             "l2"))
 _TUNING_SCRATCH = 2**24
 
 
@@ -212,18 +217,18 @@ def _tensor_offsets(t, row_ok, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _hyper_params(hp, row_ok):
-    """The fp32 scalars of ``torch_step.HP_FIELDS`` per row, as [NB, 1] columns."""
-    b1 = tl.load(hp + 0, mask=row_ok, other=0.0)[:, None]
-    omb1 = tl.load(hp + 1, mask=row_ok, other=0.0)[:, None]
-    b2 = tl.load(hp + 2, mask=row_ok, other=0.0)[:, None]
-    omb2 = tl.load(hp + 3, mask=row_ok, other=0.0)[:, None]
-    inv_bc2s = tl.load(hp + 4, mask=row_ok, other=0.0)[:, None]
-    eps = tl.load(hp + 5, mask=row_ok, other=1.0)[:, None]
-    step_size = tl.load(hp + 6, mask=row_ok, other=0.0)[:, None]
-    decay = tl.load(hp + 7, mask=row_ok, other=1.0)[:, None]
-    l2 = tl.load(hp + 8, mask=row_ok, other=0.0)[:, None]
-    return b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2
+def _hyper_params(hp, row_ok, host, HP_TABLE: tl.constexpr):
+    """The fp32 scalars of ``torch_step.HP_FIELDS``: the launch's fp32 arguments ``host`` (a tuple), or
+    with ``HP_TABLE`` each row's own from its tensor's row ``hp`` of a device tensor, as [NB, 1] columns."""
+    if HP_TABLE:
+        out = (tl.load(hp + 0, mask=row_ok, other=0.0)[:, None], tl.load(hp + 1, mask=row_ok, other=0.0)[:, None],
+               tl.load(hp + 2, mask=row_ok, other=0.0)[:, None], tl.load(hp + 3, mask=row_ok, other=0.0)[:, None],
+               tl.load(hp + 4, mask=row_ok, other=0.0)[:, None], tl.load(hp + 5, mask=row_ok, other=1.0)[:, None],
+               tl.load(hp + 6, mask=row_ok, other=0.0)[:, None], tl.load(hp + 7, mask=row_ok, other=1.0)[:, None],
+               tl.load(hp + 8, mask=row_ok, other=0.0)[:, None])
+    else:
+        out = host
+    return out
 
 
 _ADAM_CONFIGS = [triton.Config({"NB": nb}, num_warps=w) for nb, w in ((1, 4), (2, 4), (4, 4), (8, 4), (16, 4), (32, 8))]
@@ -253,15 +258,16 @@ def _refuse_live_tuning(nargs, reset_only=False):
           prune_configs_by={"early_config_prune": _prune_adam_configs}, pre_hook=_refuse_live_tuning)
 @triton.jit
 def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, table_ptr, n_tensors, n_rows,
-                 rows_class,
+                 rows_class, b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg,
+                 l2_arg,
                  M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                  M_NAN_CODE: tl.constexpr, M_FMAX: tl.constexpr, M_MIN_SUB: tl.constexpr, M_IEEE: tl.constexpr,
                  V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_MAX_CODE: tl.constexpr,
                  V_NAN_CODE: tl.constexpr, V_FMAX: tl.constexpr, V_MIN_SUB: tl.constexpr, V_IEEE: tl.constexpr,
                  V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr,
                  STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, SCALE_CAP: tl.constexpr,
-                 BLOCK: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr, ALIGNED: tl.constexpr,
-                 W: tl.constexpr, NB: tl.constexpr):
+                 HP_TABLE: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                 ALIGNED: tl.constexpr, W: tl.constexpr, NB: tl.constexpr):
     """Adam(W) on NB scale blocks ("rows") of the launch's tensors (see the module doc)."""
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * NB + tl.arange(0, NB)
@@ -274,7 +280,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
     ms = ms_ptr + tl.load(t + 3, mask=row_ok, other=0) + blk
     vs = vs_ptr + tl.load(t + 5, mask=row_ok, other=0) + blk
     b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = _hyper_params(
-        hp_ptr + tl.load(t + 6, mask=row_ok, other=0), row_ok)
+        hp_ptr + tl.load(t + 6, mask=row_ok, other=0), row_ok,
+        (b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg), HP_TABLE)
     seed = 0
     if STOCHASTIC or SFLUSH:
         seed = tl.load(seed_ptr)
@@ -378,12 +385,13 @@ def _tensor_rows(items, m_spec: MomentSpec, v_spec: MomentSpec, blocks) -> tuple
     p0, g0, st0, hp0 = items[0]
     m0, ms0 = _storage(st0, m_spec)
     v0, vs0 = _storage(st0, v_spec)
+    on_device = isinstance(hp0, torch.Tensor)  # else one set of host values for the launch: no table column
     rows, first_block, first_elem, aligned = [], 0, 0, True
     for (p, g, st, hp), block in zip(items, blocks):
         m, ms = _storage(st, m_spec)
         v, vs = _storage(st, v_spec)
         offs = (_offset(p, p0), _offset(g, g0), _offset(m, m0), _offset(ms, ms0), _offset(v, v0), _offset(vs, vs0),
-                _offset(hp, hp0))
+                _offset(hp, hp0) if on_device else 0)
         aligned = aligned and all(o % 16 == 0 for o in (offs[0], offs[1], offs[2], offs[4]))
         rows.append((*offs, p.numel(), first_block, first_elem))
         first_block += -(-p.numel() // block)
@@ -392,9 +400,21 @@ def _tensor_rows(items, m_spec: MomentSpec, v_spec: MomentSpec, blocks) -> tuple
 
 
 def _base_args(items, m_spec: MomentSpec, v_spec: MomentSpec) -> tuple:
-    """The launch's base tensors: parameter, gradient, m, m's scales, v, v's scales, hyper-parameters."""
+    """The launch's base tensors: parameter, gradient, m, m's scales, v, v's scales, hyper-parameters
+    (with host values, a 4-byte fp32 allocation that the kernel never reads)."""
     p0, g0, st0, hp0 = items[0]
+    if not isinstance(hp0, torch.Tensor):
+        hp0 = torch.empty(1, dtype=torch.float32, device=p0.device)
     return (p0, g0, *_storage(st0, m_spec), *_storage(st0, v_spec), hp0)
+
+
+def _hp_args(items) -> dict:
+    """The hyper-parameters of a launch: its fp32 scalar arguments (host values; zeros, unread, when
+    they come from the device tensor) and ``HP_TABLE``."""
+    hp = items[0][3]
+    on_device = isinstance(hp, torch.Tensor)
+    vals = (0.0,) * len(HP_FIELDS) if on_device else hp
+    return dict(zip(_HP_ARGS, vals), HP_TABLE=on_device)
 
 
 def _launch_seed(opts: dict, device: torch.device, unused: torch.Tensor) -> torch.Tensor:
@@ -422,10 +442,10 @@ def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_clas
     seed = _launch_seed(opts, device, hp0)
     rows_class = size_class(n_rows) if rows_class is None else rows_class
     span = min(triton.next_power_of_2(block), MAX_SPAN)
-    meta = dict(**_step_meta(m_spec, v_spec, opts), BLOCK=block, SPAN=span,
+    meta = dict(**_step_meta(m_spec, v_spec, opts), **_hp_args(items), BLOCK=block, SPAN=span,
                 SEARCH_STEPS=max(1, len(items).bit_length()), ALIGNED=aligned and block % 16 == 0, W=_W)
     key = (device, p0.dtype, g0.dtype, m0.dtype, v0.dtype, seed.dtype, rows_class, block, m_spec.fmt, v_spec.fmt,
-           v_spec.stores_sqrt, meta["STOCHASTIC"], meta["SFLUSH"])
+           v_spec.stores_sqrt, meta["STOCHASTIC"], meta["SFLUSH"], meta["HP_TABLE"])
     if not INTERPRETING and key not in _TUNED and not _TUNING[0]:
         _tune_on_scratch(items[0], m_spec, v_spec, opts, rows_class, min(n_elems, _TUNING_SCRATCH))
         _TUNED.add(key)
@@ -440,6 +460,8 @@ def _tune_on_scratch(item, m_spec, v_spec, opts, rows_class: int, numel: int) ->
     from .moments import init_moment
 
     p, g, _, hp = item
+    if isinstance(hp, torch.Tensor):
+        hp = hp.clone()
     sp = torch.zeros(numel, dtype=p.dtype, device=p.device)
     sg = torch.full((numel,), 1e-3, dtype=g.dtype, device=g.device)
     st: dict = {}
@@ -447,7 +469,7 @@ def _tune_on_scratch(item, m_spec, v_spec, opts, rows_class: int, numel: int) ->
     init_moment(st, v_spec, sp)
     _TUNING[0] = True
     try:
-        _launch([(sp, sg, st, hp.clone())], m_spec, v_spec, opts, rows_class)
+        _launch([(sp, sg, st, hp)], m_spec, v_spec, opts, rows_class)
     finally:
         _TUNING[0] = False
 
@@ -467,7 +489,9 @@ def adam_step_triton_multi(params, grads, states, hps, m_spec: MomentSpec, v_spe
 
     Args:
         params, grads, states, hps: per parameter its tensor, dense gradient, state dict (moments in the
-            layout of ``m_spec`` / ``v_spec``) and fp32 hyper-parameter vector (``torch_step.hyper_params``).
+            layout of ``m_spec`` / ``v_spec``) and hyper-parameters: the values of
+            ``torch_step.host_hyper_params`` (passed as fp32 kernel arguments: one launch per distinct
+            set), or an fp32 tensor (``hyper_params``; a row of ``device_hyper_params``) read by the kernel.
         m_spec, v_spec, maximize, coupled_wd, rounding, stochastic_flush: as in ``adam_step_torch``.
         generator: for stochastic rounding, used for the tensors on its device (the device's default
             generator for the others).
@@ -479,14 +503,17 @@ def adam_step_triton_multi(params, grads, states, hps, m_spec: MomentSpec, v_spe
 
 
 def _launch_groups(params, grads, states, hps, blocks) -> list[tuple[list, list]]:
-    """The non-empty tensors grouped by launch (device, parameter dtype, gradient dtype): per group its
-    items (param, grad, state, hp on the param's device) and their scale-block widths."""
+    """The non-empty tensors grouped by launch (device, parameter dtype, gradient dtype, and the host
+    hyper-parameter values where they are such): per group its items (param, grad, state, hp: a tensor
+    on the param's device, or the tuple of host values) and their scale-block widths."""
     groups: dict = {}
     for p, g, st, hp, block in zip(params, grads, states, hps, blocks):
         _check(p, g)
         if p.numel():
-            items, widths = groups.setdefault((p.device, p.dtype, g.dtype), ([], []))
-            items.append((p, g, st, hp.to(p.device)))
+            on_device = isinstance(hp, torch.Tensor)
+            hp = hp.to(p.device) if on_device else tuple(float(x) for x in hp)
+            items, widths = groups.setdefault((p.device, p.dtype, g.dtype, None if on_device else hp), ([], []))
+            items.append((p, g, st, hp))
             widths.append(block)
     return list(groups.values())
 

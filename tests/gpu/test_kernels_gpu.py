@@ -312,6 +312,60 @@ def test_adam_kernel_step_has_no_host_sync():
     assert all(not torch.equal(b, p) for b, p in zip(before, params))  # the step ran and updated
 
 
+@pytest.mark.parametrize("capturable", [False, True], ids=["host step", "capturable"])
+def test_adamw_step_has_no_host_sync(capturable):
+    """The optimizer's steady-state step (hyper-parameters as kernel arguments, or computed on the device)
+    under ``set_sync_debug_mode("error")``: no synchronising copy or read."""
+    import fp8pass.optim as fo
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).cuda()) for s in SHAPES if s != (0,)]
+    opt = fo.AdamW(params, lr=1e-2, capturable=capturable)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state, launch table and autotuning outside the check
+    for p in params:
+        p.grad.copy_(torch.randn_like(p))
+    before = [p.detach().clone() for p in params]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(not torch.equal(b, p) for b, p in zip(before, params))
+
+
+def test_capturable_adamw_step_replays_in_a_cuda_graph():
+    """capturable=True: one step captured in a CUDA graph and replayed gives, bit for bit, the eager steps."""
+    import fp8pass.optim as fo
+
+    g = torch.Generator().manual_seed(1)
+    init = [torch.randn(s, generator=g) for s in SHAPES if s != (0,)]
+    grads = [[torch.randn(x.shape, generator=g).cuda() for x in init] for _ in range(5)]
+    eager = [torch.nn.Parameter(x.cuda()) for x in init]
+    graphed = [torch.nn.Parameter(x.cuda()) for x in init]
+    opt_e, opt_g = (fo.AdamW(ps, lr=1e-2, capturable=True) for ps in (eager, graphed))
+    for ps, opt in ((eager, opt_e), (graphed, opt_g)):  # step 1 eagerly: state, table, autotuning
+        for p, gr in zip(ps, grads[0]):
+            p.grad = gr.clone()
+        opt.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt_g.step()  # captured, not run
+    for step_grads in grads[1:]:
+        for p, q, gr in zip(eager, graphed, step_grads):
+            p.grad.copy_(gr)
+            q.grad.copy_(gr)
+        opt_e.step()
+        graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(eager, graphed):
+        assert torch.equal(p, q)
+        for k, v in opt_e.state[p].items():
+            assert _same_state(v, opt_g.state[q][k]), k
+
+
 # -- past 2**31 elements ----------------------------------------------------------------------------------
 
 
