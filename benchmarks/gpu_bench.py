@@ -198,7 +198,9 @@ class Results:
         seen = len(files) + (0 if (self.dir / JSON_NAME).exists() else 1) + 1  # + the temp file
         doc["max_out_files"] = max(doc.get("max_out_files", 0), seen)
         if seen > MAX_OUT_FILES:
-            doc.setdefault("notes", []).append(f"{seen} files under OUT, over the device's {MAX_OUT_FILES}: {files}")
+            note = f"{seen} files under OUT, over the device's {MAX_OUT_FILES} (it returns only some): {files}"
+            if note not in doc.setdefault("notes", []):
+                doc["notes"].append(note)
         doc["updated"] = _now()
         self._write(JSON_NAME, json.dumps(doc, indent=1, default=str))
         self._write(MD_NAME, to_markdown(doc))
@@ -373,13 +375,17 @@ def _graph_ms(step, repeat: int) -> float:
     return ms
 
 
-def _timed_cases(run: StageRun, steps: dict, repeat: int, inner: int = 1) -> None:
-    """Time each step (compiled), recording each case as it is measured; then, on the GPU, each one's
-    CUDA-graph replay (after all plain timings, so a capture that breaks the context costs nothing else)."""
+def _time_steps(run: StageRun, steps: dict, repeat: int, inner: int = 1) -> None:
+    """Time each step, recording each case as soon as it is measured."""
     for name, step in steps.items():
         run.running(name)
         ms = _median_ms({name: step}, run.device, repeat, warmup=1 if run.mode == "quick" else 2, inner=inner)[name]
         run.case(name, ms=ms)
+
+
+def _graph_steps(run: StageRun, steps: dict, repeat: int) -> None:
+    """On the GPU, each step's CUDA-graph replay, or why it cannot be captured. Runs after every plain
+    timing of the stage, so a capture that breaks the CUDA context costs no other number."""
     if run.device != "cuda":
         return
     import torch
@@ -389,8 +395,8 @@ def _timed_cases(run: StageRun, steps: dict, repeat: int, inner: int = 1) -> Non
         try:
             run.case(name, graph_ms=_graph_ms(step, repeat), graph="ok")
         except Exception as e:  # not capturable: say why, and go on with the next case
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-            run.case(name, graph=f"not captured ({why})")
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            run.case(name, graph=f"not captured ({type(e).__name__}: {msg})"[:300])
             try:
                 torch.cuda.synchronize()
             except Exception as e2:  # the failed capture broke the context: no further graphs
@@ -421,23 +427,26 @@ def _torchao_available() -> str | None:
 
 
 def stage_gemm(run: StageRun) -> None:
+    """The 5B shapes first (the goal), then the casts, then 8192^3, then every GEMM case's CUDA graph."""
     import torch
 
     from benchmarks.linear import linear_cases
 
     dtype = torch.bfloat16 if run.device == "cuda" else torch.float32
     repeat = {"gpu": 20, "smoke": 3, "quick": 1}[run.mode]
-    shapes = {}
+    shapes: dict = {}
     for name, (kind, variant, shape) in run.plan.items():
         if kind == "gemm":
             shapes.setdefault((shape["M"], shape["K"], shape["N"]), {})[variant] = name
-    for (m, k, n), names in shapes.items():
-        cases, tensors = linear_cases(m, k, n, torch.device(run.device), dtype, wrap=_compile(run))
-        _timed_cases(run, {names[v]: cases[{"bf16": "baseline"}.get(v, v)] for v in names}, repeat)
-        del cases, tensors
-        if run.device == "cuda":
-            torch.cuda.empty_cache()
-    _cast_bandwidth(run, repeat)
+    steps = {}
+    for i, ((m, k, n), names) in enumerate(shapes.items()):
+        cases, _ = linear_cases(m, k, n, torch.device(run.device), dtype, wrap=_compile(run))
+        these = {names[v]: cases["baseline" if v == "bf16" else v] for v in names}
+        _time_steps(run, these, repeat)
+        steps.update(these)
+        if i == len(TE_5B_KN) - 1:
+            _cast_bandwidth(run, repeat)
+    _graph_steps(run, steps, repeat)
 
 
 def _cast_bandwidth(run: StageRun, repeat: int) -> None:
@@ -454,9 +463,7 @@ def _cast_bandwidth(run: StageRun, repeat: int) -> None:
     cases = {"cast copy": lambda: x.clone(),
              "cast amax_cast": lambda: triton_family.cast_scaled(x, s, E4M3, want_amax=True),
              "cast transpose_cast": lambda: triton_kernels.transpose_cast(x, s, E4M3)}
-    for name, fn in cases.items():
-        run.running(name)
-        run.case(name, ms=_median_ms({name: fn}, run.device, repeat, inner=10 if run.device == "cuda" else 1)[name])
+    _time_steps(run, cases, repeat, inner=10 if run.device == "cuda" else 1)
 
 
 def stage_mlp(run: StageRun) -> None:
@@ -474,7 +481,9 @@ def stage_mlp(run: StageRun) -> None:
         steps["torchao"] = torchao_case("mlp", tensors, dev)
     else:
         run.note(f"torchao skipped: {why}")
-    _timed_cases(run, steps, {"gpu": 10, "smoke": 3, "quick": 1}[run.mode])
+    repeat = {"gpu": 10, "smoke": 3, "quick": 1}[run.mode]
+    _time_steps(run, steps, repeat)
+    _graph_steps(run, steps, repeat)
 
 
 def stage_moe(run: StageRun) -> None:
@@ -486,7 +495,10 @@ def stage_moe(run: StageRun) -> None:
     fns, offs = moe.cases(shape["tokens"], shape["experts"], shape["topk"], shape["d"], shape["ffn"],
                           torch.device(run.device), wrap=_compile(run))
     run.values(rows_per_expert=torch.diff(offs.cpu(), prepend=offs.new_zeros(1).cpu()).tolist())
-    _timed_cases(run, {k: fns[k] for k in run.plan}, {"gpu": 10, "smoke": 3, "quick": 1}[run.mode])
+    steps = {k: fns[k] for k in run.plan}
+    repeat = {"gpu": 10, "smoke": 3, "quick": 1}[run.mode]
+    _time_steps(run, steps, repeat)
+    _graph_steps(run, steps, repeat)
 
 
 def stage_train(run: StageRun) -> None:
