@@ -56,17 +56,15 @@ def _adam_signature(ms: MomentSpec, vs: MomentSpec, split: bool) -> dict:
     m, v = _MOMENT_PTR[ms.fmt], _MOMENT_PTR[vs.fmt]
     sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": m, "ms_ptr": "*fp32" if ms.fp8 else m, "v_ptr": v,
            "vs_ptr": "*fp32" if vs.fp8 else v, "hp_ptr": "*fp32", "seed_ptr": "*i64", "table_ptr": "*i64"}
-    hp = {name: "fp32" for name in ts._HP_ARGS}  # the hyper-parameters as fp32 arguments (host step count)
     if split:
-        return {**sig, "scratch_ptr": "*fp32", "n_tensors": "i32", "n_rows": "i32", **hp}
-    return {**sig, "n_tensors": "i32", "n_rows": "i32", "rows_class": "i32", **hp}
+        return {**sig, "scratch_ptr": "*fp32", "n_tensors": "i32", "n_rows": "i32"}
+    return {**sig, "n_tensors": "i32", "n_rows": "i32", "rows_class": "i32"}
 
 
 def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool) -> dict:
     """The update's compile-time arguments, as the launchers build them (``triton_step._step_meta``)."""
-    return dict(ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
-                                           rounding="stochastic" if stochastic else "nearest",
-                                           stochastic_flush=False)), HP_TABLE=False)
+    return ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
+                                      rounding="stochastic" if stochastic else "nearest", stochastic_flush=False))
 
 
 def cases():
@@ -131,20 +129,26 @@ def cases():
     return out
 
 
+def compile_case(kernel, sig: dict, consts: dict, cfg, arch: int = 90, attrs: dict | None = None):
+    """One case of :func:`cases` compiled for sm_``arch`` (a triton CompiledKernel: ``.asm`` has the PTX
+    and the cubin). ``attrs``: Triton's argument specialisations, e.g. ``{(0,): [["tt.divisibility", 16]]}``."""
+    fn = _jit(kernel)
+    full = dict(sig, **{k: "constexpr" for k in consts})
+    opts = {"num_warps": cfg.num_warps} if cfg is not None else {}
+    if kernel in (ts._adam_kernel, tsplit._split_kernel):
+        opts["enable_fp_fusion"] = False
+    return triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=opts)
+
+
 def compile_all(arch: int = 90, only: str | None = None) -> list[dict]:
-    target = GPUTarget("cuda", arch, 32)
     rows = []
     for name, kernel, sig, consts, cfg in cases():
         if only and not any(part in name for part in only.split(",")):
             continue
-        fn = _jit(kernel)
-        full = dict(sig, **{k: "constexpr" for k in consts})
-        opts = {"num_warps": cfg.num_warps} if cfg is not None else {}
-        if kernel in (ts._adam_kernel, tsplit._split_kernel):
-            opts["enable_fp_fusion"] = False
         t = time.perf_counter()
         try:
-            k = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=target, options=opts)
+            k = compile_case(kernel, sig, consts, cfg, arch)
             rows.append({"kernel": name, "ok": True, "s": round(time.perf_counter() - t, 2), "ptx_lines":
                          k.asm["ptx"].count("\n") if "ptx" in k.asm else None})
         except Exception as e:  # noqa: BLE001 - report every failing kernel, not only the first
