@@ -195,7 +195,7 @@ class Results:
         fn(doc)
         files = out_files(self.dir)
         doc["out_files"] = files
-        seen = len(files) + (0 if (self.dir / JSON_NAME).exists() else 1) + 1  # + the temp file
+        seen = len(set(files) | {JSON_NAME, MD_NAME}) + 1  # the most at once while writing: + one temp file
         doc["max_out_files"] = max(doc.get("max_out_files", 0), seen)
         if seen > MAX_OUT_FILES:
             note = f"{seen} files under OUT, over the device's {MAX_OUT_FILES} (it returns only some): {files}"
@@ -454,15 +454,21 @@ def _cast_bandwidth(run: StageRun, repeat: int) -> None:
     import torch
 
     from fp8pass.numerics import E4M3
-    from fp8pass.numerics.kernels import triton_family
-    from fp8pass.runtime.kernels import triton_kernels  # off the GPU: in the interpreter (TRITON_INTERPRET=1)
+
+    try:  # off the GPU: in the interpreter (TRITON_INTERPRET=1)
+        from fp8pass.numerics.kernels import triton_family
+        from fp8pass.runtime.kernels import triton_kernels
+        cast_scaled, transpose_cast = triton_family.cast_scaled, triton_kernels.transpose_cast
+    except (ImportError, AttributeError) as e:  # the kernels moved: the GEMM numbers still count
+        run.note(f"cast kernels not timed: {type(e).__name__}: {e}")
+        return
 
     _, _, shape = run.plan["cast copy"]
     x = torch.randn(shape["rows"], shape["cols"], device=run.device, dtype=torch.bfloat16)
     s = torch.tensor(8.0, device=run.device)
     cases = {"cast copy": lambda: x.clone(),
-             "cast amax_cast": lambda: triton_family.cast_scaled(x, s, E4M3, want_amax=True),
-             "cast transpose_cast": lambda: triton_kernels.transpose_cast(x, s, E4M3)}
+             "cast amax_cast": lambda: cast_scaled(x, s, E4M3, want_amax=True),
+             "cast transpose_cast": lambda: transpose_cast(x, s, E4M3)}
     _time_steps(run, cases, repeat, inner=10 if run.device == "cuda" else 1)
 
 
