@@ -35,8 +35,8 @@ Inputs other tools measure, read when present (each output line says which were 
   estimate written beside the entry.
 * ``docs/results/gpu_static.json`` (``benchmarks/gpu_static.py``): per kernel variant ``sass_per_elem``
   and ``bw_fraction`` for each Triton version; the device's version (3.6.0) is used when present, else
-  the newest listed. Rows are matched to a role by kernel/variant name (``ROLES``); several matching
-  rows give their median. Missing roles use ``DEFAULT_SASS`` (issue 28's counts at 5091ad3).
+  the newest listed. Rows are matched to a role by kernel and variant name (``ROLES``, aligned builds);
+  several matching rows (autotuner configs) give their median. Missing roles use ``DEFAULT_SASS`` (issue 28's counts at 5091ad3).
 
 Bytes are counted as the fewest each kernel must move (inputs read once, outputs written once), the
 counts stated in each case function below; bf16 activations, fp32 master weights and optimizer state.
@@ -89,11 +89,12 @@ DEFAULT_LAUNCHES = {
     "torchao block layer": 70,             # estimate: bf16's plus compiled casts of seven linears
 }
 
-# role -> (kernel name must contain, variant must not contain any of)
+# role -> (kernel, what its variant must contain): the variant gpu_bench's cases run (aligned tensors,
+# round-to-nearest, E4M3 codes; Adam with fp8pass's default moments, E4M3 m / E5M2 v, block 128)
 ROLES = {
-    "cast": ("cast", ("transpose", "sr=True", "stochastic", "e2m1", "tiles")),
-    "transpose_cast": ("transpose", ("sr=True", "stochastic")),
-    "adam": ("adam", ("sr=True", "stochastic")),
+    "cast": ("_cast_tensor_kernel", ("cast e4m3 ", "sr=False")),
+    "transpose_cast": ("_transpose_cast_kernel", ("T=True", "sr=False")),
+    "adam": ("_adam_kernel", ("e4m3/e5m2", "block=128", "sr=False")),
 }
 # SASS instructions per element when gpu_static.json lacks the role (issue 28, triton 3.9, 5091ad3)
 DEFAULT_SASS = {"cast": 59.0, "transpose_cast": 116.0, "adam": 440.0}
@@ -144,9 +145,9 @@ def load_inputs(launches_json: Path = LAUNCHES_JSON, static_json: Path = STATIC_
             raise ValueError(f"{static_json}: expected {{'versions': {{version: [rows]}}}}")
         ver = triton_version if triton_version in versions else max(versions, key=_version_key)
         inp.static_version = ver
-        for role, (must, must_not) in ROLES.items():
-            rows = [r for r in versions[ver] if must in r.get("kernel", "").lower()
-                    and not any(w in (r.get("kernel", "") + " " + r.get("variant", "")) for w in must_not)]
+        for role, (kernel, parts) in ROLES.items():
+            rows = [r for r in versions[ver] if r.get("kernel") == kernel and "[unaligned]" not in r.get("variant", "")
+                    and all(p in r.get("variant", "") for p in parts)]
             if rows:
                 fracs = [r["bw_fraction"] for r in rows if r.get("bw_fraction")]
                 inp.static[role] = {"sass_per_elem": statistics.median(r["sass_per_elem"] for r in rows),
@@ -206,8 +207,7 @@ class Cost:
     def result(self) -> dict:
         host = self.launches * self.m.launch_s
         return {"predicted_ms": max(self.device_s, host) * 1e3, "predicted_graph_ms": self.device_s * 1e3,
-                "terms": {**{k: round(v, 4) for k, v in self.terms.items()}, "launches": self.launches,
-                          "host_ms": round(host * 1e3, 4)},
+                "terms": {**self.terms, "launches": self.launches, "host_ms": host * 1e3},
                 "defaults": sorted(set(self.defaults))}
 
 
