@@ -9,8 +9,9 @@ order they run, every case written to gpu_check.json as soon as it is measured:
             tokens): fp8-smooth-fp8adam (the fp8 backend, fp8pass AdamW) / bf16 Inductor (torch fused
             AdamW) / torchao float8 tensorwise (compiled, when a carried wheel provides it), peak memory
     gemm    one linear layer fwd+bwd, compiled: BF16 / FP8 incl. casts (current, delayed scaling) at
-            Transformer Engine's 5B shapes (M 15872; K x N 4096x4096, 4096x16384, 16384x4096) and 8192^3;
-            the cast kernels' bandwidth (amax + cast, transpose-cast) / a copy's, same tensor
+            Transformer Engine's 5B shapes (M 15872; K x N 4096x4096, 4096x16384, 16384x4096), the cast
+            kernels' bandwidth (amax + cast, transpose-cast) / a copy's, 8192^3, the CUDA graphs, then
+            torchao Float8Linear tensorwise at the 5B shapes
     adam    FP8 AdamW step / torch fused AdamW step at 1B parameters (8 tensors of 125M), state bytes
     mlp     Smooth-SwiGLU MLP fwd+bwd, compiled, fp8 (current, delayed) / bf16 / torchao, 16384 tokens x
             4096 -> 14336 -> 4096 (Llama-3-8B's MLP)
@@ -87,6 +88,8 @@ def stage_cases(stage: str, mode: str) -> dict:
         rc = (256, 256) if tiny else (16384, 8192)
         out.update({f"cast {v}": ("cast", v, {"rows": rc[0], "cols": rc[1]})
                     for v in ("copy", "amax_cast", "transpose_cast")})
+        out.update({f"{label} torchao": ("gemm", "torchao", {"M": m, "K": k, "N": n})
+                    for label, m, k, n in shapes if label.startswith("5b")})  # measured last, CUDA only
         return out
     if stage == "adam":
         per, count = (4096, 2) if mode == "quick" else (25_000, 4) if tiny else (125_000_000, 8)
@@ -141,6 +144,9 @@ GOALS = {  # issue 28's GPU goals; time ratios unless the text says bandwidth
     "gemm_5b_delayed_speedup": Goal("5B layer GEMMs fwd+bwd incl. casts: BF16 time / FP8 delayed", "gemm",
                                     tuple(f"{s} bf16" for s in _5B), tuple(f"{s} fp8_delayed" for s in _5B),
                                     ">=", 1.65),
+    "gemm_5b_current_over_torchao": Goal("5B layer GEMMs fwd+bwd incl. casts: FP8 current time / torchao tensorwise",
+                                         "gemm", tuple(f"{s} fp8_current" for s in _5B),
+                                         tuple(f"{s} torchao" for s in _5B)),
     "gemm_8192_delayed_speedup": Goal("8192^3 linear fwd+bwd: BF16 time / FP8 delayed", "gemm",
                                       ("8192^3 bf16",), ("8192^3 fp8_delayed",)),
     "cast_amax_bw_fraction": Goal("amax + cast bandwidth / copy bandwidth", "gemm", ("cast copy",),
@@ -438,15 +444,24 @@ def stage_gemm(run: StageRun) -> None:
     for name, (kind, variant, shape) in run.plan.items():
         if kind == "gemm":
             shapes.setdefault((shape["M"], shape["K"], shape["N"]), {})[variant] = name
-    steps = {}
+    steps, tensors = {}, {}
     for i, ((m, k, n), names) in enumerate(shapes.items()):
-        cases, _ = linear_cases(m, k, n, torch.device(run.device), dtype, wrap=_compile(run))
-        these = {names[v]: cases["baseline" if v == "bf16" else v] for v in names}
+        cases, tensors[names["bf16"].rsplit(" ", 1)[0]] = linear_cases(m, k, n, torch.device(run.device), dtype,
+                                                                        wrap=_compile(run))
+        these = {names[v]: cases["baseline" if v == "bf16" else v] for v in names if v != "torchao"}
         _time_steps(run, these, repeat)
         steps.update(these)
         if i == len(TE_5B_KN) - 1:
             _cast_bandwidth(run, repeat)
     _graph_steps(run, steps, repeat)
+    why = "its float8 path needs CUDA (_scaled_mm)" if run.device != "cuda" else _torchao_available()
+    if why is not None:
+        run.note(f"torchao skipped: {why}")
+        return
+    from benchmarks.linear import torchao_case  # Float8Linear tensorwise, compiled
+
+    _time_steps(run, {name: torchao_case("linear", tensors[name.rsplit(" ", 1)[0]], torch.device(run.device))
+                      for name in run.plan if name.endswith(" torchao")}, repeat)
 
 
 def _cast_bandwidth(run: StageRun, repeat: int) -> None:

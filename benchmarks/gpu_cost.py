@@ -75,6 +75,7 @@ DEFAULT_LAUNCHES = {
     "bf16 linear": 3,                      # estimate: three GEMMs
     "fp8_linear current": 83,              # issue 28, counted at 5091ad3
     "fp8_linear delayed": 239,             # issue 28, counted at 5091ad3
+    "torchao linear": 12,                  # estimate: three GEMMs + compiled amax/cast kernels
     "bf16 swiglu_mlp": 12,                 # estimate: nine GEMMs + three fused elementwise kernels
     "swiglu_mlp channel": 319,             # issue 28, counted at 5091ad3 (current scaling)
     "swiglu_mlp channel delayed": 319 + 3 * (239 - 83),  # estimate: each linear's delayed-state extra
@@ -215,14 +216,16 @@ class Cost:
 
 
 def linear_case(c: Cost, variant: str, M: int, K: int, N: int) -> None:
-    """One linear layer fwd+bwd (y = x W^T, dgrad, wgrad): x [M, K], W [N, K]."""
+    """One linear layer fwd+bwd (y = x W^T, dgrad, wgrad): x [M, K], W [N, K]; variant "bf16",
+    "fp8_current", "fp8_delayed" or "torchao" (tensorwise current scaling)."""
     fp8 = variant != "bf16"
     c.gemm(M, K, N, fp8, count=3)  # the three GEMMs have the same FLOPs
     if fp8:
         delayed = variant == "fp8_delayed"
         for elems in (M * K, N * K, M * N):  # x, W, dy: codes and transposed codes
             c.cast(elems, delayed)
-        c.launch("fp8_linear delayed" if delayed else "fp8_linear current")
+        c.launch({"fp8_delayed": "fp8_linear delayed", "fp8_current": "fp8_linear current",
+                  "torchao": "torchao linear"}[variant])
     else:
         c.launch("bf16 linear")
 
