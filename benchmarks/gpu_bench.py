@@ -272,6 +272,10 @@ def to_markdown(doc: dict) -> str:
 # -- one stage's bookkeeping, inside its process ------------------------------------------------------
 
 
+class InjectedFailure(RuntimeError):
+    """Raised by ``FP8PASS_GPU_CHECK_FAIL`` (a test hook): it ends its stage, unlike a case's own error."""
+
+
 class StageRun:
     """What a stage reports, each piece written to gpu_check.json at once.
 
@@ -288,6 +292,7 @@ class StageRun:
         self.device = "cuda" if mode == "gpu" else "cpu"
         self.plan = stage_cases(stage, mode)
         self.inject = os.environ.get(FAIL_ENV, "") == stage
+        self.failed: list = []  # (case, traceback) of the cases that raised
         try:
             from importlib.metadata import version
 
@@ -317,7 +322,24 @@ class StageRun:
             s.pop("running_case", None)
         self._edit(put)
         if self.inject:
-            raise RuntimeError(f"injected failure in stage {self.stage} after case {name!r} ({FAIL_ENV})")
+            raise InjectedFailure(f"injected failure in stage {self.stage} after case {name!r} ({FAIL_ENV})")
+
+    def guarded(self, name: str, fn) -> bool:
+        """Run one case's ``fn``; an error is recorded on the case (with its traceback) and the stage goes
+        on with its other cases, then ends failed. An injected failure ends the stage at once."""
+        try:
+            fn()
+            return True
+        except InjectedFailure:
+            raise
+        except Exception as e:
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+            self.failed.append((name, tb))
+            self._edit(lambda s: s.setdefault("cases", {}).setdefault(name, {}).update(
+                error=f"{type(e).__name__}: {e}"[:500], traceback=tb))
+            self._edit(lambda s: s.pop("running_case", None))
+            return False
 
     def note(self, text: str) -> None:
         print(f"{self.stage}: {text}")
@@ -383,10 +405,10 @@ def _graph_ms(step, repeat: int) -> float:
 
 def _time_steps(run: StageRun, steps: dict, repeat: int, inner: int = 1) -> None:
     """Time each step, recording each case as soon as it is measured."""
+    warmup = 1 if run.mode == "quick" else 2
     for name, step in steps.items():
         run.running(name)
-        ms = _median_ms({name: step}, run.device, repeat, warmup=1 if run.mode == "quick" else 2, inner=inner)[name]
-        run.case(name, ms=ms)
+        run.guarded(name, lambda: run.case(name, ms=_median_ms({name: step}, run.device, repeat, warmup, inner)[name]))
 
 
 def _graph_steps(run: StageRun, steps: dict, repeat: int) -> None:
@@ -408,6 +430,17 @@ def _graph_steps(run: StageRun, steps: dict, repeat: int) -> None:
             except Exception as e2:  # the failed capture broke the context: no further graphs
                 run.note(f"CUDA graphs stopped after {name}: {type(e2).__name__}: {e2}"[:300])
                 return
+
+
+def _lazy(build):
+    """A step built at its first call, so that building it (torchao's conversion) fails as its case."""
+    built = []
+
+    def step():
+        if not built:
+            built.append(build())
+        built[0]()
+    return step
 
 
 def _compile(run: StageRun):
@@ -460,7 +493,8 @@ def stage_gemm(run: StageRun) -> None:
         return
     from benchmarks.linear import torchao_case  # Float8Linear tensorwise, compiled
 
-    _time_steps(run, {name: torchao_case("linear", tensors[name.rsplit(" ", 1)[0]], torch.device(run.device))
+    dev = torch.device(run.device)
+    _time_steps(run, {name: _lazy(lambda t=tensors[name.rsplit(" ", 1)[0]]: torchao_case("linear", t, dev))
                       for name in run.plan if name.endswith(" torchao")}, repeat)
 
 
@@ -499,7 +533,7 @@ def stage_mlp(run: StageRun) -> None:
     steps = {"bf16": cases["baseline"], "fp8_current": cases["fp8_current"], "fp8_delayed": cases["fp8_delayed"]}
     why = "its float8 path needs CUDA (_scaled_mm)" if run.device != "cuda" else _torchao_available()
     if why is None:
-        steps["torchao"] = torchao_case("mlp", tensors, dev)
+        steps["torchao"] = _lazy(lambda: torchao_case("mlp", tensors, dev))
     else:
         run.note(f"torchao skipped: {why}")
     repeat = {"gpu": 10, "smoke": 3, "quick": 1}[run.mode]
@@ -525,8 +559,7 @@ def stage_moe(run: StageRun) -> None:
 def stage_train(run: StageRun) -> None:
     import torch
 
-    from fp8pass.train import ModelConfig, TinyLlama
-    from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model
+    from fp8pass.train import ModelConfig
 
     shape = dict(run.plan["bf16 inductor"][2])
     batch, seq = shape.pop("batch"), shape.pop("seq")
@@ -545,41 +578,7 @@ def stage_train(run: StageRun) -> None:
                 run.note(f"torchao skipped: {why}")
                 continue
         run.running(name)
-        torch.manual_seed(0)
-        model = TinyLlama(cfg).to(device)
-        if name == "fp8-smooth-fp8adam":
-            recipe = get_recipe(name)
-            fwd = prepare_model(model, recipe, compiler=compiler)
-            opt = build_optimizer(model, recipe, lr=1e-4, weight_decay=0.1)
-        else:
-            if name.startswith("torchao"):
-                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-                convert_to_float8_training(
-                    model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
-                    module_filter_fn=lambda mod, fqn: "lm_head" not in fqn and "embed" not in fqn)
-            fwd = model if run.mode == "quick" else torch.compile(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
-                loss = fwd(x, y)
-            loss.backward()
-            opt.step()
-
-        t0 = time.perf_counter()
-        step()  # compile, optimizer state, autotuning
-        compile_s = time.perf_counter() - t0
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        ms = _median_ms({name: step}, device, repeat, warmup=1)[name]
-        row = {"ms": ms, "first_step_s": compile_s}
-        if device == "cuda":
-            row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        run.case(name, **row)
-        del model, opt, fwd
+        run.guarded(name, lambda: _train_case(run, name, cfg, x, y, dtype, compiler, repeat))
         if device == "cuda":
             torch.cuda.empty_cache()
     bf16 = (run.results.load().get("stages", {}).get("train", {}).get("cases", {}).get("bf16 inductor") or {})
@@ -587,10 +586,51 @@ def stage_train(run: StageRun) -> None:
         run.values(bf16_step_at_least_20ms=bf16["ms"] >= 20.0)
 
 
-def stage_adam(run: StageRun) -> None:
+def _train_case(run: StageRun, name: str, cfg, x, y, dtype, compiler: str, repeat: int) -> None:
+    """One variant of the block step: build, first step (compile), timed steps, peak memory."""
     import torch
 
-    import fp8pass.optim as fo
+    from fp8pass.train import TinyLlama
+    from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model
+
+    device = run.device
+    torch.manual_seed(0)
+    model = TinyLlama(cfg).to(device)
+    if name == "fp8-smooth-fp8adam":
+        recipe = get_recipe(name)
+        fwd = prepare_model(model, recipe, compiler=compiler)
+        opt = build_optimizer(model, recipe, lr=1e-4, weight_decay=0.1)
+    else:
+        if name.startswith("torchao"):
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(
+                model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                module_filter_fn=lambda mod, fqn: "lm_head" not in fqn and "embed" not in fqn)
+        fwd = model if run.mode == "quick" else torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            loss = fwd(x, y)
+        loss.backward()
+        opt.step()
+
+    t0 = time.perf_counter()
+    step()  # compile, optimizer state, autotuning
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    first_s = time.perf_counter() - t0
+    row = {"ms": _median_ms({name: step}, device, repeat, warmup=1)[name], "first_step_s": first_s}
+    if device == "cuda":
+        row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    run.case(name, **row)
+
+
+def stage_adam(run: StageRun) -> None:
+    import torch
 
     shape = run.plan["fp8pass AdamW"][2]
     count = shape["tensors"]
@@ -599,21 +639,29 @@ def stage_adam(run: StageRun) -> None:
     g = torch.Generator(device).manual_seed(0)
     for name in run.plan:
         run.running(name)
-        params = [torch.nn.Parameter(torch.randn(per, device=device, generator=g)) for _ in range(count)]
-        for p in params:
-            p.grad = torch.randn(per, device=device, generator=g) * 1e-3
-        if name.startswith("torch"):
-            opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda", foreach=None if device == "cuda" else True)
-        else:
-            opt = fo.AdamW(params, lr=1e-4)
-        opt.step()  # state, autotuning
-        ms = _median_ms({name: opt.step}, device, {"gpu": 10, "smoke": 3, "quick": 1}[run.mode], warmup=1)[name]
-        state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
-        run.case(name, ms=ms, state_bytes_per_param=state / (per * count))
-        del params, opt
+        run.guarded(name, lambda: _adam_case(run, name, per, count, g))
         if device == "cuda":
             torch.cuda.empty_cache()
+
+
+def _adam_case(run: StageRun, name: str, per: int, count: int, g) -> None:
+    import torch
+
+    import fp8pass.optim as fo
+
+    device = run.device
+    params = [torch.nn.Parameter(torch.randn(per, device=device, generator=g)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn(per, device=device, generator=g) * 1e-3
+    if name.startswith("torch"):
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda", foreach=None if device == "cuda" else True)
+    else:
+        opt = fo.AdamW(params, lr=1e-4)
+    opt.step()  # state, autotuning
+    ms = _median_ms({name: opt.step}, device, {"gpu": 10, "smoke": 3, "quick": 1}[run.mode], warmup=1)[name]
+    state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    run.case(name, ms=ms, state_bytes_per_param=state / (per * count))
 
 
 STAGES = {"train": stage_train, "gemm": stage_gemm, "adam": stage_adam, "mlp": stage_mlp, "moe": stage_moe}
@@ -641,6 +689,12 @@ def run_stage(stage: str, folder: Path, mode: str) -> int:
         tb = traceback.format_exc()
         results.update(lambda doc: stage_doc(doc, stage).update(status="failed", traceback=tb))
         raise
+    if run.failed:  # the stage ran on past its failing cases; the first one's traceback stands for it
+        names = [n for n, _ in run.failed]
+        results.update(lambda doc: stage_doc(doc, stage).update(
+            status="failed", traceback=run.failed[0][1], failed_cases=names))
+        print(f"stage {stage}: cases failed: {names}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -74,7 +74,7 @@ def test_injected_failure_lands_with_traceback_and_log_tail(quick_run):
     gemm = doc["stages"]["gemm"]
     assert gemm["status"] == "failed (exit 1)"
     assert gemm["traceback"].startswith("Traceback (most recent call last)")
-    assert "RuntimeError: injected failure in stage gemm" in gemm["traceback"]
+    assert "InjectedFailure: injected failure in stage gemm" in gemm["traceback"]
     assert "stage_gemm" in gemm["traceback"]  # the stack says where, not only what
     tail = gemm["log_tail"]
     assert 0 < len(tail) <= gpu_bench.LOG_TAIL_LINES
@@ -148,6 +148,27 @@ def test_a_timed_out_stage_records_where_it_hung(tmp_path):
     assert s["status"].startswith("timed out")
     assert s["running_case"] == "torch fused AdamW"
     assert "Current thread" in s["traceback"] and "in hang" in s["traceback"]
+
+
+def test_a_failing_case_is_recorded_and_the_stage_runs_on(tmp_path):
+    """One case raising (an out-of-memory on the GPU, say) costs that case only: its error and traceback
+    are kept on it, the next case is measured, and the stage ends failed with the first traceback."""
+    results = gpu_bench.Results(tmp_path)
+    results.update(lambda d: d.update(env={"torch": "recorded earlier"}))  # skips the torch import
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from benchmarks import gpu_bench as g\n"
+            "def two(run):\n"
+            "    run.guarded('torch fused AdamW', lambda: {}['no such key'])\n"
+            "    run.guarded('fp8pass AdamW', lambda: run.case('fp8pass AdamW', ms=2.0))\n"
+            "g.STAGES['adam'] = two\nsys.exit(g.run_stage('adam', g.Path(sys.argv[2]), 'quick'))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT), str(tmp_path)], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode == 1, r.stderr
+    s = results.load()["stages"]["adam"]
+    assert s["status"] == "failed" and s["failed_cases"] == ["torch fused AdamW"]
+    bad = s["cases"]["torch fused AdamW"]
+    assert bad["error"] == "KeyError: 'no such key'" and "Traceback" in bad["traceback"]
+    assert s["traceback"] == bad["traceback"]
+    assert s["cases"]["fp8pass AdamW"]["ms"] == 2.0 and s["cases"]["fp8pass AdamW"]["predicted_ms"] > 0
 
 
 def test_find_traceback_takes_the_last_one():
