@@ -250,7 +250,8 @@ def to_markdown(doc: dict) -> str:
     lines += ["", "| stage | case | ms | graph ms | predicted ms | predicted graph ms |", "|---|---|---|---|---|---|"]
     for name, cs in cases.items():
         for case, row in cs.items():
-            lines.append(f"| {name} | {case} | {_fmt(row.get('ms'))} | {_fmt(row.get('graph_ms')) or row.get('graph', '')} "
+            ms = _fmt(row.get("ms")) or (f"ERROR `{row['error'][:100]}`" if row.get("error") else "")
+            lines.append(f"| {name} | {case} | {ms} | {_fmt(row.get('graph_ms')) or row.get('graph', '')} "
                          f"| {_fmt(row.get('predicted_ms'))} | {_fmt(row.get('predicted_graph_ms'))} |")
     for name, s in stages.items():
         for note in s.get("notes", []):
