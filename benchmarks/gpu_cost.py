@@ -36,7 +36,8 @@ Inputs other tools measure, read when present (each output line says which were 
 * ``docs/results/gpu_static.json`` (``benchmarks/gpu_static.py``): per kernel variant ``sass_per_elem``
   and ``bw_fraction`` for each Triton version; the device's version (3.6.0) is used when present, else
   the newest listed. Rows are matched to a role by kernel and variant name (``ROLES``, aligned builds);
-  several matching rows (autotuner configs) give their median. Missing roles use ``DEFAULT_SASS`` (issue 28's counts at 5091ad3).
+  several matching rows (autotuner configs) give their median. Missing roles use ``DEFAULT_SASS``
+  (issue 28's counts at 5091ad3, triton 3.9.0).
 
 Bytes are counted as the fewest each kernel must move (inputs read once, outputs written once), the
 counts stated in each case function below; bf16 activations, fp32 master weights and optimizer state.
