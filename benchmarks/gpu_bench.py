@@ -194,6 +194,8 @@ class Results:
             return json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
+        except json.JSONDecodeError as e:  # only a full disk could do this (writes are atomic): start over
+            return {"notes": [f"{JSON_NAME} was unreadable ({e}); earlier records are lost"]}
 
     def update(self, fn) -> dict:
         """Apply ``fn(doc)`` to the stored document and write it (and the md) back."""
@@ -244,7 +246,7 @@ def to_markdown(doc: dict) -> str:
         target = f"{g.op} {g.target}" if g.op else "(reported)"
         lines.append(f"| {g.what} | {_fmt(v) or 'not measured'} | {_fmt(g.value(cases, 'graph_ms'))} "
                      f"| {_fmt(g.value(cases, 'predicted_ms'))} | {target} | {g.met(v)} |")
-    lines += ["", f"| stage | status | seconds | limit s |", "|---|---|---|---|"]
+    lines += ["", "| stage | status | seconds | limit s |", "|---|---|---|---|"]
     for name, s in stages.items():
         lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'), 0)} | {_fmt(s.get('limit_s'))} |")
     lines += ["", "| stage | case | ms | graph ms | predicted ms | predicted graph ms |", "|---|---|---|---|---|---|"]
@@ -300,8 +302,12 @@ class StageRun:
             triton_version = version("triton")
         except Exception:  # no triton distribution: the model's default version
             triton_version = gpu_cost.DEVICE_TRITON
-        self.cost_inputs = gpu_cost.load_inputs(triton_version=triton_version)
         self._predict = gpu_cost.predict
+        try:
+            self.cost_inputs = gpu_cost.load_inputs(triton_version=triton_version)
+        except (ValueError, KeyError, TypeError) as e:  # a malformed input file costs the model, not the run
+            self.cost_inputs = gpu_cost.Inputs()
+            self.note(f"cost model on its defaults: {type(e).__name__}: {e}"[:300])
 
     def _edit(self, fn) -> None:
         self.results.update(lambda doc: fn(stage_doc(doc, self.stage)))
@@ -314,9 +320,12 @@ class StageRun:
         """Record one measured case with its prediction; ``FP8PASS_GPU_CHECK_FAIL`` raises after the first."""
         if name in self.plan:
             kind, variant, shape = self.plan[name]
-            p = self._predict(kind, variant, shape, self.cost_inputs)
-            row.update(predicted_ms=p["predicted_ms"], predicted_graph_ms=p["predicted_graph_ms"],
-                       cost_terms=p["terms"], cost_defaults=p["defaults"], shape=shape)
+            try:
+                p = self._predict(kind, variant, shape, self.cost_inputs)
+                row.update(predicted_ms=p["predicted_ms"], predicted_graph_ms=p["predicted_graph_ms"],
+                           cost_terms=p["terms"], cost_defaults=p["defaults"], shape=shape)
+            except Exception as e:  # the measurement is kept whatever the model does
+                row.update(predicted_error=f"{type(e).__name__}: {e}"[:300], shape=shape)
 
         def put(s):
             s.setdefault("cases", {}).setdefault(name, {}).update(row)
