@@ -30,7 +30,9 @@ Each case is a list of kernels and a launch count:
 Inputs other tools measure, read when present (each output line says which were defaults):
 
 * ``docs/results/gpu_launches.json`` (``benchmarks/gpu_launches.py``): ``{"cases": {name: {"total": n}}}``,
-  kernels per fwd+bwd (per step for the optimizer), counted on the CUDA code path. Missing names use
+  kernels per fwd+bwd (per step for the optimizer), counted on the CUDA code path; the AdamW step's
+  count at the case's tensor count comes from the line through its "adamw step N tensors" counts
+  (``Inputs.adamw_launches``). Missing names use
   ``DEFAULT_LAUNCHES``: the counts issue 28 measured at commit 5091ad3 where it gave them, else the
   estimate written beside the entry.
 * ``docs/results/gpu_static.json`` (``benchmarks/gpu_static.py``): per kernel variant ``sass_per_elem``
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -80,8 +83,9 @@ DEFAULT_LAUNCHES = {
     "bf16 swiglu_mlp": 12,                 # estimate: nine GEMMs + three fused elementwise kernels
     "swiglu_mlp channel": 319,             # issue 28, counted at 5091ad3 (current scaling)
     "swiglu_mlp channel delayed": 319 + 3 * (239 - 83),  # estimate: each linear's delayed-state extra
+                                                         # (DERIVED_LAUNCHES, from counted values if any)
     "torchao swiglu_mlp": 30,              # estimate: nine GEMMs + compiled (fused) casts
-    "adamw step": 40,                      # estimate: 8 tensors x ~4 kernels + hyper-parameter copies
+    "adamw step": 40,                      # estimate, any tensor count: 8 tensors x ~4 kernels + copies
     "torch fused adamw step": 2,           # estimate: one multi-tensor launch (+ the step counter)
     "bf16 grouped moe": 12,                # estimate: six grouped GEMMs + elementwise
     "bf16 per-expert moe": 8 * 12,         # estimate: the same per expert (8 experts)
@@ -89,6 +93,12 @@ DEFAULT_LAUNCHES = {
     "fp8 grouped moe delayed": 8 * 80,     # estimate: as current plus per-expert state records
     "bf16 block layer": 40,                # estimate: Inductor kernels per decoder layer, fwd+bwd
     "torchao block layer": 70,             # estimate: bf16's plus compiled casts of seven linears
+}
+
+# name -> (the counted names it follows from, how): counts the counter does not take, from those it does
+DERIVED_LAUNCHES = {
+    "swiglu_mlp channel delayed": (("swiglu_mlp channel", "fp8_linear delayed", "fp8_linear current"),
+                                   lambda mlp, delayed, current: mlp + 3 * (delayed - current)),
 }
 
 # role -> (kernel, what its variant must contain): the variant gpu_bench's cases run (aligned tensors,
@@ -113,8 +123,31 @@ class Inputs:
     def launch_count(self, name: str, used: list) -> int:
         if name in self.launches:
             return int(self.launches[name])
+        derive = DERIVED_LAUNCHES.get(name)
+        if derive and all(k in self.launches for k in derive[0]):
+            n = derive[1](*(int(self.launches[k]) for k in derive[0]))
+            used.append(f"launches[{name}]={n} derived from {', '.join(derive[0])}")
+            return n
         used.append(f"launches[{name}]={DEFAULT_LAUNCHES[name]} default")
         return DEFAULT_LAUNCHES[name]
+
+    def adamw_launches(self, tensors: int, used: list) -> int:
+        """Launches of one fp8pass AdamW step over ``tensors`` tensors: the counter's
+        "adamw step N tensors" at this N, else the line through its two nearest counts (one count: that
+        count), else its "adamw step", else the default."""
+        counted = {}
+        for name, n in self.launches.items():
+            m = re.fullmatch(r"adamw step (\d+) tensors?", name)
+            if m:
+                counted[int(m.group(1))] = int(n)
+        if tensors in counted:
+            return counted[tensors]
+        if len(counted) >= 2:
+            (a, na), (b, nb) = sorted(counted.items(), key=lambda kv: abs(kv[0] - tensors))[:2]
+            return max(1, round(na + (nb - na) * (tensors - a) / (b - a)))
+        if counted:
+            return next(iter(counted.values()))
+        return self.launch_count("adamw step", used)
 
     def kernel(self, role: str, used: list) -> dict:
         if role in self.static:
@@ -251,7 +284,7 @@ def adam_case(c: Cost, variant: str, params: int, tensors: int) -> None:
         c.launch("torch fused adamw step")
     else:
         c.stream((8 + 4 + 2 + 2 + 16 / 128) * params, params, "adam")
-        c.launch("adamw step")
+        c.launches += c.inp.adamw_launches(tensors, c.defaults)
 
 
 def _swiglu(c: Cost, variant: str, rows: int, d: int, f: int, weights: int = 1) -> None:
@@ -303,7 +336,8 @@ def block_case(c: Cost, variant: str, d_model: int, n_layers: int, n_heads: int,
         c.stream(40 * T * d_model)
     c.gemm(T, d_model, vocab_size, False, count=3)
     params = n_layers * (4 * d_model**2 + 3 * d_model * ffn) + 2 * vocab_size * d_model
-    adam_case(c, "fp8pass AdamW" if delayed else "torch fused AdamW", params, 0)
+    tensors = n_layers * 9 + 3  # 7 linears and 2 norms a layer; embedding, final norm, LM head
+    adam_case(c, "fp8pass AdamW" if delayed else "torch fused AdamW", params, tensors)
     if delayed:
         c.launch("fp8_linear delayed", 4 * n_layers)
         c.launch("swiglu_mlp channel delayed", n_layers)

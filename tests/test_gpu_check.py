@@ -230,3 +230,26 @@ def test_every_planned_case_has_a_prediction():
     for stage, case in (("train", "bf16 inductor"), ("mlp", "bf16"), ("moe", "bf16_grouped_mm")):
         kind, variant, shape = gpu_bench.stage_cases(stage, "gpu")[case]
         assert gpu_cost.predict(kind, variant, shape, inp)["predicted_ms"] >= 20.0, stage
+
+
+def test_adamw_launches_follow_the_counted_tensor_counts():
+    from benchmarks import gpu_cost
+
+    inp = gpu_cost.Inputs(launches={"adamw step 4 tensors": 10, "adamw step 16 tensors": 34})
+    used: list = []
+    assert inp.adamw_launches(4, used) == 10
+    assert inp.adamw_launches(8, used) == 18  # on the line through (4, 10) and (16, 34)
+    assert inp.adamw_launches(32, used) == 66
+    assert used == []
+    assert gpu_cost.Inputs(launches={"adamw step 4 tensors": 3}).adamw_launches(100, used) == 3  # O(1)
+    assert gpu_cost.Inputs().adamw_launches(8, used) == gpu_cost.DEFAULT_LAUNCHES["adamw step"]
+    assert used == [f"launches[adamw step]={gpu_cost.DEFAULT_LAUNCHES['adamw step']} default"]
+
+
+def test_a_launch_count_the_counter_does_not_take_is_derived_from_those_it_does():
+    from benchmarks import gpu_cost
+
+    inp = gpu_cost.Inputs(launches={"swiglu_mlp channel": 30, "fp8_linear delayed": 12, "fp8_linear current": 16})
+    used: list = []
+    assert inp.launch_count("swiglu_mlp channel delayed", used) == 30 + 3 * (12 - 16)
+    assert used and "derived" in used[0]
