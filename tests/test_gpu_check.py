@@ -51,7 +51,7 @@ def quick_run(tmp_path_factory):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=400,
+        proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=900,
                               env=_env(OUT=str(out), FP8PASS_GPU_CHECK_CPU="quick", FP8PASS_GPU_CHECK_FAIL="gemm"))
     finally:
         stop.set()
