@@ -6,7 +6,7 @@
 #   FP8PASS_GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh        # anywhere: the full CPU check (kernels compiled
 #                                                               # for sm_90 without a GPU, every stage on tiny
 #                                                               # shapes compiled, the GPU tests collected and skipped)
-#   FP8PASS_GPU_CHECK_CPU=quick bash benchmarks/gpu_check.sh    # the harness alone in well under a minute
+#   FP8PASS_GPU_CHECK_CPU=quick bash benchmarks/gpu_check.sh    # the harness alone: ~30-40 s of CPU time
 #                                                               # (tiny eager stages; tests/test_gpu_check.py)
 #
 # Order: install, the goal stages (train, gemm, adam, mlp, moe; benchmarks/gpu_bench.py), then the GPU
