@@ -56,15 +56,23 @@ def _adam_signature(ms: MomentSpec, vs: MomentSpec, split: bool) -> dict:
     m, v = _MOMENT_PTR[ms.fmt], _MOMENT_PTR[vs.fmt]
     sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": m, "ms_ptr": "*fp32" if ms.fp8 else m, "v_ptr": v,
            "vs_ptr": "*fp32" if vs.fp8 else v, "hp_ptr": "*fp32", "seed_ptr": "*i64", "table_ptr": "*i64"}
+    hp = {name: "fp32" for name in ts._HP_ARGS}  # the hyper-parameters as fp32 arguments (host step count)
     if split:
-        return {**sig, "scratch_ptr": "*fp32", "n_tensors": "i32", "n_rows": "i32"}
-    return {**sig, "n_tensors": "i32", "n_rows": "i32", "rows_class": "i32"}
+        return {**sig, "scratch_ptr": "*fp32", "n_tensors": "i32", **hp}
+    return {**sig, "n_tensors": "i32", "rows_class": "i32", **hp}
 
 
 def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool) -> dict:
-    """The update's compile-time arguments, as the launchers build them (``triton_step._step_meta``)."""
-    return ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
-                                      rounding="stochastic" if stochastic else "nearest", stochastic_flush=False))
+    """The update's compile-time arguments, as the launchers build them (``triton_step._step_meta``) for
+    an sm_89+ GPU (FP8 moments decoded and, rounding to nearest, encoded by the hardware conversions)."""
+    return dict(ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
+                                           rounding="stochastic" if stochastic else "nearest",
+                                           stochastic_flush=False)), HP_TABLE=False, M_HW=ms.fp8, V_HW=vs.fp8)
+
+
+def _hw(fmt) -> int:
+    """The cast kernels' HW constexpr as the launchers set it on an sm_89+ GPU (triton_family.hardware_cast)."""
+    return int(not fmt.packed and (fmt.mbits, fmt.bias, float(fmt.max)) in tf._HW_FORMATS)
 
 
 def cases():
@@ -72,10 +80,11 @@ def cases():
     out = []
     for fmt in (E4M3, E5M2, E2M1):
         for stochastic in (False, True):
-            for cfg in _configs(tf._cast_tensor_kernel):
+            for cfg in tf._prune_flat_configs(_configs(tf._cast_tensor_kernel), {}, STOCHASTIC=stochastic):
                 sig = {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "partial_ptr": "*fp32",
                        "seed_ptr": "*i64", "n": "i64", "n_class": "i32"}
-                c = dict(STOCHASTIC=stochastic, PACKED=fmt.packed, WANT_AMAX=True, **tf._fmt_args(fmt), **cfg.kwargs)
+                c = dict(STOCHASTIC=stochastic, PACKED=fmt.packed, WANT_AMAX=True, **tf._fmt_args(fmt), **cfg.kwargs,
+                         HW=_hw(fmt))
                 out.append((f"cast {fmt.name} sr={stochastic} {cfg.kwargs}", tf._cast_tensor_kernel, sig, c, cfg))
     for cfg in _configs(tf._amax_kernel):
         out.append((f"amax {cfg.kwargs}", tf._amax_kernel,
@@ -87,22 +96,24 @@ def cases():
                    "seed_ptr": "*i64", "rows": "i32", "cols": "i32", "n_row_tiles": "i32", "n_col_tiles": "i32"}
             c = dict(TR=tile[0], TC=tile[1], TRP=trp, TCP=tcp, GR=gr, GC=gc, STOCHASTIC=mode == 0,
                      PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=False,
-                     NAN_SCALE=fmt.nan_code is None, MODE=mode, **tf._fmt_args(fmt))
-            out.append((f"tiles {fmt.name} {tile} mode={mode}", tf._quantize_tiles_kernel, sig, c, None))
+                     NAN_SCALE=fmt.nan_code is None, MODE=mode, **tf._fmt_args(fmt), HW=0 if mode == 2 else _hw(fmt),
+                     SR4=mode == 0 and tile[1] % 4 == 0)
+            out.append((f"tiles {fmt.name} {tile} mode={mode}", tf._quantize_tiles_kernel, sig, c,
+                        triton.Config({}, num_warps=tf._tile_warps(tile, fmt.packed))))
     for transpose, stochastic, conditional in ((False, False, False), (True, False, False), (True, True, False),
                                                (True, False, True), (False, True, True)):
-        for cfg in _configs(tk._transpose_cast_kernel):
+        for cfg in tk._prune_tile_configs(_configs(tk._transpose_cast_kernel), {}, STOCHASTIC=stochastic):
             sig = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_ptr": "*fp32",
                    "seed_ptr": "*i64", "flag_ptr": "*i32", "R": "i32", "C": "i32", "r_class": "i32", "c_class": "i32"}
             c = dict(TRANSPOSE=transpose, STOCHASTIC=stochastic, CONDITIONAL=conditional, **tk._fmt_kw(E4M3),
-                     **cfg.kwargs)
+                     **cfg.kwargs, HW=_hw(E4M3), SR4=stochastic)
             out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional} {cfg.kwargs}",
                         tk._transpose_cast_kernel, sig, c, cfg))
     for mode in (0, 1, 2):
         sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "c_ptr": "*fp32", "r_ptr": "*fp32", "scale_ptr": "*fp32",
                "out_ptr": "*u8", "amax_ptr": "*fp32", "T": "i32", "F": "i32"}
         out.append((f"swiglu_cast mode={mode}", tk._swiglu_cast_kernel, sig,
-                    dict(MODE=mode, STORE=True, BT=32, BF=64, **tk._fmt_kw(E4M3)), None))
+                    dict(MODE=mode, STORE=True, BT=32, BF=64, **tk._fmt_kw(E4M3), HW=1), None))
     out.append(("swiglu_colamax", tk._swiglu_colamax_kernel,
                 {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "F": "i32"}, dict(BT=32, BF=64),
                 None))
@@ -111,7 +122,7 @@ def cases():
         ms, vs = MomentSpec("exp_avg", mf, block), MomentSpec("exp_avg_sq", vf, block, sqrt=True)
         for stochastic in (False, True):
             span = min(triton.next_power_of_2(block), ts.MAX_SPAN)
-            for cfg in ts._prune_adam_configs(_configs(ts._adam_kernel), {}, SPAN=span):
+            for cfg in ts._prune_adam_configs(_configs(ts._adam_kernel), {}, SPAN=span, BLOCK=block):
                 c = dict(**_adam_meta(ms, vs, stochastic), BLOCK=block, SPAN=span, SEARCH_STEPS=4, ALIGNED=True,
                          W=ts._W, **cfg.kwargs)
                 out.append((f"adam {mf}/{vf} block={block} sr={stochastic} {cfg.kwargs}", ts._adam_kernel,
@@ -122,7 +133,7 @@ def cases():
         for stochastic in (False, True):
             for write in (False, True):
                 c = dict(**_adam_meta(ms, vs, stochastic), WRITE=write, SPAN=ts.MAX_SPAN, SEARCH_STEPS=4,
-                         ALIGNED=True, W=len(tsplit._SPLIT_COLS), SLOT=tsplit._SLOT, NB=1)
+                         ALIGNED=True, RAND4=True, W=len(tsplit._SPLIT_COLS), SLOT=tsplit._SLOT)
                 out.append((f"adam split {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel,
                             _adam_signature(ms, vs, split=True), c,
                             triton.Config({}, num_warps=tsplit._NUM_WARPS)))

@@ -131,7 +131,7 @@ def _elements(name: str, consts: dict) -> tuple[int, int]:
     elif name == "_adam_kernel":
         return c["NB"] * c["BLOCK"], c["NB"] * min(c["BLOCK"], c["SPAN"])
     elif name == "_split_kernel":
-        e = c["NB"] * c["SPAN"]
+        e = c.get("NB", 1) * c["SPAN"]  # the split kernel: one span per program
     else:
         raise KeyError(f"gpu_static.py: no element count for {name}: add it to _elements")
     return e, e
@@ -197,7 +197,8 @@ def measure(name: str, kernel, sig: dict, consts: dict, cfg, arch: int = 90, ali
     per_elem = (len(body) - sum(in_loop)) / (per_prog / threads) + sum(n / (per_iter / threads) for n in in_loop)
     t_mem = bytes_per_element(fn_name, sig, consts) / COPY_BW
     t_issue = per_elem / ISSUE_RATE
-    return {"kernel": fn_name, "variant": name + ("" if aligned else UNALIGNED), "sass_per_elem": round(per_elem, 2), "registers": regs,
+    variant = name + (f" num_warps={cfg.num_warps}" if cfg is not None else "") + ("" if aligned else UNALIGNED)
+    return {"kernel": fn_name, "variant": variant, "sass_per_elem": round(per_elem, 2), "registers": regs,
             "spill_bytes": spills, "bw_fraction": round(min(1.0, t_mem / t_issue), 3),
             "_goal": goal(fn_name, name, consts) if aligned else None, "_ptx": k.asm["ptx"]}
 
@@ -219,7 +220,7 @@ def markdown(data: dict, only: str | None = None) -> str:
     groups: dict[str, dict[str, list[dict]]] = {}
     for version in versions:
         for r in data["versions"][version]:
-            name = re.sub(r"\s*\{[^}]*\}", "", r["variant"])
+            name = re.sub(r"\s*\{[^}]*\}( num_warps=\d+)?", "", r["variant"])
             if not only or any(part in name for part in only.split(",")):
                 groups.setdefault(name, {}).setdefault(version, []).append(r)
 

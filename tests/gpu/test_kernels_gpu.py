@@ -117,6 +117,63 @@ def test_tiles_stochastic_unbiased():
     assert rel < rel_near / 3
 
 
+# -- the hardware conversion (cvt.rn.satfinite, issue 28) ---------------------------------------------------
+
+
+def _every_class() -> torch.Tensor:
+    """Every bf16 bit pattern (NaN of both signs, +-Inf, -0, subnormals) as fp32, then fp32 subnormals,
+    NaN with a low-bit payload and the largest finite, each with both signs."""
+    bf16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    bits = torch.tensor([1, 0x007FFFFF, 0x00400000, 0x7F800001, 0x7FC00000, 0x7F7FFFFF, 0x7F800000, 0],
+                        dtype=torch.int32)
+    fp32 = torch.cat([bits, bits | torch.iinfo(torch.int32).min]).view(torch.float32)
+    return torch.cat([bf16, fp32])
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("scale", [1.0, 2.0**-12, 2.0**20, 0.7])
+def test_hardware_cast_bit_exact_every_input_class(fmt, scale):
+    """The flat, transpose and tile kernels through the hardware conversion (sm_89+) give the torch
+    reference's codes for every input class, -NaN keeping its sign, Inf saturating to +-max."""
+    from fp8pass.runtime.kernels import triton_kernels as tk
+
+    assert R.hardware_cast(torch.device("cuda"), fmt) == int(torch.cuda.get_device_capability() >= (8, 9))
+    x = _every_class()
+    ref = saturating_cast(x * scale, fmt)
+    s = torch.tensor(scale, device="cuda")
+    a, _ = R.cast_scaled(x.cuda(), s, fmt)
+    assert same(a, ref)
+    assert bool((a.view(torch.uint8).cpu()[(x.view(torch.int32) < 0) & x.isnan()] == 0xFF).all())
+    b, _ = R.cast_scaled(x[: 1 << 16].bfloat16().cuda(), s, fmt)  # the bf16 patterns are exact in bf16
+    assert same(b, ref[: 1 << 16])
+    x2, ref2 = x[: 1 << 16].view(256, 256), ref[: 1 << 16].view(256, 256)
+    codes, codes_t, _ = tk.transpose_cast(x2.bfloat16().cuda(), s, fmt)
+    assert same(codes, ref2) and same(codes_t, ref2.t().contiguous())
+    codes, _ = R.quantize_groups(x2.cuda(), (1, 128), fmt, scales=torch.full((256, 2), scale, device="cuda"))
+    assert same(codes, ref2)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_hardware_stochastic_cast_is_the_integer_encoder(fmt):
+    """Stochastic rounding on the fp32 bits, then the hardware conversion (HW=1), gives the integer
+    encoder's codes (HW=0) for the same seed, for every input class and several scales."""
+    import triton
+
+    x = torch.cat([_every_class() * s for s in (1.0, 2.0**-12, 2.0**20, 0.7)]).cuda()
+    n = x.numel()
+    seed = torch.tensor([987654321], device="cuda")
+    s = torch.ones(1, device="cuda")
+    codes = []
+    for hw in (0, 1):
+        out = torch.empty(n, dtype=torch.uint8, device="cuda")
+        partial = torch.empty(triton.cdiv(n, R._MIN_FLAT_BLOCK), device="cuda")
+        R._cast_tensor_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](
+            x, out, s, partial, seed, n, R.size_class(n), STOCHASTIC=True, PACKED=False, WANT_AMAX=False,
+            HW=hw, **R._fmt_args(fmt))
+        codes.append(out)
+    assert torch.equal(codes[0], codes[1])
+
+
 # -- runtime kernels ------------------------------------------------------------------------------------
 
 

@@ -130,17 +130,89 @@ def _encode(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.cons
 
 
 @triton.jit
+def _max_propagating_nan(a, b):
+    """maximum(a, b), NaN if either is NaN: one ``max.NaN.f32`` (FMNMX.NAN) on sm_80+ (the plain
+    ``tl.maximum`` returns the other operand, so a max tree would drop a NaN)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _abs_max(x):
-    """max |x| that propagates NaN (tl.max alone would drop it on GPUs)."""
-    m = tl.max(tl.abs(x))
-    has_nan = tl.max((x != x).to(tl.int32))
-    return tl.where(has_nan > 0, float("nan"), m)
+    """max |x| over a 1-D block, NaN if x holds NaN: one NaN-propagating max per element (|x| is a free
+    operand modifier), one reduction tree; reference: ``torch_family.tensor_amax``."""
+    return tl.reduce(tl.abs(x), 0, _max_propagating_nan)
+
+
+@triton.jit
+def _stochastic_grid(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """Stochastic rounding of fp32 ``v`` done on its bits, for a conversion that then only has to be exact.
+
+    ``_encode``'s stochastic algorithm (casts.encode) with the same bits ``u = rbits mod 2**s``: with
+    ``s`` the bits of the significand the format drops at v's exponent,
+
+        s <= 23 (|v| >= the smallest subnormal q):  t = (bits(v) + u) & ~(2**s - 1)
+            adds u below the kept bits and truncates: t is v rounded up iff rem + u >= 2**s, a value on
+            the format's grid (a carry out of the mantissa moves into the exponent field, which is
+            exactly the reference's carry), or beyond max (the conversion saturates it), sign kept;
+        s > 23 (|v| < q, zeros and fp32 subnormals):  n = ((sig >> (s - s')) + u) >> s',  s' = min(s, 30)
+            n in {0, 1} is the code (0 or q), as the reference computes it.
+
+    Returns (t as fp32, tiny = s > 23, n). Inf and NaN pass through as t unchanged.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    # s = 23 - MBITS + max(emin - e, 0) with e = field - 127, capped at 54: from 24 + 30 on every
+    # significand bit is dropped (the reference's pre-shift leaves 0), fp32 subnormals included
+    shift = tl.minimum(tl.maximum((151 - BIAS - MBITS) - (mag >> 23), 23 - MBITS), 54)
+    s = tl.minimum(shift, 30)
+    keep = -1 << s  # the bits the format keeps
+    u = rbits & ~keep
+    t = tl.where(mag >= 0x7F800000, bits, (bits + u) & keep)
+    sig = (mag & 0x7FFFFF) | 0x800000  # with the implicit bit (wrong for subnormals, whose shift is 54)
+    n = ((sig >> (shift - s)) + u) >> s
+    return t.to(tl.float32, bitcast=True), shift > 23, n
+
+
+@triton.jit
+def _cast_codes(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+                NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr, HW: tl.constexpr):
+    """Codes (int32) of fp32 ``v``: saturating RNE or stochastic, as ``casts.saturating_cast`` /
+    ``casts.encode`` compute them (bit for bit, stochastic codes for the same random bits).
+
+    HW = 0: the integer encoder ``_encode`` (the interpreter, E2M1, formats clamped below their
+    encoding's max such as E4M3_GAUDI, GPUs without the conversion).
+    HW = 1 (the launchers set it for CUDA tensors on sm_89+, E4M3/E5M2: ``hardware_cast``): Triton's
+    fp32 -> float8e4nv / float8e5 conversion, one ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` per two
+    elements (SASS ``F2FP.SATFINITE``): round to nearest even; finite values beyond max and +-Inf to
+    +-max; -0 to -0; fp32 subnormals to +-0, as the reference. Its one difference: NaN becomes the
+    canonical NaN 0x7F whatever the sign, where the reference keeps it (0xFF for -NaN); OR-ing v's sign
+    bit into bit 7 fixes that and changes nothing else (every other code carries v's sign already).
+    Stochastic rounding first moves v onto the grid (``_stochastic_grid``), so the conversion is exact.
+    HW = 2: HW = 1's algorithm with the conversion done by ``_encode`` (exact for on-grid values): the
+    interpreter's check of the stochastic path (tests/test_cast_hw.py).
+    """
+    if HW:
+        w = v
+        if STOCHASTIC:
+            w, tiny, n = _stochastic_grid(v, rbits, MBITS, BIAS)
+        if HW == 1:
+            if MBITS == 3:
+                c = w.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+            else:
+                c = w.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            c = _encode(w, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, False)
+        if STOCHASTIC:
+            c = tl.where(tiny, n, c)
+        return c | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
+    else:
+        return _encode(v, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
 
 
 @triton.jit
 def _nan_max(a, b):
     """maximum(a, b) that propagates NaN from either side."""
-    return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
+    return _max_propagating_nan(a, b)
 
 
 @triton.jit
@@ -155,7 +227,67 @@ def _random_bits(seed, offs):
     return (r & 0x3FFFFFFF).to(tl.int32)
 
 
-_FLAT_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))]
+@triton.jit
+def _philox4(seed, k):
+    """The four 32-bit outputs of Philox4x32-10 at counter ``k`` (int64: low word, high word, 0, 0) under
+    ``seed``: ``tl.philox(seed, lo, hi, 0, 0)`` bit for bit (tests/test_cast_hw.py), with each round's
+    two 32 x 32-bit products taken as 64-bit ones, which ptxas issues as one IMAD.WIDE.U32 each where
+    ``tl.philox``'s umulhi + mul pairs are often two IMADs."""
+    s = seed.to(tl.uint64, bitcast=True)
+    k0 = (s & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (s >> 32).to(tl.uint32)
+    c0 = k.to(tl.uint32)
+    c1 = (k >> 32).to(tl.uint32)
+    c2 = c0 * 0
+    c3 = c0 * 0
+    for _ in tl.static_range(10):
+        p0 = c0.to(tl.uint64) * 0xD2511F53
+        p2 = c2.to(tl.uint64) * 0xCD9E8D57
+        c0 = (p2 >> 32).to(tl.uint32) ^ c1 ^ k0
+        c2 = (p0 >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = p2.to(tl.uint32)
+        c3 = p0.to(tl.uint32)
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _random_bits4(seed, k):
+    """30 random bits for each of elements ``4k .. 4k+3`` from one Philox call per ``k``: element
+    ``4k + j`` takes output j. Returns ``k.shape + [2, 2]``, reshaped by the caller to ``4 * k``'s
+    elements in order (index [.., a, b] is element 4k + 2a + b)."""
+    r0, r1, r2, r3 = _philox4(seed, k)
+    r = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    return (r & 0x3FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _philox_pick(seed, quad, lane):
+    """Output ``lane`` (0..3) of Philox at counter ``quad``: element ``4 * quad + lane``'s 32 random bits.
+    Elements whose ``quad`` is the same value (e.g. a per-register constant plus a shared base) share
+    one Philox call: LLVM merges the identical calls."""
+    r0, r1, r2, r3 = _philox4(seed, quad)
+    r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return r.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _philox_at(seed, offs):
+    """32 random bits of element ``offs`` (int64 flat index): output ``offs % 4`` of Philox at counter
+    ``offs // 4``, the bits ``_random_bits4`` gives that element. In a flat block (offsets a multiple of
+    the block plus an arange) LLVM sees the four elements of a quad share ``offs // 4``: one call each."""
+    return _philox_pick(seed, offs >> 2, offs & 3)
+
+
+@triton.jit
+def _random_bits_at(seed, offs):
+    """``_philox_at``'s bits, 30 of them (``_encode`` uses at most 30)."""
+    return _philox_at(seed, offs) & 0x3FFFFFFF
+
+
+_FLAT_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w)
+                 for b, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8))]
 _FLAT_INTERPRET = triton.Config({"BLOCK": 1 << 16}, num_warps=4)
 _MIN_FLAT_BLOCK = min(c.kwargs["BLOCK"] for c in ([_FLAT_INTERPRET] if INTERPRETING else _FLAT_CONFIGS))
 
@@ -169,13 +301,28 @@ def _amax_kernel(x_ptr, partial_ptr, n, n_class, BLOCK: tl.constexpr):
     tl.store(partial_ptr + pid, _abs_max(x))
 
 
-@autotune(_FLAT_CONFIGS, key=["n_class", "PACKED", "STOCHASTIC"], interpret=_FLAT_INTERPRET)
+def _prune_flat_configs(configs, named_args, **kwargs):
+    """The configs a cast may take: a stochastic one those of >= 32 elements per thread, which spread
+    the program's fixed cost (index set-up, the amax reduction) thin next to its Philox and encoder."""
+    if not kwargs.get("STOCHASTIC"):
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK"] >= 32 * 32 * c.num_warps] or configs[-1:]
+
+
+@autotune(_FLAT_CONFIGS, key=["n_class", "PACKED", "STOCHASTIC"], interpret=_FLAT_INTERPRET,
+          prune_configs_by={"early_config_prune": _prune_flat_configs})
 @triton.jit
 def _cast_tensor_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, seed_ptr, n, n_class,
                         MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
                         NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr,
-                        PACKED: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Codes of ``x[i] * scale`` for i < n (one program per BLOCK codes or BLOCK packed bytes)."""
+                        PACKED: tl.constexpr, WANT_AMAX: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr = 0):
+    """Codes of ``x[i] * scale`` for i < n (one program per BLOCK codes or BLOCK packed bytes).
+
+    ``code[i] = cast(x[i] * scale)`` (``_cast_codes``; reference ``torch_family.cast_scaled``), and with
+    WANT_AMAX ``partial[pid] = max |x|`` over the program's elements (NaN-propagating). Stochastic bits:
+    element i takes output ``i % 4`` of Philox at counter ``i // 4`` (``_random_bits4``: one call per
+    four elements).
+    """
     pid = tl.program_id(0).to(tl.int64)
     scale = tl.load(scale_ptr)
     seed = 0
@@ -195,8 +342,10 @@ def _cast_tensor_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, seed_ptr, n, n_c
         r_lo = 0
         r_hi = 0
         if STOCHASTIC:
-            r_lo = _random_bits(seed, lo_offs)
-            r_hi = _random_bits(seed, lo_offs + 1)
+            # pairs 2k and 2k+1 hold elements 4k .. 4k+3: one Philox call serves both bytes
+            r0, r1, r2, r3 = _philox4(seed, pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2))
+            r_lo = (tl.reshape(tl.join(r0, r2), [BLOCK]) & 0x3FFFFFFF).to(tl.int32)
+            r_hi = (tl.reshape(tl.join(r1, r3), [BLOCK]) & 0x3FFFFFFF).to(tl.int32)
         c_lo = _encode(lo * scale, r_lo, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
         c_hi = _encode(hi * scale, r_hi, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
         tl.store(out_ptr + pairs, (c_lo | (c_hi << 4)).to(tl.uint8), mask=lo_mask)
@@ -208,8 +357,8 @@ def _cast_tensor_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, seed_ptr, n, n_c
             tl.store(partial_ptr + pid, _abs_max(x))
         rbits = 0
         if STOCHASTIC:
-            rbits = _random_bits(seed, offs)
-        code = _encode(x * scale, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
+            rbits = _philox_at(seed, offs)  # _encode and _stochastic_grid use at most 30 of the bits
+        code = _cast_codes(x * scale, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC, HW)
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
 
 
@@ -235,14 +384,16 @@ def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, seed_ptr, rows,
                            NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
                            STOCHASTIC: tl.constexpr, PACKED: tl.constexpr, FMAX: tl.constexpr,
                            MAX_SCALE_C: tl.constexpr, POW2: tl.constexpr, NAN_SCALE: tl.constexpr,
-                           MODE: tl.constexpr):
+                           MODE: tl.constexpr, HW: tl.constexpr = 0, SR4: tl.constexpr = False):
     """GR x GC tiles of TR x TC elements of a contiguous [rows, cols] matrix, as one 4-D block.
 
     The block is [GR, TRP, GC, TCP] (TRP, TCP: TR, TC rounded up to powers of two, masked); the
     per-tile amax is a max over axes 3 and 1. MODE 0: amax -> scale -> cast (current scaling);
     1: cast with the given per-tile scales; 2: per-tile amax only. For PACKED (E2M1) formats TCP
     counts byte columns, each holding elements 2b (low nibble) and 2b+1 (high nibble) of the tile
-    (``cols`` is even there: the caller checks).
+    (``cols`` is even there: the caller checks). HW: the hardware RNE conversion (``_cast_codes``).
+    Stochastic bits are those of the flat cast for the element's flat index (``_philox_at``; SR4, when
+    TC and cols are multiples of 4: one Philox call per four elements of a row).
     """
     pid_r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1).to(tl.int64)
@@ -286,16 +437,19 @@ def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, seed_ptr, rows,
         r_lo = 0
         r_hi = 0
         if STOCHASTIC:
-            r_lo = _random_bits(seed, r * cols + c)
-            r_hi = _random_bits(seed, r * cols + c + 1)
+            r_lo = _random_bits_at(seed, r * cols + c)
+            r_hi = _random_bits_at(seed, r * cols + c + 1)
         c_lo = _encode(lo * s, r_lo, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
         c_hi = _encode(hi * s, r_hi, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
         tl.store(out_ptr + r * (cols // 2) + c // 2, (c_lo | (c_hi << 4)).to(tl.uint8), mask=m)
     else:
         rbits = 0
         if STOCHASTIC:
-            rbits = _random_bits(seed, r * cols + c)
-        code = _encode(x * s, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC)
+            if SR4:  # TC and cols multiples of 4: the four elements of a quad share one Philox call
+                rbits = _philox_pick(seed, (r * cols + gc * TC) // 4 + j // 4, j % 4)
+            else:
+                rbits = _philox_at(seed, r * cols + c)
+        code = _cast_codes(x * s, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC, HW)
         tl.store(out_ptr + r * cols + c, code.to(tl.uint8), mask=m)
 
 
@@ -308,6 +462,34 @@ def _fmt_args(fmt: Format) -> dict:
         NAN_CODE=fmt.nan_code if fmt.nan_code is not None else 0,
         SIGN_SHIFT=fmt.bits - 1,
     )
+
+
+# (mbits, bias, max) of the formats whose RNE cast the hardware does exactly: cvt.rn.satfinite saturates
+# to the format's own largest finite value, so a format clamped lower (E4M3_GAUDI) keeps the encoder.
+_HW_FORMATS = {(3, 7, 448.0), (2, 15, 57344.0)}
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_cvt(index: int) -> bool:
+    """NVIDIA sm_89+ (Ada, Hopper, Blackwell): fp32 -> e4m3/e5m2 ``cvt.rn.satfinite`` in hardware."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def hardware_cast(device: torch.device, fmt: Format) -> int:
+    """The cast kernels' HW constexpr (``_cast_codes``) on ``device``: 1 for compiled kernels on an sm_89+
+    NVIDIA GPU and E4M3 / E5M2 with their hardware max (either rounding), else 0. Never 1 under the
+    interpreter (its fp32 -> fp8 conversion is not the hardware's: docs/background.md, Traps)."""
+    device = torch.device(device)
+    if device.type != "cuda" or INTERPRETING or fmt.torch_dtype is None:
+        return 0
+    if (fmt.mbits, fmt.bias, float(fmt.max)) not in _HW_FORMATS:
+        return 0
+    return int(_has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def hardware_rne(device: torch.device, fmt: Format, rounding: str = "nearest") -> bool:
+    """Whether a round-to-nearest-even cast on ``device`` takes the hardware conversion (``hardware_cast``)."""
+    return rounding == "nearest" and bool(hardware_cast(device, fmt))
 
 
 def random_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -370,6 +552,7 @@ def cast_flat(flat: torch.Tensor, scale: torch.Tensor, fmt: Format, rounding="ne
     _cast_tensor_kernel[lambda meta: (triton.cdiv(nout, meta["BLOCK"]),)](
         flat, out, s, partial, _seed_arg(rounding, generator, flat.device, s), n, size_class(n),
         STOCHASTIC=rounding == "stochastic", PACKED=fmt.packed, WANT_AMAX=want_amax, **_fmt_args(fmt),
+        HW=0 if fmt.packed else hardware_cast(flat.device, fmt),
     )
     amax = partial[: _programs_used(_cast_tensor_kernel, nout)].max() if want_amax else None
     return out, amax
@@ -383,6 +566,12 @@ def cast_scaled(x, scale, fmt: Format, rounding="nearest", generator=None, want_
     out, amax = cast_flat(x.contiguous().view(-1), scale, fmt, rounding, generator, want_amax)
     shape = (*x.shape[:-1], x.shape[-1] // 2) if fmt.packed else x.shape
     return _storage(out, fmt).view(shape), amax
+
+
+def _tile_warps(tile: tuple[int, int], packed: bool) -> int:
+    """Warps of a tile-kernel program: <= 32 elements per thread (a 128 x 128 tile is one program)."""
+    trp, tcp, gr, gc = _tiles_per_program(tile, packed)
+    return max(4, min(16, gr * gc * trp * tcp // (32 * 32)))
 
 
 def _tiles_per_program(tile: tuple[int, int], packed: bool) -> tuple[int, int, int, int]:
@@ -415,6 +604,8 @@ def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, roundin
         TR=tile[0], TC=tile[1], TRP=trp, TCP=tcp, GR=gr, GC=gc, STOCHASTIC=rounding == "stochastic",
         PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=power_of_two,
         NAN_SCALE=fmt.nan_code is None, MODE=mode, **_fmt_args(fmt),
+        HW=0 if mode == 2 else hardware_cast(x2d.device, fmt),
+        SR4=rounding == "stochastic" and tile[1] % 4 == 0 and cols % 4 == 0, num_warps=_tile_warps(tile, fmt.packed),
     )
     return out, scales, amax
 

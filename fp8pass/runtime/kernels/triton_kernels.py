@@ -47,10 +47,12 @@ import triton.language as tl
 from ...numerics import Format
 from ...numerics.kernels import torch_family
 from ...numerics.kernels.triton_family import (  # the one exact in-kernel cast, shared tuning helpers
-    _encode,
-    _random_bits,
+    _cast_codes,
+    _max_propagating_nan,
+    _philox_pick,
     autotune,
     check_interpretable,
+    hardware_cast,
     random_seed,
     size_class,
 )
@@ -62,10 +64,8 @@ MODES = {"none": 0, "channel": 1, "token": 2}
 
 @triton.jit
 def _abs_max(x):
-    """max |x| that propagates NaN (tl.max alone may drop it on GPUs)."""
-    m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
-    return tl.where(has_nan > 0, float("nan"), m)
+    """max |x| of a 2-D block, NaN if it holds NaN (one NaN-propagating max per element)."""
+    return tl.reduce(tl.reduce(tl.abs(x), 1, _max_propagating_nan), 0, _max_propagating_nan)
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, T, F, BT: tl.constexpr, BF: tl
 def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr, T, F,
                         MODE: tl.constexpr, STORE: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr,
                         MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
-                        NAN_CODE: tl.constexpr):
+                        NAN_CODE: tl.constexpr, HW: tl.constexpr = 0):
     """A tile of the down GEMM operand: A, max |A| (per program) and, if STORE, codes of A * scale."""
     pid_t, pid_f = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_t * BT + tl.arange(0, BT)
@@ -115,13 +115,23 @@ def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr
     tl.store(amax_ptr + pid_t * tl.num_programs(1) + pid_f, _abs_max(a))
     if STORE:
         s = tl.load(scale_ptr)
-        code = _encode(a * s, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False)
+        code = _cast_codes(a * s, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
 
 
+# Tiles of 2-8K elements, 16-32 per thread. A stochastic cast holds four Philox states per quad in
+# flight: it keeps the tiles of at most 16 elements per thread, so no config spills, in the aligned
+# build or not (benchmarks/gpu_static.py checks both).
 _TILE_CONFIGS = [triton.Config({"BR": br, "BC": bc}, num_warps=w)
-                 for br, bc, w in ((32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8))]
+                 for br, bc, w in ((32, 64, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8))]
 _TILE_INTERPRET = triton.Config({"BR": 32, "BC": 64}, num_warps=4)
+
+
+def _prune_tile_configs(configs, named_args, **kwargs):
+    """The configs a launch may take: for stochastic rounding those of <= 16 elements per thread."""
+    if not kwargs.get("STOCHASTIC"):
+        return configs
+    return [c for c in configs if c.kwargs["BR"] * c.kwargs["BC"] <= 16 * 32 * c.num_warps] or configs[:1]
 
 
 def _max_programs(r: int, c: int) -> int:
@@ -130,17 +140,21 @@ def _max_programs(r: int, c: int) -> int:
 
 
 @autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE", "STOCHASTIC", "CONDITIONAL"],
-          interpret=_TILE_INTERPRET)
+          interpret=_TILE_INTERPRET, prune_configs_by={"early_config_prune": _prune_tile_configs})
 @triton.jit
 def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_ptr, flag_ptr, R, C, r_class,
                            c_class, TRANSPOSE: tl.constexpr, STOCHASTIC: tl.constexpr, CONDITIONAL: tl.constexpr,
                            MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                           BR: tl.constexpr, BC: tl.constexpr):
+                           BR: tl.constexpr, BC: tl.constexpr, HW: tl.constexpr = 0, SR4: tl.constexpr = False):
     """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile.
 
-    STOCHASTIC: random bits keyed by the element's flat index ``r * C + c`` (the flat cast kernel's
-    bits for the same seed). CONDITIONAL: only where ``*flag_ptr != 0``; otherwise every load and store
-    is masked off (no memory traffic: a launch that does nothing) and no amax is written.
+    ``code = cast(x * s)`` (``_cast_codes``; HW: the hardware RNE conversion), reference
+    ``saturating_cast(x * s)``; ``amax[tile] = max |x|`` over the tile, NaN-propagating. STOCHASTIC:
+    the flat cast's random bits for the element's flat index ``r * C + c`` (output ``(r * C + c) % 4``
+    of Philox at counter ``(r * C + c) // 4``), so the codes are the flat stochastic cast's for the same
+    seed; SR4 (``C % 4 == 0``): four elements of a row share one Philox call, otherwise each takes one.
+    CONDITIONAL: only where ``*flag_ptr != 0``; otherwise every load and store is masked off (no memory
+    traffic: a launch that does nothing) and no amax is written.
     """
     pid_r, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_r * BR + tl.arange(0, BR)
@@ -155,8 +169,15 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
         tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, _abs_max(x))
     rbits = 0
     if STOCHASTIC:
-        rbits = _random_bits(tl.load(seed_ptr), rows[:, None] * C + cols[None, :])
-    v = _encode(x * tl.load(scale_ptr), rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC).to(tl.uint8)
+        if SR4:  # C % 4 == 0: quads never straddle rows, and the four of a quad share one Philox call
+            quad = (rows[:, None] * C + pid_c * BC) // 4 + (tl.arange(0, BC) // 4)[None, :]
+            lane = (tl.arange(0, BC) % 4)[None, :]
+        else:
+            flat = rows[:, None] * C + cols[None, :]
+            quad = flat >> 2
+            lane = flat & 3
+        rbits = _philox_pick(tl.load(seed_ptr), quad, lane)
+    v = _cast_codes(x * tl.load(scale_ptr), rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC, HW).to(tl.uint8)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], v, mask=mask)
     if TRANSPOSE:
         # [BC, BR] in registers: consecutive lanes write consecutive bytes of a row of the [C, R] copy.
@@ -216,7 +237,7 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
     if t == 0 or f == 0:
         zero = torch.zeros((), dtype=torch.float32, device=g.device)
         return out, zero, scale if scale is not None else torch.ones_like(zero)
-    kw = dict(MODE=MODES[mode], BT=bt, BF=bf, **_fmt_kw(fmt))
+    kw = dict(MODE=MODES[mode], BT=bt, BF=bf, **_fmt_kw(fmt), HW=hardware_cast(g.device, fmt))
     if scale is None:
         _swiglu_cast_kernel[grid](g, u, c, r, dummy, out.view(torch.uint8), part, t, f, STORE=False, **kw)
         scale = scale_from_amax(_reduce_amax(part), fmt)
@@ -273,7 +294,8 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
     flag = s if only_if is None else only_if.to(torch.int32).reshape(1)
     _transpose_cast_kernel[lambda meta: (triton.cdiv(r, meta["BR"]), triton.cdiv(c, meta["BC"]))](
         x, s, out.view(torch.uint8), out_t.view(torch.uint8), part, seed, flag, r, c, size_class(r), size_class(c),
-        TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic", CONDITIONAL=only_if is not None, **_fmt_kw(fmt))
+        TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic", CONDITIONAL=only_if is not None, **_fmt_kw(fmt),
+        HW=hardware_cast(x.device, fmt), SR4=c % 4 == 0)
     if only_if is not None:
         return out, (out_t if transpose else None), None
     cfg = _transpose_cast_kernel.best_config.kwargs
