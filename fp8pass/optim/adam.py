@@ -20,7 +20,9 @@ from __future__ import annotations
 import copy
 import os
 
+import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..numerics import ROUNDINGS
 from ..numerics.kernels import family_name
@@ -130,6 +132,7 @@ class Adam(torch.optim.Optimizer):
         self.generator = generator
         self._workspaces: dict = {}
         self._numel: dict = {}  # device type -> elements of the parameters on it (for kernels="auto")
+        self._host_steps = WeakIdKeyDictionary()  # CPU step tensor -> (its _version, its value) as last set
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -144,6 +147,7 @@ class Adam(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("generator", None)
         self.__dict__.setdefault("_workspaces", {})
+        self.__dict__.setdefault("_host_steps", WeakIdKeyDictionary())
         self.__dict__.setdefault("_numel", {})
 
     # -- state ---------------------------------------------------------------------------------
@@ -225,6 +229,7 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        known_steps = self.__dict__.setdefault("_host_steps", WeakIdKeyDictionary())  # absent after to_fp8
         for group in self.param_groups:
             decoupled = bool(group.get("decoupled_weight_decay", False))
             coupled_wd = not decoupled and group["weight_decay"] != 0
@@ -241,12 +246,19 @@ class Adam(torch.optim.Optimizer):
             if not todo:
                 continue
             steps = [st["step"] for _, _, st, _, _ in todo]
+            host = not group["capturable"] and not isinstance(group["lr"], torch.Tensor)
+            counts = []  # a count kept on the CPU (the default, as in torch): known, or read there below
+            for s in steps:
+                known = known_steps.get(s) if host and s.device.type == "cpu" else None
+                fresh = known is not None and known[0] == s._version and s.dtype in _PLUS_ONE
+                counts.append(_PLUS_ONE[s.dtype](known[1]) if fresh else None)  # unchanged since this optimizer's add
             for same_device in _by_device(steps).values():  # one multi-tensor add per device
                 torch._foreach_add_(same_device, 1)
-            host = not group["capturable"] and not isinstance(group["lr"], torch.Tensor)
-            counts = []
-            for s in steps:  # a step count kept on the CPU (the default, as in torch): read there, no device sync
-                counts.append(float(s) if host and s.device.type == "cpu" else None)
+            for i, s in enumerate(steps):
+                if host and s.device.type == "cpu":
+                    if counts[i] is None:  # a new, loaded or edited counter: one read, on the CPU
+                        counts[i] = float(s)
+                    known_steps[s] = (s._version, counts[i])
             hps = _hyper_params(group, decoupled, [(p.device, s, c) for (p, *_), s, c in zip(todo, steps, counts)])
             batches: dict = {}  # (m_spec, v_spec) -> [(p, grad, state, hp)]: one Triton launch per kind of hp
             wide: list = []  # (p, grad, state, hp, m_spec, v_spec) of blocks too wide for one program
@@ -332,6 +344,10 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
 
 
+# count + 1 as a step tensor of the dtype computes it (fp32 stops counting at 2**24, as the tensor does)
+_PLUS_ONE = {torch.float32: lambda c: float(np.float32(c) + np.float32(1)), torch.float64: lambda c: c + 1.0}
+
+
 def _by_device(tensors: list) -> dict:
     """``tensors`` grouped by device, in order."""
     out: dict = {}
@@ -346,7 +362,7 @@ def _hyper_params(group: dict, decoupled: bool, where: list) -> list:
     Args:
         group: the param group.
         decoupled: AdamW's decay.
-        where: per parameter its device, its (already advanced) step tensor and the step count read on
+        where: per parameter its device, its (already advanced) step tensor and the step count known on
             the host, or None where it is not to be read (``capturable=True``, a tensor ``lr``, or a
             step tensor on a device).
 
