@@ -1,10 +1,15 @@
 """Triton kernel family: fused amax + cast kernels, bit-identical to ``torch_family``.
 
-The cast never uses Triton's fp32 -> fp8 conversion: Triton 3.9's interpreter drops the mantissa
-carry and rounds ties away from zero, and GPUs have had double-rounding bugs in the same cast
-(docs/background.md, Traps). ``_encode`` computes the codes with the integer algorithm documented in
-``fp8pass/numerics/casts.py`` (``encode`` there is its torch reference), so the result is exact on
-the interpreter and on every GPU. Scales use the correctly rounded ``div_rn`` as torch does.
+Codes come from ``_cast_codes``. On an sm_89+ NVIDIA GPU (``hardware_cast``) E4M3 and E5M2 take the
+hardware conversion: Triton's fp32 -> float8e4nv / float8e5 lowers there to ``cvt.rn.satfinite.
+{e4m3,e5m2}x2.f32`` (one SASS ``F2FP.SATFINITE`` per two elements), which rounds and saturates as the
+reference does except for NaN's sign, fixed up in the kernel; stochastic rounding is done on the fp32
+bits first (``_stochastic_grid``) so that conversion is exact. Everywhere else (the interpreter, whose
+fp32 -> fp8 conversion drops the mantissa carry and rounds ties away from zero: docs/background.md,
+Traps; E2M1; E4M3_GAUDI) ``_encode`` computes the codes with the integer algorithm documented in
+``fp8pass/numerics/casts.py`` (``encode`` there is its torch reference). Both paths give the same codes
+for the same random bits (tests/test_cast_hw.py, tests/gpu). Scales use the correctly rounded
+``div_rn`` as torch does.
 
 Kernels:
     ``_amax_kernel``          partial max |x| per program (NaN-propagating, like torch.aminmax).
@@ -17,7 +22,8 @@ Kernels:
 
 Every index is int64 (``program_id`` widened before it is multiplied), so tensors of more than 2**31
 elements are addressed exactly. Stochastic rounding draws its seed on the tensor's device (no host
-synchronisation) and keys Philox by the element's 64-bit index. ``_amax_kernel`` and
+synchronisation) and keys Philox by the element's 64-bit index: element i takes output ``i % 4`` at
+counter ``i // 4``, one Philox call per four elements. ``_amax_kernel`` and
 ``_cast_tensor_kernel`` are autotuned (``triton.autotune``, keyed on the size class ``n.bit_length()``);
 under Triton's interpreter each has one fixed config, so the CPU tests never benchmark.
 """

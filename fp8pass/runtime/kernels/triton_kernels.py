@@ -11,12 +11,11 @@
                                conditionally (a device flag) as the recast of a delayed-scaled cast
 =============================  ===========================================================================
 
-Codes never come from Triton's fp32 -> fp8 conversion (docs/background.md, Traps: the interpreter drops the
-mantissa carry, rounds ties away from zero, and loses NaN for E4M3). They come from ``_encode`` of
-``fp8pass.numerics.kernels.triton_family``, the one in-kernel cast: integer arithmetic on the fp32 bits
-(the algorithm of ``fp8pass.numerics.casts.encode``: shift the significand to the format's grid at that
-exponent, round the remainder to nearest-even, carry into the exponent, saturate, NaN code), so the
-codes are bit-identical to ``saturating_cast`` on the interpreter and on every GPU.
+Codes come from ``_cast_codes`` of ``fp8pass.numerics.kernels.triton_family``, the one in-kernel cast: on
+an sm_89+ NVIDIA GPU the hardware conversion (``cvt.rn.satfinite``, NaN's sign fixed up; stochastic
+rounding done on the fp32 bits first), elsewhere the integer encoder ``_encode`` (the algorithm of
+``fp8pass.numerics.casts.encode``; Triton's own fp32 -> fp8 conversion is wrong in the interpreter:
+docs/background.md, Traps). Both are bit-identical to ``saturating_cast`` and to each other.
 
 What is exact and what is bounded against the torch references (``fp8pass.numerics``'s
 ``saturating_cast`` / ``quantize`` and ``fp8pass.runtime.swiglu.swiglu_operand``):
