@@ -67,7 +67,8 @@ def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool) -> dict:
     an sm_89+ GPU (FP8 moments decoded and, rounding to nearest, encoded by the hardware conversions)."""
     return dict(ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
                                            rounding="stochastic" if stochastic else "nearest",
-                                           stochastic_flush=False)), HP_TABLE=False, M_HW=ms.fp8, V_HW=vs.fp8)
+                                           stochastic_flush=False)), HP_TABLE=False, M_HW=int(ms.fp8),
+                V_HW=int(vs.fp8))
 
 
 def _hw(fmt) -> int:

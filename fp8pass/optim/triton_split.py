@@ -16,10 +16,11 @@ the wide blocks of a group of tensors:
 
 So the result is bit-identical to ``torch_step.adam_step_torch`` (and to the fused kernel), for 3
 passes over the inputs instead of 2. Stochastic rounding keys Philox exactly as the fused kernel
-does (one seed per launch, drawn on the device; each element's index in the launch), so the two
-kernels draw the same bits for the same tensors and seed. No host synchronisation; one fixed
-launch configuration (one span per program, untuned). With moments stored in bf16/fp32 there are
-no scales, and phase 1 is skipped.
+does (one seed per launch, drawn on the device; the same counter per element: ``triton_step._span_bits``),
+so the two kernels draw the same bits for the same tensors and seed. Each program finds its tensor,
+offsets and span once, on scalars (as the fused kernel's programs do). No host synchronisation; one
+fixed launch configuration (one span of ``MAX_SPAN`` lanes per program, 4 warps, untuned). With moments
+stored in bf16/fp32 there are no scales, and phase 1 is skipped.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from .triton_step import (
     _hyper_params,
     _launch_groups,
     _launch_seed,
+    _program_tensor,
     _span_update,
     _step_meta,
     _table,
-    _tensor_of,
     _tensor_offsets,
     _tensor_rows,
     _write_span,
@@ -54,67 +55,73 @@ __all__ = ["adam_step_triton_split"]
 _SPLIT_COLS = (*_COLS, "block", "first_span")
 # Per block in the scratch buffer: new m amax, new v amax, old m scale, old v scale.
 _SLOT = 4
-_NUM_WARPS = 4  # one span of MAX_SPAN lanes per program: the fused kernel's choice for such spans
+_NUM_WARPS = 4  # one span of MAX_SPAN lanes per program, 8 lanes per thread
 
 
 @triton.jit
 def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, table_ptr, scratch_ptr, n_tensors,
-                  n_rows, b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg,
+                  b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg,
                   M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                   M_NAN_CODE: tl.constexpr, M_FMAX: tl.constexpr, M_MIN_SUB: tl.constexpr, M_IEEE: tl.constexpr,
+                  M_HW: tl.constexpr,
                   V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_MAX_CODE: tl.constexpr,
                   V_NAN_CODE: tl.constexpr, V_FMAX: tl.constexpr, V_MIN_SUB: tl.constexpr, V_IEEE: tl.constexpr,
+                  V_HW: tl.constexpr,
                   V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr,
                   STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, SCALE_CAP: tl.constexpr,
-                  HP_TABLE: tl.constexpr, WRITE: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr, ALIGNED: tl.constexpr,
-                  W: tl.constexpr, SLOT: tl.constexpr, NB: tl.constexpr):
-    """Phase 1 (``WRITE`` False) or phase 2 of the split-block step over NB spans ("rows") of the
-    launch's wide blocks (see the module doc)."""
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * NB + tl.arange(0, NB)
-    row_ok = rows < n_rows
-    t = _tensor_of(table_ptr, rows, row_ok, n_tensors, 11, W, SEARCH_STEPS)
-    p_off, g_off, m_off, v_off = _tensor_offsets(t, row_ok, ALIGNED)
-    numel = tl.load(t + 7, mask=row_ok, other=0)
-    block = tl.load(t + 10, mask=row_ok, other=1)
+                  HP_TABLE: tl.constexpr, WRITE: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                  ALIGNED: tl.constexpr, RAND4: tl.constexpr, W: tl.constexpr, SLOT: tl.constexpr):
+    """Phase 1 (``WRITE`` False) or phase 2 of the split-block step on one span of one wide block
+    (see the module doc): the tensor, its offsets, the span's place and the hyper-parameters are
+    computed once per program, on scalars."""
+    pid = tl.program_id(0)
+    t = _program_tensor(table_ptr, pid, n_tensors, 11, W, SEARCH_STEPS)
+    p_off, g_off, m_off, v_off, numel = _tensor_offsets(t, ALIGNED)
+    block = tl.load(t + 10)
     spans_per_block = (block + SPAN - 1) // SPAN
-    local = rows - tl.load(t + 11, mask=row_ok, other=0)
+    local = pid - tl.load(t + 11)
     blk = local // spans_per_block
     s0 = (local - blk * spans_per_block) * SPAN  # the span's first element in its block
     start = blk * block + s0
     if ALIGNED:  # blocks and spans are multiples of 16 elements
         start = tl.multiple_of(start, 16)
-    first_span = row_ok & (s0 == 0)  # saves (phase 1) and writes (phase 2) its block's scales
-    slot = scratch_ptr + (tl.load(t + 8, mask=row_ok, other=0) + blk) * SLOT
-    ms = ms_ptr + tl.load(t + 3, mask=row_ok, other=0) + blk
-    vs = vs_ptr + tl.load(t + 5, mask=row_ok, other=0) + blk
+    left = tl.minimum(tl.minimum(block - s0, numel - start), SPAN).to(tl.int32)  # the span's elements (<= 0: none)
+    one = tl.arange(0, 1)  # the span as the update's one row
+    first_span = (s0 + one) == 0  # [1]; saves (phase 1) and writes (phase 2) its block's scales
+    slot = scratch_ptr + (tl.load(t + 8) + blk) * SLOT + one
+    ms = ms_ptr + tl.load(t + 3) + blk + one
+    vs = vs_ptr + tl.load(t + 5) + blk + one
     old_ms, old_vs = ms, vs
     if WRITE:  # the state's scales are being overwritten: decode with the copies phase 1 saved
         old_ms, old_vs = slot + 2, slot + 3
+    m_old = tl.load(old_ms) if M_KIND == 0 else tl.zeros([1], dtype=tl.float32) + 1.0
+    v_old = tl.load(old_vs) if V_KIND == 0 else tl.zeros([1], dtype=tl.float32) + 1.0
+    m_inv = tl.math.div_rn(1.0 + m_old * 0.0, m_old)
+    v_inv = tl.math.div_rn(1.0 + v_old * 0.0, v_old)
     b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = _hyper_params(
-        hp_ptr + tl.load(t + 6, mask=row_ok, other=0), row_ok,
-        (b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg), HP_TABLE)
-    lane = tl.arange(0, SPAN)
-    e = start[:, None] + lane[None, :]
-    mask = row_ok[:, None] & ((s0[:, None] + lane[None, :]) < block[:, None]) & (e < numel[:, None])
-    p_row, m_row, v_row = p_ptr + p_off[:, None], m_ptr + m_off[:, None], v_ptr + v_off[:, None]
-    p, m, v = _span_update(p_row, g_ptr + g_off[:, None], m_row, old_ms, v_row, old_vs, e, mask, row_ok, b1, omb1,
-                           b2, omb2, inv_bc2s, eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND,
-                           V_MBITS, V_BIAS, V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
+        hp_ptr, t, (b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg),
+        HP_TABLE)
+    e = tl.arange(0, SPAN)[None, :]
+    mask = e < left
+    p_t, m_t, v_t = p_ptr + p_off + start, m_ptr + m_off + start, v_ptr + v_off + start
+    p, m, v = _span_update(p_t, g_ptr + g_off + start, m_t, m_old, m_inv, v_t, v_old, v_inv, e, mask, b1, omb1, b2,
+                           omb2, inv_bc2s, eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS,
+                           V_BIAS, V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD, M_HW, V_HW)
     if WRITE:
-        m_scale = tl.zeros([NB], dtype=tl.float32) + 1.0
-        v_scale = tl.zeros([NB], dtype=tl.float32) + 1.0
+        m_scale = tl.zeros([1], dtype=tl.float32) + 1.0
+        v_scale = tl.zeros([1], dtype=tl.float32) + 1.0
         if M_KIND == 0:
-            m_scale = _block_scale(tl.load(slot + 0, mask=row_ok, other=0.0), M_FMAX, SCALE_CAP)
+            m_scale = _block_scale(tl.load(slot + 0), M_FMAX, SCALE_CAP)
         if V_KIND == 0:
-            v_scale = _block_scale(tl.load(slot + 1, mask=row_ok, other=0.0), V_FMAX, SCALE_CAP)
+            v_scale = _block_scale(tl.load(slot + 1), V_FMAX, SCALE_CAP)
         seed = 0
+        key = 0
         if STOCHASTIC or SFLUSH:
             seed = tl.load(seed_ptr)
-        first_elem = tl.load(t + 9, mask=row_ok, other=0)
-        _write_span(p, m, v, p_row, m_row, v_row, e, mask, m_scale, v_scale, seed, first_elem, M_KIND, M_MBITS,
-                    M_BIAS, M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE,
-                    V_MIN_SUB, STOCHASTIC, SFLUSH)
+            key = (tl.load(t + 9) + start + one)[:, None]  # Philox counter of the span's first element
+        _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key, M_KIND, M_MBITS, M_BIAS,
+                    M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
+                    STOCHASTIC, SFLUSH, M_HW, V_HW, RAND4, 1, SPAN)
         if M_KIND == 0:
             tl.store(ms, m_scale, mask=first_span)
         if V_KIND == 0:
@@ -122,10 +129,10 @@ def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, 
     else:
         bits = slot.to(tl.pointer_type(tl.int32))  # amax >= 0: its int32 bits order like the value
         if M_KIND == 0:
-            tl.atomic_max(bits + 0, _finite_amax(m, mask).to(tl.int32, bitcast=True), mask=row_ok)
+            tl.atomic_max(bits + 0, _finite_amax(m, mask).to(tl.int32, bitcast=True))
             tl.store(slot + 2, tl.load(ms, mask=first_span, other=1.0), mask=first_span)
         if V_KIND == 0:
-            tl.atomic_max(bits + 1, _finite_amax(v, mask).to(tl.int32, bitcast=True), mask=row_ok)
+            tl.atomic_max(bits + 1, _finite_amax(v, mask).to(tl.int32, bitcast=True))
             tl.store(slot + 3, tl.load(vs, mask=first_span, other=1.0), mask=first_span)
 
 
@@ -151,13 +158,15 @@ def _launch_split(items, blocks, m_spec: MomentSpec, v_spec: MomentSpec, opts: d
     table = _table(rows, device)
     scratch = torch.zeros((n_blocks, _SLOT), dtype=torch.float32, device=device)
     seed = _launch_seed(opts, device, hp0)
-    meta = dict(**_step_meta(m_spec, v_spec, opts), **_hp_args(items), SPAN=span, SEARCH_STEPS=max(1, len(items).bit_length()),
-                ALIGNED=aligned and span % 16 == 0 and all(b % 16 == 0 for b in blocks), W=len(_SPLIT_COLS),
-                SLOT=_SLOT, NB=1, num_warps=_NUM_WARPS,
+    meta = dict(**_step_meta(m_spec, v_spec, opts, device), **_hp_args(items), SPAN=span,
+                SEARCH_STEPS=max(1, len(items).bit_length()),
+                ALIGNED=aligned and span % 16 == 0 and all(b % 16 == 0 for b in blocks),
+                RAND4=span % 4 == 0 and all(b % 4 == 0 for b in blocks), W=len(_SPLIT_COLS), SLOT=_SLOT,
+                num_warps=_NUM_WARPS,
                 enable_fp_fusion=False)  # no FMA: bit-identical to the torch path's single-rounding ops
     if m_spec.fp8 or v_spec.fp8:
-        _split_kernel[(n_spans,)](*args, seed, table, scratch, len(items), n_spans, WRITE=False, **meta)
-    _split_kernel[(n_spans,)](*args, seed, table, scratch, len(items), n_spans, WRITE=True, **meta)
+        _split_kernel[(n_spans,)](*args, seed, table, scratch, len(items), WRITE=False, **meta)
+    _split_kernel[(n_spans,)](*args, seed, table, scratch, len(items), WRITE=True, **meta)
 
 
 def adam_step_triton_split(params, grads, states, hps, m_specs, v_specs, maximize: bool = False,

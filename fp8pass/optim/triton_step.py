@@ -4,23 +4,32 @@ One launch updates many parameters (``adam_step_triton_multi``; ``adam_step_trit
 case). A table on the device, built once per set of tensors and cached, holds per tensor the element
 offsets of its parameter, gradient, moments and block scales from the launch's base tensors, its
 hyper-parameter row (when they come from the device: ``capturable``; else they are the launch's fp32
-arguments), its size and its first scale block. Each program takes ``NB`` consecutive
-scale blocks of the whole set (a binary search in the table finds each block's tensor), reads the
-parameter, the gradient, both moments' codes and block scales, applies exactly the update of
-``torch_step`` (same fp32 ops in the same order, IEEE ``sqrt_rn`` / ``div_rn``, FMA contraction off),
-takes the new block amaxes over the finite values, and writes the parameter, the codes and the scales.
-A block wider than ``MAX_SPAN`` elements is walked in spans twice: once for its amaxes, once to write
-(the same ops, so the same values). Per element that is 2 bytes of moments read and written instead
-of torch AdamW's 16, and no fp32 moment ever reaches memory. Blocks wider than ``adam.TRITON_MAX_BLOCK``
-(one scale for a large tensor) would be one serial program each: the optimizer gives them to
-``triton_split``, whose kernels run their spans in parallel with this module's jit helpers.
+arguments), its size, its first scale block, its first Philox counter and, for each blocks-per-program
+config NB, its first tile. Each program takes a tile of ``NB`` consecutive scale blocks of one tensor:
+the tensor (a binary search over the first tiles), its offsets, the tile's place and the
+hyper-parameters are found once per program, on scalars; element indices are int32 from the tile's
+start, and the only per-row values are the scales. It reads the parameter, the gradient, both moments'
+codes and block scales, applies exactly the update of ``torch_step`` (same fp32 ops in the same order,
+IEEE ``sqrt_rn`` / ``div_rn``, FMA contraction off; the division of the codes by their row's scale is
+``_div_by_row``, bit-identical to IEEE division), takes the new block amaxes over the finite values, and
+writes the parameter, the codes and the scales. A block wider than ``MAX_SPAN`` elements is walked in
+spans twice: once for its amaxes, once to write (the same ops, so the same values). Per element that
+is 2 bytes of moments read and written instead of torch AdamW's 16, and no fp32 moment ever reaches
+memory. Blocks wider than ``adam.TRITON_MAX_BLOCK`` (one scale for a large tensor) would be one serial
+program each: the optimizer gives them to ``triton_split``, whose kernels run their spans in parallel
+with this module's jit helpers.
 
-Codes are computed with integer operations (the algorithm of ``fp8pass.numerics.casts.encode``), never
-with Triton's fp32 -> fp8 conversion, which the interpreter gets wrong (docs/background.md, Traps); decoding
-is integer too, so the kernel also runs on GPUs without native FP8 types. ``torch_step.adam_step_torch`` is
-the reference: the tests compare the two bit for bit (under ``TRITON_INTERPRET=1`` on CPU, on CUDA in
-tests/gpu). Stochastic rounding draws one seed per launch on the device (no host synchronisation) and keys
-Philox by each element's index in the launch.
+On GPUs with FP8 conversions (sm_89+: ``triton_family.hardware_cast``) the codes are decoded by the
+hardware (E4M3/E5M2 -> fp16 -> fp32, exact) and encoded by it (``triton_family._cast_codes``: the
+reference's saturating RNE, NaN sign included; stochastic rounding moves the value onto the grid with
+integer operations first, then converts). Elsewhere both are integer operations (the algorithm of
+``fp8pass.numerics.casts.encode``): Triton's fp32 -> fp8 conversion is wrong in the interpreter
+(docs/background.md, Traps).
+``torch_step.adam_step_torch`` is the reference: the tests compare the two bit for bit (under
+``TRITON_INTERPRET=1`` on CPU, on CUDA in tests/gpu). Stochastic rounding draws one seed per launch on
+the device (no host synchronisation); element j of a tensor takes output j % 4 of Philox at counter
+(its tensor's first counter + j) // 4 (``_span_bits``: one call per four elements; m under the seed, v
+under seed + 1).
 
 Autotuning (``triton.autotune`` over blocks per program and warps, keyed on the launch's size class, the
 block size, the formats and the dtypes) never benchmarks live tensors: the kernel updates in place, so
@@ -38,12 +47,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics.kernels.triton_family import (  # the one exact in-kernel cast and the shared helpers
+from ..numerics.kernels.triton_family import (  # the exact in-kernel casts and the shared helpers
     INTERPRETING,
-    _encode,
-    _random_bits,
+    _cast_codes,
+    _random_bits4,
+    _random_bits_at,
     autotune,
     check_interpretable,
+    hardware_cast,
     random_seed,
     size_class,
 )
@@ -54,11 +65,17 @@ from .torch_step import HP_FIELDS
 __all__ = ["adam_step_triton", "adam_step_triton_multi", "MAX_SPAN"]
 
 _KIND = {"e4m3": 0, "e5m2": 0, "bf16": 1, "fp32": 2}
-# Lanes of one pass over a block: wider blocks are walked in spans of this many elements.
-MAX_SPAN = 4096
-# Columns of the launch table (int64, one row per tensor).
-_COLS = ("p", "g", "m", "m_scale", "v", "v_scale", "hp", "numel", "first_block", "first_elem")
-_W = len(_COLS)
+# Lanes of one pass over a block: wider blocks are walked in spans of this many elements (8 per thread
+# with 4 warps: the update's live values of a thread then fit its registers).
+MAX_SPAN = 1024
+# Blocks per program of the configs (each has its table column of first tiles: a program's tile never
+# straddles two tensors, so everything but the elements themselves is known once per program).
+_NBS = (1, 2, 4, 8, 16, 32)
+# Columns of the launch table (int64, one row per tensor). "key": the Philox counter of the tensor's
+# first element (a multiple of 4); "tileN": the launch's first tile of NB=N blocks in this tensor.
+_COLS = ("p", "g", "m", "m_scale", "v", "v_scale", "hp", "numel", "first_block", "key")
+_TILE_COLS = tuple(f"tile{nb}" for nb in _NBS)
+_W = len(_COLS) + len(_TILE_COLS)
 # The kernels' fp32 hyper-parameter arguments, in the order of torch_step.HP_FIELDS.
 _HP_ARGS = tuple(f"{name}_arg" for name in ("b1", "omb1", "b2", "omb2", "inv_bc2s", "eps", "step_size", "decay",
                                              "l2"))
@@ -66,21 +83,30 @@ _TUNING_SCRATCH = 2**24
 
 
 @triton.jit
-def _decode(c, MBITS: tl.constexpr, BIAS: tl.constexpr, IEEE_SPECIALS: tl.constexpr):
-    """fp32 value of 8-bit codes ``c`` (int32 0..255): exact, by integer assembly of the fp32 bits."""
-    mag = c & 0x7F
-    e = mag >> MBITS
-    mant = mag & ((1 << MBITS) - 1)
-    normal = (((e - BIAS + 127) << 23) | (mant << (23 - MBITS))).to(tl.float32, bitcast=True)
-    # subnormal: mant * 2**(1 - BIAS - MBITS), assembled as bits of 2**(1 - BIAS - MBITS) times mant
-    quantum = tl.full(c.shape, (127 + 1 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
-    val = tl.where(e == 0, mant.to(tl.float32) * quantum, normal)
-    if IEEE_SPECIALS:  # E5M2: exponent all ones is Inf (mantissa 0) or NaN
-        emax_field = (1 << (7 - MBITS)) - 1
-        val = tl.where(e == emax_field, tl.where(mant == 0, float("inf"), float("nan")), val)
-    else:  # E4M3FN: only S.1111.111 is NaN
-        val = tl.where(mag == 0x7F, float("nan"), val)
-    return tl.where((c & 0x80) != 0, -val, val)
+def _decode(c, MBITS: tl.constexpr, BIAS: tl.constexpr, IEEE_SPECIALS: tl.constexpr, HW: tl.constexpr):
+    """fp32 value of 8-bit codes ``c`` (int32 0..255), exact. HW (sm_89+ GPUs): the hardware
+    conversion to fp16 (every E4M3 and E5M2 value is an fp16 value: exact, Inf/NaN kept), then to fp32.
+    Otherwise by integer assembly of the fp32 bits (the interpreter, older GPUs)."""
+    if HW:
+        if IEEE_SPECIALS:
+            val = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            val = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        mag = c & 0x7F
+        e = mag >> MBITS
+        mant = mag & ((1 << MBITS) - 1)
+        normal = (((e - BIAS + 127) << 23) | (mant << (23 - MBITS))).to(tl.float32, bitcast=True)
+        # subnormal: mant * 2**(1 - BIAS - MBITS), assembled as bits of 2**(1 - BIAS - MBITS) times mant
+        quantum = tl.full(c.shape, (127 + 1 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
+        val = tl.where(e == 0, mant.to(tl.float32) * quantum, normal)
+        if IEEE_SPECIALS:  # E5M2: exponent all ones is Inf (mantissa 0) or NaN
+            emax_field = (1 << (7 - MBITS)) - 1
+            val = tl.where(e == emax_field, tl.where(mant == 0, float("inf"), float("nan")), val)
+        else:  # E4M3FN: only S.1111.111 is NaN
+            val = tl.where(mag == 0x7F, float("nan"), val)
+        val = tl.where((c & 0x80) != 0, -val, val)
+    return val
 
 
 @triton.jit
@@ -97,13 +123,27 @@ def _store_float(ptr, x, mask):
 
 
 @triton.jit
-def _load_moment(ptr, scale_ptr, e, mask, blk_ok, KIND: tl.constexpr, SQRT: tl.constexpr, MBITS: tl.constexpr,
-                 BIAS: tl.constexpr, IEEE_SPECIALS: tl.constexpr):
-    """fp32 moment values at ``ptr + e`` ([NB, SPAN]); FP8 codes are divided by their block's scale."""
+def _div_by_row(a, s, inv_s):
+    """``a / s`` correctly rounded (``div_rn``) for the decoded codes ``a`` of a row and its scale ``s``,
+    from the row's ``inv_s = div_rn(1, s)``: q = a * inv_s is within an ulp, the residual a - q*s is
+    exact (one FMA) and q + residual * inv_s rounds to the quotient (Markstein's correction; no IEEE
+    division per element). Where the residual is 0 (exact quotients, +-0) or not finite (a Inf/NaN,
+    or a*inv_s overflowing: the quotient is then Inf too) q is the result. Checked against IEEE division
+    for every E4M3 and E5M2 code and 866k scales over the whole fp32 range (tests/test_optim_triton.py
+    repeats it on fewer scales through this function)."""
+    q = a * inv_s
+    r = tl.fma(-q, s, a)
+    return tl.where((r != 0) & (tl.abs(r) < float("inf")), tl.fma(r, inv_s, q), q)
+
+
+@triton.jit
+def _load_moment(ptr, scale, inv_scale, e, mask, KIND: tl.constexpr, SQRT: tl.constexpr, MBITS: tl.constexpr,
+                 BIAS: tl.constexpr, IEEE_SPECIALS: tl.constexpr, HW: tl.constexpr):
+    """fp32 moment values at ``ptr + e`` ([NB, SPAN]); FP8 codes are divided by their row's ``scale`` [NB]
+    (``inv_scale`` = its correctly rounded reciprocal, for ``_div_by_row``)."""
     if KIND == 0:
         c = tl.load(ptr + e, mask=mask, other=0).to(tl.int32)
-        s = tl.load(scale_ptr, mask=blk_ok, other=1.0)
-        x = tl.math.div_rn(_decode(c, MBITS, BIAS, IEEE_SPECIALS), s[:, None])
+        x = _div_by_row(_decode(c, MBITS, BIAS, IEEE_SPECIALS, HW), scale[:, None], inv_scale[:, None])
         if SQRT:
             x = x * x
     else:
@@ -128,13 +168,13 @@ def _finite_amax(x, mask):
 @triton.jit
 def _store_moment(x, ptr, e, mask, scale, rbits, KIND: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                   MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr, MIN_SUB: tl.constexpr,
-                  STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr):
+                  STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, HW: tl.constexpr):
     if KIND == 0:
         y = x * scale[:, None]
-        code = _encode(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC)
+        code = _cast_codes(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC, HW)
         if SFLUSH:
             if not STOCHASTIC:
-                sr = _encode(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, True)
+                sr = _cast_codes(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, True, HW)
                 code = tl.where(tl.abs(y) < MIN_SUB, sr, code)
         tl.store(ptr + e, code.to(tl.uint8), mask=mask)
     else:
@@ -142,21 +182,23 @@ def _store_moment(x, ptr, e, mask, scale, rbits, KIND: tl.constexpr, MBITS: tl.c
 
 
 @triton.jit
-def _span_update(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, e, mask, blk_ok, b1, omb1, b2, omb2, inv_bc2s, eps,
+def _span_update(p_ptr, g_ptr, m_ptr, m_scale, m_inv, v_ptr, v_scale, v_inv, e, mask, b1, omb1, b2, omb2, inv_bc2s, eps,
                  step_size, decay, l2,
                  M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_IEEE: tl.constexpr,
                  V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_IEEE: tl.constexpr,
-                 V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr):
+                 V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr, M_HW: tl.constexpr,
+                 V_HW: tl.constexpr):
     """The Adam(W) update of one [NB, SPAN] span (math: torch_step module doc): new p, m and v as
-    stored (sqrt(v) for a sqrt-storing v)."""
+    stored (sqrt(v) for a sqrt-storing v). ``m_scale`` / ``v_scale``: the rows' old scales [NB];
+    ``m_inv`` / ``v_inv``: their reciprocals (``_div_by_row``)."""
     p = tl.load(p_ptr + e, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + e, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
     if COUPLED_WD:
         g = g + p * l2
-    m = _load_moment(m_ptr, ms_ptr, e, mask, blk_ok, M_KIND, False, M_MBITS, M_BIAS, M_IEEE)
-    v = _load_moment(v_ptr, vs_ptr, e, mask, blk_ok, V_KIND, V_SQRT, V_MBITS, V_BIAS, V_IEEE)
+    m = _load_moment(m_ptr, m_scale, m_inv, e, mask, M_KIND, False, M_MBITS, M_BIAS, M_IEEE, M_HW)
+    v = _load_moment(v_ptr, v_scale, v_inv, e, mask, V_KIND, V_SQRT, V_MBITS, V_BIAS, V_IEEE, V_HW)
     m = m * b1 + g * omb1
     v = v * b2 + (g * g) * omb2
     r = tl.math.sqrt_rn(v)
@@ -168,79 +210,100 @@ def _span_update(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, e, mask, blk_ok, b1
 
 
 @triton.jit
-def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, first_elem,
+def _span_bits(seed, key, e, RAND4: tl.constexpr, NB: tl.constexpr, SPAN: tl.constexpr):
+    """The 30 random bits of each element of a span: Philox under ``seed``, element j of a tensor (launch
+    counter ``key + j``, ``key`` [NB, 1] the counter of each row's first lane) taking output j % 4 of the
+    call at counter j // 4. RAND4: each row's lanes are whole quads (``key`` a multiple of 4), so one
+    call serves four lanes (``_random_bits4``); otherwise one call per lane (``_random_bits_at``)."""
+    if RAND4:
+        quads = key // 4 + tl.arange(0, SPAN // 4)[None, :]
+        bits = tl.reshape(_random_bits4(seed, quads), [NB, SPAN])
+    else:
+        bits = _random_bits_at(seed, key + e)
+    return bits
+
+
+@triton.jit
+def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, key,
                 M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                 M_NAN_CODE: tl.constexpr, M_MIN_SUB: tl.constexpr,
                 V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_MAX_CODE: tl.constexpr,
-                V_NAN_CODE: tl.constexpr, V_MIN_SUB: tl.constexpr, STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr):
+                V_NAN_CODE: tl.constexpr, V_MIN_SUB: tl.constexpr, STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr,
+                M_HW: tl.constexpr, V_HW: tl.constexpr, RAND4: tl.constexpr, NB: tl.constexpr,
+                SPAN: tl.constexpr):
     """Store a span's new parameter and moments (codes with the given per-row scales). Random bits
-    are Philox keyed by each element's index in the launch (``first_elem + e``): seed for m, seed+1 for v."""
+    (``_span_bits``): seed for m, seed+1 for v."""
     _store_float(p_ptr + e, p, mask)
     r_m = 0
     r_v = 0
     if STOCHASTIC or SFLUSH:
-        r_m = _random_bits(seed, first_elem[:, None] + e)
-        r_v = _random_bits(seed + 1, first_elem[:, None] + e)
+        r_m = _span_bits(seed, key, e, RAND4, NB, SPAN)
+        r_v = _span_bits(seed + 1, key, e, RAND4, NB, SPAN)
     _store_moment(m, m_ptr, e, mask, m_scale, r_m, M_KIND, M_MBITS, M_BIAS, M_MAX_CODE, M_NAN_CODE, M_MIN_SUB,
-                  STOCHASTIC, SFLUSH)
+                  STOCHASTIC, SFLUSH, M_HW)
     _store_moment(v, v_ptr, e, mask, v_scale, r_v, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
-                  STOCHASTIC, SFLUSH)
+                  STOCHASTIC, SFLUSH, V_HW)
 
 
 @triton.jit
-def _tensor_of(table_ptr, rows, row_ok, n_tensors, FIRST_COL: tl.constexpr, W: tl.constexpr,
-               SEARCH_STEPS: tl.constexpr):
-    """Table row of each of ``rows``: the last tensor t with table[t, FIRST_COL] <= row (binary search)."""
-    lo = tl.zeros(rows.shape, dtype=tl.int64)
+def _program_tensor(table_ptr, pid, n_tensors, COL: tl.constexpr, W: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Table row of the tensor that program ``pid`` works on: the last t with table[t, COL] <= pid
+    (a binary search on scalars: once per program)."""
+    lo = pid * 0
     hi = lo + n_tensors
     for _ in tl.static_range(SEARCH_STEPS):
         mid = (lo + hi) // 2
-        right = tl.load(table_ptr + mid * W + FIRST_COL, mask=row_ok, other=0) <= rows
+        right = tl.load(table_ptr + mid * W + COL) <= pid
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     return table_ptr + lo * W
 
 
 @triton.jit
-def _tensor_offsets(t, row_ok, ALIGNED: tl.constexpr):
-    """Element offsets of a tensor's parameter, gradient and moments (table columns 0, 1, 2, 4)."""
-    p_off = tl.load(t + 0, mask=row_ok, other=0)
-    g_off = tl.load(t + 1, mask=row_ok, other=0)
-    m_off = tl.load(t + 2, mask=row_ok, other=0)
-    v_off = tl.load(t + 4, mask=row_ok, other=0)
-    if ALIGNED:  # every tensor starts 16 elements apart from its base: vector loads and stores
+def _tensor_offsets(t, ALIGNED: tl.constexpr):
+    """Element offsets of a tensor's parameter, gradient and moments (table columns 0, 1, 2, 4), and its size."""
+    p_off = tl.load(t + 0)
+    g_off = tl.load(t + 1)
+    m_off = tl.load(t + 2)
+    v_off = tl.load(t + 4)
+    numel = tl.load(t + 7)
+    if ALIGNED:  # every tensor starts 16 elements apart from its base and has a multiple of 16 elements
         p_off = tl.multiple_of(p_off, 16)
         g_off = tl.multiple_of(g_off, 16)
         m_off = tl.multiple_of(m_off, 16)
         v_off = tl.multiple_of(v_off, 16)
-    return p_off, g_off, m_off, v_off
+        numel = tl.multiple_of(numel, 16)
+    return p_off, g_off, m_off, v_off, numel
 
 
 @triton.jit
-def _hyper_params(hp, row_ok, host, HP_TABLE: tl.constexpr):
+def _hyper_params(hp_ptr, t, host, HP_TABLE: tl.constexpr):
     """The fp32 scalars of ``torch_step.HP_FIELDS``: the launch's fp32 arguments ``host`` (a tuple), or
-    with ``HP_TABLE`` each row's own from its tensor's row ``hp`` of a device tensor, as [NB, 1] columns."""
+    with ``HP_TABLE`` the row of table row ``t``'s tensor in the device tensor ``hp_ptr`` (scalar loads)."""
     if HP_TABLE:
-        out = (tl.load(hp + 0, mask=row_ok, other=0.0)[:, None], tl.load(hp + 1, mask=row_ok, other=0.0)[:, None],
-               tl.load(hp + 2, mask=row_ok, other=0.0)[:, None], tl.load(hp + 3, mask=row_ok, other=0.0)[:, None],
-               tl.load(hp + 4, mask=row_ok, other=0.0)[:, None], tl.load(hp + 5, mask=row_ok, other=1.0)[:, None],
-               tl.load(hp + 6, mask=row_ok, other=0.0)[:, None], tl.load(hp + 7, mask=row_ok, other=1.0)[:, None],
-               tl.load(hp + 8, mask=row_ok, other=0.0)[:, None])
+        hp = hp_ptr + tl.load(t + 6)
+        out = (tl.load(hp + 0), tl.load(hp + 1), tl.load(hp + 2), tl.load(hp + 3), tl.load(hp + 4), tl.load(hp + 5),
+               tl.load(hp + 6), tl.load(hp + 7), tl.load(hp + 8))
     else:
         out = host
     return out
 
 
-_ADAM_CONFIGS = [triton.Config({"NB": nb}, num_warps=w) for nb, w in ((1, 4), (2, 4), (4, 4), (8, 4), (16, 4), (32, 8))]
-_ADAM_INTERPRET = triton.Config({"NB": 8}, num_warps=4)
+_ADAM_CONFIGS = [triton.Config({"NB": nb, "TILE_COL": len(_COLS) + _NBS.index(nb)}, num_warps=w)
+                 for nb, w in ((1, 4), (2, 4), (4, 4), (8, 4), (16, 4), (32, 8))]
+_ADAM_INTERPRET = triton.Config({"NB": 8, "TILE_COL": len(_COLS) + _NBS.index(8)}, num_warps=4)
 
 
 def _prune_adam_configs(configs, named_args, **kwargs):
-    """Tiles of 1024-4096 elements per program (one span per program for the widest blocks): three
-    configs for the default 128-element blocks, so a first step compiles few variants."""
-    span = kwargs["SPAN"]
-    kept = [c for c in configs if 1024 <= c.kwargs["NB"] * span <= 4096 or (span >= 4096 and c.kwargs["NB"] == 1)]
-    return kept or configs[:1]
+    """Tiles of 1024-4096 elements per program: three configs for the default 128-element blocks, so a
+    first step compiles few variants; blocks walked in spans (two passes, more live values) take one or
+    two spans per program (four spill on sm_90 with stochastic rounding)."""
+    span, nbs = kwargs["SPAN"], [c.kwargs["NB"] for c in configs]
+    if kwargs["BLOCK"] > span:
+        kept = [c for c in configs if c.kwargs["NB"] * span <= 2 * span]
+    else:
+        kept = [c for c in configs if 1024 <= c.kwargs["NB"] * span <= 4096 or (span >= 1024 and c.kwargs["NB"] == 1)]
+    return kept or [configs[nbs.index(min(nbs))]]
 
 
 _TUNING = [False]  # True while the kernel is tuned on scratch tensors
@@ -257,70 +320,85 @@ def _refuse_live_tuning(nargs, reset_only=False):
           key=["rows_class", "BLOCK", "M_KIND", "V_KIND", "V_SQRT", "STOCHASTIC", "SFLUSH"],
           prune_configs_by={"early_config_prune": _prune_adam_configs}, pre_hook=_refuse_live_tuning)
 @triton.jit
-def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, table_ptr, n_tensors, n_rows,
-                 rows_class, b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg,
-                 l2_arg,
+def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, table_ptr, n_tensors, rows_class,
+                 b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg,
                  M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                  M_NAN_CODE: tl.constexpr, M_FMAX: tl.constexpr, M_MIN_SUB: tl.constexpr, M_IEEE: tl.constexpr,
+                 M_HW: tl.constexpr,
                  V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_MAX_CODE: tl.constexpr,
                  V_NAN_CODE: tl.constexpr, V_FMAX: tl.constexpr, V_MIN_SUB: tl.constexpr, V_IEEE: tl.constexpr,
+                 V_HW: tl.constexpr,
                  V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr,
                  STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, SCALE_CAP: tl.constexpr,
                  HP_TABLE: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                 ALIGNED: tl.constexpr, W: tl.constexpr, NB: tl.constexpr):
-    """Adam(W) on NB scale blocks ("rows") of the launch's tensors (see the module doc)."""
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * NB + tl.arange(0, NB)
-    row_ok = rows < n_rows
-    t = _tensor_of(table_ptr, rows, row_ok, n_tensors, 8, W, SEARCH_STEPS)
-    p_off, g_off, m_off, v_off = _tensor_offsets(t, row_ok, ALIGNED)
-    numel = tl.load(t + 7, mask=row_ok, other=0)
-    blk = rows - tl.load(t + 8, mask=row_ok, other=0)
-    first_elem = tl.load(t + 9, mask=row_ok, other=0)
-    ms = ms_ptr + tl.load(t + 3, mask=row_ok, other=0) + blk
-    vs = vs_ptr + tl.load(t + 5, mask=row_ok, other=0) + blk
+                 ALIGNED: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, TILE_COL: tl.constexpr):
+    """Adam(W) on a tile of NB consecutive scale blocks ("rows") of one of the launch's tensors (see the
+    module doc). Everything but the elements is computed once per program, on scalars: the tensor (a
+    binary search over the table's first tiles for this NB), its offsets, the tile's place in it and the
+    hyper-parameters; per row only the scales; element indices are int32 from the tile's start."""
+    pid = tl.program_id(0)
+    t = _program_tensor(table_ptr, pid, n_tensors, TILE_COL, W, SEARCH_STEPS)
+    p_off, g_off, m_off, v_off, numel = _tensor_offsets(t, ALIGNED)
+    blk0 = (pid - tl.load(t + TILE_COL)) * NB  # the tile's first block in its tensor (int64)
+    start = blk0 * BLOCK
+    left = tl.minimum(numel - start, NB * BLOCK).to(tl.int32)  # the tile's elements
+    if ALIGNED:
+        left = tl.multiple_of(left, 16)
+    rows = tl.arange(0, NB)
+    row_ok = rows * BLOCK < left
+    ms = ms_ptr + tl.load(t + 3) + blk0 + rows
+    vs = vs_ptr + tl.load(t + 5) + blk0 + rows
     b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = _hyper_params(
-        hp_ptr + tl.load(t + 6, mask=row_ok, other=0), row_ok,
-        (b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg), HP_TABLE)
+        hp_ptr, t, (b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg),
+        HP_TABLE)
     seed = 0
+    key = 0
     if STOCHASTIC or SFLUSH:
         seed = tl.load(seed_ptr)
+        key = (tl.load(t + 9) + start + rows * BLOCK)[:, None]  # Philox counter of each row's first lane
+    p_t, g_t = p_ptr + p_off + start, g_ptr + g_off + start
+    m_t, v_t = m_ptr + m_off + start, v_ptr + v_off + start
     lane = tl.arange(0, SPAN)
-    p_row, g_row = p_ptr + p_off[:, None], g_ptr + g_off[:, None]
-    m_row, v_row = m_ptr + m_off[:, None], v_ptr + v_off[:, None]
+    rand4: tl.constexpr = BLOCK % 4 == 0 and BLOCK >= SPAN
 
+    m_old = tl.load(ms, mask=row_ok, other=1.0) if M_KIND == 0 else tl.zeros([NB], dtype=tl.float32) + 1.0
+    v_old = tl.load(vs, mask=row_ok, other=1.0) if V_KIND == 0 else tl.zeros([NB], dtype=tl.float32) + 1.0
+    m_inv = tl.math.div_rn(1.0 + m_old * 0.0, m_old)
+    v_inv = tl.math.div_rn(1.0 + v_old * 0.0, v_old)
     m_scale = tl.zeros([NB], dtype=tl.float32) + 1.0
     v_scale = tl.zeros([NB], dtype=tl.float32) + 1.0
     if BLOCK > SPAN:  # pass 1 over a wide block: its amaxes only
         m_amax = tl.zeros([NB], dtype=tl.float32)
         v_amax = tl.zeros([NB], dtype=tl.float32)
         for s0 in range(0, BLOCK, SPAN):
-            e = blk[:, None] * BLOCK + (s0 + lane)[None, :]
-            mask = row_ok[:, None] & ((s0 + lane) < BLOCK)[None, :] & (e < numel[:, None])
-            p, m, v = _span_update(p_row, g_row, m_row, ms, v_row, vs, e, mask, row_ok, b1, omb1, b2, omb2, inv_bc2s,
-                                   eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS,
-                                   V_BIAS, V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
+            e = rows[:, None] * BLOCK + (s0 + lane)[None, :]
+            mask = ((s0 + lane) < BLOCK)[None, :] & (e < left)
+            p, m, v = _span_update(p_t, g_t, m_t, m_old, m_inv, v_t, v_old, v_inv, e, mask, b1, omb1, b2, omb2,
+                                   inv_bc2s, eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND,
+                                   V_MBITS, V_BIAS, V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD, M_HW, V_HW)
             m_amax = tl.maximum(m_amax, _finite_amax(m, mask))
             v_amax = tl.maximum(v_amax, _finite_amax(v, mask))
         m_scale = _block_scale(m_amax, M_FMAX, SCALE_CAP)
         v_scale = _block_scale(v_amax, V_FMAX, SCALE_CAP)
 
     for s0 in range(0, BLOCK, SPAN):  # the update, written (one span when the block fits a tile)
-        e = blk[:, None] * BLOCK + (s0 + lane)[None, :]
-        mask = row_ok[:, None] & ((s0 + lane) < BLOCK)[None, :] & (e < numel[:, None])
-        p, m, v = _span_update(p_row, g_row, m_row, ms, v_row, vs, e, mask, row_ok, b1, omb1, b2, omb2, inv_bc2s, eps,
-                               step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS, V_BIAS,
-                               V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD)
+        e = rows[:, None] * BLOCK + (s0 + lane)[None, :]
+        mask = ((s0 + lane) < BLOCK)[None, :] & (e < left)
+        p, m, v = _span_update(p_t, g_t, m_t, m_old, m_inv, v_t, v_old, v_inv, e, mask, b1, omb1, b2, omb2, inv_bc2s,
+                               eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS, V_BIAS,
+                               V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD, M_HW, V_HW)
         if BLOCK <= SPAN:
             m_scale = _block_scale(_finite_amax(m, mask), M_FMAX, SCALE_CAP)
             v_scale = _block_scale(_finite_amax(v, mask), V_FMAX, SCALE_CAP)
-        _write_span(p, m, v, p_row, m_row, v_row, e, mask, m_scale, v_scale, seed, first_elem, M_KIND, M_MBITS,
-                    M_BIAS, M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE,
-                    V_MIN_SUB, STOCHASTIC, SFLUSH)
+        _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key + s0, M_KIND, M_MBITS, M_BIAS,
+                    M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
+                    STOCHASTIC, SFLUSH, M_HW, V_HW, rand4, NB, SPAN)
+    # the new scales: the pointers are formed again here (a reload of two table entries), not kept
+    # live across the span loops (sm_90 spilled one to the stack for the wide blocks)
     if M_KIND == 0:
-        tl.store(ms, m_scale, mask=row_ok)
+        tl.store(ms_ptr + tl.load(t + 3) + blk0 + rows, m_scale, mask=row_ok)
     if V_KIND == 0:
-        tl.store(vs, v_scale, mask=row_ok)
+        tl.store(vs_ptr + tl.load(t + 5) + blk0 + rows, v_scale, mask=row_ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,23 +458,37 @@ def _tensor_rows(items, m_spec: MomentSpec, v_spec: MomentSpec, blocks) -> tuple
 
     Returns:
         (rows, number of scale blocks, number of elements, whether every tensor starts a multiple of
-        16 elements from its base tensor).
+        16 elements from its base tensor and has a multiple of 16 elements).
     """
     p0, g0, st0, hp0 = items[0]
     m0, ms0 = _storage(st0, m_spec)
     v0, vs0 = _storage(st0, v_spec)
     on_device = isinstance(hp0, torch.Tensor)  # else one set of host values for the launch: no table column
-    rows, first_block, first_elem, aligned = [], 0, 0, True
+    rows, first_block, n_elems, key, aligned = [], 0, 0, 0, True
     for (p, g, st, hp), block in zip(items, blocks):
         m, ms = _storage(st, m_spec)
         v, vs = _storage(st, v_spec)
         offs = (_offset(p, p0), _offset(g, g0), _offset(m, m0), _offset(ms, ms0), _offset(v, v0), _offset(vs, vs0),
                 _offset(hp, hp0) if on_device else 0)
-        aligned = aligned and all(o % 16 == 0 for o in (offs[0], offs[1], offs[2], offs[4]))
-        rows.append((*offs, p.numel(), first_block, first_elem))
+        aligned = aligned and p.numel() % 16 == 0 and all(o % 16 == 0 for o in (offs[0], offs[1], offs[2], offs[4]))
+        rows.append((*offs, p.numel(), first_block, key))
         first_block += -(-p.numel() // block)
-        first_elem += p.numel()
-    return rows, first_block, first_elem, aligned
+        n_elems += p.numel()
+        key += -(-p.numel() // 4) * 4  # each tensor's Philox counters start at a multiple of 4
+    return rows, first_block, n_elems, aligned
+
+
+def _with_tiles(rows: list, blocks) -> tuple[list, dict]:
+    """``rows`` with the fused kernel's columns of first tiles (one per NB of ``_NBS``), and the number
+    of tiles (programs) per NB."""
+    n_tiles = dict.fromkeys(_NBS, 0)
+    out = []
+    for row, block in zip(rows, blocks):
+        n_blocks = -(-row[_COLS.index("numel")] // block)
+        out.append((*row, *(n_tiles[nb] for nb in _NBS)))
+        for nb in _NBS:
+            n_tiles[nb] += -(-n_blocks // nb)
+    return out, n_tiles
 
 
 def _base_args(items, m_spec: MomentSpec, v_spec: MomentSpec) -> tuple:
@@ -425,9 +517,12 @@ def _launch_seed(opts: dict, device: torch.device, unused: torch.Tensor) -> torc
     return random_seed(gen if gen is not None and gen.device == device else None, device)
 
 
-def _step_meta(m_spec: MomentSpec, v_spec: MomentSpec, opts: dict) -> dict:
-    """The compile-time arguments of the update shared by the Adam kernels (formats and flags)."""
-    return dict(**_fmt_args(m_spec, "M"), **_fmt_args(v_spec, "V"), V_SQRT=v_spec.stores_sqrt,
+def _step_meta(m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, device: torch.device | None = None) -> dict:
+    """The compile-time arguments of the update shared by the Adam kernels (formats and flags): M_HW /
+    V_HW = 1 where ``device`` converts the moment's FP8 format in hardware (``_decode``, ``_cast_codes``)."""
+    hw = {f"{prefix}_HW": hardware_cast(device, spec.format) if spec.fp8 and device is not None else 0
+          for prefix, spec in (("M", m_spec), ("V", v_spec))}
+    return dict(**_fmt_args(m_spec, "M"), **_fmt_args(v_spec, "V"), **hw, V_SQRT=v_spec.stores_sqrt,
                 MAXIMIZE=opts["maximize"], COUPLED_WD=opts["coupled_wd"],
                 STOCHASTIC=opts["rounding"] == "stochastic", SFLUSH=opts["stochastic_flush"], SCALE_CAP=MAX_SCALE)
 
@@ -438,19 +533,20 @@ def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_clas
     device = p0.device
     block = m_spec.block
     rows, n_rows, n_elems, aligned = _tensor_rows(items, m_spec, v_spec, [block] * len(items))
+    rows, n_tiles = _with_tiles(rows, [block] * len(items))
     table = _table(rows, device)
     seed = _launch_seed(opts, device, hp0)
     rows_class = size_class(n_rows) if rows_class is None else rows_class
     span = min(triton.next_power_of_2(block), MAX_SPAN)
-    meta = dict(**_step_meta(m_spec, v_spec, opts), **_hp_args(items), BLOCK=block, SPAN=span,
+    meta = dict(**_step_meta(m_spec, v_spec, opts, device), **_hp_args(items), BLOCK=block, SPAN=span,
                 SEARCH_STEPS=max(1, len(items).bit_length()), ALIGNED=aligned and block % 16 == 0, W=_W)
     key = (device, p0.dtype, g0.dtype, m0.dtype, v0.dtype, seed.dtype, rows_class, block, m_spec.fmt, v_spec.fmt,
            v_spec.stores_sqrt, meta["STOCHASTIC"], meta["SFLUSH"], meta["HP_TABLE"])
     if not INTERPRETING and key not in _TUNED and not _TUNING[0]:
         _tune_on_scratch(items[0], m_spec, v_spec, opts, rows_class, min(n_elems, _TUNING_SCRATCH))
         _TUNED.add(key)
-    _adam_kernel[lambda cfg: (triton.cdiv(n_rows, cfg["NB"]),)](
-        p0, g0, m0, ms0, v0, vs0, hp0, seed, table, len(items), n_rows, rows_class, **meta,
+    _adam_kernel[lambda cfg: (n_tiles[cfg["NB"]],)](
+        p0, g0, m0, ms0, v0, vs0, hp0, seed, table, len(items), rows_class, **meta,
         enable_fp_fusion=False,  # no FMA: bit-identical to the torch path's single-rounding ops
     )
 
