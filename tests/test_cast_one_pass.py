@@ -75,9 +75,11 @@ def test_delayed_cast_reads_once_and_equals_the_two_read_reference(monkeypatch, 
     real = triton_kernels.transpose_cast
     monkeypatch.setattr(triton_kernels, "transpose_cast", lambda *a, **k: launches.append(k.get("only_if")) or real(
         *a, **k))
-    data, data_t, amax, scale = cuda.cast_delayed(x, ops, fmt, 0.0, False, "nearest", transpose=True)
+    data, data_t, sc = cuda.cast_delayed(x, ops, fmt, 0.0, False, "nearest", transpose=True)
+    scale, amax = sc.scale, sc.amax
     assert torch.equal(data.view(torch.uint8), want) and torch.equal(data_t.view(torch.uint8), want.t())
     assert float(scale) == float(want_scale) and float(amax) == float(x.abs().max())
+    assert float(sc.inv_scale) == float(torch.reciprocal(want_scale))
     assert launches[0] is None and len(launches) == 2  # one full read; the recast is conditional
     recast = bool(launches[1])
     assert recast == (kind in ("empty", "guard-outgrown"))  # the first step and a fired guard only

@@ -358,9 +358,9 @@ def test_fp8_linear_is_the_same_with_fp32_and_bf16_gemms(monkeypatch, recipe):
     seen = []
     real_gemm = cpu.gemm_tensor_scaled
 
-    def spy(a, a_scale, b, b_scale, out_dtype, bias=None):
+    def spy(a, a_scale, b, b_scale, out_dtype, bias=None, **decode_scales):
         seen.append(cpu.gemm_dtype(out_dtype, a, b))
-        return real_gemm(a, a_scale, b, b_scale, out_dtype, bias)
+        return real_gemm(a, a_scale, b, b_scale, out_dtype, bias, **decode_scales)
 
     monkeypatch.setattr(cpu, "gemm_tensor_scaled", spy)
     x, w, dy = _data(7, t=128, k=256, n=96, dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ from ..numerics.scaling import outgrew, scale_to_cast
 from ..numerics.kernels import torch_family
 from . import kernels
 
-__all__ = ["IDENTITY", "Operand", "resolve_format", "cast_operand", "cast_with_scale", "state_scale", "tile_for", "dequantize",
+__all__ = ["IDENTITY", "Operand", "unaliased", "resolve_format", "cast_operand", "cast_with_scale", "state_scale", "tile_for", "dequantize",
            "gemm", "as_bytes", "from_bytes", "MX_ROWS", "MX_COLS"]
 
 IDENTITY = "identity"
@@ -47,6 +47,8 @@ class Operand:
     amax: torch.Tensor
     up: torch.Tensor | None = None  # data already converted to the GEMM dtype, when asked for
     data_t: torch.Tensor | None = None  # data transposed and contiguous (GPU GEMM operand), if made
+    inv_scale: torch.Tensor | None = None  # 1 / scale (the GPU GEMM's decode scale), if made with the scale
+    inverted: tuple[torch.Tensor, ...] = ()  # decode scales of cast_operand's ``invert`` scales, if made
 
 
 def tile_for(granularity: str, block: int, shape2d, weight: bool) -> tuple[int, int] | None:
@@ -99,6 +101,7 @@ def cast_operand(
     up: torch.dtype | None = None,
     transpose: bool = False,
     keep_codes: bool = True,
+    invert: tuple[torch.Tensor, ...] = (),
 ) -> Operand:
     """Cast a 2-D tensor for a GEMM.
 
@@ -117,6 +120,9 @@ def cast_operand(
             has ``cast_values`` (CPU, per tensor, nearest rounding), no codes are written and ``data``
             is the values in ``up`` as well (see :func:`cast_with_scale`). Stochastic rounding keeps
             codes + upcast: a values-only stochastic loop measured 15-20% slower.
+        invert: up to two scalar encode scales of other GEMM operands (a backward's saved ones) whose
+            decode scales the Triton kernels compute in the same launch as this operand's scale
+            (``Operand.inverted``); elsewhere ignored (empty ``inverted``).
     """
     kern = kernels.for_device(x2d.device)
     if fmt is None:
@@ -128,11 +134,17 @@ def cast_operand(
         if granularity != "tensor":
             raise ValueError(f"delayed scaling is per tensor; got granularity {granularity!r}")
         if hasattr(kern, "cast_delayed") and fmt.torch_dtype is not None:  # Triton: one read, no host read
-            data, data_t, amax, scale = kern.cast_delayed(x2d, state, fmt, margin, power_of_two, rounding, transpose)
-            return Operand(data, scale, amax, None if up is None else kern.upcast(data, up), data_t)
+            data, data_t, sc = kern.cast_delayed(x2d, state, fmt, margin, power_of_two, rounding, transpose,
+                                                 invert)
+            return Operand(data, sc.scale, sc.amax, None if up is None else kern.upcast(data, up), data_t,
+                           sc.inv_scale, sc.inverted)
         amax_now = torch_family.tensor_amax(x2d) if needs_current_amax(state) else None
         scale = state_scale(state, amax_now, fmt, margin, power_of_two)
         return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes)
+    if granularity == "tensor" and hasattr(kern, "cast_current") and fmt.torch_dtype is not None:
+        data, data_t, sc = kern.cast_current(x2d, fmt, margin, power_of_two, rounding, transpose, invert)  # Triton
+        return Operand(data, sc.scale, sc.amax, None if up is None else kern.upcast(data, up), data_t, sc.inv_scale,
+                       sc.inverted)
     if granularity == "tensor":
         scale = scale_from_amax(torch_family.tensor_amax(x2d), fmt, margin, power_of_two)
         return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes)
@@ -144,7 +156,8 @@ def cast_operand(
 def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None,
                     keep_codes: bool = True) -> Operand:
     """Per-tensor RNE cast of ``x2d`` with a given fp32 scalar ``scale`` (e.g. a weight recast in
-    backward with its forward's scale: the same codes again).
+    backward with its forward's scale: the same codes again). Its ``amax`` is None: nobody reads a
+    recast's amax, and the GPU then launches no reduction for it.
 
     Args:
         up: also produce the codes in this dtype (CPU GEMM operand), or None.
@@ -153,10 +166,13 @@ def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: tor
             ``up`` are then both those values (bit-identical to upcasting the codes; GEMMs read
             ``up``). Where the GEMM takes codes (Triton/CUDA, ``up`` None) the codes are made as usual.
     """
-    return _cast_tensor(kernels.for_device(x2d.device), x2d, scale, fmt, "nearest", up, keep_codes=keep_codes)
+    op = _cast_tensor(kernels.for_device(x2d.device), x2d, scale, fmt, "nearest", up, keep_codes=keep_codes,
+                      want_amax=False)
+    op.amax = None
+    return op
 
 
-def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_codes=True) -> Operand:
+def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_codes=True, want_amax=True) -> Operand:
     if not keep_codes and up is not None and rounding == "nearest" and hasattr(kern, "cast_values"):
         values, amax = kern.cast_values(x2d, scale, fmt, up)  # no codes: one loop, one write
         return Operand(values, scale, amax, values)
@@ -164,13 +180,28 @@ def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_code
         data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding)
         return Operand(data, scale, amax, None, data_t)
     if rounding == "nearest":
-        data, amax, upc = kern.cast(x2d, scale, fmt, up)
+        data, amax, upc = kern.cast(x2d, scale, fmt, up, want_amax)
         return Operand(data, scale, amax, upc)
     if hasattr(kern, "cast_stochastic"):
         data, amax = kern.cast_stochastic(x2d, scale, fmt)
     else:
         data, amax = torch_family.cast_scaled(x2d, scale, fmt, rounding, None, want_amax=True)
     return Operand(data, scale, amax.float(), None if up is None else kern.upcast(data, up))
+
+
+def unaliased(t: torch.Tensor, inputs) -> torch.Tensor:
+    """``t``, or a copy where it shares memory with a tensor of ``inputs`` (tensors or lists of them).
+
+    A custom op's outputs must not alias its inputs; a scale is usually made fresh (the GPU's scale
+    kernel writes a new tensor), and only a scale taken from a state or an argument needs the copy:
+    a launch saved per operand where none is needed.
+    """
+    ptr = t.untyped_storage().data_ptr()
+    for i in inputs:
+        for u in (i if isinstance(i, (list, tuple)) else [i]):
+            if isinstance(u, torch.Tensor) and u.untyped_storage().data_ptr() == ptr:
+                return t.clone()
+    return t
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
@@ -201,7 +232,8 @@ def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: t
         au = None if a.up is None else (a.up.t() if a_t else a.up)
         bu = None if b.up is None else (b.up.t() if b_t else b.up)
         out = kern.gemm_tensor_scaled(au if au is not None else ad, a.scale,
-                                      bu if bu is not None else bd, b.scale, compute_dtype or out_dtype, bias)
+                                      bu if bu is not None else bd, b.scale, compute_dtype or out_dtype, bias,
+                                      a_inv=a.inv_scale, b_inv=b.inv_scale)
         return out.to(out_dtype)
     av = dequantize(a.data, a.scale, a_tile)
     bv = dequantize(b.data, b.scale, b_tile)

@@ -25,7 +25,8 @@ import torch
 
 from ..numerics import ROUNDINGS
 from ..config import GRANULARITIES, ALGOS
-from .casting import MX_COLS, Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for
+from .casting import (MX_COLS, Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for,
+                      unaliased)
 from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
 from .op_schema import LinearKnobs, knob_op
@@ -141,7 +142,8 @@ def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, *knobs):
         xo = cast_operand(x2d, fmt, k.granularity, MX_COLS)
         wo = cast_operand(weight, fmt, k.granularity, MX_COLS)
     return (y.reshape(*x.shape[:-1], weight.shape[0]), xo.amax, wo.amax,
-            as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone())
+            as_bytes(xo.data), unaliased(xo.scale, (x_state, w_state)), as_bytes(wo.data),
+            unaliased(wo.scale, (x_state, w_state)))
 
 
 @fp8_linear_op.register_fake
@@ -178,7 +180,8 @@ def _(x, weight, bias, x_state, w_state, g_state, *knobs):
          "ScalarType x_dtype, ScalarType w_dtype, bool want_bias_grad", LinearKnobs,
          "(Tensor, Tensor, Tensor, Tensor)")
 def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad, *knobs):
-    """``(dx2d, dW, db_fp32, dy_amax)`` from ``dy`` and the saved FP8 operands (no state mutation).
+    """``(dx2d, dW, db_fp32, dy_amax)`` from ``dy`` and the saved FP8 operands (no state mutation); ``db_fp32``
+    is empty without ``want_bias_grad``.
 
     The GEMMs round to the forward's compute dtype (what autocast's backward does), then each
     gradient takes its input's dtype.
@@ -200,12 +203,14 @@ def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dt
     up = _up(dy.device, dt)
     gt = tile_for(k.granularity, k.block, dy2d.shape, weight=False)
     # dy's codes are never kept: where GEMMs read values (CPU) none are written (keep_codes=False)
+    saved_scales = (x_scale, w_scale) if x_scale.dim() == 0 and w_scale.dim() == 0 else ()
     go = cast_operand(dy2d, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up,
-                      transpose=up is None, keep_codes=False)
+                      transpose=up is None, keep_codes=False, invert=saved_scales)
     xt = tile_for(k.granularity, k.block, x_data.shape, weight=False)
     wt = tile_for(k.granularity, k.block, w_data.shape, weight=True)
-    xo = Operand(x_data, x_scale, x_scale)
-    wo = Operand(w_data, w_scale, w_scale, w_up)
+    x_inv, w_inv = go.inverted if go.inverted else (None, None)  # the decode scales, from dy's scale launch
+    xo = Operand(x_data, x_scale, x_scale, inv_scale=x_inv)
+    wo = Operand(w_data, w_scale, w_scale, w_up, inv_scale=w_inv)
     go_w, g_wt, mm = go, gt, torch.float32
     if k.granularity == "mx":  # every operand blocked along its GEMM's reduction dim (the module doc)
         saved_mx = fwd_fmt is not None
@@ -223,8 +228,8 @@ def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dt
     dw = gemm(go_w, g_wt, xo, xt, w_dtype, a_t=True, b_t=True, mm_dtype=mm, compute_dtype=dt)
     if want_bias_grad:
         db = dy2d.sum(0, dtype=torch.float32)
-    else:  # a sum over all tokens is not free; skip it when there is no bias
-        db = dy2d.new_zeros(w_data.shape[0], dtype=torch.float32)
+    else:  # no bias: no sum over all tokens, and no zero-filled placeholder either (a launch)
+        db = dy2d.new_empty(0, dtype=torch.float32)
     return dx, dw, db, go.amax
 
 
@@ -233,7 +238,7 @@ def _(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias
     rows, kk = x_data.shape
     n = w_data.shape[0]
     return (dy.new_empty(rows, kk, dtype=x_dtype), dy.new_empty(n, kk, dtype=w_dtype),
-            dy.new_empty(n, dtype=torch.float32), dy.new_empty((), dtype=torch.float32))
+            dy.new_empty(n if want_bias_grad else 0, dtype=torch.float32), dy.new_empty((), dtype=torch.float32))
 
 
 def keep_output_grad_only(ctx, y: torch.Tensor) -> None:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from .casting import Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for
+from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for,
+                      unaliased)
 from .linear import (_scale_shape, _up, check_linear_tensors, compute_dtype, keep_output_grad_only, knobs_of,
                      linear_backward, output_grad, record_grad_amax)
 from .op_schema import LinearKnobs, knob_op
@@ -74,7 +75,7 @@ def fp8_cast_input_op(x, x_state, *knobs):
     x_up = xo.up if up is not None and xo.up is not None else x.new_empty(0, dtype=dt)
     if x_up is xo.data:  # outputs may not alias (codes already in the GEMM dtype)
         x_up = x_up.clone()
-    return as_bytes(xo.data), xo.scale.clone(), xo.amax, x_up
+    return as_bytes(xo.data), unaliased(xo.scale, x_state), xo.amax, x_up
 
 
 @fp8_cast_input_op.register_fake
@@ -100,17 +101,18 @@ def _operand_x(x_data, x_scale, x_up, fmt) -> Operand:
     return Operand(data, x_scale, x_scale, x_up if x_up.dim() == 2 else None)
 
 
-def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None) -> Operand:
+def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None, invert=()) -> Operand:
     """``W``'s operand as ``fp8_linear`` casts it (``w`` already in the compute dtype for the identity
     format). With ``scale`` (backward): the cast of ``W`` with that per-tensor scale, the forward's
-    codes again, or, per row/tile (current scaling), the same current cast again."""
+    codes again, or, per row/tile (current scaling), the same current cast again. ``invert``: the
+    other GEMM operand's scale, whose decode scale the GPU kernels make with W's (``cast_operand``)."""
     fmt = resolve_format(k.fwd_format)
     wt = tile_for(k.granularity, k.block, w.shape, weight=True)
     # keep_codes=False: only GEMMs read W's operand (backward recasts it), so on CPU one loop writes
     # the GEMM values and no codes (casting.cast_with_scale).
     if scale is None or fmt is None or k.granularity != "tensor":
         return cast_operand(w, fmt, k.granularity, wt, w_state if scale is None else None, k.margin,
-                            k.power_of_two, up=up, keep_codes=False)
+                            k.power_of_two, up=up, keep_codes=False, invert=invert)
     return cast_with_scale(w, scale, fmt, up, keep_codes=False)
 
 
@@ -143,11 +145,13 @@ def fp8_linear_precast_op(x, x_data, x_scale, x_up, weight, bias, w_state, g_sta
     dt = compute_dtype(k, x.dtype)
     w = weight.to(dt) if fmt is None else weight
     xo = _operand_x(x_data, x_scale, x_up, fmt)
-    wo = _cast_weight(w, k, w_state, _up_dtype(k, x.device, dt))
+    wo = _cast_weight(w, k, w_state, _up_dtype(k, x.device, dt), invert=(x_scale,) if x_scale.dim() == 0 else ())
+    if wo.inverted:  # x's decode scale, made by W's scale launch (GPU)
+        xo.inv_scale = wo.inverted[0]
     xt = tile_for(k.granularity, k.block, xo.data.shape, weight=False)
     wt = tile_for(k.granularity, k.block, weight.shape, weight=True)
     y = gemm(xo, xt, wo, wt, dt, bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0]), wo.amax, wo.scale.clone()
+    return y.reshape(*x.shape[:-1], weight.shape[0]), wo.amax, unaliased(wo.scale, (x_scale, w_state))
 
 
 @fp8_linear_precast_op.register_fake
@@ -182,7 +186,7 @@ def _(dy, x_data, x_scale, weight, w_scale, g_state, x_dtype, want_bias_grad, *k
     rows, kk = x_data.shape
     n = weight.shape[0]
     return (dy.new_empty(rows, kk, dtype=x_dtype), dy.new_empty(n, kk, dtype=weight.dtype),
-            dy.new_empty(n, dtype=torch.float32), dy.new_empty((), dtype=torch.float32))
+            dy.new_empty(n if want_bias_grad else 0, dtype=torch.float32), dy.new_empty((), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):

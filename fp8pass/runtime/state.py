@@ -34,6 +34,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..config import DelayedScaling
 from ..numerics import E4M3, E5M2, DelayedScalingState, Format, get_format
 from ..numerics.scaling import commit_update, record_update
+from .kernels import uses_triton
 
 __all__ = ["delayed_record_", "delayed_record_many_", "commit_states", "record", "LinearScalingState", "state_for",
            "grouped_state_for", "ROLES"]
@@ -74,6 +75,12 @@ def delayed_record_(history, scale, steps, skipped, overflows, guard, pending, a
     if amax.numel() != scale.numel() or history.shape[:-1] != scale.shape:
         raise ValueError(f"delayed_record_: history {tuple(history.shape)} must be [..., H] with scale "
                          f"{tuple(scale.shape)} = [...] and as many amaxes, got amax {tuple(amax.shape)}")
+    states = [[history, scale, steps, skipped, overflows, guard, pending, accumulate]]
+    if _one_launch(states, [amax]):
+        from .kernels import triton_scaling
+
+        triton_scaling.record_states(states, amax.to(torch.float32), fmt, margin, interval, algo, power_of_two)
+        return
     new = record_update(amax, history, scale, steps, skipped, overflows, pending, accumulate,
                         _recipe(history, margin, interval, algo, power_of_two), fmt)
     for t, v in zip((history, scale, steps, skipped, overflows, pending), new):
@@ -101,9 +108,26 @@ def delayed_record_many_(history: list, scale: list, steps: list, skipped: list,
     for i in range(n):
         groups.setdefault((fmt[i], history[i].shape[-1]), []).append(i)
     for (f, _), idx in groups.items():
+        states = [[history[i], scale[i], steps[i], skipped[i], overflows[i], scale[i], pending[i], accumulate[i]]
+                  for i in idx]  # (guard is not read by a record: its slot holds any tensor)
+        if _one_launch(states, [amax[i] for i in idx]):
+            from .kernels import triton_scaling
+
+            amaxes = [amax[i].reshape(()).to(torch.float32) for i in idx]
+            triton_scaling.record_states(states, amaxes if len(idx) <= 4 else torch.stack(amaxes), f, *recipe_args)
+            continue
         _update_rows([history[i] for i in idx], [scale[i] for i in idx], [steps[i] for i in idx],
                      [skipped[i] for i in idx], [overflows[i] for i in idx], [pending[i] for i in idx],
                      [accumulate[i] for i in idx], [amax[i] for i in idx], f, recipe_args)
+
+
+def _one_launch(states: list[list[torch.Tensor]], amaxes: list[torch.Tensor]) -> bool:
+    """Whether these records take the one-launch Triton kernel: the Triton (GPU) kernels, single states
+    (no expert stacks), and real tensors. Under tracing (fake or functional tensors: a compiled
+    graph's backward) the torch math is traced instead, and Inductor fuses it into the graph's kernels.
+    """
+    return (uses_triton(states[0][0].device) and all(s[1].dim() == 0 and a.numel() == 1 for s, a in zip(states, amaxes))
+            and all(type(t) is torch.Tensor for s in states for t in s) and all(type(a) is torch.Tensor for a in amaxes))
 
 
 def _rows(ts: list[torch.Tensor], width: int | None = None, plain: bool = True) -> torch.Tensor:
@@ -219,8 +243,13 @@ class LinearScalingState:
                 "power_of_two": bool(r.power_of_two)}
 
     def record_forward(self, x_amax: torch.Tensor, w_amax: torch.Tensor) -> None:
-        record(_tensors(self.input), x_amax, self.input.fmt, self.recipe)
-        record(_tensors(self.weight), w_amax, self.weight.fmt, self.recipe)
+        """Record the forward's amaxes of x and W (one ``delayed_record_many_``: one launch on a GPU)."""
+        states = (_tensors(self.input), _tensors(self.weight))
+        fields = [[st[i] for st in states] for i in (0, 1, 2, 3, 4, 6, 7)]
+        r = self.recipe
+        torch.ops.fp8pass.delayed_record_many_(*fields, [x_amax.detach(), w_amax.detach()],
+                                               [self.input.fmt.name, self.weight.fmt.name], float(r.margin),
+                                               int(r.interval), r.algo, bool(r.power_of_two))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat ``{role.field: tensor}`` (plain tensors, cloned)."""

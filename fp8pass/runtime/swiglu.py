@@ -42,8 +42,10 @@ from __future__ import annotations
 import torch
 
 from ..numerics import scale_from_amax
+from ..numerics.scaling import power_of_two_floor
 from ..numerics.kernels import torch_family
-from .casting import Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for
+from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for,
+                      unaliased)
 from .kernels import cpu as cpu_kernels
 from .kernels import uses_triton
 from .linear import (_scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad,
@@ -101,9 +103,15 @@ _C_MIN, _C_MAX = 2.0**-64, 2.0**64
 
 
 def channel_scales(channel_amax: torch.Tensor) -> torch.Tensor:
-    """Power-of-two per-channel smoothing scales ``2**-floor(log2 amax)`` (1 for zero / non-finite)."""
+    """Power-of-two per-channel smoothing scales ``2**-floor(log2 amax)`` (1 for zero / non-finite),
+    clamped to ``[2**-64, 2**64]``.
+
+    ``2**floor(log2 amax)`` is ``amax`` with its mantissa bits cleared (:func:`power_of_two_floor`),
+    exact: a rounded ``log2`` would give the next binade for an amax just below a power of two. The
+    GPU kernel (``triton_scaling.channel_scales``) computes the same bits.
+    """
     amax = channel_amax.to(torch.float32)
-    c = torch.exp2(-torch.floor(torch.log2(amax))).clamp(_C_MIN, _C_MAX)
+    c = torch.reciprocal(power_of_two_floor(amax)).clamp(_C_MIN, _C_MAX)
     ok = (amax > 0) & torch.isfinite(amax)
     return torch.where(ok, c, torch.ones_like(c))
 
@@ -158,25 +166,25 @@ def _glu_operand(gate2d, up2d, smooth: str, activation: str):
 
 
 def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
-    """GPU: smoothing scales, then one Triton pass for A's amax and one fused silu*up*scale+cast."""
-    from .casting import state_scale
+    """GPU: smoothing scales (channel: one pass for the column maxima, one launch for the scales),
+    one Triton pass for A's amax, one launch for A's scale (current or delayed), one fused
+    silu*up*scale+cast."""
     from .kernels import triton_kernels as tk
+    from .kernels import triton_scaling
 
     g2, u2 = g2.contiguous(), u2.contiguous()
     if smooth == "channel":
-        s = channel_scales(tk.swiglu_colamax(g2, u2))
+        s = triton_scaling.channel_scales(tk.swiglu_colamax(g2, u2, partials=True), _C_MIN, _C_MAX)
     elif smooth == "token":
         s = token_scales(u2)
     else:
         s = torch.ones((), dtype=torch.float32, device=g2.device)
     ss = None if smooth == "none" else s
-    amax_now = tk.swiglu_amax(g2, u2, smooth, ss)
-    if a_state:
-        scale = state_scale(a_state, amax_now, fmt, margin, power_of_two)
-    else:
-        scale = scale_from_amax(amax_now, fmt, margin, power_of_two)
-    codes, amax, scale = tk.swiglu_cast(g2, u2, smooth, fmt, scale, ss)
-    return Operand(codes, scale, amax), s
+    sc = triton_scaling.operand_scale(tk.swiglu_amax(g2, u2, smooth, ss, partials=True), fmt, margin, power_of_two,
+                                      state=a_state or None)
+    # the cast's A is the amax pass's A (the same kernel math): its amax is sc.amax, not reduced again
+    codes, _, scale = tk.swiglu_cast(g2, u2, smooth, fmt, sc.scale, ss, want_amax=False)
+    return Operand(codes, scale, sc.amax, inv_scale=sc.inv_scale), s
 
 
 def _smoothed_weight(w_down, c):
@@ -274,9 +282,10 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
     else:
         y = gemm(ao, at, bo, bt, dt)
     go, uo = saved_glu_input(g2, fmt, g_amax), saved_glu_input(u2, fmt, u_amax)
+    states = (a_state, b_state)
     return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
-            ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(), s.clone(), as_bytes(go.data), go.scale,
-            as_bytes(uo.data), uo.scale)
+            unaliased(ao.scale, states), as_bytes(bo.data), unaliased(bo.scale, states), unaliased(s, states),
+            as_bytes(go.data), go.scale, as_bytes(uo.data), uo.scale)
 
 
 def saved_glu_input(t2d: torch.Tensor, fmt, amax: torch.Tensor | None = None) -> Operand:
@@ -341,12 +350,15 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
         dy2 = dy2.float() * s
     up_dtype = _up(dy.device, dt)
     gt = tile_for(k.granularity, k.block, dy2.shape, weight=False)
+    saved_scales = (a_scale, b_scale) if a_scale.dim() == 0 and b_scale.dim() == 0 else ()
     go = cast_operand(dy2, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up_dtype,
-                      keep_codes=False)  # never kept: on CPU the GEMM values only
+                      keep_codes=False, invert=saved_scales)  # never kept: on CPU the GEMM values only
     at = tile_for(k.granularity, k.block, a_data.shape, weight=False)
     bt = tile_for(k.granularity, k.block, b_data.shape, weight=True)
-    ao = Operand(a_data, a_scale, a_scale)
+    a_inv, b_inv = go.inverted if go.inverted else (None, None)  # the decode scales, from dy's scale launch
+    ao = Operand(a_data, a_scale, a_scale, inv_scale=a_inv)
     bo = _recast_weight(b_data, s, b_scale, k, up_dtype) if recasts_weight(k) else Operand(b_data, b_scale, b_scale)
+    bo.inv_scale = b_inv
     da = gemm(go, gt, bo, bt, gate_dtype, b_t=True, compute_dtype=dt)           # dA = G @ B      [T, F]
     if k.smooth == "channel":  # B = W / c  =>  dW = dB / c (exact: powers of two), one pass with the cast
         db = gemm(go, gt, ao, at, dt, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
@@ -355,7 +367,11 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
         db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True, compute_dtype=dt)
     fwd_fmt = resolve_format(k.fwd_format)
     saved = (from_bytes(gate_data, fwd_fmt), gate_scale, from_bytes(up_data, fwd_fmt), up_scale)
-    if k.activation == "silu":
+    if k.activation == "silu" and fwd_fmt is not None and uses_triton(dy.device):  # one Triton launch
+        from .kernels import triton_glu
+
+        dgate, dup = triton_glu.swiglu_backward(da, saved[0], saved[1], saved[2], saved[3], s, k.smooth, gate_dtype)
+    elif k.activation == "silu":
         dgate, dup = _on_cpu(_swiglu_backward_from_saved, da, *saved, s, (k.smooth, gate_dtype))
     else:  # eager torch math (module doc)
         dgate, dup = _glu_backward_from_saved(da, *saved, s, k.smooth, k.activation, gate_dtype)

@@ -121,7 +121,7 @@ def run_fused(fn, tensors: tuple, static: tuple = ()):
     return _run_compiled(_FUSED[key], fn, *tensors, *static)
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None):
+def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None, want_amax: bool = True):
     """Codes ``saturating_cast(x * scale, fmt)`` (RNE) for a scalar fp32 ``scale``, with ``max |x|``.
 
     Args:
@@ -129,6 +129,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
         scale: fp32 scalar tensor.
         fmt: an FP8 format with a torch dtype.
         up: also return the codes converted to this dtype (the GEMM operand), or None.
+        want_amax: unused here (the loop computes ``max |x|`` at no cost); the CUDA module's ``cast``
+            skips its reduction when False.
 
     Returns:
         (codes, amax fp32 scalar, upcast or None).
@@ -413,8 +415,13 @@ def gemm_tensor_scaled(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
+    a_inv: torch.Tensor | None = None,
+    b_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale).T (+ bias)`` for 2-D operands with scalar scales.
+
+    ``a_inv``/``b_inv`` (decode scales, which the CUDA GEMM takes) are not read: ``alpha`` is computed
+    from the encode scales in double, one rounding.
 
     ``a`` [M, K] and ``b`` [N, K] are FP8 codes (any strides) or, with the identity testing format,
     high-precision values with scale 1. The GEMM runs in bf16 when the output is bf16 (fp32

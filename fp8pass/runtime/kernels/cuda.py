@@ -23,19 +23,21 @@ import torch
 from ...numerics import Format
 from ...numerics.scaling import scale_to_cast
 from ...numerics.kernels import triton_family
-from . import triton_kernels
+from . import triton_kernels, triton_scaling
 
-__all__ = ["cast", "cast_delayed", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
+__all__ = ["cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
            "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
            "grouped_gemm_wgrad"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None):
-    """Codes ``saturating_cast(x * scale)`` and ``max |x|`` in one read (Triton)."""
+def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None, want_amax: bool = True):
+    """Codes ``saturating_cast(x * scale)`` and ``max |x|`` in one read (Triton); amax None without
+    ``want_amax`` (no reduction launched: a recast with a known scale)."""
     x2d = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    codes, _, amax = triton_kernels.transpose_cast(x2d, scale, fmt, transpose=False)
+    codes, _, amax = triton_kernels.transpose_cast(x2d, scale, fmt, transpose=False, partials=not want_amax)
+    amax = amax if want_amax else None
     codes = codes.view(x.shape)
     return codes, amax, (None if up is None else codes.to(up))
 
@@ -44,24 +46,39 @@ transpose_cast = triton_kernels.transpose_cast
 
 
 def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin: float, power_of_two: bool,
-                 rounding: str = "nearest", transpose: bool = False):
-    """A delayed-scaled cast in one read of ``x2d`` (no separate amax pass, no host read).
+                 rounding: str = "nearest", transpose: bool = False, invert: tuple[torch.Tensor, ...] = ()):
+    """A delayed-scaled cast in one read of ``x2d`` and three launches (no host read).
 
-    Casts with the held scale, taking ``max |x|`` from the same read; then the scale the cast should
-    have used (:func:`~fp8pass.numerics.scaling.scale_to_cast`: the held one, or the current one with
-    an empty history or when the overflow guard fires) is chosen on the device, and a second launch
-    recasts only if it differs (otherwise that launch reads and writes nothing). So the codes, scale
-    and amax are those of the two-read reference; a second read happens only on the first step and
-    when the guard fires.
+    Casts with the held scale, taking the per-tile maxima of ``|x|`` from the same read; one
+    program then reduces them and picks the scale the cast should have used
+    (:func:`~fp8pass.numerics.scaling.scale_to_cast`: the held one, or the current one with an empty
+    history or when the overflow guard fires) with its decode scale; a third launch recasts only if
+    it differs (otherwise it reads and writes nothing). So the codes, scale and amax are those of
+    the two-read reference; a second read happens only on the first step and when the guard fires.
+    ``invert``: scales whose decode scales the scale launch computes too (:func:`cast_current`).
 
     Returns:
-        (codes [R, C], codes [C, R] or None, amax, scale).
+        (codes [R, C], codes [C, R] or None, :class:`~.triton_scaling.OperandScale`).
     """
-    held = state[1].to(torch.float32).reshape(())
-    data, data_t, amax = triton_kernels.transpose_cast(x2d, held, fmt, transpose, rounding)
-    scale = scale_to_cast(state, amax, fmt, margin, power_of_two).reshape(())
-    triton_kernels.transpose_cast(x2d, scale, fmt, transpose, rounding, only_if=scale != held, out=(data, data_t))
-    return data, data_t, amax, scale
+    data, data_t, partials = triton_kernels.transpose_cast(x2d, state[1], fmt, transpose, rounding, partials=True)
+    sc = triton_scaling.operand_scale(partials, fmt, margin, power_of_two, state=state, invert=invert)
+    triton_kernels.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, only_if=sc.recast, out=(data, data_t))
+    return data, data_t, sc
+
+
+def cast_current(x2d: torch.Tensor, fmt: Format, margin: float, power_of_two: bool, rounding: str = "nearest",
+                 transpose: bool = False, invert: tuple[torch.Tensor, ...] = ()):
+    """A current-scaled per-tensor cast in two reads of ``x2d`` and two launches (no host read): the amax
+    and, from the kernel's last program, the scale (:func:`~fp8pass.numerics.scale_from_amax`), its
+    decode scale and ``1 / s`` of each ``invert`` scale (:func:`.triton_scaling.amax_and_scale`); the
+    cast (both layouts with ``transpose``).
+
+    Returns:
+        (codes [R, C], codes [C, R] or None, :class:`~.triton_scaling.OperandScale`).
+    """
+    sc = triton_scaling.amax_and_scale(x2d, fmt, margin, power_of_two, invert=invert)
+    data, data_t, _ = triton_kernels.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, partials=True)
+    return data, data_t, sc
 
 
 def cast_stochastic(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format):
@@ -91,8 +108,13 @@ def scaled_mm_plan(m: int, k: int, n: int, a_dtype: torch.dtype, b_dtype: torch.
     return (-k) % 16, (-n) % 16
 
 
-def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None):
-    """``(a / a_scale) @ (b / b_scale).T (+ bias)``; ``a`` [M, K], ``b`` [N, K], scalar scales."""
+def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None, a_inv=None, b_inv=None):
+    """``(a / a_scale) @ (b / b_scale).T (+ bias)``; ``a`` [M, K], ``b`` [N, K], scalar scales.
+
+    ``a_inv``/``b_inv``: the decode scales ``1 / a_scale`` / ``1 / b_scale`` where the caller has them
+    (computed beside the scale, :mod:`.triton_scaling`): ``_scaled_mm`` takes those, and a
+    ``reciprocal`` launch each is saved.
+    """
     plan = scaled_mm_plan(a.shape[0], a.shape[1], b.shape[0], a.dtype, b.dtype, out_dtype, a.device.type)
     if plan is not None:
         pad_k, pad_n = plan
@@ -100,8 +122,8 @@ def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None):
         if pad_k or pad_n:  # zero codes are 0.0 in both FP8 formats
             a = torch.nn.functional.pad(a.view(torch.uint8), (0, pad_k)).view(a.dtype)
             b = torch.nn.functional.pad(b.view(torch.uint8), (0, pad_k, 0, pad_n)).view(b.dtype)
-        inv_a = torch.reciprocal(a_scale.to(torch.float32)).reshape(())
-        inv_b = torch.reciprocal(b_scale.to(torch.float32)).reshape(())
+        inv_a = (a_inv if a_inv is not None else torch.reciprocal(a_scale.to(torch.float32))).reshape(())
+        inv_b = (b_inv if b_inv is not None else torch.reciprocal(b_scale.to(torch.float32))).reshape(())
         fuse_bias = bias is not None and out_dtype == torch.bfloat16 and not pad_n
         out = torch._scaled_mm(a, b.t(), scale_a=inv_a, scale_b=inv_b,
                                bias=bias.to(out_dtype) if fuse_bias else None, out_dtype=out_dtype)

@@ -46,6 +46,7 @@ import triton.language as tl
 from ...numerics import Format
 from ...numerics.kernels import torch_family
 from ...numerics.kernels.triton_family import (  # the one exact in-kernel cast, shared tuning helpers
+    INTERPRETED,
     _cast_codes,
     _max_propagating_nan,
     _philox_pick,
@@ -63,7 +64,11 @@ MODES = {"none": 0, "channel": 1, "token": 2}
 
 @triton.jit
 def _abs_max(x):
-    """max |x| of a 2-D block, NaN if it holds NaN (one NaN-propagating max per element)."""
+    """max |x| of a 2-D block, NaN if it holds NaN (one NaN-propagating max per element; the interpreter
+    takes the max and a NaN test: its custom ``tl.reduce`` combines are Python calls, far slower)."""
+    if INTERPRETED:
+        has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+        return tl.where(has_nan > 0, float("nan"), tl.max(tl.max(tl.abs(x), axis=1), axis=0))
     return tl.reduce(tl.reduce(tl.abs(x), 1, _max_propagating_nan), 0, _max_propagating_nan)
 
 
@@ -194,8 +199,10 @@ def _reduce_amax(partial: torch.Tensor) -> torch.Tensor:
     return torch_family.tensor_amax(partial)  # NaN-propagating max of the partials
 
 
-def swiglu_colamax(gate2d: torch.Tensor, up2d: torch.Tensor, bt: int = 32, bf: int = 64) -> torch.Tensor:
-    """fp32 [F]: max over tokens of ``|silu(gate) * up|`` per channel."""
+def swiglu_colamax(gate2d: torch.Tensor, up2d: torch.Tensor, bt: int = 32, bf: int = 64,
+                   partials: bool = False) -> torch.Tensor:
+    """fp32 [F]: max over tokens of ``|silu(gate) * up|`` per channel; with ``partials`` the per-tile
+    maxima [token tiles, F] instead (``triton_scaling.channel_scales`` reduces them)."""
     t, f = gate2d.shape
     check_interpretable(gate2d.device)
     nt = triton.cdiv(t, bt)
@@ -204,11 +211,11 @@ def swiglu_colamax(gate2d: torch.Tensor, up2d: torch.Tensor, bt: int = 32, bf: i
         return part.zero_()[0]
     _swiglu_colamax_kernel[(nt, triton.cdiv(f, bf))](gate2d.contiguous(), up2d.contiguous(), part, t, f,
                                                      BT=bt, BF=bf)
-    return part.amax(0)  # amax propagates NaN: no host synchronisation needed
+    return part if partials else part.amax(0)  # amax propagates NaN: no host synchronisation needed
 
 
 def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None,
-                smooth_scales: torch.Tensor | None = None, bt: int = 32, bf: int = 64):
+                smooth_scales: torch.Tensor | None = None, bt: int = 32, bf: int = 64, want_amax: bool = True):
     """Codes of the down GEMM's operand ``A`` (see the module doc) and ``max |A|``.
 
     Args:
@@ -218,16 +225,18 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
         scale: fp32 scalar encode scale, or None for current scaling (``fmt.max / max|A|``, one more
             read of gate/up).
         smooth_scales: ``c`` [F] (channel) or ``r`` [T, 1] (token), fp32.
+        want_amax: False: the amax is not reduced (None; a caller that has it from
+            :func:`swiglu_amax` saves the launches).
 
     Returns:
-        (codes [T, F], amax of A fp32 scalar, the scale used).
+        (codes [T, F], amax of A fp32 scalar or None, the scale used).
     """
     from ...numerics import scale_from_amax
 
     t, f = gate2d.shape
     check_interpretable(gate2d.device)
     g, u = gate2d.contiguous(), up2d.contiguous()
-    dummy = torch.ones(1, dtype=torch.float32, device=g.device)
+    dummy = _unread(g.device)
     c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
     r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
     grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
@@ -242,18 +251,19 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
         scale = scale_from_amax(_reduce_amax(part), fmt)
     scale = scale.to(torch.float32).reshape(1).contiguous()
     _swiglu_cast_kernel[grid](g, u, c, r, scale, out.view(torch.uint8), part, t, f, STORE=True, **kw)
-    return out, _reduce_amax(part), scale.reshape(())
+    return out, _reduce_amax(part) if want_amax else None, scale.reshape(())
 
 
 def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = None, bt: int = 32,
-                bf: int = 64) -> torch.Tensor:
-    """max |A| of the down GEMM operand (one read of gate/up, nothing written but partial maxima)."""
+                bf: int = 64, partials: bool = False) -> torch.Tensor:
+    """max |A| of the down GEMM operand (one read of gate/up, nothing written but partial maxima);
+    with ``partials`` the per-tile maxima instead (``triton_scaling.operand_scale`` reduces them)."""
     t, f = gate2d.shape
     if t == 0 or f == 0:
-        return torch.zeros((), dtype=torch.float32, device=gate2d.device)
+        return torch.zeros(1 if partials else (), dtype=torch.float32, device=gate2d.device)
     check_interpretable(gate2d.device)
     g, u = gate2d.contiguous(), up2d.contiguous()
-    dummy = torch.ones(1, dtype=torch.float32, device=g.device)
+    dummy = _unread(g.device)
     c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
     r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
     grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
@@ -262,18 +272,31 @@ def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = No
     from ...numerics import E4M3
     _swiglu_cast_kernel[grid](g, u, c, r, dummy, out, part, t, f, MODE=MODES[mode], STORE=False, BT=bt, BF=bf,
                               **_fmt_kw(E4M3))
-    return _reduce_amax(part)
+    return part if partials else _reduce_amax(part)
+
+
+_UNREAD: dict[torch.device, torch.Tensor] = {}
+
+
+def _unread(device: torch.device) -> torch.Tensor:
+    """A pointer argument the kernel's mode never reads (one per device, made once: no fill launch)."""
+    if device not in _UNREAD:
+        _UNREAD[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return _UNREAD[device]
 
 
 def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpose: bool = True,
-                   rounding: str = "nearest", only_if: torch.Tensor | None = None, out=None):
+                   rounding: str = "nearest", only_if: torch.Tensor | None = None, out=None,
+                   partials: bool = False):
     """``(codes [R, C], codes [C, R] or None, max |x|)`` of ``saturating_cast(x * scale)``, one read of x.
 
     Args:
         rounding: "nearest" or "stochastic" (a seed drawn on the device; no host sync).
-        only_if: a bool tensor on the device: cast only if it is True, into ``out`` = ``(codes,
-            codes_t)`` from an earlier call (a recast with another scale; when False the launch reads
-            and writes nothing). Returns ``out`` and amax None.
+        only_if: a bool or int32 tensor on the device: cast only if it is nonzero, into ``out`` =
+            ``(codes, codes_t)`` from an earlier call (a recast with another scale; when zero the
+            launch reads and writes nothing). Returns ``out`` and amax None.
+        partials: return the per-tile maxima of ``|x|`` (fp32 [tiles]) instead of their max, for a
+            kernel that reduces them itself (``triton_scaling.operand_scale``: no torch reduction).
     """
     r, c = x2d.shape
     x = x2d.contiguous()
@@ -284,13 +307,14 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
         out = torch.empty(r, c, dtype=fmt.torch_dtype, device=x.device)
         out_t = torch.empty(c if transpose else 0, r, dtype=fmt.torch_dtype, device=x.device)
     if not (r and c):
-        return out, (out_t if transpose else None), torch.zeros((), dtype=torch.float32, device=x.device)
+        zero = torch.zeros(1 if partials else (), dtype=torch.float32, device=x.device)
+        return out, (out_t if transpose else None), zero
     check_interpretable(x.device)
     # room for the partial amaxes of the smallest tiles; the tuned config decides how many are written
     part = torch.empty(_max_programs(r, c) if only_if is None else 1, dtype=torch.float32, device=x.device)
     s = scale.to(torch.float32).reshape(1).contiguous()
     seed = random_seed(None, x.device) if rounding == "stochastic" else s
-    flag = s if only_if is None else only_if.to(torch.int32).reshape(1)
+    flag = s if only_if is None else only_if.reshape(1).to(torch.int32)
     _transpose_cast_kernel[lambda meta: (triton.cdiv(r, meta["BR"]), triton.cdiv(c, meta["BC"]))](
         x, s, out.view(torch.uint8), out_t.view(torch.uint8), part, seed, flag, r, c, size_class(r), size_class(c),
         TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic", CONDITIONAL=only_if is not None, **_fmt_kw(fmt),
@@ -299,4 +323,4 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
         return out, (out_t if transpose else None), None
     cfg = _transpose_cast_kernel.best_config.kwargs
     used = triton.cdiv(r, cfg["BR"]) * triton.cdiv(c, cfg["BC"])
-    return out, (out_t if transpose else None), _reduce_amax(part[:used])
+    return out, (out_t if transpose else None), part[:used] if partials else _reduce_amax(part[:used])
