@@ -81,7 +81,8 @@ def cases():
     out = []
     for fmt in (E4M3, E5M2, E2M1):
         for stochastic in (False, True):
-            for cfg in tf._prune_flat_configs(_configs(tf._cast_tensor_kernel), {}, STOCHASTIC=stochastic):
+            for cfg in tf._prune_flat_configs(_configs(tf._cast_tensor_kernel), {}, STOCHASTIC=stochastic,
+                                              PACKED=fmt.packed):
                 sig = {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "partial_ptr": "*fp32",
                        "seed_ptr": "*i64", "n": "i64", "n_class": "i32"}
                 c = dict(STOCHASTIC=stochastic, PACKED=fmt.packed, WANT_AMAX=True, **tf._fmt_args(fmt), **cfg.kwargs,
@@ -118,6 +119,7 @@ def cases():
     out.append(("swiglu_colamax", tk._swiglu_colamax_kernel,
                 {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "F": "i32"}, dict(BT=32, BF=64),
                 None))
+    out.extend(_scaling_cases())
     for mf, vf, block in (("e4m3", "e5m2", 128), ("e5m2", "e4m3", 128), ("bf16", "fp32", 128),
                           ("e4m3", "e5m2", 8192)):
         ms, vs = MomentSpec("exp_avg", mf, block), MomentSpec("exp_avg_sq", vf, block, sqrt=True)
@@ -138,6 +140,44 @@ def cases():
                 out.append((f"adam split {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel,
                             _adam_signature(ms, vs, split=True), c,
                             triton.Config({}, num_warps=tsplit._NUM_WARPS)))
+    return out
+
+
+def _scaling_cases():
+    """The one-program scalar kernels (runtime/kernels/triton_scaling.py) and the SwiGLU backward."""
+    from fp8pass.numerics.scaling import HUGE_AMAX, NO_PENDING, OVERFLOW_FACTOR
+    from fp8pass.runtime.kernels import triton_glu as tg
+    from fp8pass.runtime.kernels import triton_scaling as tsc
+
+    fmt = dict(TARGET=448.0, FMT_MAX=448.0, MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=False, NAN_SCALE=False)
+    out = []
+    f32 = "*fp32"
+    for delayed, n_invert in ((False, 0), (True, 2)):
+        sig = {"partial_ptr": f32, "n_partial": "i32", "held_ptr": f32, "steps_ptr": "*i64", "skipped_ptr": "*i64",
+               "guard_ptr": "*i1", "inv0_in": f32, "inv1_in": f32, "amax_out": f32, "scale_out": f32,
+               "inv_out": f32, "recast_out": "*i32", "inv0_out": f32, "inv1_out": f32}
+        out.append((f"operand_scale delayed={delayed} invert={n_invert}", tsc._operand_scale_kernel, sig,
+                    dict(N_INVERT=n_invert, DELAYED=delayed, BLOCK=tsc._PARTIALS_BLOCK, **fmt), None))
+    for n_invert in (0, 2):
+        sig = {"x_ptr": "*bf16", "n": "i64", "partial_ptr": f32, "counter_ptr": "*i32", "inv0_in": f32,
+               "inv1_in": f32, "amax_out": f32, "scale_out": f32, "inv_out": f32, "inv0_out": f32, "inv1_out": f32}
+        out.append((f"amax_scale invert={n_invert}", tsc._amax_scale_kernel, sig,
+                    dict(N_INVERT=n_invert, BLOCK=4096, RBLOCK=1024, **fmt), None))
+    for n_direct, algo_max in ((0, True), (2, False)):
+        sig = {"amax_ptr": f32, "a1_ptr": f32, "a2_ptr": f32, "a3_ptr": f32, "table_ptr": "*i64", "hist0": f32,
+               "scale0": f32, "steps0": "*i64", "skipped0": "*i64", "over0": "*i64", "pend0": f32, "acc0": "*u8",
+               "H": "i32", "interval": "i32"}
+        out.append((f"record direct={n_direct} max={algo_max}", tsc._record_kernel, sig,
+                    dict(N_DIRECT=n_direct, ALGO_MAX=algo_max, OVERFLOW=OVERFLOW_FACTOR, NO_PENDING_C=NO_PENDING,
+                         BH=16, **{k: v for k, v in fmt.items() if k != "FMT_MAX"}, FMT_MAX=448.0), None))
+    out.append(("channel_scales", tsc._channel_scales_kernel, {"part_ptr": f32, "rows": "i32", "F": "i32",
+                                                               "c_ptr": f32},
+                dict(C_MIN=2.0**-64, C_MAX=2.0**64, BR=16, BF=128), None))
+    for smooth in (0, 1, 2):
+        sig = {"da_ptr": "*bf16", "g_ptr": "*u8", "u_ptr": "*u8", "lut_ptr": f32, "g_scale_ptr": f32,
+               "u_scale_ptr": f32, "s_ptr": f32, "dg_ptr": "*bf16", "du_ptr": "*bf16", "T": "i32", "F": "i32"}
+        out.append((f"swiglu_backward smooth={smooth}", tg._swiglu_backward_kernel, sig,
+                    dict(SMOOTH=smooth, BT=32, BF=64), None))
     return out
 
 

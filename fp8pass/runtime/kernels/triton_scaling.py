@@ -134,7 +134,10 @@ def _amax_scale_kernel(x_ptr, n, partial_ptr, counter_ptr, inv0_in, inv1_in, ama
         acc = _nan_max(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
     has_nan = tl.max((acc != acc).to(tl.int32))
     tl.store(partial_ptr + pid, tl.where(has_nan > 0, float("nan"), tl.max(acc)))
+    # the partial's store (by whichever thread made it) completes before this program's release
+    tl.debug_barrier()
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == nprog - 1:
+        tl.debug_barrier()  # every thread of the last program reads the partials after its acquire
         amax = _max_of_uncached(partial_ptr, nprog, RBLOCK)
         _scale_epilogue(amax, scale_out, scale_out, scale_out, scale_out, inv0_in, inv1_in, amax_out, scale_out,
                         inv_out, scale_out, inv0_out, inv1_out, N_INVERT, False, TARGET, FMT_MAX, MAX_SCALE_C, HUGE,
