@@ -115,8 +115,9 @@ def parse_sass(sass: str) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]
     return body, sorted(set(outer))
 
 
-def _elements(name: str, consts: dict) -> tuple[int, int]:
-    """(elements per program, elements per loop iteration) of a kernel variant."""
+def _elements(name: str, consts: dict) -> tuple[int, int] | None:
+    """(elements per program, elements per loop iteration) of a kernel variant; None for kernels that
+    are not elementwise (skipped)."""
     c = consts
     if name == "_cast_tensor_kernel":
         e = c["BLOCK"] * (2 if c["PACKED"] else 1)
@@ -132,8 +133,10 @@ def _elements(name: str, consts: dict) -> tuple[int, int]:
         return c["NB"] * c["BLOCK"], c["NB"] * min(c["BLOCK"], c["SPAN"])
     elif name == "_split_kernel":
         e = c.get("NB", 1) * c["SPAN"]  # the split kernel: one span per program
+    elif name == "_swiglu_backward_kernel":
+        e = c["BT"] * c["BF"]
     else:
-        raise KeyError(f"gpu_static.py: no element count for {name}: add it to _elements")
+        return None  # a one-program scalar kernel (scales, records): no per-element cost
     return e, e
 
 
@@ -154,6 +157,8 @@ def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
         return size["g_ptr"] + size["u_ptr"] + (code if c["STORE"] else 0)
     if name == "_swiglu_colamax_kernel":
         return size["g_ptr"] + size["u_ptr"]
+    if name == "_swiglu_backward_kernel":  # dA, FP8 gate and up in; dgate, dup out
+        return size["da_ptr"] + size["g_ptr"] + size["u_ptr"] + size["dg_ptr"] + size["du_ptr"]
     if name in ("_adam_kernel", "_split_kernel"):
         state = size["p_ptr"] + size["m_ptr"] + size["v_ptr"]  # p, m, v read (and written back)
         writes = c.get("WRITE", True)
@@ -177,8 +182,11 @@ def _tool(name: str, *args: str) -> str:
     return subprocess.run([str(_BIN / name), *args], check=True, capture_output=True, text=True).stdout
 
 
-def measure(name: str, kernel, sig: dict, consts: dict, cfg, arch: int = 90, aligned: bool = True) -> dict:
-    """Compile one variant and read its static cost (see the module doc)."""
+def measure(name: str, kernel, sig: dict, consts: dict, cfg, arch: int = 90, aligned: bool = True) -> dict | None:
+    """Compile one variant and read its static cost (see the module doc); None for a kernel that is not
+    elementwise."""
+    if _elements(gpu_compile._jit(kernel).__name__, consts) is None:
+        return None
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         k = gpu_compile.compile_case(kernel, sig, consts, cfg, arch, attrs=_aligned_attrs(sig) if aligned else None)
@@ -220,7 +228,7 @@ def markdown(data: dict, only: str | None = None) -> str:
     groups: dict[str, dict[str, list[dict]]] = {}
     for version in versions:
         for r in data["versions"][version]:
-            name = re.sub(r"\s*\{[^}]*\}( num_warps=\d+)?", "", r["variant"])
+            name = re.sub(r" num_warps=\d+", "", re.sub(r"\s*\{[^}]*\}", "", r["variant"]))
             if not only or any(part in name for part in only.split(",")):
                 groups.setdefault(name, {}).setdefault(version, []).append(r)
 
@@ -260,6 +268,9 @@ def main(argv=None) -> int:
             continue
         for aligned in (True,) if a.aligned_only else (True, False):
             r = measure(name, kernel, sig, consts, cfg, a.arch, aligned)
+            if r is None:
+                print(f"{'':24} skipped: {name} is not elementwise (no per-element cost)")
+                break
             rows.append(r)
             print(f"{r['kernel']:24} {r['sass_per_elem']:8.2f} {r['registers']:5d} {r['spill_bytes']:6d} "
                   f"{r['bw_fraction']:6.3f}  {_verdict(r):12} {r['variant']}", flush=True)
@@ -268,7 +279,10 @@ def main(argv=None) -> int:
     if a.json:
         path = Path(a.json)
         data = json.loads(path.read_text()) if path.exists() else {"versions": {}}
-        data.setdefault("versions", {})[triton.__version__] = [
+        # with --only, the rows of the other variants stay as they were
+        kept = [r for r in data.setdefault("versions", {}).get(triton.__version__, [])
+                if a.only and not any(part in r["variant"] for part in a.only.split(","))]
+        data["versions"][triton.__version__] = kept + [
             {k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return 0

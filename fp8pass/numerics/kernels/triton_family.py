@@ -313,10 +313,13 @@ def _amax_kernel(x_ptr, partial_ptr, n, n_class, BLOCK: tl.constexpr):
 
 
 def _prune_flat_configs(configs, named_args, **kwargs):
-    """The configs a cast may take: a stochastic one those of >= 32 elements per thread, which spread
-    the program's fixed cost (index set-up, the amax reduction) thin next to its Philox and encoder."""
+    """The configs a cast may take: a stochastic FP8 one those of >= 32 elements per thread, which spread
+    the program's fixed cost (index set-up, the amax reduction) thin next to its Philox and encoder; a
+    stochastic E2M1 one (BLOCK counts bytes, two elements each) those of <= 32, which do not spill."""
     if not kwargs.get("STOCHASTIC"):
         return configs
+    if kwargs.get("PACKED"):
+        return [c for c in configs if 2 * c.kwargs["BLOCK"] <= 32 * 32 * c.num_warps] or configs[:1]
     return [c for c in configs if c.kwargs["BLOCK"] >= 32 * 32 * c.num_warps] or configs[-1:]
 
 
