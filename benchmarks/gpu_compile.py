@@ -102,15 +102,22 @@ def cases():
                      SR4=mode == 0 and tile[1] % 4 == 0)
             out.append((f"tiles {fmt.name} {tile} mode={mode}", tf._quantize_tiles_kernel, sig, c,
                         triton.Config({}, num_warps=tf._tile_warps(tile, fmt.packed))))
-    for transpose, stochastic, conditional in ((False, False, False), (True, False, False), (True, True, False),
-                                               (True, False, True), (False, True, True)):
+    for transpose, stochastic, conditional, delayed in (
+            (False, False, False, False), (True, False, False, False), (True, True, False, False),
+            (True, False, True, False), (False, True, True, False), (True, False, False, True),
+            (True, True, False, True)):
         for cfg in tk._prune_tile_configs(_configs(tk._transpose_cast_kernel), {}, STOCHASTIC=stochastic):
             sig = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_ptr": "*fp32",
-                   "seed_ptr": "*i64", "flag_ptr": "*i32", "R": "i32", "C": "i32", "r_class": "i32", "c_class": "i32"}
+                   "seed_ptr": "*i64", "flag_ptr": "*i32", "R": "i32", "C": "i32", "r_class": "i32", "c_class": "i32",
+                   "counter_ptr": "*i32", **{k: v for k, v in _EPILOGUE_SIG.items() if k != "held_ptr"}}
             c = dict(TRANSPOSE=transpose, STOCHASTIC=stochastic, CONDITIONAL=conditional, **tk._fmt_kw(E4M3),
                      **cfg.kwargs, HW=_hw(E4M3), SR4=stochastic)
-            out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional} {cfg.kwargs}",
-                        tk._transpose_cast_kernel, sig, c, cfg))
+            # the last program's scale epilogue (cuda.cast_delayed), or its off defaults (named: triton 3.9's
+            # ahead-of-time compile does not fill in defaulted constexprs)
+            c.update(DELAYED=delayed, N_INVERT=2 if delayed else 0, TARGET=448.0, FMT_MAX=448.0,
+                     MAX_SCALE_C=MAX_SCALE, HUGE=2.0**64, POW2=False, NAN_SCALE=False, RBLOCK=1024)
+            out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional}"
+                        + (" delayed" if delayed else "") + f" {cfg.kwargs}", tk._transpose_cast_kernel, sig, c, cfg))
     for mode in (0, 1, 2):
         sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "c_ptr": "*fp32", "r_ptr": "*fp32", "scale_ptr": "*fp32",
                "out_ptr": "*u8", "amax_ptr": "*fp32", "T": "i32", "F": "i32"}
@@ -143,6 +150,12 @@ def cases():
     return out
 
 
+# the arguments of triton_scaling._scale_epilogue (triton_scaling.epilogue_args)
+_EPILOGUE_SIG = {"held_ptr": "*fp32", "steps_ptr": "*i64", "skipped_ptr": "*i64", "guard_ptr": "*i1",
+                 "inv0_in": "*fp32", "inv1_in": "*fp32", "amax_out": "*fp32", "scale_out": "*fp32", "inv_out": "*fp32",
+                 "recast_out": "*i32", "inv0_out": "*fp32", "inv1_out": "*fp32"}
+
+
 def _scaling_cases():
     """The one-program scalar kernels (runtime/kernels/triton_scaling.py) and the SwiGLU backward."""
     from fp8pass.numerics.scaling import HUGE_AMAX, NO_PENDING, OVERFLOW_FACTOR
@@ -152,17 +165,15 @@ def _scaling_cases():
     fmt = dict(TARGET=448.0, FMT_MAX=448.0, MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=False, NAN_SCALE=False)
     out = []
     f32 = "*fp32"
+    epilogue = _EPILOGUE_SIG
     for delayed, n_invert in ((False, 0), (True, 2)):
-        sig = {"partial_ptr": f32, "n_partial": "i32", "held_ptr": f32, "steps_ptr": "*i64", "skipped_ptr": "*i64",
-               "guard_ptr": "*i1", "inv0_in": f32, "inv1_in": f32, "amax_out": f32, "scale_out": f32,
-               "inv_out": f32, "recast_out": "*i32", "inv0_out": f32, "inv1_out": f32}
+        sig = {"partial_ptr": f32, "n_partial": "i32", **epilogue}
         out.append((f"operand_scale delayed={delayed} invert={n_invert}", tsc._operand_scale_kernel, sig,
                     dict(N_INVERT=n_invert, DELAYED=delayed, BLOCK=tsc._PARTIALS_BLOCK, **fmt), None))
     for n_invert in (0, 2):
-        sig = {"x_ptr": "*bf16", "n": "i64", "partial_ptr": f32, "counter_ptr": "*i32", "inv0_in": f32,
-               "inv1_in": f32, "amax_out": f32, "scale_out": f32, "inv_out": f32, "inv0_out": f32, "inv1_out": f32}
+        sig = {"x_ptr": "*bf16", "n": "i64", "partial_ptr": f32, "counter_ptr": "*i32", **epilogue}
         out.append((f"amax_scale invert={n_invert}", tsc._amax_scale_kernel, sig,
-                    dict(N_INVERT=n_invert, BLOCK=4096, RBLOCK=1024, **fmt), None))
+                    dict(N_INVERT=n_invert, DELAYED=False, BLOCK=4096, RBLOCK=1024, **fmt), None))
     for n_direct, algo_max in ((0, True), (2, False)):
         sig = {"amax_ptr": f32, "a1_ptr": f32, "a2_ptr": f32, "a3_ptr": f32, "table_ptr": "*i64", "hist0": f32,
                "scale0": f32, "steps0": "*i64", "skipped0": "*i64", "over0": "*i64", "pend0": f32, "acc0": "*u8",

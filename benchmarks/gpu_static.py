@@ -172,7 +172,9 @@ def goal(name: str, variant: str, consts: dict) -> float | None:
     if name == "_cast_tensor_kernel":
         return None if consts["PACKED"] else (45 if sr else 25)
     if name == "_transpose_cast_kernel":
-        return 60 if sr else 40
+        # DELAYED: the scale epilogue that the last program alone runs is counted here as if every thread
+        # ran it for its elements (a static count cannot tell): reported, held to no goal
+        return None if consts.get("DELAYED") else (60 if sr else 40)
     if name in ("_adam_kernel", "_split_kernel"):
         return 150
     return None

@@ -37,7 +37,7 @@ def test_amax_and_scale_on_cuda(n, fmt):
         assert torch.equal(_bits(out.amax), _bits(amax))
         assert torch.equal(_bits(out.scale), _bits(scale_from_amax(amax, fmt)))
         assert torch.equal(_bits(out.inv_scale), _bits(torch.reciprocal(out.scale)))
-    assert int(ts._counter(x.device)) == 0
+    assert int(ts.counter(x.device)) == 0
 
 
 def test_amax_and_scale_propagates_nan_on_cuda():

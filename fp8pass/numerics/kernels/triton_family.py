@@ -43,7 +43,7 @@ from ..scaling import MAX_SCALE
 from . import torch_family
 
 __all__ = ["tensor_amax", "cast_scaled", "cast_flat", "group_amax", "quantize_groups", "random_seed",
-           "INTERPRETING", "INTERPRETED", "autotune", "size_class", "check_interpretable"]
+           "INTERPRETING", "INTERPRETED", "autotune", "size_class", "check_interpretable", "hardware_cast"]
 
 
 def _interpreting() -> bool:

@@ -47,12 +47,12 @@ transpose_cast = triton_kernels.transpose_cast
 
 def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin: float, power_of_two: bool,
                  rounding: str = "nearest", transpose: bool = False, invert: tuple[torch.Tensor, ...] = ()):
-    """A delayed-scaled cast in one read of ``x2d`` and three launches (no host read).
+    """A delayed-scaled cast in one read of ``x2d`` and two launches (no host read).
 
-    Casts with the held scale, taking the per-tile maxima of ``|x|`` from the same read; one
-    program then reduces them and picks the scale the cast should have used
+    Casts with the held scale, taking the per-tile maxima of ``|x|`` from the same read; the kernel's
+    last program reduces them and picks the scale the cast should have used
     (:func:`~fp8pass.numerics.scaling.scale_to_cast`: the held one, or the current one with an empty
-    history or when the overflow guard fires) with its decode scale; a third launch recasts only if
+    history or when the overflow guard fires) with its decode scale; a second launch recasts only if
     it differs (otherwise it reads and writes nothing). So the codes, scale and amax are those of
     the two-read reference; a second read happens only on the first step and when the guard fires.
     ``invert``: scales whose decode scales the scale launch computes too (:func:`cast_current`).
@@ -60,8 +60,8 @@ def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, marg
     Returns:
         (codes [R, C], codes [C, R] or None, :class:`~.triton_scaling.OperandScale`).
     """
-    data, data_t, partials = triton_kernels.transpose_cast(x2d, state[1], fmt, transpose, rounding, partials=True)
-    sc = triton_scaling.operand_scale(partials, fmt, margin, power_of_two, state=state, invert=invert)
+    data, data_t, sc = triton_kernels.transpose_cast(x2d, state[1], fmt, transpose, rounding,
+                                                     delayed=(state, margin, power_of_two, invert))
     triton_kernels.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, only_if=sc.recast, out=(data, data_t))
     return data, data_t, sc
 

@@ -56,6 +56,8 @@ from ...numerics.kernels.triton_family import (  # the one exact in-kernel cast,
     random_seed,
     size_class,
 )
+from . import triton_scaling
+from .triton_scaling import _max_of_uncached, _scale_epilogue  # the scale a delayed cast's last program picks
 
 __all__ = ["swiglu_colamax", "swiglu_amax", "swiglu_cast", "transpose_cast", "MODES"]
 
@@ -143,13 +145,18 @@ def _max_programs(r: int, c: int) -> int:
     return max(triton.cdiv(r, k.kwargs["BR"]) * triton.cdiv(c, k.kwargs["BC"]) for k in _TILE_CONFIGS + [_TILE_INTERPRET])
 
 
-@autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE", "STOCHASTIC", "CONDITIONAL"],
+@autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE", "STOCHASTIC", "CONDITIONAL", "DELAYED"],
           interpret=_TILE_INTERPRET, prune_configs_by={"early_config_prune": _prune_tile_configs})
 @triton.jit
 def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_ptr, flag_ptr, R, C, r_class,
-                           c_class, TRANSPOSE: tl.constexpr, STOCHASTIC: tl.constexpr, CONDITIONAL: tl.constexpr,
+                           c_class, counter_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out,
+                           scale_out, inv_out, recast_out, inv0_out, inv1_out,
+                           TRANSPOSE: tl.constexpr, STOCHASTIC: tl.constexpr, CONDITIONAL: tl.constexpr,
                            MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                           BR: tl.constexpr, BC: tl.constexpr, HW: tl.constexpr = 0, SR4: tl.constexpr = False):
+                           BR: tl.constexpr, BC: tl.constexpr, HW: tl.constexpr = 0, SR4: tl.constexpr = False,
+                           DELAYED: tl.constexpr = False, N_INVERT: tl.constexpr = 0, TARGET: tl.constexpr = 1.0,
+                           FMT_MAX: tl.constexpr = 1.0, MAX_SCALE_C: tl.constexpr = 1.0, HUGE: tl.constexpr = 1.0,
+                           POW2: tl.constexpr = False, NAN_SCALE: tl.constexpr = False, RBLOCK: tl.constexpr = 1024):
     """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile.
 
     ``code = cast(x * s)`` (``_cast_codes``; HW: the hardware RNE conversion), reference
@@ -159,6 +166,10 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
     seed; SR4 (``C % 4 == 0``): four elements of a row share one Philox call, otherwise each takes one.
     CONDITIONAL: only where ``*flag_ptr != 0``; otherwise every load and store is masked off (no memory
     traffic: a launch that does nothing) and no amax is written.
+    DELAYED (a cast with a delayed-scaling state's held scale ``*scale_ptr``): the program that stores
+    its tile's max last (an acquire-release arrival counter, reset by it) reduces every tile's max
+    and runs ``triton_scaling._scale_epilogue``: the amax, the scale the cast should have used
+    (``scale_to_cast``), its decode scale, the recast flag, ``1 / inv_in``; one launch less per cast.
     """
     pid_r, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_r * BR + tl.arange(0, BR)
@@ -171,6 +182,15 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if not CONDITIONAL:
         tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, _abs_max(x))
+        if DELAYED:
+            tiles = tl.num_programs(0) * tl.num_programs(1)
+            tl.debug_barrier()  # the tile's max (stored by any thread) completes before the release
+            if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tiles - 1:
+                tl.debug_barrier()  # every thread reads the tiles' maxima after the acquire
+                _scale_epilogue(_max_of_uncached(amax_ptr, tiles, RBLOCK), scale_ptr, steps_ptr, skipped_ptr,
+                                guard_ptr, inv0_in, inv1_in, amax_out, scale_out, inv_out, recast_out, inv0_out,
+                                inv1_out, N_INVERT, True, TARGET, FMT_MAX, MAX_SCALE_C, HUGE, POW2, NAN_SCALE)
+                tl.store(counter_ptr, 0)
     rbits = 0
     if STOCHASTIC:
         if SR4:  # C % 4 == 0: quads never straddle rows, and the four of a quad share one Philox call
@@ -287,7 +307,7 @@ def _unread(device: torch.device) -> torch.Tensor:
 
 def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpose: bool = True,
                    rounding: str = "nearest", only_if: torch.Tensor | None = None, out=None,
-                   partials: bool = False):
+                   partials: bool = False, delayed: tuple | None = None):
     """``(codes [R, C], codes [C, R] or None, max |x|)`` of ``saturating_cast(x * scale)``, one read of x.
 
     Args:
@@ -297,6 +317,9 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
             launch reads and writes nothing). Returns ``out`` and amax None.
         partials: return the per-tile maxima of ``|x|`` (fp32 [tiles]) instead of their max, for a
             kernel that reduces them itself (``triton_scaling.operand_scale``: no torch reduction).
+        delayed: ``(state, margin, power_of_two, invert)``: ``scale`` is the state's held scale and the
+            kernel's last program also computes the scale to cast with (see the kernel's DELAYED);
+            returns a ``triton_scaling.OperandScale`` in place of the amax.
     """
     r, c = x2d.shape
     x = x2d.contiguous()
@@ -307,7 +330,10 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
         out = torch.empty(r, c, dtype=fmt.torch_dtype, device=x.device)
         out_t = torch.empty(c if transpose else 0, r, dtype=fmt.torch_dtype, device=x.device)
     if not (r and c):
-        zero = torch.zeros(1 if partials else (), dtype=torch.float32, device=x.device)
+        zero = torch.zeros(1 if partials or delayed else (), dtype=torch.float32, device=x.device)
+        if delayed:  # the scale of an empty tensor: from its zero amax, as for any other
+            return out, (out_t if transpose else None), triton_scaling.operand_scale(zero, fmt, delayed[1], delayed[2],
+                                                                                     delayed[0], delayed[3])
         return out, (out_t if transpose else None), zero
     check_interpretable(x.device)
     # room for the partial amaxes of the smallest tiles; the tuned config decides how many are written
@@ -315,12 +341,21 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
     s = scale.to(torch.float32).reshape(1).contiguous()
     seed = random_seed(None, x.device) if rounding == "stochastic" else s
     flag = s if only_if is None else only_if.reshape(1).to(torch.int32)
+    if delayed is not None:
+        state, margin, power_of_two, invert = delayed
+        sc, epi, epi_consts = triton_scaling.epilogue_args(fmt, margin, power_of_two, state, invert, x.device)
+        epi, counter = epi[1:], triton_scaling.counter(x.device)  # the held scale is ``s``
+    else:
+        sc, epi, epi_consts, counter = None, [s] * 11, {}, s
     _transpose_cast_kernel[lambda meta: (triton.cdiv(r, meta["BR"]), triton.cdiv(c, meta["BC"]))](
         x, s, out.view(torch.uint8), out_t.view(torch.uint8), part, seed, flag, r, c, size_class(r), size_class(c),
-        TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic", CONDITIONAL=only_if is not None, **_fmt_kw(fmt),
-        HW=hardware_cast(x.device, fmt), SR4=c % 4 == 0)
+        counter, *epi, TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic", CONDITIONAL=only_if is not None,
+        **_fmt_kw(fmt), HW=hardware_cast(x.device, fmt), SR4=c % 4 == 0, **epi_consts,
+        RBLOCK=triton.next_power_of_2(min(_max_programs(r, c), 1024)))
     if only_if is not None:
         return out, (out_t if transpose else None), None
+    if sc is not None:
+        return out, (out_t if transpose else None), sc
     cfg = _transpose_cast_kernel.best_config.kwargs
     used = triton.cdiv(r, cfg["BR"]) * triton.cdiv(c, cfg["BC"])
     return out, (out_t if transpose else None), part[:used] if partials else _reduce_amax(part[:used])

@@ -35,7 +35,8 @@ from ...numerics import Format, get_format
 from ...numerics.scaling import HUGE_AMAX, MAX_SCALE, NO_PENDING, OVERFLOW_FACTOR
 from ...numerics.kernels.triton_family import INTERPRETING, check_interpretable
 
-__all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales"]
+__all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "epilogue_args",
+           "counter"]
 
 _PARTIALS_BLOCK = 1024
 
@@ -115,8 +116,9 @@ def _operand_scale_kernel(partial_ptr, n_partial, held_ptr, steps_ptr, skipped_p
 
 
 @triton.jit
-def _amax_scale_kernel(x_ptr, n, partial_ptr, counter_ptr, inv0_in, inv1_in, amax_out, scale_out, inv_out,
-                       inv0_out, inv1_out, N_INVERT: tl.constexpr, TARGET: tl.constexpr, FMT_MAX: tl.constexpr,
+def _amax_scale_kernel(x_ptr, n, partial_ptr, counter_ptr, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in,
+                       inv1_in, amax_out, scale_out, inv_out, recast_out, inv0_out, inv1_out, N_INVERT: tl.constexpr,
+                       DELAYED: tl.constexpr, TARGET: tl.constexpr, FMT_MAX: tl.constexpr,
                        MAX_SCALE_C: tl.constexpr, HUGE: tl.constexpr, POW2: tl.constexpr, NAN_SCALE: tl.constexpr,
                        BLOCK: tl.constexpr, RBLOCK: tl.constexpr):
     """``max |x|`` and current scaling's scale of ``x`` in one launch.
@@ -139,9 +141,9 @@ def _amax_scale_kernel(x_ptr, n, partial_ptr, counter_ptr, inv0_in, inv1_in, ama
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == nprog - 1:
         tl.debug_barrier()  # every thread of the last program reads the partials after its acquire
         amax = _max_of_uncached(partial_ptr, nprog, RBLOCK)
-        _scale_epilogue(amax, scale_out, scale_out, scale_out, scale_out, inv0_in, inv1_in, amax_out, scale_out,
-                        inv_out, scale_out, inv0_out, inv1_out, N_INVERT, False, TARGET, FMT_MAX, MAX_SCALE_C, HUGE,
-                        POW2, NAN_SCALE)
+        _scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out,
+                        inv_out, recast_out, inv0_out, inv1_out, N_INVERT, DELAYED, TARGET, FMT_MAX, MAX_SCALE_C,
+                        HUGE, POW2, NAN_SCALE)
         tl.store(counter_ptr, 0)
 
 
@@ -176,6 +178,29 @@ class OperandScale:
     inverted: tuple[torch.Tensor, ...]
 
 
+def epilogue_args(fmt: Format, margin: float, power_of_two: bool, state: list[torch.Tensor] | None,
+                  invert: tuple[torch.Tensor, ...], device: torch.device) -> tuple[OperandScale, list, dict]:
+    """The outputs, runtime arguments and constexprs of :func:`_scale_epilogue` (after its ``amax``):
+    ``(OperandScale of new tensors, [held, steps, skipped, guard, inv0_in, inv1_in, amax_out, scale_out,
+    inv_out, recast_out, inv0_out, inv1_out], {N_INVERT, DELAYED, TARGET, FMT_MAX, MAX_SCALE_C, HUGE,
+    POW2, NAN_SCALE})``; unused pointer slots hold the scale output (never read or written)."""
+    if len(invert) > 2:
+        raise ValueError(f"a scale launch inverts at most 2 scales, got {len(invert)}")
+    # separate tensors, not views of one buffer: ops return them as outputs that must not alias
+    amax, scale, inv = (torch.empty((), dtype=torch.float32, device=device) for _ in range(3))
+    recast = torch.empty((), dtype=torch.int32, device=device) if state else None
+    inverted = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in invert)
+    ins = [s.to(torch.float32) for s in invert] + [scale] * (2 - len(invert))
+    outs = list(inverted) + [scale] * (2 - len(invert))
+    held, steps, skipped, guard = (state[1], state[2], state[3], state[5]) if state else (scale,) * 4
+    args = [held, steps, skipped, guard, ins[0], ins[1], amax, scale, inv, scale if recast is None else recast,
+            outs[0], outs[1]]
+    consts = dict(N_INVERT=len(invert), DELAYED=bool(state), TARGET=_fp32(fmt.max / (2.0**margin) if margin else fmt.max),
+                  FMT_MAX=float(fmt.max), MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=bool(power_of_two),
+                  NAN_SCALE=fmt.nan_code is None)
+    return OperandScale(amax, scale, inv, recast, inverted), args, consts
+
+
 def operand_scale(partials: torch.Tensor, fmt: Format, margin: float = 0.0, power_of_two: bool = False,
                   state: list[torch.Tensor] | None = None, invert: tuple[torch.Tensor, ...] = ()) -> OperandScale:
     """The amax of a tensor from its per-tile maxima and the scale to cast it with, in one launch.
@@ -189,24 +214,10 @@ def operand_scale(partials: torch.Tensor, fmt: Format, margin: float = 0.0, powe
         invert: up to two fp32 scalar scales whose reciprocals to compute too (the saved operands of a
             backward), so that their GEMMs need no ``reciprocal`` launches of their own.
     """
-    if len(invert) > 2:
-        raise ValueError(f"operand_scale inverts at most 2 scales, got {len(invert)}")
-    device = partials.device
-    check_interpretable(device)
-    # separate tensors, not views of one buffer: ops return them as outputs that must not alias
-    amax, scale, inv = (torch.empty((), dtype=torch.float32, device=device) for _ in range(3))
-    recast = torch.empty((), dtype=torch.int32, device=device) if state else None
-    inverted = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in invert)
-    ins = [s.to(torch.float32) for s in invert] + [scale] * (2 - len(invert))
-    outs = list(inverted) + [scale] * (2 - len(invert))
-    held, steps, skipped, guard = (state[1], state[2], state[3], state[5]) if state else (scale,) * 4
-    _operand_scale_kernel[(1,)](
-        partials, partials.numel(), held, steps, skipped, guard, ins[0], ins[1], amax, scale, inv,
-        scale if recast is None else recast, outs[0], outs[1], N_INVERT=len(invert), DELAYED=bool(state),
-        TARGET=_fp32(fmt.max / (2.0**margin) if margin else fmt.max), FMT_MAX=float(fmt.max),
-        MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=bool(power_of_two), NAN_SCALE=fmt.nan_code is None,
-        BLOCK=_PARTIALS_BLOCK)
-    return OperandScale(amax, scale, inv, recast, inverted)
+    check_interpretable(partials.device)
+    sc, args, consts = epilogue_args(fmt, margin, power_of_two, state, invert, partials.device)
+    _operand_scale_kernel[(1,)](partials, partials.numel(), *args, **consts, BLOCK=_PARTIALS_BLOCK)
+    return sc
 
 
 # The amax + scale kernel's programs: enough to fill an H200 (132 SMs) several times over, few enough
@@ -216,7 +227,7 @@ _AMAX_BLOCK = 1 << 16 if INTERPRETING else 4096  # the interpreter runs programs
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
-def _counter(device: torch.device) -> torch.Tensor:
+def counter(device: torch.device) -> torch.Tensor:
     """The int32 arrival counter of ``_amax_scale_kernel`` for the current stream of ``device``: zeroed
     once, and left at zero by every launch (its last program resets it). One per stream, so that
     kernels running concurrently on two streams never share one."""
@@ -231,24 +242,16 @@ def amax_and_scale(x: torch.Tensor, fmt: Format, margin: float = 0.0, power_of_t
                    invert: tuple[torch.Tensor, ...] = ()) -> OperandScale:
     """Current scaling of ``x`` per tensor in one launch and one read: ``max |x|``, the scale, its decode
     scale, and ``1 / s`` of each ``invert`` scale (see :func:`operand_scale`; ``recast`` is None)."""
-    if len(invert) > 2:
-        raise ValueError(f"amax_and_scale inverts at most 2 scales, got {len(invert)}")
     device = x.device
     check_interpretable(device)
+    sc, args, consts = epilogue_args(fmt, margin, power_of_two, None, invert, device)
     flat = x.contiguous().view(-1)
     n = flat.numel()
     programs = max(1, min(triton.cdiv(n, _AMAX_BLOCK), _MAX_PROGRAMS))
     partials = torch.empty(programs, dtype=torch.float32, device=device)
-    amax, scale, inv = (torch.empty((), dtype=torch.float32, device=device) for _ in range(3))
-    inverted = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in invert)
-    ins = [s.to(torch.float32) for s in invert] + [scale] * (2 - len(invert))
-    outs = list(inverted) + [scale] * (2 - len(invert))
-    _amax_scale_kernel[(programs,)](
-        flat, n, partials, _counter(device), ins[0], ins[1], amax, scale, inv, outs[0], outs[1],
-        N_INVERT=len(invert), TARGET=_fp32(fmt.max / (2.0**margin) if margin else fmt.max), FMT_MAX=float(fmt.max),
-        MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=bool(power_of_two), NAN_SCALE=fmt.nan_code is None,
-        BLOCK=_AMAX_BLOCK, RBLOCK=triton.next_power_of_2(_MAX_PROGRAMS))
-    return OperandScale(amax, scale, inv, None, inverted)
+    _amax_scale_kernel[(programs,)](flat, n, partials, counter(device), *args, **consts, BLOCK=_AMAX_BLOCK,
+                                    RBLOCK=triton.next_power_of_2(_MAX_PROGRAMS))
+    return sc
 
 
 def _fp32(x: float) -> float:
