@@ -91,6 +91,7 @@ class LaunchCounter(TorchDispatchMode):
     def __enter__(self):
         if self._depth == 0:
             self._patches.enter_context(_count_triton_launches(self))
+            self._patches.enter_context(_count_tolist(self))
         self._depth += 1
         return super().__enter__()
 
@@ -117,6 +118,26 @@ class LaunchCounter(TorchDispatchMode):
             if self.where is not None:
                 self.where[(_caller(), name)] += 1
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _count_tolist(counter: LaunchCounter):
+    """``Tensor.tolist`` reads a CPU tensor's memory without dispatching an op (on a GPU tensor it is a
+    device-to-host copy and a sync): counted as ``tolist`` in ``counter.syncs``."""
+    orig = torch.Tensor.tolist
+
+    def tolist(t, *a, **k):
+        if not counter.in_kernel:
+            counter.syncs["tolist"] += 1
+            if counter.where is not None:
+                counter.where[(_caller(), "sync: tolist")] += 1
+        return orig(t, *a, **k)
+
+    torch.Tensor.tolist = tolist
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = orig
 
 
 def _caller() -> str:
@@ -221,11 +242,18 @@ def _active_counter() -> LaunchCounter | None:
 
 @contextlib.contextmanager
 def _uncounted():
-    """Run the emulation of a GPU kernel without its aten ops being counted."""
+    """Run the emulation of a GPU kernel without its aten ops (or host reads) being counted."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes():
-        yield
+    counter = _active_counter()
+    if counter is not None:
+        counter.in_kernel += 1
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        if counter is not None:
+            counter.in_kernel -= 1
 
 
 def _one_launch(name: str, out: torch.Tensor) -> torch.Tensor:
@@ -288,12 +316,33 @@ def _adamw_case(n_tensors: int = 4, numel: int = 4096):
     return step
 
 
+def _grouped_case(tokens: int = 64, experts: int = 4, d_in: int = 64, d_out: int = 96):
+    """One MoE expert projection (``fp8pass::fp8_grouped_linear``, current scaling, tokens sorted by
+    expert) fwd+bwd: the grouped GEMMs' per-expert fallback loops and their offset reads show here."""
+    from fp8pass.runtime.op_schema import GroupedLinearKnobs
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, d_in, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(experts, d_out, d_in, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    knobs = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)
+    dy = torch.randn(tokens, d_out, dtype=torch.bfloat16)
+
+    def step():
+        x.grad = w.grad = None
+        out = torch.ops.fp8pass.fp8_grouped_linear(x, w, offs, False, [], [], [], *knobs.args())
+        out[0].backward(dy)
+
+    return step
+
+
 CASES = {
     "fp8_linear delayed": lambda: _linear_case("delayed"),
     "fp8_linear current": lambda: _linear_case("current"),
     "swiglu_mlp channel": lambda: _swiglu_case("channel"),
     "adamw step 4 tensors": lambda: _adamw_case(4),
     "adamw step 16 tensors": lambda: _adamw_case(16),
+    "grouped_linear current": lambda: _grouped_case(),
 }
 # issue 28's goals (fwd+bwd, GEMMs included; the AdamW step O(1) in the number of tensors)
 GOALS = {"fp8_linear delayed": 12, "fp8_linear current": 16, "swiglu_mlp channel": 30}

@@ -43,9 +43,17 @@ def test_the_counter_sees_launches_syncs_and_host_data(monkeypatch):
         torch.tensor([1.0, 2.0])             # built from host data: a synchronising H2D copy on a GPU
         float(y.sum())                       # a kernel and a host read
         triton_scaling.operand_scale(y, E4M3)  # one Triton launch
+        y[:2].tolist()                       # a device-to-host copy on a GPU (no op dispatched on CPU)
     assert dict(c.aten) == {"aten.abs.default": 1, "aten.sum.default": 1}
     assert dict(c.triton) == {"_operand_scale_kernel": 1}
-    assert dict(c.syncs) == {"aten.lift_fresh.default": 1, "aten._local_scalar_dense.default": 1}
+    assert dict(c.syncs) == {"aten.lift_fresh.default": 1, "aten._local_scalar_dense.default": 1, "tolist": 1}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 28, open: the grouped dgrad/wgrad GEMMs loop over experts after "
+                                       "offs.tolist() (E5M2 operands; _scaled_grouped_mm takes E4M3 only)")
+def test_grouped_linear_has_no_host_sync():
+    c = gl.count("grouped_linear current")
+    assert c.syncs == {}
 
 
 def test_delayed_records_of_a_graph_take_at_most_two_launches_whatever_the_number_of_states(monkeypatch):
