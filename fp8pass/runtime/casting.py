@@ -192,9 +192,9 @@ def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_code
 def unaliased(t: torch.Tensor, inputs) -> torch.Tensor:
     """``t``, or a copy where it shares memory with a tensor of ``inputs`` (tensors or lists of them).
 
-    A custom op's outputs must not alias its inputs; a scale is usually made fresh (the GPU's scale
-    kernel writes a new tensor), and only a scale taken from a state or an argument needs the copy:
-    a launch saved per operand where none is needed.
+    A custom op's outputs must not alias its inputs. A scale is usually made fresh (the GPU's scale
+    kernel writes a new tensor); only one taken from a state or an argument needs the copy, so the
+    fresh ones cost no copy launch.
     """
     ptr = t.untyped_storage().data_ptr()
     for i in inputs:
