@@ -116,10 +116,10 @@ def test_every_kernel_widens_program_ids_to_int64():
     import inspect
     import re
 
-    from fp8pass.optim import triton_step
-    from fp8pass.runtime.kernels import triton_kernels
+    from fp8pass.optim import triton_split, triton_step
+    from fp8pass.runtime.kernels import triton_glu, triton_kernels, triton_scaling
 
-    for mod in (R, triton_kernels, triton_step):
+    for mod in (R, triton_kernels, triton_step, triton_split, triton_scaling, triton_glu):
         src = inspect.getsource(mod)
         ids = re.findall(r"tl\.program_id\(\d\)(\.to\(tl\.int64\))?", src)
         assert ids and all(ids), f"{mod.__name__}: a tl.program_id(...) is used without .to(tl.int64)"

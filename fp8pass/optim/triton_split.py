@@ -74,7 +74,7 @@ def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, 
     """Phase 1 (``WRITE`` False) or phase 2 of the split-block step on one span of one wide block
     (see the module doc): the tensor, its offsets, the span's place and the hyper-parameters are
     computed once per program, on scalars."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # compared with and offset by the table's int64 entries
     t = _program_tensor(table_ptr, pid, n_tensors, 11, W, SEARCH_STEPS)
     p_off, g_off, m_off, v_off, numel = _tensor_offsets(t, ALIGNED)
     block = tl.load(t + 10)

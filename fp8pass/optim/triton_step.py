@@ -336,7 +336,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
     module doc). Everything but the elements is computed once per program, on scalars: the tensor (a
     binary search over the table's first tiles for this NB), its offsets, the tile's place in it and the
     hyper-parameters; per row only the scales; element indices are int32 from the tile's start."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # compared with and offset by the table's int64 entries
     t = _program_tensor(table_ptr, pid, n_tensors, TILE_COL, W, SEARCH_STEPS)
     p_off, g_off, m_off, v_off, numel = _tensor_offsets(t, ALIGNED)
     blk0 = (pid - tl.load(t + TILE_COL)) * NB  # the tile's first block in its tensor (int64)

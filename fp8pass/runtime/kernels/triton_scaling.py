@@ -128,10 +128,10 @@ def _amax_scale_kernel(x_ptr, n, partial_ptr, counter_ptr, held_ptr, steps_ptr, 
     that increments ``*counter`` last (acquire-release: it sees every partial) reduces them, runs
     :func:`_scale_epilogue` and resets ``*counter`` to 0 for the next launch on the stream.
     """
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0)
     acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(pid.to(tl.int64) * BLOCK, n, nprog.to(tl.int64) * BLOCK):
+    for start in range(pid * BLOCK, n, nprog.to(tl.int64) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         acc = _nan_max(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
     has_nan = tl.max((acc != acc).to(tl.int32))
