@@ -272,6 +272,7 @@ def test_blocks_larger_than_a_chunk_take_two_passes_with_the_same_result(monkeyp
     assert all(torch.equal(p, q) for p, q in zip(out_l2, ref_l2))
 
 
+@pytest.mark.needs_fused_fma  # the Triton kernels against the torch path, bit for bit
 def test_per_tensor_scales_route_large_blocks_away_from_fused_kernels(monkeypatch):
     """kernels="compiled"/"triton" fuse whole blocks per chunk/program; blocks too large for them
     (one scale for a large tensor) take the torch path (compiled) or the split-block Triton kernels

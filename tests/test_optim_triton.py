@@ -12,7 +12,9 @@ import triton.language as tl  # noqa: E402
 import fp8pass.optim as fo  # noqa: E402
 from fp8pass.optim.triton_step import _div_by_row  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN injection
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),  # NaN injection
+              # the row-scale division (triton_step._div_by_row) equals IEEE division through a fused tl.fma
+              pytest.mark.needs_fused_fma]
 
 
 @pytest.fixture(autouse=True)
