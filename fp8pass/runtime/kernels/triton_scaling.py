@@ -13,9 +13,14 @@ host-bound (docs/runtime.md, Launches).
                            scale ``1 / scale`` (what ``torch._scaled_mm`` takes), whether the scale
                            differs from the state's held one (the recast flag), and the decode
                            scales of other given scales (a backward's saved operands)
+``_amax_scale_kernel``     ``max |x|`` and current scaling's scale in one launch: every program stores
+                           its partial max, the last to arrive (an acquire-release counter per
+                           stream, which it resets) reduces them and runs the same scale epilogue
+                           (``_scale_epilogue``, which the transpose-cast's delayed mode runs too)
 ``_record_kernel``         :func:`fp8pass.numerics.scaling.record_update` of many delayed-scaling
                            states at once, in place (one program per state; the states' tensors are
                            found through an offset table cached on the device)
+``_channel_scales_kernel`` Smooth-SwiGLU's power-of-two channel scales from per-tile column maxima
 =========================  ===========================================================================
 
 Bit-identical to the torch references (tests/test_triton_scaling.py): divisions are correctly rounded
