@@ -160,3 +160,12 @@ def test_flat_kernels_address_past_2_31_exactly(fmt, strict_interpreter):
 
 def triton_cdiv(a, b):
     return -(-a // b)
+
+
+def test_tile_scales_treat_a_huge_amax_like_inf():
+    """A tile whose amax is finite but >= 2**64 gets scale 1 in both families (scale_from_amax's rule)."""
+    x = torch.ones(4, 256)
+    x[1, 3] = 2.0**70
+    (d_t, s_t), (d_r, s_r) = T.quantize_groups(x, (1, 128), E4M3)[:2], R.quantize_groups(x, (1, 128), E4M3)[:2]
+    assert float(s_t.reshape(-1)[2]) == 1.0
+    assert torch.equal(s_t, s_r) and torch.equal(d_t.view(torch.uint8), d_r.view(torch.uint8))

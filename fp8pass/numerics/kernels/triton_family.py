@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..formats import Format
-from ..scaling import MAX_SCALE
+from ..scaling import HUGE_AMAX, MAX_SCALE
 from . import torch_family
 
 __all__ = ["tensor_amax", "cast_scaled", "cast_flat", "group_amax", "quantize_groups", "random_seed",
@@ -376,14 +376,19 @@ def _cast_tensor_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, seed_ptr, n, n_c
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
 
 
+_HUGE_AMAX = tl.constexpr(HUGE_AMAX)  # amaxes from here up scale like Inf (scaling.amax_is_usable)
+
+
 @triton.jit
 def _tile_scale(amax, FMAX: tl.constexpr, MAX_SCALE_C: tl.constexpr, POW2: tl.constexpr,
                 NAN_SCALE: tl.constexpr):
-    """scale_from_amax for one tile: FMAX / amax, capped; 1 (or NaN) for zero/non-finite amax."""
+    """:func:`fp8pass.numerics.scale_from_amax` of one amax (a tile's, a tensor's): ``FMAX / amax`` (FMAX: the
+    format's max over ``2**margin``), capped at ``MAX_SCALE``, optionally floored to a power of two; 1 for
+    an amax that is 0, NaN, Inf or >= ``HUGE_AMAX`` (NaN for a NaN amax in formats without a NaN code)."""
     scale = tl.minimum(tl.math.div_rn(FMAX + amax * 0.0, amax), MAX_SCALE_C)
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    ok = (amax > 0) & (amax < float("inf"))
+    ok = (amax > 0) & (amax < _HUGE_AMAX)
     fallback = 1.0
     if NAN_SCALE:
         fallback = tl.where(amax != amax, float("nan"), 1.0)

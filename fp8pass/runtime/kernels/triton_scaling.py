@@ -38,18 +38,12 @@ import triton.language as tl
 
 from ...numerics import Format, get_format
 from ...numerics.scaling import HUGE_AMAX, MAX_SCALE, NO_PENDING, OVERFLOW_FACTOR
-from ...numerics.kernels.triton_family import INTERPRETING, check_interpretable
+from ...numerics.kernels.triton_family import INTERPRETING, _nan_max, _tile_scale, check_interpretable
 
 __all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "epilogue_args",
            "counter"]
 
 _PARTIALS_BLOCK = 1024
-
-
-@triton.jit
-def _nan_max(a, b):
-    """maximum(a, b), NaN if either is NaN (torch.maximum's rule; ``tl.maximum`` alone drops NaN)."""
-    return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
 
 
 @triton.jit
@@ -64,21 +58,6 @@ def _max_of(ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scale_from_amax(amax, TARGET: tl.constexpr, MAX_SCALE_C: tl.constexpr, HUGE: tl.constexpr, POW2: tl.constexpr,
-                     NAN_SCALE: tl.constexpr):
-    """:func:`fp8pass.numerics.scale_from_amax`: ``min(TARGET / amax, MAX_SCALE)``, optionally floored to a
-    power of two; 1 for an amax that is 0, NaN, Inf or >= ``HUGE`` (NaN for a NaN amax in formats
-    without a NaN code)."""
-    scale = tl.minimum(tl.math.div_rn(tl.full([], TARGET, tl.float32), amax), MAX_SCALE_C)
-    if POW2:
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    fallback = tl.full([], 1.0, tl.float32)
-    if NAN_SCALE:
-        fallback = tl.where(amax != amax, float("nan"), fallback)
-    return tl.where((amax > 0) & (amax < HUGE), scale, fallback)
-
-
-@triton.jit
 def _scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out, inv_out,
                     recast_out, inv0_out, inv1_out, N_INVERT: tl.constexpr, DELAYED: tl.constexpr,
                     TARGET: tl.constexpr, FMT_MAX: tl.constexpr, MAX_SCALE_C: tl.constexpr, HUGE: tl.constexpr,
@@ -90,7 +69,7 @@ def _scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, 
     Delayed: the held scale, unless the history is empty (``steps <= skipped``) or the overflow guard
     is on and ``amax * held > fmt.max`` for a usable amax: then the current scale (``scale_to_cast``).
     """
-    scale = _scale_from_amax(amax, TARGET, MAX_SCALE_C, HUGE, POW2, NAN_SCALE)
+    scale = _tile_scale(amax, TARGET, MAX_SCALE_C, POW2, NAN_SCALE)
     one = tl.full([], 1.0, tl.float32)
     if DELAYED:
         held = tl.load(held_ptr)
@@ -314,7 +293,7 @@ def _record_kernel(amax_ptr, a1_ptr, a2_ptr, a3_ptr, table_ptr, hist0, scale0, s
         reduced = tl.max(tl.where(j < H, new_hist, 0.0))
     else:
         reduced = tl.sum(tl.where(j == 0, new_hist, 0.0))
-    recomputed = _scale_from_amax(reduced, TARGET, MAX_SCALE_C, HUGE, POW2, NAN_SCALE)
+    recomputed = _tile_scale(reduced, TARGET, MAX_SCALE_C, POW2, NAN_SCALE)
     update = (((new_steps % interval) == 0) | (usable & ~had_valid)) & (new_steps > new_skipped)
     new_scale = tl.where(update, recomputed, scale)
     if tl.load(a_ptr) == 0:
