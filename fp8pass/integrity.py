@@ -16,18 +16,29 @@ A checkpoint without a manifest (written before fp8pass had them, or by other to
 a :class:`CheckpointError` unless the caller opts out: ``allow_unverified=True``, or the environment
 variable ``FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT=1`` (for the CLI). It is then loaded with a warning;
 the values are still validated.
+
+Every file fp8pass writes goes through :func:`atomic_write` / :func:`write_with_manifest` (or
+:func:`open_append` for the trainer's metrics log): temp files are created with
+``O_CREAT|O_EXCL|O_NOFOLLOW`` (``tempfile.mkstemp`` in the destination folder, per-process names),
+so a symlink planted in a shared folder is never written through, and renamed into place (a rename
+replaces a link, never its target). A write that fails raises :class:`CheckpointError` naming the
+file and the cause (:class:`DiskFullError` for "no space left on device"), removes its temp file and
+says the previous version is intact; torch's own message for a failed write (``unexpected pos``)
+is replaced by the OS error that caused it.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["CheckpointError", "ALLOW_UNVERIFIED_ENV", "MANIFEST_SUFFIX", "manifest_path", "write_with_manifest",
+__all__ = ["CheckpointError", "DiskFullError", "atomic_write", "open_append", "ALLOW_UNVERIFIED_ENV", "MANIFEST_SUFFIX", "manifest_path", "write_with_manifest",
            "write_manifest", "read_verified", "verify_files", "file_digest", "fsync_dir", "allow_unverified"]
 
 ALLOW_UNVERIFIED_ENV = "FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT"
@@ -38,7 +49,15 @@ _CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):
-    """A checkpoint failed verification (manifest, format) or validation (a value out of range)."""
+    """A checkpoint failed verification (manifest, format) or validation (a value out of range), or a
+    file could not be written (the message names the file and the cause)."""
+
+
+class DiskFullError(CheckpointError):
+    """A write failed for lack of space (ENOSPC, or EDQUOT: over quota); its temp file was removed."""
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def allow_unverified(flag: bool | None) -> bool:
@@ -68,11 +87,120 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _write_fsynced(path: Path, write: Callable) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+class _RecordingFile:
+    """A binary file on ``fd`` that keeps the first OSError of a write: torch.save reports a failed
+    write as ``RuntimeError: ... unexpected pos A vs B``, which hides the cause (e.g. no space)."""
+
+    def __init__(self, fd: int):
+        self._f = os.fdopen(fd, "wb")
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # already gone: nothing left to clean up
+
+
+def _write_failed(path: Path, cause: BaseException) -> CheckpointError:
+    """The error of a write to ``path`` whose temp file was removed (the previous ``path`` is untouched)."""
+    kept = f"the partial temp file was removed and {path} (its previous version, if any) is intact"
+    if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+        return DiskFullError(f"{path}: no space left on device while writing it ({cause.strerror}); {kept}. "
+                             "Free space (or write elsewhere) and run again")
+    if isinstance(cause, OSError):
+        return CheckpointError(f"{path}: could not write it ({cause.strerror or cause}); {kept}")
+    return CheckpointError(f"{path}: write interrupted ({type(cause).__name__}); {kept}")
+
+
+def _write_temp(path: Path, write: Callable, fixed_name: Path | None = None) -> Path:
+    """Write ``write(f)`` into a new fsynced temp file beside ``path`` and return its path.
+
+    The temp file is created with ``O_CREAT|O_EXCL|O_NOFOLLOW``: by ``mkstemp`` (a per-process
+    name) or, with ``fixed_name``, at that name (which must not exist). On any failure it is removed
+    and the error is raised as :func:`_write_failed` (an OSError or an interrupt) or as it was.
+    """
+    if fixed_name is None:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = Path(name)
+    else:
+        tmp = fixed_name
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except FileExistsError:
+            raise CheckpointError(f"{tmp}: already exists (another process is writing {path}, or a link was "
+                                  "planted there); refusing to write through it") from None
+        except OSError as e:
+            raise _write_failed(path, e) from e
+    f = _RecordingFile(fd)
+    try:
+        try:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+    except (OSError, RuntimeError, KeyboardInterrupt) as e:
+        _unlink_quietly(tmp)
+        cause = f.error or e
+        if isinstance(cause, (OSError, KeyboardInterrupt)):
+            raise _write_failed(path, cause) from e
+        raise
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return tmp
+
+
+def atomic_write(path: str | os.PathLike, write: Callable, verify: Callable | None = None) -> Path:
+    """Replace ``path`` with what ``write(f)`` writes to a binary file: a new temp file in its folder
+    (never through a link), fsynced, checked by ``verify(temp_path)`` if given, renamed into place.
+
+    Raises:
+        CheckpointError: the write failed (:class:`DiskFullError` when for lack of space) or
+            ``verify`` rejected it; the temp file is removed, ``path`` untouched.
+    """
+    path = Path(path)
+    tmp = _write_temp(path, write)
+    try:
+        if verify is not None:
+            verify(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def open_append(path: str | os.PathLike):
+    """``path`` opened for appending text (created if absent), refusing a symlink at ``path``."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: is a symbolic link; fp8pass does not write through links "
+                                  "(remove it, or choose another output folder)") from None
+        raise _write_failed(path, e) from e
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def file_digest(path: str | os.PathLike) -> dict:
@@ -90,23 +218,39 @@ def _manifest_bytes(files: dict[str, dict]) -> bytes:
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
-def write_with_manifest(path: str | os.PathLike, write: Callable) -> Path:
+def write_with_manifest(path: str | os.PathLike, write: Callable, verify: Callable | None = None) -> Path:
     """Write single-file checkpoint ``path`` with ``write(f)`` (binary file), then its manifest.
 
-    Both are written to temp files and fsynced before either is renamed (see the module docstring).
-    Returns ``path``.
+    Both are written to temp files and fsynced before either is renamed (see the module docstring);
+    ``verify(temp_path)``, if given, checks the new file first: until both pass, the previous pair
+    stays in place. Returns ``path``.
+
+    Raises:
+        CheckpointError: as :func:`atomic_write`.
     """
     path = Path(path)
-    tmp, man = path.with_name(path.name + ".tmp"), manifest_path(path)
-    man_tmp = man.with_name(man.name + ".tmp")
+    man = manifest_path(path)
+    man_tmp = man.with_name(man.name + ".tmp")  # a fixed name: read_verified looks for it (module docstring)
     _settle(path, man, man_tmp)
-    _write_fsynced(tmp, write)
-    manifest = _manifest_bytes({path.name: file_digest(tmp)})
-    _write_fsynced(man_tmp, lambda f: f.write(manifest))
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    os.replace(man_tmp, man)
-    fsync_dir(path.parent)
+    tmp = _write_temp(path, write)
+    pending = installed = False
+    try:
+        if verify is not None:
+            verify(tmp)
+        manifest = _manifest_bytes({path.name: file_digest(tmp)})
+        _write_temp(man, lambda f: f.write(manifest), fixed_name=man_tmp)
+        pending = True
+        os.replace(tmp, path)
+        installed = True
+        fsync_dir(path.parent)
+        os.replace(man_tmp, man)
+        fsync_dir(path.parent)
+    except BaseException:
+        if not installed:  # the previous pair is intact; once installed, the pending manifest is the valid one
+            _unlink_quietly(tmp)
+            if pending:
+                _unlink_quietly(man_tmp)
+        raise
     return path
 
 
@@ -130,12 +274,7 @@ def write_manifest(folder: str | os.PathLike, names: Iterable[str], manifest_nam
     """Write ``folder/manifest_name`` with the digests of the files ``names`` in ``folder`` (fsynced, atomic)."""
     folder = Path(folder)
     manifest = _manifest_bytes({n: file_digest(folder / n) for n in names})
-    out = folder / manifest_name
-    tmp = out.with_name(out.name + ".tmp")
-    _write_fsynced(tmp, lambda f: f.write(manifest))
-    os.replace(tmp, out)
-    fsync_dir(folder)
-    return out
+    return atomic_write(folder / manifest_name, lambda f: f.write(manifest))
 
 
 def _read_manifest(path: Path) -> dict[str, dict]:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..integrity import fsync_dir
+from ..integrity import atomic_write, open_append
 
 __all__ = ["MetricsWriter", "ProgressBar", "read_metrics"]
 
@@ -31,7 +31,7 @@ class MetricsWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open_append(self.path)  # never through a link planted at that name
 
     def __call__(self, record: dict) -> None:
         self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
@@ -40,20 +40,14 @@ class MetricsWriter:
     def truncate_after(self, step: int) -> None:
         """Keep records of steps <= ``step`` (minus old "end" records), so a resumed run logs each step once.
 
-        Writes the kept records to ``metrics.jsonl.tmp``, fsyncs it and renames it over the old file
-        (then fsyncs the folder): at any kill point the file holds either all old records or the kept ones.
+        Writes the kept records to a new temp file (:func:`fp8pass.integrity.atomic_write`: fsynced,
+        renamed over the old file): at any kill point the file holds either all old records or the kept ones.
         """
         self._f.close()
         kept = [r for r in read_metrics(self.path) if r.get("step", -1) <= step and r.get("kind") != "end"]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in kept:
-                f.write(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fsync_dir(self.path.parent)
-        self._f = open(self.path, "a", encoding="utf-8")
+        text = "".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in kept)
+        atomic_write(self.path, lambda f: f.write(text.encode("utf-8")))
+        self._f = open_append(self.path)
 
     def close(self) -> None:
         self._f.close()
