@@ -32,8 +32,9 @@ from torch import fx
 from .config import Config, DelayedScaling
 from .passes.annotate import annotate, relative_param_names
 from .passes.explain import ExpertsEntry, Report, SwiGLUEntry, expert_weights_outside_graphs, graph_tensors
-from .passes.names import FrameNames, frame_names, frame_root, names_for
+from .passes.names import FrameNames, frame_names, frame_root, names_for, top_module
 from .passes.plan import plan_graph
+from .passes.uncompiled import compile_backend_of, inplace_compile_suspended, original_callable
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
 from .runtime.state import grouped_state_for, state_for
@@ -100,6 +101,10 @@ class Backend:
         self.records: list[GraphRecord] = []
         self._split_modules: dict[str, str] = {}
         self._warned: set[str] = set()
+        # models (id of the user's module; "" for compiled functions) with a graph holding an FP8 op, and the
+        # records of their graphs without one: a model with none gets one warning (_watch_for_fp8)
+        self._models_with_fp8: set = set()
+        self._records_without_fp8: dict = {}
         self.__name__ = "fp8"
         self._amax_reducer = None
 
@@ -129,7 +134,8 @@ class Backend:
                                     "it, or load a checkpoint) before compiling it for training.")
             return self._compile(gm, list(example_inputs), mode, options)
         t0 = time.perf_counter()
-        new_gm, record = self.transform(gm, example_inputs, frame_root())
+        root = frame_root()
+        new_gm, record = self.transform(gm, example_inputs, root)
         if any("float64" in reason for _, reason in record.report.skipped):
             self._warn_once("float64", "fp8pass: float64 weights or activations stay in float64 (FP8 applies to "
                                        "fp32/bf16/fp16 models); fp8pass.explain(model, ...) lists what was kept.")
@@ -138,6 +144,7 @@ class Backend:
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
         extras = _resolve_state(record.extra_inputs, example_inputs, self.config, self._reducer)
         compiled = self._compile(new_gm, list(example_inputs) + extras, mode, options)
+        compiled = self._watch_for_fp8(compiled, new_gm, record, root)
         relative = relative_param_names(gm.graph, example_inputs)
         if not extras and not relative:
             return compiled
@@ -251,6 +258,35 @@ class Backend:
         with functorch_config.patch(enable_autograd_cache=False):
             return compile_fx(gm, inputs, config_patches=patches or None)
 
+    def _watch_for_fp8(self, compiled: Callable, new_gm: fx.GraphModule, record: GraphRecord,
+                       root: torch.nn.Module | None) -> Callable:
+        """``compiled``, or for a graph without FP8 op a wrapper that warns on its second call when no
+        graph of the same model holds one: the model then trains in high precision (issue 34).
+
+        Not at compile time: a model whose graph breaks compiles its pieces one by one as its first
+        call reaches them, and a piece without linears (the embedding before a break) is normal. By
+        a graph's second call every piece of the first call has been compiled.
+        """
+        model = top_module(root) if root is not None else None
+        key = id(model) if model is not None else ""
+        if _calls_fp8pass_ops(new_gm):
+            self._models_with_fp8.add(key)
+            return compiled
+        reports = self._records_without_fp8.setdefault(key, [])
+        reports.append(record.report)
+        del reports[:-8]  # a few graphs' reasons make the message; a model recompiling often keeps no more
+        calls = 0
+
+        def watched(*args):
+            nonlocal calls
+            calls += 1
+            if calls == 2 and key not in self._models_with_fp8:
+                name = type(model).__name__ if model is not None else "a compiled function"
+                self._warn_once(f"no-fp8:{key}", no_fp8_message(name, self._records_without_fp8.get(key, [])))
+            return compiled(*args)
+
+        return watched
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -260,6 +296,8 @@ class Backend:
         """Called by ``torch._dynamo.reset()``: forget graph records (the scaling state is kept)."""
         self.records.clear()
         self._split_modules.clear()
+        self._models_with_fp8.clear()
+        self._records_without_fp8.clear()
 
     def report(self) -> Report:
         """All graphs compiled so far merged into one Report."""
@@ -267,6 +305,22 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"fp8pass.backend({self.config})"
+
+
+def no_fp8_message(model_name: str, reports: list[Report]) -> str:
+    """The warning for a model compiled with the fp8 backend whose graphs hold no FP8 op, with the
+    plan's reasons (the linears it kept and why, or that there was no linear to convert)."""
+    kept = [entry for r in reports for entry in r.skipped]
+    head = (f"fp8pass: {model_name} was compiled with the fp8 backend, but none of its graphs holds an FP8 op, "
+            f"so it runs in high precision. ")
+    if kept:
+        shown = "; ".join(f"{where}: {reason}" for where, reason in kept[:3])
+        more = f" (+{len(kept) - 3} more)" if len(kept) > 3 else ""
+        why = f"The plan kept all {len(kept)} linear op(s): {shown}{more}."
+    else:
+        why = ("Its graphs hold no linear op the backend converts (nn.Linear / F.linear / matmul with a weight, "
+               "GPT-2's Conv1D, MoE expert weights).")
+    return head + why + " fp8pass.explain(model, *inputs) prints the whole plan."
 
 
 def merge_reports(reports: list[Report], config=None) -> Report:
@@ -364,14 +418,32 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
     Runs ``model(*example_inputs, **example_kwargs)`` once through Dynamo (the original model code
     executes; no FP8 op runs and no scaling state changes), plans and rewrites a copy of every graph.
 
+    ``model`` may be the model as built, a ``torch.compile(model, backend=...)`` wrapper or a model
+    compiled in place (``model.compile(backend=...)``, the Trainer / Accelerate / FSDP recipes): the
+    model's own code is traced either way. Without ``config``, a model compiled with
+    ``fp8pass.backend(cfg)`` is planned with ``cfg``, else with the default ``Config()``.
+
     Returns:
         a :class:`~fp8pass.passes.explain.Report`: ``swiglus``, ``linears``, ``skipped``,
         ``graph_breaks`` (Dynamo's break reasons plus GLUs a break split), ``graph_before`` /
-        ``graph_after``; ``print(report)`` shows a table.
+        ``graph_after``, ``notes``; ``print(report)`` shows a table.
     """
     # imported here: it loads all of Dynamo, which ``import fp8pass`` should not pay for (1.5 s goal)
     from torch._dynamo.backends.debugging import ExplainWithBackend
 
+    if not callable(model):
+        raise TypeError(f"fp8pass.explain(model, *example_inputs) takes the model (an nn.Module, compiled or not) "
+                        f"or a function, got {type(model).__name__}")
+    compiled_with = compile_backend_of(model)
+    target = original_callable(model)
+    notes = []
+    if config is None and isinstance(compiled_with, Backend):
+        config = compiled_with.config  # the plan the compiled model really gets
+    elif compiled_with is not None and not isinstance(compiled_with, Backend) and compiled_with is not fp8_backend:
+        name = (getattr(compiled_with, "compiler_name", None) or getattr(compiled_with, "__name__", None)
+                or type(compiled_with).__name__)
+        notes.append(f"the model is compiled with backend {name!r}, not fp8pass's: this report shows what "
+                     f"backend=\"fp8\" (or fp8pass.backend(config)) would do")
     be = Backend(config)
     records = []
     graph_inputs: set[int] = set()  # every tensor a graph was called with (expert stacks in no graph)
@@ -397,9 +469,9 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
     recorder = ExplainWithBackend(plan_only)
     torch._dynamo.reset()  # as torch._dynamo.explain: every frame is traced anew, nothing cached reused
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), inplace_compile_suspended(target):
             warnings.simplefilter("ignore", RuntimeWarning)  # breaks are in the report itself
-            torch.compile(model, backend=recorder)(*example_inputs, **example_kwargs)
+            torch.compile(target, backend=recorder)(*example_inputs, **example_kwargs)
     finally:
         torch._dynamo.reset()
     report = merge_reports(records, be.config)
@@ -411,5 +483,10 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
             where = f" at {fr.filename}:{fr.lineno}"
         reasons.append(f"Dynamo graph break{where}: {str(br.reason).splitlines()[0]}")
     report.graph_breaks = reasons + report.graph_breaks
-    report.skipped += expert_weights_outside_graphs(model, graph_inputs)
+    report.skipped += expert_weights_outside_graphs(target, graph_inputs)
+    if not records:
+        notes.append(f"Dynamo captured no graph from {type(target).__name__}: its code ran outside torch.compile "
+                     f"(a torch.compiler.disable'd forward, or a wrapper explain does not see through); pass the "
+                     f"model as you built it: fp8pass.explain(model, *example_inputs)")
+    report.notes = notes
     return report

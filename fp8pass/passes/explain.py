@@ -80,6 +80,7 @@ class Report:
         graph_breaks: Dynamo's graph-break reasons and GLUs split by a break.
         graph_before / graph_after: the torch-level graphs' code before and after the rewrite.
         num_graphs: how many graphs Dynamo produced.
+        notes: one-line remarks on the report itself (no graph captured, a non-fp8 compile backend).
     """
 
     swiglus: list[SwiGLUEntry] = field(default_factory=list)
@@ -91,6 +92,7 @@ class Report:
     graph_after: str = ""
     num_graphs: int = 0
     config: object = None
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         kind = "NVFP4" if type(getattr(self.config, "recipe", None)).__name__ == "NVFP4Scaling" else "FP8"
@@ -98,6 +100,7 @@ class Report:
                  f"{len(self.experts)} MoE expert stack(s), "
                  f"{len(self.linears)} {kind} linear weight(s), {len(self.skipped)} op(s) kept in high "
                  f"precision, {len(self.graph_breaks)} graph-break note(s)"]
+        lines += [f"note: {n}" for n in self.notes]
         if self.config is not None:
             lines.append(f"config: {self.config}")
         if self.swiglus:

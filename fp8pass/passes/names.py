@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["FrameNames", "frame_names", "frame_root", "names_for"]
+__all__ = ["FrameNames", "frame_names", "frame_root", "names_for", "top_module"]
 
 
 @dataclass
@@ -105,6 +105,11 @@ def _top(root: nn.Module, max_frames: int = 256) -> tuple[nn.Module, str]:
                     break
         frame = frame.f_back
     return best, best_path
+
+
+def top_module(root: nn.Module) -> nn.Module:
+    """The user's model that holds a compiled frame's ``root`` (``root`` itself when nothing holds it)."""
+    return _unwrapped(_top(root)[0])
 
 
 # every parameter of every outermost module seen, by identity: a compiled frame that Dynamo reuses
