@@ -11,6 +11,15 @@ import sys
 import time
 
 
+# what `python -m fp8pass --help` says (the module docstring above is for developers)
+DESCRIPTION = """FP8 training of PyTorch models as a one-line change: torch.compile(model, backend="fp8").
+
+Start with "python -m fp8pass selfcheck" (seconds), then "python -m fp8pass train" (the demo: a tiny
+Llama trained in bf16 and in FP8, a few minutes on a CPU)."""
+EPILOG = """"python -m fp8pass COMMAND --help" lists a command's options. On a CPU, FP8 is emulated: it
+shows the numerics, not the speed, which needs an FP8 GPU. Documentation: README.md and docs/."""
+
+
 def _selfcheck(args) -> int:
     import numpy as np
     import torch
@@ -134,7 +143,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the suite parses its own options (and its own --help)
         return _bench(argparse.Namespace(rest=argv[1:]))
-    parser = argparse.ArgumentParser(prog="fp8pass", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fp8pass", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("selfcheck", help="check the numerics core on this machine")
     p.set_defaults(func=_selfcheck)

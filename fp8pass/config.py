@@ -280,6 +280,13 @@ class Config:
         return NAMED_RECIPES[name].config(**overrides)
 
     def __post_init__(self):
+        if isinstance(self.recipe, str):  # a named recipe's name: its Config comes from from_recipe
+            raise TypeError(
+                f"Config(recipe=...) takes a scaling object; {self.recipe!r} is "
+                + (f"a named recipe: use fp8pass.Config.from_recipe({self.recipe!r}) (other Config fields as "
+                   f"keyword overrides)" if self.recipe in NAMED_RECIPES else
+                   f"no named recipe either (fp8pass.Config.from_recipe(name) takes {', '.join(NAMED_RECIPES)})")
+                + "; or pass fp8pass.DelayedScaling(...), fp8pass.CurrentScaling(...) or fp8pass.NVFP4Scaling(...)")
         if not isinstance(self.recipe, (CurrentScaling, DelayedScaling, NVFP4Scaling)):
             raise TypeError(
                 f"recipe must be fp8pass.DelayedScaling(...), fp8pass.CurrentScaling(...) or "

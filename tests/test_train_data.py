@@ -46,3 +46,28 @@ def test_errors(tmp_path):
     d = load_text_data(tmp_path / "t.txt")
     with pytest.raises(ValueError, match="fewer than seq_len"):
         d.batch("val", 1, 64, 0, 0)
+
+
+def test_empty_and_too_short_data_get_one_line_each(tmp_path, capsys):
+    """Issue 34: an empty --data file raised numpy's "both buffer length (0) and count (-1) must not be 0",
+    one shorter than the sequence length a traceback at the first step; now one line and exit code 2."""
+    from fp8pass.cli import main
+
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError) as e:
+        load_text_data(empty)
+    assert str(e.value) == f"--data {empty}: no text in it (0 bytes); pass a file or folder with text"
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"x" * 99)  # + the newline: 100 bytes, 95 train, 5 validation
+    d = load_text_data(short)
+    with pytest.raises(ValueError) as e:
+        d.check_fits(64)
+    assert str(e.value) == (f"--data {short}: too little text for --seq-len 64 (train 95 bytes, validation 5 bytes; "
+                            f"each split needs at least 65); pass at least ~1300 bytes of text or a shorter --seq-len")
+    d.check_fits(4)  # both splits hold a 5-byte window
+    for path, message in ((empty, "no text in it (0 bytes)"), (short, "too little text for --seq-len 128")):
+        assert main(["train", "--data", str(path), "--out", str(tmp_path / "run"), "--no-plots"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --data {path}: ") and message in err and "Traceback" not in err
+        assert not (tmp_path / "run").exists()  # nothing started

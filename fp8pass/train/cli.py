@@ -22,6 +22,43 @@ _CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed",
             "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "precision": PRECISIONS}
 
 
+# What each of those flags does, for --help (argparse prints "(default X)" after it).
+_HELP = {
+    "steps": "optimizer steps per recipe",
+    "seed": "seed of the model's initialisation and of the batch order",
+    "batch_size": "sequences per micro-batch (per optimizer step without --grad-accum)",
+    "seq_len": "sequence length in bytes (at most the model's max_seq_len)",
+    "lr": "peak learning rate, reached after --warmup steps",
+    "min_lr_ratio": "final learning rate as a fraction of --lr",
+    "warmup": "steps of linear learning-rate warm-up",
+    "weight_decay": "AdamW weight decay of the matrices (norm gains are not decayed)",
+    "grad_clip": "clip the global gradient norm to this (0: no clipping)",
+    "eval_every": "steps between validation evaluations",
+    "eval_batches": "validation batches per evaluation (the same batches every time)",
+    "ckpt_every": "steps between checkpoints (one is always written at the end)",
+    "monitor_every": "steps between SwiGLU diagnostics in metrics.jsonl (0: off)",
+    "max_data_bytes": "use at most this many bytes of each split (train, validation)",
+    "d_model": "model width",
+    "n_layers": "decoder blocks",
+    "n_heads": "attention heads (must divide --d-model)",
+    "ffn": "SwiGLU inner size",
+    "grad_accum": "micro-batches per optimizer step (gradient accumulation)",
+    "loss_scale": "loss scaling, for --precision fp16: 'dynamic' or a number",
+    "fp8_start_step": "train the first N steps in high precision, then in FP8",
+    "schedule": "learning-rate decay after the warm-up",
+    "scaling": "FP8 scaling of the fp8* recipes: from an amax history (delayed) or from each tensor (current)",
+    "smooth": "Smooth-SwiGLU of the -smooth recipes: one scale per channel (the paper) or per token",
+    "compiler": "what compiles the FP8 graphs: inductor (fast steps), aot_eager or eager (quick start, slow steps)",
+    "precision": "dtype of the high-precision parts: auto picks bf16 where this CPU multiplies bf16 natively, "
+                 "else fp32",
+}
+
+
+def _flag_help(name: str, default) -> str:
+    text = _HELP.get(name, "")
+    return f"{text} (default {default})" if default is not None else text
+
+
 def _moment_block_size(text: str):
     """--moment-block-size: a positive int, or "tensor" (one scale per tensor, TrainConfig's None)."""
     if text == "tensor":
@@ -64,10 +101,10 @@ def add_train_parser(sub) -> None:
                         "one without manifest (older fp8pass) loads only with FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT=1")
     for name, typ in _TYPES.items():
         default = getattr(d.model, name) if name in _MODEL_FIELDS else getattr(d, name)
-        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"(default {default})")
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=_flag_help(name, default))
     for name, choices in _CHOICES.items():
         p.add_argument("--" + name.replace("_", "-"), choices=choices, default=None,
-                       help=f"(default {getattr(d, name)})")
+                       help=_flag_help(name, getattr(d, name)))
     opt = p.add_argument_group("FP8 optimizer (recipes ending in -fp8adam, paper, reference; docs/optim.md)")
     for name, kw in _OPTIM.items():
         default = DEFAULT_MOMENTS[name]
@@ -146,6 +183,8 @@ def run_train(args) -> int:
 
     try:
         data = load_text_data(jobs[0][0].data, jobs[0][0].max_data_bytes)
+        for cfg, _ in jobs:  # a text too short for the windows: one line now, not a traceback at step 1
+            data.check_fits(cfg.seq_len)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

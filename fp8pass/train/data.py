@@ -60,6 +60,15 @@ class TextData:
 
     vocab_size: int = 256
 
+    def check_fits(self, seq_len: int) -> None:
+        """Raise ValueError, before training starts, when a split is too short for ``seq_len`` windows."""
+        if min(self.train.numel(), self.val.numel()) < seq_len + 1:
+            need = (seq_len + 1) * VAL_EVERY  # the smaller split, validation, is 1/VAL_EVERY of the text
+            raise ValueError(f"--data {self.source}: too little text for --seq-len {seq_len} (train "
+                             f"{self.train.numel()} bytes, validation {self.val.numel()} bytes; "
+                             f"each split needs at least {seq_len + 1}); pass at least ~{need} bytes of text or a "
+                             f"shorter --seq-len")
+
     def batch(self, split: str, batch_size: int, seq_len: int, seed: int, step: int):
         """``(inputs, targets)`` int64 of shape (batch_size, seq_len) for this (seed, step)."""
         stream = self.train if split == "train" else self.val
@@ -88,6 +97,8 @@ def load_text_data(path: str | os.PathLike | None = None, max_bytes: int | None 
     else:
         root, files = _user_files(Path(path))
         source = str(path)
+    if not any(f.stat().st_size for f in files):
+        raise ValueError(f"--data {path}: no text in it (0 bytes); pass a file or folder with text")
     train, val = [], []
     for f in files:
         rel = f.relative_to(root).as_posix()
@@ -102,5 +113,6 @@ def load_text_data(path: str | os.PathLike | None = None, max_bytes: int | None 
     if max_bytes is not None:
         tr, va = tr[:max_bytes], va[:max_bytes]
     fp = hashlib.sha256(tr).hexdigest()[:12] + "/" + hashlib.sha256(va).hexdigest()[:12]
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    # frombuffer rejects an empty buffer (a short file's 5% validation tail can be empty)
+    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
     return TextData(as_tensor(tr), as_tensor(va), source, len(files), fp)
