@@ -20,9 +20,9 @@ anything is unpickled, and errors that name the file::
     fp8pass.checkpoint.save("ckpt.pt", model, optimizer)
     fp8pass.checkpoint.load("ckpt.pt", model, optimizer, config=cfg)
 
-Every load path validates the values before loading them (scales finite and > 0, amax histories
-finite and >= 0, counters in range, shapes equal to the model's) and raises
-:class:`~fp8pass.integrity.CheckpointError` naming the key.
+Every load path validates the state before loading it (shapes equal to the model's, checked before
+any value is computed on; weights and moments finite, scales finite and > 0, amax histories finite
+and >= 0, counters in range) and raises :class:`~fp8pass.integrity.CheckpointError` naming the key.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ import torch
 
 from .config import Config, DelayedScaling
 from .integrity import CheckpointError, read_verified, write_with_manifest
-from .optim.state_check import check_optimizer_state
+from .optim.state_check import check_optimizer_state, saved_param_shapes
 from .scaling_checks import check_model_state_dict
 from .scaling_state import _unwrap, attach
 
 __all__ = ["checkpoint_state", "load_checkpoint_state", "torch_rng_state", "set_torch_rng_state", "save", "load",
-           "load_file", "save_file"]
+           "load_file", "save_file", "check_weights"]
 
 
 def torch_rng_state() -> dict:
@@ -78,18 +78,25 @@ def checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
             "rng": torch_rng_state()}
 
 
-def _param_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    """``{state key: (parameter FQN, shape)}`` for ``optimizer``'s saved ``state`` (keys are indices in
-    ``param_groups`` order); {} when the counts differ (``optimizer.load_state_dict`` reports that)."""
-    names = {id(p): n for n, p in _unwrap(model).named_parameters()}
-    try:
-        ids = [i for g in state["param_groups"] for i in g["params"]]
-    except (KeyError, TypeError):
-        return {}  # check_optimizer_state names what is malformed
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if len(ids) != len(params):
-        return {}
-    return {i: (names.get(id(p), f"param {i}"), tuple(p.shape)) for i, p in zip(ids, params)}
+def check_weights(state_dict: dict, shapes: dict, prefix: str = "model") -> None:
+    """The parameters of ``state_dict`` (keys of ``shapes``, the model's parameter shapes by FQN):
+    each a tensor of the model's shape (checked before any value is read) and finite.
+
+    Buffers are left out: a buffer may legitimately hold -inf (an attention mask).
+
+    Raises:
+        CheckpointError: naming the key.
+    """
+    present = [(k, state_dict[k]) for k in shapes if k in state_dict]
+    for k, v in present:
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(shapes[k]):
+            raise CheckpointError(f"{prefix}.{k}: shape {tuple(getattr(v, 'shape', ()))}, the model has "
+                                  f"{tuple(shapes[k])}")
+    for k, v in present:
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad = v.reshape(-1)[~torch.isfinite(v.reshape(-1))][0].item()
+            raise CheckpointError(f"{prefix}.{k}: weights must be finite, got {bad!r}; the state was saved after "
+                                  "training diverged or a non-finite gradient reached the optimizer")
 
 
 def load_checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
@@ -113,11 +120,13 @@ def load_checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
         raise CheckpointError("not a checkpoint_state(): expected a dict with 'model', 'optimizer' and 'rng'")
     cfg = config or Config()
     shapes = {n: tuple(p.shape) for n, p in _unwrap(model).named_parameters()}
+    check_weights(state["model"], shapes)
     check_model_state_dict(state["model"], shapes,
                            cfg.recipe.history_len if isinstance(cfg.recipe, DelayedScaling) else None)
     opt_state = state.get("optimizer")
     if optimizer is not None and opt_state is not None:
-        check_optimizer_state(opt_state, params=_param_map(model, optimizer, opt_state))
+        names = {id(p): n for n, p in _unwrap(model).named_parameters()}
+        check_optimizer_state(opt_state, params=saved_param_shapes(optimizer, opt_state, names))
     attach(model, config)
     _unwrap(model).load_state_dict(state["model"], strict=strict)
     if optimizer is not None and opt_state is not None:
@@ -125,9 +134,14 @@ def load_checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     set_torch_rng_state(state["rng"])
 
 
-def save_file(path: str | os.PathLike, obj) -> Path:
-    """``torch.save(obj)`` to ``path`` with a SHA-256 manifest, both fsynced and renamed into place."""
-    return write_with_manifest(path, lambda f: torch.save(obj, f))
+def save_file(path: str | os.PathLike, obj, verify=None) -> Path:
+    """``torch.save(obj)`` to ``path`` with a SHA-256 manifest, both fsynced and renamed into place.
+
+    ``verify(temp_path)`` may check the written file first (the previous ``path`` stays until it
+    passes). Raises :class:`~fp8pass.integrity.CheckpointError` naming the file and the cause when
+    the write fails (:class:`~fp8pass.integrity.DiskFullError` for lack of space).
+    """
+    return write_with_manifest(path, lambda f: torch.save(obj, f), verify)
 
 
 def load_file(path: str | os.PathLike, allow_unverified: bool | None = None):
@@ -152,8 +166,21 @@ def load_file(path: str | os.PathLike, allow_unverified: bool | None = None):
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Path:
-    """Write :func:`checkpoint_state` to ``path`` with its manifest (see :func:`save_file`). Returns ``path``."""
-    return save_file(path, checkpoint_state(model, optimizer))
+    """Write :func:`checkpoint_state` to ``path`` with its manifest (see :func:`save_file`). Returns ``path``.
+
+    Raises:
+        CheckpointError: a weight or an optimizer moment is not finite (nothing is written, a previous
+            ``path`` stays as it was), or the write failed (see :func:`save_file`).
+    """
+    state = checkpoint_state(model, optimizer)
+    names = {id(p): n for n, p in _unwrap(model).named_parameters()}
+    try:  # a checkpoint that cannot resume training must not replace one that can
+        check_weights(state["model"], {n: tuple(p.shape) for n, p in _unwrap(model).named_parameters()})
+        if optimizer is not None:
+            check_optimizer_state(state["optimizer"], params=saved_param_shapes(optimizer, state["optimizer"], names))
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: not saved, {e}; the previous checkpoint there (if any) is intact") from None
+    return save_file(path, state)
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,

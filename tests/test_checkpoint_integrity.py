@@ -6,6 +6,7 @@ One trainer run and one DCP checkpoint (module fixtures) are copied and damaged 
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from fp8pass.cli import main
 from fp8pass.integrity import ALLOW_UNVERIFIED_ENV, CheckpointError, manifest_path, read_verified, write_with_manifest
 from fp8pass.train import ModelConfig, TrainConfig, train
 from fp8pass.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from fp8pass.train.cli import EXIT_CHECKPOINT
 from fp8pass.train.logging import MetricsWriter, read_metrics
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -88,7 +90,7 @@ def test_one_flipped_bit_in_each_trainer_file_is_detected(run_copy, name, capsys
             assert str(run_copy / (name if name == CHECKPOINT_NAME else name)) in str(e.value)
             path.write_bytes(original)
     _flip(path, len(original) // 2, 3)
-    assert main(["train", "--resume", str(run_copy), "--no-progress", "--no-plots"]) == 2
+    assert main(["train", "--resume", str(run_copy), "--no-progress", "--no-plots"]) == EXIT_CHECKPOINT
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(path) in err and "Traceback" not in err
 
@@ -107,7 +109,7 @@ def test_damaged_checkpoint_gives_a_clear_error_naming_the_file(run_copy, damage
     if with_manifest or damage != "byte-flipped":  # unverified, a flip in the zip header is still unreadable
         with pytest.raises(CheckpointError, match=str(path).replace("\\", "\\\\")):
             load_checkpoint(run_copy)
-    assert main(["train", "--resume", str(run_copy), "--no-progress", "--no-plots"]) == 2
+    assert main(["train", "--resume", str(run_copy), "--no-progress", "--no-plots"]) == EXIT_CHECKPOINT
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and "Traceback" not in err
     assert ("not a" if not with_manifest else "manifest") in err
@@ -118,7 +120,7 @@ def test_checkpoint_without_manifest_needs_the_documented_opt_out(run_copy, monk
     monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
     with pytest.raises(CheckpointError, match=ALLOW_UNVERIFIED_ENV):
         load_checkpoint(run_copy)
-    assert main(["train", "--resume", str(run_copy), "--no-progress", "--no-plots"]) == 2
+    assert main(["train", "--resume", str(run_copy), "--no-progress", "--no-plots"]) == EXIT_CHECKPOINT
     assert ALLOW_UNVERIFIED_ENV in capsys.readouterr().err
     with pytest.warns(RuntimeWarning, match="without integrity check"):
         assert load_checkpoint(run_copy, allow_unverified=True)["step"] == 2
@@ -183,6 +185,19 @@ INVALID = {
     "weight shape": (lambda ck: ck["model"].__setitem__(f"{Q}", torch.zeros(32, 16)), f"model.{Q}"),
     "weight missing": (lambda ck: ck["model"].pop("norm.weight"), "norm.weight"),
     "rng": (lambda ck: ck["rng"].__setitem__("torch", torch.zeros(3, dtype=torch.uint8)), "rng"),
+    "weight nan": (lambda ck: ck["model"][Q].__setitem__((0, 0), float("nan")), f"model.{Q}: weights must be finite"),
+    "weight inf": (lambda ck: ck["model"]["norm.weight"].__setitem__(0, float("inf")), "model.norm.weight"),
+    "fp8 adam codes nan": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)]["exp_avg_codes"].view(torch.uint8)
+                           .__setitem__(0, 0x7F), "exp_avg_codes: a moment must be finite"),
+    # memory DoS (issue 33): a view of one element claiming 2**42 (16 TiB as fp32); checked by shape
+    # before any value is computed on, so nothing is allocated (unchecked, this raises out of memory)
+    "fp8 adam scale 2**42-element view": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)].__setitem__(
+        "exp_avg_scale", torch.ones(1).expand(2**42)), "exp_avg_scale: shape (4398046511104,)"),
+    "unknown optimizer tensor 2**42-element view": (lambda ck: ck["optimizer"]["state"][_opt_key(ck)].__setitem__(
+        "extra_buffer", torch.ones(1).expand(2**42)), "extra_buffer: 4398046511104 elements"),
+    "rng numpy keys 2**42-element view": (lambda ck: ck["rng"]["numpy"].__setitem__(
+        "keys", torch.ones(1, dtype=torch.int64).expand(2**42)), "rng: numpy keys state must be a tensor of shape (624,)"),
+    "grad_skips above step": (lambda ck: ck.__setitem__("grad_skips", 3), "grad_skips"),
 }
 
 
@@ -198,9 +213,9 @@ def test_each_invalid_value_is_named(run_copy, case):
         assert "optimizer.state['" in msg and ".weight']" in msg  # the parameter's name, not an index
 
 
-def test_invalid_value_exits_2_from_the_cli(run_copy, capsys):
+def test_invalid_value_exits_with_the_checkpoint_code_from_the_cli(run_copy, capsys):
     _rewrite(run_copy, INVALID["fp8 adam scale nan"][0])
-    assert main(["train", "--resume", str(run_copy), "--no-progress", "--no-plots"]) == 2
+    assert main(["train", "--resume", str(run_copy), "--no-progress", "--no-plots"]) == EXIT_CHECKPOINT
     err = capsys.readouterr().err
     assert "exp_avg_scale" in err and "Traceback" not in err
 
@@ -309,7 +324,7 @@ def test_kill_during_metrics_truncation_loses_nothing(tmp_path, kill_after):
     w.truncate_after(20)  # the next run truncates normally
     w.close()
     assert [r["step"] for r in read_metrics(path)] == list(range(1, 21))
-    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left behind
 
 
 def test_metrics_truncation_fsyncs_before_rename(tmp_path, monkeypatch):
@@ -645,3 +660,131 @@ def test_hot_channel_state_entries_are_checked():
             check_scaling_state_dict({**good, f"l.weight.hcp.{key}": value}, shapes)
     with pytest.raises(CheckpointError, match="no delayed state"):  # a delayed-scaling recipe keeps no HCP state
         check_scaling_state_dict(good, shapes, kinds=("delayed",))
+
+
+# ---- issue 33: crafted sizes, links, full disks, DCP failures ------------------------------------
+
+def _edit_dcp_metadata(folder: Path, edit) -> None:
+    """Change ``.metadata`` with ``edit(meta)`` and reseal the manifest (an attacker's checkpoint)."""
+    import pickle
+
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # our own file: plain pickle is fine here
+    edit(meta)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    _reseal(folder)
+
+
+def _claim(meta, key: str, numel: int) -> None:
+    entry = meta.state_dict_metadata[key]
+    entry.size = torch.Size([numel])
+    for chunk in entry.chunks:
+        chunk.offsets, chunk.sizes = torch.Size([0]), torch.Size([numel])
+
+
+@pytest.mark.parametrize("key", ["fp8.{Q}.input.amax_history", "model.norm.weight"])
+def test_dcp_metadata_claiming_2_42_elements_is_refused_before_any_allocation(dcp_copy, key):
+    """Unchecked, the fp8 entry was torch.empty'd at its declared size (16 TiB here: out of memory)."""
+    key = key.format(Q=Q)
+    _edit_dcp_metadata(dcp_copy, lambda meta: _claim(meta, key, 2**42))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(key)}.*declares shape \(4398046511104,\)") as e:
+        _load_into_fresh(dcp_copy)
+    assert "\n" not in str(e.value)
+
+
+def test_every_dcp_load_failure_is_a_one_line_checkpoint_error(dcp_copy, monkeypatch):
+    (dcp_copy / "manifest.json").unlink()
+    data = sorted(p for p in dcp_copy.iterdir() if p.suffix == ".distcp")[0]
+    data.write_bytes(data.read_bytes()[:200])  # truncated; unverified loading allowed, so DCP itself fails
+    monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError) as e:
+        _load_into_fresh(dcp_copy)
+    msg = str(e.value)
+    assert msg.startswith(f"{dcp_copy}: ") and "\n" not in msg and len(msg) < 500, msg
+
+
+def test_dcp_save_refuses_a_folder_holding_a_symlink(tmp_path):
+    model, opt = _trained_tiny()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "__0_0.distcp").symlink_to(victim)
+    with pytest.raises(CheckpointError, match=r"refusing to save a DCP checkpoint into a folder holding symbolic "
+                                              r"links .*__0_0\.distcp"):
+        fp8pass.distributed.save_checkpoint(path, model, opt)
+    assert victim.read_text() == "precious"
+    (path / "__0_0.distcp").unlink()
+    fp8pass.distributed.save_checkpoint(path, model, opt)  # the control: without the link it saves
+    _load_into_fresh(path)
+
+
+class _FullDisk:
+    """A file that accepts ``room`` bytes, then fails every write with ENOSPC (a full disk, no tmpfs)."""
+
+    def __init__(self, f, room: int):
+        self._f, self.room = f, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(__import__("errno").ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _fill_disk(monkeypatch, room: int = 1000) -> None:
+    import fp8pass.integrity as integrity
+
+    real = os.fdopen
+    monkeypatch.setattr(integrity.os, "fdopen", lambda fd, *a, **k: _FullDisk(real(fd, *a, **k), room))
+
+
+def test_full_disk_during_torch_save_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from fp8pass.integrity import DiskFullError
+
+    path = tmp_path / "x.pt"
+    save_file(path, {"w": torch.arange(10)})
+    _fill_disk(monkeypatch)
+    with pytest.raises(DiskFullError, match=rf"{re.escape(str(path))}: no space left on device .*partial temp file "
+                                            r"was removed .* is intact") as e:
+        save_file(path, {"w": torch.randn(100_000)})
+    assert "unexpected pos" not in str(e.value)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.pt", "x.pt.manifest.json"]
+    assert torch.equal(load_file(path)["w"], torch.arange(10))
+
+
+def test_interrupted_write_is_a_checkpoint_error_and_leaves_no_temp_file(tmp_path):
+    from fp8pass.integrity import atomic_write
+
+    path = tmp_path / "x.bin"
+    atomic_write(path, lambda f: f.write(b"old"))
+
+    def interrupted(f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(CheckpointError, match=r"write interrupted \(KeyboardInterrupt\).* is intact"):
+        atomic_write(path, interrupted)
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
+
+
+def test_library_save_writes_through_no_planted_link_and_refuses_non_finite_weights(tmp_path):
+    model, opt = _trained_tiny()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = tmp_path / "ck.pt"
+    for name in ("ck.pt", "ck.pt.tmp", "ck.pt.manifest.json"):
+        (tmp_path / name).symlink_to(victim)
+    fp8pass.checkpoint.save(path, model, opt)
+    assert victim.read_text() == "precious" and not path.is_symlink()
+    fp8pass.checkpoint.load(path, _tiny(), None, config=CFG)
+    before = path.read_bytes()
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"ck\.pt: not saved, model\.norm\.weight: weights must be finite, got "
+                                              r"nan.*previous checkpoint there \(if any\) is intact"):
+        fp8pass.checkpoint.save(path, model, opt)
+    assert path.read_bytes() == before

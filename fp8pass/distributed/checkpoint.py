@@ -23,10 +23,22 @@ Safety and integrity (see docs/distributed.md):
 * :func:`save_checkpoint` writes ``manifest.json`` (SHA-256 of every file, written last by the
   coordinator after all ranks wrote theirs); :func:`load_checkpoint` verifies it (the ranks split
   the files) before it unpickles anything, and validates the loaded values before applying them.
+* Every tensor the metadata declares is checked against the model's own before anything is read or
+  allocated for it (:meth:`SafeLoadPlanner.create_local_plan`; the FP8 scaling state against the
+  shapes the model's weights and the config's history length give): a crafted ``.metadata``
+  claiming 2**34 elements is refused, not allocated.
+* DCP's ``FileSystemWriter`` opens its files with a plain ``open``: :func:`save_checkpoint` refuses
+  a folder that is, or holds, a symbolic link (a link planted in a shared folder would make the
+  save overwrite the file it points at).
+* Every failure of DCP's save or load reaches the caller as a
+  :class:`~fp8pass.integrity.CheckpointError` with a one-line cause (DCP raises a
+  ``CheckpointException``, a ``BaseException`` that ``except Exception`` does not catch), a lack of
+  space as :class:`~fp8pass.integrity.DiskFullError`.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -37,11 +49,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..config import Config, DelayedScaling
-from ..integrity import CheckpointError, verify_files, write_manifest
+from ..integrity import CheckpointError, DiskFullError, verify_files, write_manifest
 from ..optim.state_check import check_optimizer_state
 from ..scaling_checks import _FIELDS, check_delayed_state, check_model_state_dict
 from ..scaling_state import _load_delayed
@@ -227,7 +239,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that unpickles non-tensor entries (optimizer hyper-parameters, ``extra``
-    values) with ``torch.load(weights_only=True)`` instead of ``weights_only=False``."""
+    values) with ``torch.load(weights_only=True)`` instead of ``weights_only=False``, and checks each
+    saved tensor's declared shape and chunks against the tensor it loads into before reading any."""
+
+    def create_local_plan(self):
+        for fqn, target in self.state_dict.items():
+            saved = self.metadata.state_dict_metadata.get(fqn)
+            if isinstance(target, torch.Tensor) and saved is not None:
+                _check_saved_tensor(fqn, saved, tuple(target.size()))
+        return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
@@ -240,6 +260,68 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         torch.save(obj, safe)  # re-serialized from plain values: the parent's unrestricted load is harmless now
         safe.seek(0)
         super().load_bytes(read_item, safe)
+
+
+def _check_saved_tensor(fqn: str, saved, shape: tuple) -> None:
+    """``.metadata``'s entry ``fqn`` declares a tensor of ``shape`` whose chunks lie inside it."""
+    if not isinstance(saved, TensorStorageMetadata):
+        raise CheckpointError(f"entry {fqn!r}: saved as {type(saved).__name__}, this model holds a tensor there")
+    if tuple(saved.size) != shape:
+        raise CheckpointError(f"entry {fqn!r}: .metadata declares shape {tuple(saved.size)}, this model's tensor "
+                              f"has {shape}")
+    for chunk in saved.chunks:
+        if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, shape)):
+            raise CheckpointError(f"entry {fqn!r}: a chunk at {tuple(chunk.offsets)} of size {tuple(chunk.sizes)} "
+                                  f"lies outside the tensor's shape {shape}")
+
+
+def _fp8_templates(meta: Metadata, model: torch.nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
+    """Empty tensors to load the saved FP8 scaling state into, after checking each declared shape
+    against the one the model's weight and ``cfg``'s history length give (the allocation is then
+    bounded by what the model holds)."""
+    saved = {k[len("fp8."):]: m for k, m in meta.state_dict_metadata.items() if k.startswith("fp8.")}
+    if not saved:
+        return {}
+    if not isinstance(cfg.recipe, DelayedScaling):
+        raise CheckpointError("the checkpoint holds delayed-scaling state but the config uses "
+                              f"{type(cfg.recipe).__name__}; pass the Config the model was trained with")
+    params = {_clean(name): p for name, p in _module_params(model)}
+    out = {}
+    for key, m in saved.items():
+        parts = key.rsplit(".", 2)
+        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in _FIELDS or parts[0] not in params:
+            raise CheckpointError(f"fp8.{key}: names no parameter role of this model")
+        p = params[parts[0]]
+        lead = (int(p.shape[0]),) if p.dim() == 3 else ()
+        want = lead + (cfg.recipe.history_len,) if parts[2] == "amax_history" else lead
+        _check_saved_tensor(f"fp8.{key}", m, want)
+        out[key] = torch.empty(want, dtype=m.properties.dtype)
+    return out
+
+
+def _dcp_failure(path: Path, action: str, e: BaseException) -> CheckpointError:
+    """A one-line CheckpointError for a failed DCP ``action`` ("save" / "load") of ``path``."""
+    inner = _unwrap_dcp_error(e) if isinstance(e, CheckpointException) else e
+    if isinstance(inner, CheckpointError):
+        return type(inner)(f"{path}: {inner}")
+    if isinstance(inner, OSError) and inner.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"{path}: no space left on device during the DCP {action} ({inner.strerror}); "
+                             "the files of this folder are incomplete and its manifest is absent, so it will not "
+                             "load; earlier checkpoint folders are untouched")
+    first = (str(inner).strip().splitlines() or [""])[0][:300] or "no message: a file is likely truncated or damaged"
+    return CheckpointError(f"{path}: DCP {action} failed ({type(inner).__name__}: {first})")
+
+
+def _refuse_links(path: Path) -> None:
+    """DCP writes with a plain ``open``: refuse a checkpoint folder that is or holds a symbolic link."""
+    links = [path] if path.is_symlink() else []
+    if path.is_dir():
+        links += [p for p in path.iterdir() if p.is_symlink()]
+    if links:
+        raise CheckpointError(f"{path}: refusing to save a DCP checkpoint into a folder holding symbolic links "
+                              f"({', '.join(str(p) for p in links[:3])}): the save would write through them. "
+                              "Remove them, or save into a new folder")
 
 
 def _copy_state_entries(sd):
@@ -302,16 +384,21 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     coordinator. Save each checkpoint into a new folder: a save interrupted over an existing one
     leaves files its (removed) manifest no longer vouches for.
     """
+    path = Path(path)
+    _agree(lambda: _refuse_links(path))
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
     sd = {"model": _plain(msd), "fp8": distributed_scaling_state_dict(model)}
     if optimizer is not None:
         sd["optim"] = _plain(osd)
     if extra:
         sd["extra"] = dict(extra)
-    manifest = Path(path) / MANIFEST_NAME
+    manifest = path / MANIFEST_NAME
     if _rank_world()[0] == 0 and manifest.exists():
         manifest.unlink()  # stale until the new one is written: an interrupted save must not verify
-    dcp.save(sd, storage_writer=_ManifestWriter(str(path)))
+    try:
+        dcp.save(sd, storage_writer=_ManifestWriter(str(path)))
+    except (CheckpointException, Exception) as e:  # CheckpointException is a BaseException
+        raise _dcp_failure(path, "save", e) from None
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
@@ -354,10 +441,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             raise CheckpointError(f"{path / _METADATA}: names data files its manifest does not list: {unlisted[:5]}")
     _unshard_once(model)
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-    fp8 = {}
-    for key, m in meta.state_dict_metadata.items():
-        if key.startswith("fp8."):
-            fp8[key[len("fp8."):]] = torch.empty(m.size, dtype=m.properties.dtype)
+    cfg = config or Config()
+    try:
+        fp8 = _fp8_templates(meta, model, cfg)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path / _METADATA}: {e}") from None
     # DCP loads in place: the scaling state, steps and moment scales go into copies, validated before
     # set_state_dict applies them (the model's state-dict values are its live state tensors)
     sd = {"model": _copy_state_entries(_plain(msd)), "fp8": fp8}
@@ -367,12 +455,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         sd["extra"] = extra
     try:
         dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
-    except CheckpointException as e:
-        inner = _unwrap_dcp_error(e)
-        if isinstance(inner, CheckpointError):
-            raise CheckpointError(f"{path}: {inner}") from None
-        raise
-    cfg = config or Config()
+    except (CheckpointException, Exception) as e:  # CheckpointException is a BaseException
+        raise _dcp_failure(path, "load", e) from None
     history_len = cfg.recipe.history_len if isinstance(cfg.recipe, DelayedScaling) else None
     scaling = []
 

@@ -4,8 +4,9 @@ Everything is saved as tensors, numbers, strings and containers, so ``torch.load
 reads it. The data position is the number of completed steps (batches are a function of
 (seed, step), see :mod:`fp8pass.train.data`).
 
-``checkpoint.pt`` is written to a temp file, fsynced and renamed, with its SHA-256 manifest
-``checkpoint.pt.manifest.json`` (see :mod:`fp8pass.integrity`). :func:`load_checkpoint` verifies the
+``checkpoint.pt`` is written to a temp file, fsynced, read back and validated like a resume would
+(:func:`validate_checkpoint`: finite weights and moments too), and only then renamed over the
+previous one, with its SHA-256 manifest ``checkpoint.pt.manifest.json`` (see :mod:`fp8pass.integrity`). :func:`load_checkpoint` verifies the
 manifest, then validates everything it can before a model exists: the step against the saved
 configuration, weight names and shapes against the model that configuration builds, the scaling
 state and the optimizer state (:func:`validate_checkpoint`). Every failure is a
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import load_file, save_file, set_torch_rng_state, torch_rng_state
+from ..checkpoint import check_weights, load_file, save_file, set_torch_rng_state, torch_rng_state
 from ..config import DelayedScaling, NVFP4Scaling
 from ..integrity import CheckpointError
 from ..optim.state_check import check_optimizer_state
@@ -61,16 +62,34 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run_dir: str | os.PathLike, *, step: int, config: dict, model_state: dict,
                     optimizer_state: dict, scaling_state: dict | None, data_fingerprint: str,
-                    loss_scaler_state: dict | None = None) -> Path:
+                    loss_scaler_state: dict | None = None, grad_skips: int = 0) -> Path:
     """Write ``run_dir/checkpoint.pt`` and its manifest atomically (fsynced temp files + renames), so a
     kill never leaves half a file or a checkpoint its manifest rejects. ``loss_scaler_state``
-    (:meth:`~fp8pass.train.loss_scale.LossScaler.state_dict`) is stored under ``"loss_scaler"``."""
+    (:meth:`~fp8pass.train.loss_scale.LossScaler.state_dict`) is stored under ``"loss_scaler"``,
+    ``grad_skips`` (steps skipped for a non-finite gradient norm) under ``"grad_skips"``.
+
+    The new file is read back and validated (:func:`validate_checkpoint`) before it replaces the
+    previous checkpoint.
+
+    Raises:
+        CheckpointError: the new checkpoint is invalid (e.g. a non-finite weight) or could not be
+            written (:class:`~fp8pass.integrity.DiskFullError`); the previous checkpoint is intact.
+    """
     ckpt = {"format": FORMAT_VERSION, "step": step, "config": config, "model": model_state,
             "optimizer": optimizer_state, "scaling": scaling_state, "rng": rng_state(),
-            "data": {"position": step, "fingerprint": data_fingerprint}}
+            "data": {"position": step, "fingerprint": data_fingerprint}, "grad_skips": grad_skips}
     if loss_scaler_state is not None:
         ckpt["loss_scaler"] = loss_scaler_state
-    return save_file(Path(run_dir) / CHECKPOINT_NAME, ckpt)
+    path = Path(run_dir) / CHECKPOINT_NAME
+
+    def verify(tmp: Path) -> None:
+        try:
+            validate_checkpoint(torch.load(tmp, map_location="cpu", weights_only=True))
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: the checkpoint of step {step} is not written ({e}); the previous "
+                                  "checkpoint is intact") from None
+
+    return save_file(path, ckpt, verify)
 
 
 def load_checkpoint(run_dir: str | os.PathLike, allow_unverified: bool | None = None) -> dict:
@@ -109,7 +128,8 @@ def validate_checkpoint(ckpt) -> None:
     """Check a loaded trainer checkpoint against the model its own configuration builds.
 
     Rules: ``format`` is this version; ``step`` (= data position) an integer in ``[0, config.steps]``;
-    the weights exactly the keys and shapes of ``TinyLlama(config.model)``; the delayed-scaling state
+    the weights exactly the keys and shapes of ``TinyLlama(config.model)`` (shapes checked before any
+    value is read), the parameters finite; ``grad_skips`` in ``[0, step]``; the delayed-scaling state
     (in the model state and under ``"scaling"``) valid for those weights and the recipe's history
     length (:func:`fp8pass.scaling_state.check_delayed_state`); the optimizer's state one entry per
     parameter at most, its ``step`` <= the checkpoint's step, FP8 moment scales finite and > 0, moment
@@ -156,6 +176,9 @@ def validate_checkpoint(ckpt) -> None:
     for k, v in weights.items():
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != want[k]:
             raise CheckpointError(f"model.{k}: shape {tuple(getattr(v, 'shape', ()))}, the model has {want[k]}")
+    check_weights(weights, shapes)
+    if "grad_skips" in ckpt:  # absent from checkpoints written before issue 33
+        _int("grad_skips", ckpt["grad_skips"], 0, step)
     recipe_state = fp8.recipe if fp8 is not None else None
     history_len = recipe_state.history_len if isinstance(recipe_state, DelayedScaling) else None
     kinds = (("delayed",) if history_len is not None else ()) + (
@@ -188,6 +211,14 @@ def validate_checkpoint(ckpt) -> None:
 
 def _check_rng(state) -> None:
     """The generator states, tried on scratch generators (their own checks, nothing global changes)."""
+    want = {"torch": tuple(torch.get_rng_state().shape), "numpy keys": (624,)}  # MT19937: 624 words
+    got = {"torch": state.get("torch") if isinstance(state, dict) else None,
+           "numpy keys": state["numpy"].get("keys") if isinstance(state, dict) and isinstance(state.get("numpy"), dict)
+           else None}
+    for what, t in got.items():  # shapes first: a crafted view may claim billions of elements
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[what]:
+            raise CheckpointError(f"rng: {what} state must be a tensor of shape {want[what]}, got "
+                                  f"{tuple(getattr(t, 'shape', ())) if isinstance(t, torch.Tensor) else type(t).__name__}")
     try:
         t, py, n = _unpack_rng(state)
         torch.Generator().set_state(t)

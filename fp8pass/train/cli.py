@@ -12,6 +12,13 @@ from .model import ModelConfig
 from .recipes import DEFAULT_MOMENTS, MOMENT_ROUNDINGS, PRECISIONS, RECIPES, describe_precision
 
 DEFAULT_RECIPES = "bf16,fp8-smooth-fp8adam"
+# Exit codes of `fp8pass train` (docs/train.md, Exit codes); an unexpected error exits 1 (Python's own),
+# a run stopped by signal N exits 128 + N (130 for SIGINT, 143 for SIGTERM), as a shell reports it.
+EXIT_USAGE = 2        # bad arguments, data, or --resume folder without checkpoint
+EXIT_DIVERGED = 3     # the loss became NaN/Inf
+EXIT_CHECKPOINT = 4   # a checkpoint failed verification/validation, or could not be written or verified
+EXIT_DISK_FULL = 5    # a write failed for lack of space (the previous checkpoint is intact)
+EXIT_IN_USE = 6       # another trainer holds --out's lock
 # Flags that map 1:1 onto TrainConfig / ModelConfig fields (flag name = field name with dashes).
 _MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "ffn")
 _TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": float, "min_lr_ratio": float,
@@ -97,7 +104,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run in DIR (a folder with checkpoint.pt) exactly; only --steps may change. "
-                        "The checkpoint is verified against its SHA-256 manifest (exit code 2 on a mismatch); "
+                        "The checkpoint is verified against its SHA-256 manifest (exit code 4 on a mismatch); "
                         "one without manifest (older fp8pass) loads only with FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT=1")
     for name, typ in _TYPES.items():
         default = getattr(d.model, name) if name in _MODEL_FIELDS else getattr(d, name)
@@ -140,8 +147,12 @@ def _config_from_args(args, recipe: str, out: Path):
 
 
 def run_train(args) -> int:
+    import errno
+    import signal
+
     import torch
-    from ..integrity import CheckpointError
+    from ..integrity import CheckpointError, DiskFullError
+    from .run_lock import RunInUseError
     from .checkpoint import load_checkpoint
     from .data import load_text_data
     from .loop import TrainConfig, train
@@ -149,7 +160,7 @@ def run_train(args) -> int:
 
     if args.threads < 1:
         print(f"error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     torch.set_num_threads(args.threads)
     if args.resume is not None:
         changed = [n for n in list(_TYPES) + list(_CHOICES) + list(_OPTIM) + ["recipe", "out", "data"]
@@ -157,13 +168,16 @@ def run_train(args) -> int:
         if changed:
             print(f"error: --resume continues the saved configuration; only --steps may change "
                   f"(got {', '.join('--' + c.replace('_', '-') for c in changed)})", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         run_dir = Path(args.resume)
         try:
             cfg = TrainConfig.from_dict(load_checkpoint(run_dir)["config"])
-        except (FileNotFoundError, ValueError, TypeError) as e:  # CheckpointError is a ValueError
+        except CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return EXIT_CHECKPOINT
+        except (FileNotFoundError, ValueError, TypeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
         cfg.out, cfg.progress = str(run_dir), not args.no_progress
         if args.steps is not None:
             cfg.steps = args.steps
@@ -173,13 +187,13 @@ def run_train(args) -> int:
         bad = [r for r in recipes if r not in RECIPES]
         if bad or not recipes:
             print(f"error: unknown recipe {', '.join(bad) or '(none)'}; valid: {', '.join(RECIPES)}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         root = Path(args.out or "runs/demo")
         try:
             jobs = [(_config_from_args(args, r, root / r), False) for r in recipes]
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
 
     try:
         data = load_text_data(jobs[0][0].data, jobs[0][0].max_data_bytes)
@@ -187,7 +201,7 @@ def run_train(args) -> int:
             data.check_fits(cfg.seq_len)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(f"data: {data.source} ({data.n_files} files, train {data.train.numel() / 1e6:.2f} MB, "
           f"val {data.val.numel() / 1e6:.2f} MB, fingerprint {data.fingerprint})")
     results = []
@@ -196,9 +210,16 @@ def run_train(args) -> int:
               f"{describe_precision(cfg.precision)}")
         try:
             results.append(train(cfg, resume=resume, data=data))
-        except CheckpointError as e:  # the resume's checkpoint (validated again as train loads it)
+        except (CheckpointError, RunInUseError, OSError) as e:  # each with its exit code, one line, no traceback
+            if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return (EXIT_IN_USE if isinstance(e, RunInUseError) else EXIT_CHECKPOINT
+                    if isinstance(e, CheckpointError) and not isinstance(e, DiskFullError) else EXIT_DISK_FULL)
+        if results[-1].status == "interrupted":
+            print(f"interrupted by {results[-1].signal} at step {results[-1].steps}; resume with --resume {cfg.out}",
+                  file=sys.stderr)
+            return 128 + signal.Signals[results[-1].signal].value
     # tokens/s: the median step's (steady state); wall s: the whole run, first-step compilation included
     print("\nrecipe                 status     steps  train loss  val loss  tokens/s  wall s")
     for r, (cfg, _) in zip(results, jobs):
@@ -213,4 +234,4 @@ def run_train(args) -> int:
         written = plot_runs(root)
         if written:
             print(f"plots: {', '.join(map(str, written))}")
-    return 0 if all(r.status == "finished" for r in results) else 1
+    return 0 if all(r.status == "finished" for r in results) else EXIT_DIVERGED
