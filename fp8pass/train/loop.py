@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..integrity import atomic_write
 from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
@@ -18,6 +19,7 @@ from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
 from .loss_scale import LossScaler, parse_loss_scale
 from .model import ModelConfig, TinyLlama
+from .run_lock import RunLock, StopSignals
 from .recipes import (PRECISIONS, autocast, build_optimizer, check_moment_options, fp8_config, get_recipe,
                       prepare_model, recipe_moments, resolve_precision)
 
@@ -176,7 +178,7 @@ class TrainConfig:
 @dataclass
 class TrainResult:
     out: Path
-    status: str                 # "finished" | "diverged"
+    status: str                 # "finished" | "diverged" | "interrupted" (by ``signal``)
     steps: int
     final_loss: float
     final_val_loss: float
@@ -184,6 +186,8 @@ class TrainResult:
     tokens_per_s: float = 0.0       # all tokens over the run's wall time (compilation, evals, checkpoints in it)
     step_tokens_per_s: float = 0.0  # median of the steps' own throughput: the steady state, compiles left out
     wall_s: float = 0.0
+    signal: str | None = None       # "SIGTERM" / "SIGINT" when interrupted
+    grad_skips: int = 0             # steps skipped for a non-finite gradient norm, over the whole run
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -235,9 +239,26 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
         grad_callbacks: ``fn(step, model)`` called after backward, before clipping and the
             optimizer step (gradient surgery, gradient logging).
         monitor: add the SwiGLU diagnostics callback when ``cfg.monitor_every > 0``.
+
+    The run holds an exclusive lock on ``cfg.out`` (a second run there raises
+    :class:`~fp8pass.train.run_lock.RunInUseError`). A SIGTERM or SIGINT (in the main thread) ends the
+    current step, writes a checkpoint and returns status "interrupted"; a step whose gradient norm is
+    not finite is skipped (weights and optimizer untouched) and counted (``grad_skips``).
+
+    Raises:
+        CheckpointError: the resume's checkpoint is invalid, or a new one could not be written or
+            verified (:class:`~fp8pass.integrity.DiskFullError` for lack of space); the previous
+            checkpoint is intact. The run's end record says ``status: "error: <type>"``.
     """
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    with RunLock(out), StopSignals() as stop:
+        return _train_locked(out, cfg, resume, data, callbacks, grad_callbacks, monitor, stop)
+
+
+def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, grad_callbacks, monitor: bool,
+                  stop: StopSignals) -> TrainResult:
+    """:func:`train`'s body, run while it holds the run folder's lock."""
     recipe = get_recipe(cfg.recipe)
     cfg = cfg.resolved()  # saved with the precision resolved: a resume computes alike on any machine
     data = data or load_text_data(cfg.data, cfg.max_data_bytes)
@@ -285,7 +306,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             _load_scaling_state(model, ckpt["scaling"], cfg)
         set_rng_state(ckpt["rng"])
 
-    (out / "config.json").write_text(__import__("json").dumps(cfg.to_dict(), indent=2))
+    config_text = __import__("json").dumps(cfg.to_dict(), indent=2)
+    atomic_write(out / "config.json", lambda f: f.write(config_text.encode()))
     log = MetricsWriter(out / "metrics.jsonl")
     if ckpt is not None:
         log.truncate_after(start)
@@ -310,6 +332,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             cb(0, model, log)
     t_run = time.perf_counter()
     step = start
+    grad_skips = ckpt.get("grad_skips", 0) if ckpt is not None else 0
+
+    def write_checkpoint(done: int) -> None:
+        save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
+                        optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if fp8_on else None,
+                        data_fingerprint=data.fingerprint,
+                        loss_scaler_state=None if scaler is None else scaler.state_dict(), grad_skips=grad_skips)
     telemetry_warned: set[str] = set()
     guard = contextlib.ExitStack()
     if recipe.fp8 or cfg.compile_bf16:
@@ -342,15 +371,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             for cb in grad_callbacks:
                 cb(step + 1, model)
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            # one Inf gradient element turns into NaN weights and moments through clipping and the
+            # step; read the norm now (the log reads it anyway) and skip such a step
+            grad_ok = bool(torch.isfinite(gnorm))
             scale_info = {}
             if scaler is not None:
                 scale_info = {"loss_scale": scaler.scale_value, "skipped": int(not finite)}
-                if finite:
+                if finite and grad_ok:
                     opt.step()
                 scaler.update(finite)
                 scale_info["skipped_total"] = scaler.skipped
-            else:
+            elif grad_ok:
                 opt.step()
+            if finite and not grad_ok:  # the loss scaler counts the overflows it found itself
+                grad_skips += 1
+                scale_info.update(grad_skipped=1, grad_skips_total=grad_skips)
             opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             lv, tok_s = loss.item(), tokens_per_step / dt
@@ -374,28 +409,44 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 val_loss = evaluate(fwd, data, cfg)
                 log({"kind": "eval", "step": done, "val_loss": val_loss})
-            if done % cfg.ckpt_every == 0 or done == cfg.steps:
-                save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
-                                optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if fp8_on else None,
-                                data_fingerprint=data.fingerprint,
-                                loss_scaler_state=None if scaler is None else scaler.state_dict())
+            # on SIGTERM/SIGINT too (preemption): the step is done, save it before stopping
+            if done % cfg.ckpt_every == 0 or done == cfg.steps or stop.signum is not None:
+                write_checkpoint(done)
+            if stop.signum is not None:
+                status = "interrupted"
+                break
     except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as e:
+        status = "error: RuntimeError"  # what is raised below
         if not isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit) and "recompile limit" not in str(e):
+            status = f"error: {type(e).__name__}"
             raise
         raise RuntimeError(
             f"recipe {cfg.recipe!r}: Dynamo hit its recompile limit (torch._dynamo.config.recompile_limit="
             f"{torch._dynamo.config.recompile_limit}) compiling the model, and would have run it eagerly, "
             "i.e. without FP8, from here on. Models compiled one after another in one process share that "
             "limit: train each run in a fresh process, or call torch._dynamo.reset() between runs.") from e
+    except BaseException as e:  # a crashed run must not be logged "finished"
+        status = f"error: {type(e).__name__}"
+        raise
     finally:
         guard.close()
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - t_run
         n = len(losses)
-        log({"kind": "end", "step": start + n, "status": status, "wall_s": elapsed,
-             "mean_tokens_per_s": n * tokens_per_step / elapsed if elapsed > 0 else 0.0})
-        log.close()
+        end = {"kind": "end", "step": start + n, "status": status, "wall_s": elapsed,
+               "mean_tokens_per_s": n * tokens_per_step / elapsed if elapsed > 0 else 0.0, "grad_skips": grad_skips}
+        if status == "interrupted":
+            end["signal"] = stop.name
+        try:
+            log(end)
+        except OSError:
+            if not status.startswith("error"):
+                raise
+            # else: a full disk that already failed the run; the error being raised says so
+        finally:
+            log.close()
     return TrainResult(out, status, start + len(losses), losses[-1] if losses else float("nan"), val_loss,
                        losses, len(losses) * tokens_per_step / max(elapsed, 1e-9),
-                       statistics.median(step_rates) if step_rates else 0.0, elapsed)
+                       statistics.median(step_rates) if step_rates else 0.0, elapsed,
+                       stop.name if status == "interrupted" else None, grad_skips)
