@@ -6,6 +6,9 @@ numerics core, the runtime ops and the optimizer share.
 
 from __future__ import annotations
 
+import math
+import numbers
+import sys
 from dataclasses import dataclass
 
 __all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "GRANULARITIES",
@@ -16,9 +19,41 @@ ALGOS = ("max", "most_recent")
 ON_OVERFLOW = ("saturate", "current")
 
 
+# One validation style for every public argument: the error names the argument, the value and what
+# is allowed. Types are checked exactly: True passes `int(v) == v`, and "no" is truthy.
+
 def _check_choice(what: str, value, valid) -> None:
     if value not in valid:
         raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(map(str, valid))}")
+
+
+def _symbolic(value) -> bool:
+    """A torch.SymInt / SymFloat: Dynamo rebuilds recipes with them while tracing; the concrete recipe
+    they stand for was checked when it was made, and comparing them would add guards."""
+    return type(value).__name__ in ("SymInt", "SymFloat")
+
+
+def _check_int(what: str, value, lo: int, meaning: str = "") -> None:
+    """``value`` is an integer (not a bool, not a float) >= ``lo``."""
+    if _symbolic(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ValueError(f"{what} must be an int >= {lo}{meaning}, got {value!r}")
+
+
+def _check_bool(what: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be True or False, got {value!r}")
+
+
+def _check_number(what: str, value, lo: float, hi: float, hi_open: bool = False, meaning: str = "") -> None:
+    """``value`` is a finite real number in ``[lo, hi]`` (``[lo, hi)`` with ``hi_open``)."""
+    if _symbolic(value):
+        return
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+          and lo <= value and (value < hi if hi_open else value <= hi))
+    if not ok:
+        raise ValueError(f"{what} must be a number in [{lo}, {hi}{')' if hi_open else ']'}{meaning}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -41,10 +76,10 @@ class CurrentScaling:
 
     def __post_init__(self):
         _check_choice("granularity", self.granularity, GRANULARITIES)
+        _check_int("CurrentScaling.block", self.block, 1, " (the tile edge)")
+        _check_bool("CurrentScaling.power_of_two", self.power_of_two)
         if self.granularity == "mx" and self.block not in (32, 128):
             raise ValueError(f"MX blocks are 32 elements (OCP MX v1.0); leave block at its default, got {self.block}")
-        if self.block < 1:
-            raise ValueError(f"block must be a positive int, got {self.block}")
 
 
 @dataclass(frozen=True)
@@ -80,10 +115,11 @@ class DelayedScaling:
     def __post_init__(self):
         _check_choice("algo", self.algo, ALGOS)
         _check_choice("on_overflow", self.on_overflow, ON_OVERFLOW)
-        if int(self.history_len) != self.history_len or self.history_len < 1:
-            raise ValueError(f"history_len must be an int >= 1, got {self.history_len}")
-        if int(self.interval) != self.interval or self.interval < 1:
-            raise ValueError(f"interval must be an int >= 1, got {self.interval}")
+        _check_int("DelayedScaling.history_len", self.history_len, 1)
+        _check_int("DelayedScaling.interval", self.interval, 1)
+        # 2**margin divides the scale: past 64 the headroom is absurd and fp32 scales underflow to 0
+        _check_number("DelayedScaling.margin", self.margin, 0, 64, meaning=" (the scale is divided by 2**margin)")
+        _check_bool("DelayedScaling.power_of_two", self.power_of_two)
 
     @property
     def granularity(self) -> str:
@@ -125,12 +161,11 @@ class HotChannelPatching:
     backward: bool = True
 
     def __post_init__(self):
-        if not 0.0 <= float(self.fraction) <= 1.0:
-            raise ValueError(f"HotChannelPatching.fraction must be in [0, 1], got {self.fraction}")
-        if int(self.update_interval) != self.update_interval or self.update_interval < 1:
-            raise ValueError(f"update_interval must be an int >= 1, got {self.update_interval}")
-        if not 0.0 <= float(self.decay) < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+        _check_number("HotChannelPatching.fraction", self.fraction, 0, 1)
+        _check_int("HotChannelPatching.update_interval", self.update_interval, 1)
+        _check_number("HotChannelPatching.decay", self.decay, 0, 1, hi_open=True)
+        _check_bool("HotChannelPatching.second_order", self.second_order)
+        _check_bool("HotChannelPatching.backward", self.backward)
         _check_choice("HCP mode", self.mode, HCP_MODES)
 
     def num_hot(self, channels: int) -> int:
@@ -181,11 +216,12 @@ class NVFP4Scaling:
     hcp: HotChannelPatching | None = None
 
     def __post_init__(self):
-        if self.keep_last_blocks is not None and (int(self.keep_last_blocks) != self.keep_last_blocks
-                                                  or self.keep_last_blocks < 0):
-            raise ValueError(f"keep_last_blocks must be None or an int >= 0, got {self.keep_last_blocks}")
-        if not 0.0 <= float(self.keep_last_fraction) <= 1.0:
-            raise ValueError(f"keep_last_fraction must be in [0, 1], got {self.keep_last_fraction}")
+        if self.keep_last_blocks is not None:
+            _check_int("NVFP4Scaling.keep_last_blocks", self.keep_last_blocks, 0, " or None")
+        _check_number("NVFP4Scaling.keep_last_fraction", self.keep_last_fraction, 0, 1)
+        _check_int("NVFP4Scaling.rht_seed", self.rht_seed, 0)
+        for name in ("rht", "grad_stochastic_rounding", "weight_2d", "protect_post_qk"):
+            _check_bool(f"NVFP4Scaling.{name}", getattr(self, name))
         _check_choice("protected_precision", self.protected_precision, PROTECTED_PRECISIONS)
         if self.hcp is not None and not isinstance(self.hcp, HotChannelPatching):
             raise TypeError(f"hcp must be a HotChannelPatching or None, got {type(self.hcp).__name__}")
@@ -298,12 +334,19 @@ class Config:
         _check_choice("on_graph_break", self.on_graph_break, ON_GRAPH_BREAK)
         if isinstance(self.amax_reduction, str) or self.amax_reduction is None:
             _check_choice("amax_reduction", self.amax_reduction, AMAX_REDUCTIONS)
+        else:  # a process group exists only once torch.distributed is imported: no import needed here
+            group_type = getattr(sys.modules.get("torch.distributed"), "ProcessGroup", None)
+            if group_type is None or not isinstance(self.amax_reduction, group_type):
+                raise ValueError(f"Config.amax_reduction must be 'auto', 'off' or a torch.distributed.ProcessGroup, "
+                                 f"got {self.amax_reduction!r}")
+        _check_bool("Config.grad_stochastic_rounding", self.grad_stochastic_rounding)
         keep = self.keep_high_precision
         if isinstance(keep, str):  # a lone glob would otherwise be iterated character by character
             keep = (keep,)
+        if not isinstance(keep, (tuple, list, set, frozenset)) or not all(isinstance(k, str) for k in keep):
+            raise TypeError(f"Config.keep_high_precision must be FQN glob strings (a tuple; () keeps every linear "
+                            f"eligible), got {keep!r}")
         keep = tuple(keep)
-        if not all(isinstance(k, str) for k in keep):
-            raise TypeError(f"keep_high_precision must be FQN glob strings, got {keep!r}")
         object.__setattr__(self, "keep_high_precision", keep)
         for name in ("fwd_format", "bwd_format"):
             v = getattr(self, name)
@@ -317,10 +360,6 @@ class Config:
                     raise ValueError(f"{name} must be an FP8 format (e4m3, e4m3_gaudi, e5m2) or "
                                      f"'identity', got {v!r}")
         for name in ("keep_first_layers", "keep_last_layers"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0 (a number of blocks), got {v!r}")
+            _check_int(name, getattr(self, name), 0, " (a number of blocks)")
         for name in ("min_dim", "dim_multiple"):
-            v = getattr(self, name)
-            if int(v) != v or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            _check_int(f"Config.{name}", getattr(self, name), 1)

@@ -15,7 +15,12 @@ granularity  groups                                                             
 ==========  ===========================================================================  ==============
 
 ``block=None`` means ``(1, 128)`` for FP8 formats and ``(1, 16)`` for E2M1; an int ``B`` means
-``(1, B)``. A shape the tile does not divide gets partial tiles at its edges (as if zero-padded).
+``(1, B)``. A shape the tile does not divide gets partial tiles at its edges (as if zero-padded). A
+tile larger than the matrix is clamped to it: the same groups, codes and scales, with memory bounded
+by the tensor (``Quantized.block`` holds the clamped tile).
+
+A given ``scale`` must be finite and > 0 (checked: one host read for a GPU tensor); a tensor with
+no elements quantizes to empty codes with scale 1 (per row for "row").
 
 E2M1 with "block" granularity is NVFP4: per-tile decode scales stored in E4M3 (``block_scale``) under
 one fp32 tensor encode scale (``scale``); ``dequantize() = data * block_scale / scale``. E2M1 codes are
@@ -187,10 +192,8 @@ def quantize(
         )
     kernels = kernel_family(x.device)
     rows, cols = _matrix_shape(x.shape)
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
     if scale is not None:
-        scale = scale.to(device=x.device, dtype=torch.float32)
+        scale = _checked_scale(scale, x.device)
 
     if granularity == "tensor":
         if scale is None:
@@ -209,11 +212,18 @@ def quantize(
             if scale.numel() != rows:
                 raise ValueError(f"a 'row' scale needs {rows} elements (one per row), got shape {tuple(scale.shape)}")
             given = scale.reshape(rows, 1)
-        data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator)
+        if cols == 0:  # rows of no elements: empty codes, each row's scale 1 (or the given one)
+            data, _ = kernels.cast_scaled(x, torch.ones((), device=x.device), fmt, rounding, generator)
+            scales = given if given is not None else torch.ones(rows, 1, dtype=torch.float32, device=x.device)
+        else:
+            data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator)
         out_scale = scales.reshape(*x.shape[:-1], 1) if x.dim() >= 1 else scales.reshape(())
         return Quantized(_shape_data(data, x.shape, fmt), out_scale, fmt, "row", None, x.shape, x.dtype)
 
     tile = normalize_block(block, fmt)
+    # a tile past the matrix's edge holds the same elements as one clamped to it; the unclamped one
+    # would be padded in memory (block=(1, 2**20) on a 64x64 tensor took +519 MB)
+    tile = (min(tile[0], max(rows, 1)), min(tile[1], max(cols, 1)))
     n_tiles = (-(-rows // tile[0]), -(-cols // tile[1]))
     if fmt is E2M1:
         g = scale
@@ -234,6 +244,21 @@ def quantize(
         given = scale
     data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator)
     return Quantized(_shape_data(data, x.shape, fmt), scales, fmt, "block", tile, x.shape, x.dtype)
+
+
+def _checked_scale(scale, device: torch.device) -> torch.Tensor:
+    """A given encode scale as fp32 on ``device``, after checking it is finite and > 0 everywhere
+    (0 makes every code 0, NaN/Inf every code NaN or 0: wrong results, silently)."""
+    if isinstance(scale, bool) or not isinstance(scale, (torch.Tensor, int, float)):
+        raise TypeError(f"quantize: scale must be a tensor, a number or None, got {type(scale).__name__}")
+    s = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
+    s = s.to(device=device, dtype=torch.float32)
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if bool(bad.any()):
+        value = s.reshape(-1)[bad.reshape(-1)][0].item()
+        raise ValueError(f"quantize: scale must be finite and > 0 (codes = x * scale), got {value!r}"
+                         + (f" in a scale of shape {tuple(s.shape)}" if s.dim() else ""))
+    return s
 
 
 def _quantize_mx(x, fmt, scale, block, rounding, generator) -> Quantized:
