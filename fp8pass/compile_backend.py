@@ -20,6 +20,7 @@ Per graph Dynamo hands us (torch level: one ``F.linear`` per linear, no autograd
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 import weakref
@@ -133,6 +134,8 @@ class Backend:
                                     "without FP8. Materialize the model (model.to_empty(device=...) and initialize "
                                     "it, or load a checkpoint) before compiling it for training.")
             return self._compile(gm, list(example_inputs), mode, options)
+        if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in example_inputs):
+            _hint_at_oversubscription_once()
         t0 = time.perf_counter()
         root = frame_root()
         new_gm, record = self.transform(gm, example_inputs, root)
@@ -305,6 +308,47 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"fp8pass.backend({self.config})"
+
+
+def oversubscription_hint(threads: int, cores: int, load_average: float) -> str | None:
+    """A hint to lower torch's CPU threads when other jobs already load the cores, else None.
+
+    torch's intra-op threads wait for each other at every op; on cores that other processes hold, a
+    user's FP8 steps took 9.5-20 s with torch's default 2 threads against 0.9 s with one (issue 34).
+    The compile that calls this keeps about one core busy itself: one unit of the load is ours.
+    """
+    others = max(0.0, load_average - 1.0)
+    if threads <= 1 or others + threads <= cores:
+        return None
+    return (f"fp8pass: torch runs {threads} threads on {cores} CPU core(s) that other jobs already load (load "
+            f"average {load_average:.1f}); its threads then wait on each other, and FP8 steps ran 10-20x slower "
+            f"than with one thread on such a machine. Call torch.set_num_threads(1) (or at most the number of "
+            f"idle cores) before training (docs/backend.md, Threads on a shared CPU).")
+
+
+def _cpu_threads_cores_load() -> tuple[int, int, float] | None:
+    """(torch's threads, cores this process may use, 1-minute load average); None where unknown."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return torch.get_num_threads(), cores, load
+
+
+_THREADS_CHECKED = False
+
+
+def _hint_at_oversubscription_once() -> None:
+    """At the first compile of a CPU graph in this process: warn when torch's threads oversubscribe the cores."""
+    global _THREADS_CHECKED
+    if _THREADS_CHECKED:
+        return
+    _THREADS_CHECKED = True
+    measured = _cpu_threads_cores_load()
+    hint = oversubscription_hint(*measured) if measured is not None else None
+    if hint is not None:
+        warnings.warn(hint, RuntimeWarning, stacklevel=3)
 
 
 def no_fp8_message(model_name: str, reports: list[Report]) -> str:

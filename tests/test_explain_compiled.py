@@ -186,3 +186,32 @@ def test_a_compile_that_makes_nothing_fp8_warns_once_with_the_plans_reasons():
 def test_no_warning_when_another_graph_of_the_model_is_fp8():
     torch._dynamo.reset()
     assert _warnings_of_three_calls(_BreakBeforeLinear(), torch.randn(4, 32)) == []
+
+
+def test_oversubscription_hint_only_where_other_jobs_load_the_cores():
+    from fp8pass.compile_backend import oversubscription_hint
+
+    assert oversubscription_hint(2, 2, 4.3) == (
+        "fp8pass: torch runs 2 threads on 2 CPU core(s) that other jobs already load (load average 4.3); its "
+        "threads then wait on each other, and FP8 steps ran 10-20x slower than with one thread on such a machine. "
+        "Call torch.set_num_threads(1) (or at most the number of idle cores) before training (docs/backend.md, "
+        "Threads on a shared CPU).")
+    assert oversubscription_hint(1, 2, 8.0) is None     # one thread: nothing to wait on
+    assert oversubscription_hint(2, 2, 1.0) is None     # the load is the compile itself
+    assert oversubscription_hint(4, 16, 3.0) is None    # cores to spare
+
+
+def test_the_first_cpu_compile_hints_once(monkeypatch):
+    import fp8pass.compile_backend as cb
+
+    monkeypatch.setattr(cb, "_THREADS_CHECKED", False)
+    monkeypatch.setattr(cb, "_cpu_threads_cores_load", lambda: (2, 2, 6.0))
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.nn.Linear(32, 32), backend=fp8pass.backend(fp8pass.Config(compiler="eager")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, 32))
+        other = torch.compile(torch.nn.Linear(64, 64), backend=fp8pass.backend(fp8pass.Config(compiler="eager")))
+        other(torch.randn(4, 64))  # a second compile in the process: checked once only
+    hints = [str(w.message) for w in caught if "torch runs 2 threads" in str(w.message)]
+    assert len(hints) == 1 and "load average 6.0" in hints[0]

@@ -246,3 +246,16 @@ def test_trainer_logs_the_counts_and_warns_the_first_time(tmp_path):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [row["fp8_skipped"] for row in rows[:2]] == [0, 0] and rows[2]["fp8_skipped"] >= 1
     assert all(row["fp8_overflows"] >= 0 for row in rows)
+
+
+def test_the_overflow_warning_says_what_a_few_mean():
+    """Issue 34: the demo's "2 casts past their delayed scale's range" came with no explanation."""
+    from fp8pass.monitor import telemetry
+
+    text = telemetry.ScalingTelemetry(skipped={"a.weight.input": 0}, overflows={"a.weight.input": 2}).warning()
+    assert text.startswith("fp8pass: 2 casts past their delayed scale's range (saturated, or recast with "
+                           "on_overflow='current'), most in a.weight.input (2).")
+    assert "A few, early in training or after a jump in magnitude, are delayed scaling's lag" in text
+    assert "a steady stream means the amax history or margin is too short" in text
+    only_skipped = telemetry.ScalingTelemetry(skipped={"a.weight.input": 1}, overflows={"a.weight.input": 0})
+    assert "lag" not in only_skipped.warning()

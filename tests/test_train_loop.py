@@ -331,3 +331,37 @@ def test_fp8_ramp_up_starts_fp8_at_the_given_step_and_resumes(tmp_path, corpus):
         TrainConfig(fp8_start_step=3)
     with pytest.raises(ValueError, match="fp8_start_step must be an int >= 0"):
         TrainConfig(recipe="fp8", fp8_start_step=-1)
+
+
+def test_eta_leaves_out_the_steps_that_compiled(monkeypatch):
+    """Issue 34: after a 170 s first FP8 step the ETA read 20000 s; it now extrapolates the later steps."""
+    import io
+
+    from fp8pass.train import logging as train_logging
+
+    clock = iter([0.0, 170.0, 171.0, 172.0])  # start, step 1 (compiled), steps 2-3: 1 s each
+    monkeypatch.setattr(train_logging.time, "perf_counter", lambda: next(clock))
+    stream = io.StringIO()
+    bar = train_logging.ProgressBar(10, "fp8", stream=stream)
+    bar.restart_eta(1)   # step 1 compiled: the loop restarts the rate before showing it
+    bar.update(1)
+    bar.update(3)        # 2 steps in 2 s since: 7 steps left, 7 s
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("1/10  eta    ?") and lines[1].endswith("3/10  eta    7s")
+
+
+def test_the_demo_says_it_compiles_and_that_cpu_fp8_is_emulated(tmp_path, corpus, capsys, restore_num_threads):
+    from fp8pass.train.cli import CPU_FP8_NOTE
+    from fp8pass.train.loop import COMPILE_NOTE
+
+    torch._dynamo.reset()
+    args = ["train", "--recipe", "fp8", "--steps", "2", "--out", str(tmp_path / "demo"), "--data", corpus,
+            "--batch-size", "2", "--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--ffn",
+            "64", "--eval-every", "2", "--monitor-every", "0", "--compiler", "aot_eager", "--no-plots"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert COMPILE_NOTE == "compiling the FP8 graphs: first step, ~1-3 min on a CPU (the ETA leaves it out)"
+    first_bar = next(i for i, line in enumerate(err) if "1/2" in line)
+    assert COMPILE_NOTE in err[:first_bar] and err[first_bar].endswith("eta    ?")
+    assert CPU_FP8_NOTE in captured.out and "FP8 on a CPU is emulated" in CPU_FP8_NOTE

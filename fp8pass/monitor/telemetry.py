@@ -69,7 +69,12 @@ class ScalingTelemetry:
             worst = sorted(((v, k) for k, v in counts.items() if v), reverse=True)[:3]
             if worst:
                 parts.append(f"{sum(counts.values())} {what}, most in " + ", ".join(f"{k} ({v})" for v, k in worst))
-        return "fp8pass: " + "; ".join(parts) + "."
+        text = "fp8pass: " + "; ".join(parts) + "."
+        if self.total_overflows:  # the demo's first steps show a few: say what they mean (issue 34)
+            text += (" A few, early in training or after a jump in magnitude, are delayed scaling's lag (the "
+                     "scale follows the last steps' amaxes) and harmless; a steady stream means the amax history "
+                     "or margin is too short for this model (docs/numerics.md, Delayed scaling).")
+        return text
 
 
 def scaling_telemetry(model: torch.nn.Module) -> ScalingTelemetry:

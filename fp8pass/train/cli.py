@@ -12,6 +12,10 @@ from .model import ModelConfig
 from .recipes import DEFAULT_MOMENTS, MOMENT_ROUNDINGS, PRECISIONS, RECIPES, describe_precision
 
 DEFAULT_RECIPES = "bf16,fp8-smooth-fp8adam"
+# the demo's last word on speed: a newcomer read the CPU's FP8 tokens/s as fp8pass's (issue 34)
+CPU_FP8_NOTE = ("note: FP8 on a CPU is emulated (software casts, GEMMs in bf16/fp32): the fp8 recipes run slower "
+                "than bf16 here, and their wall s includes compiling the FP8 graphs. The speed-up needs an FP8 GPU "
+                "(H100/H200, B200, MI300); on a CPU the demo shows FP8's numerics: the loss gap.")
 # Exit codes of `fp8pass train` (docs/train.md, Exit codes); an unexpected error exits 1 (Python's own),
 # a run stopped by signal N exits 128 + N (130 for SIGINT, 143 for SIGTERM), as a shell reports it.
 EXIT_USAGE = 2        # bad arguments, data, or --resume folder without checkpoint
@@ -229,6 +233,8 @@ def run_train(args) -> int:
         base = results[0].final_val_loss
         for r, (cfg, _) in list(zip(results, jobs))[1:]:
             print(f"val loss gap {cfg.recipe} vs {jobs[0][0].recipe}: {100 * (r.final_val_loss - base) / base:+.2f}%")
+    if any(RECIPES[c.recipe].fp8 for c, _ in jobs):  # the trainer runs on the CPU
+        print(CPU_FP8_NOTE)
     print(f"metrics: {', '.join(str(Path(c.out) / 'metrics.jsonl') for c, _ in jobs)}")
     if not args.no_plots:
         written = plot_runs(root)

@@ -82,7 +82,10 @@ def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict]
 
 
 class ProgressBar:
-    """``name [#####.....] step/total loss tok/s eta`` on a terminal; a line every ~10% otherwise."""
+    """``name [#####.....] step/total loss tok/s eta`` on a terminal; a line every ~10% otherwise.
+
+    The ETA extrapolates the steps since the start or the last :meth:`restart_eta`.
+    """
 
     def __init__(self, total: int, name: str = "", start: int = 0, stream=None, width: int = 24):
         self.total, self.name, self.width = max(total, 1), name, width
@@ -95,10 +98,10 @@ class ProgressBar:
         done = step / self.total
         elapsed = time.perf_counter() - self.t0
         rate = (step - self.s0) / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - step) / rate if rate > 0 else float("nan")
+        eta = f"{(self.total - step) / rate:4.0f}s" if rate > 0 else "   ?"
         info = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
         bar = "#" * int(done * self.width) + "." * (self.width - int(done * self.width))
-        line = f"{self.name} [{bar}] {step}/{self.total} {info} eta {eta:4.0f}s"
+        line = f"{self.name} [{bar}] {step}/{self.total} {info} eta {eta}"
         if self.tty:
             self.stream.write("\r" + line)
             self.stream.flush()
@@ -106,6 +109,17 @@ class ProgressBar:
             self._last_pct = int(done * 10)
             self.stream.write(line + "\n")
             self.stream.flush()
+
+    def restart_eta(self, step: int) -> None:
+        """Measure the ETA's rate from now on, ``step`` being done: the steps before compiled graphs
+        (minutes on a CPU, once), and an ETA that counted them read 20000 s after the first FP8 step
+        (issue 34). Until the next step completes the ETA shows "?"."""
+        self.t0, self.s0 = time.perf_counter(), step
+
+    def note(self, text: str) -> None:
+        """``text`` on a line of its own (on a terminal it replaces the bar's line; the next update redraws it)."""
+        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
         if self.tty:

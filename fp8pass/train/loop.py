@@ -26,6 +26,9 @@ from .recipes import (PRECISIONS, autocast, build_optimizer, check_moment_option
 __all__ = ["TrainConfig", "TrainResult", "train", "lr_at", "FROM_RECIPE"]
 
 SCHEDULES = ("cosine", "linear", "constant")
+# printed before the first FP8 step (measured: 100-195 s on 2-core CPUs with a cold Inductor cache,
+# docs/results/fresh_machine.md)
+COMPILE_NOTE = "compiling the FP8 graphs: first step, ~1-3 min on a CPU (the ETA leaves it out)"
 FROM_RECIPE = "recipe"  # a moment field left to the recipe (resolved in __post_init__)
 
 
@@ -347,9 +350,13 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
+            first_compiled_step = step == start  # the steps whose time the ETA leaves out (restart_eta)
             if recipe.fp8 and not fp8_on and step >= cfg.fp8_start_step:
                 fwd, fp8_on = fp8_forward(), True
                 log({"kind": "fp8_start", "step": step})
+                first_compiled_step = True
+            if first_compiled_step and fp8_on and bar is not None:  # else minutes of silence (issue 34)
+                bar.note(COMPILE_NOTE)
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -399,6 +406,8 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
             log({"kind": "train", "step": step + 1, "loss": lv, "lr": lr, "grad_norm": gnorm.item(),
                  "tokens_per_s": tok_s, "step_time_s": dt, **fp8_counts, **scale_info})
             if bar is not None:
+                if first_compiled_step:
+                    bar.restart_eta(step + 1)
                 bar.update(step + 1, loss=lv, **{"tok/s": round(tok_s)})
             if not math.isfinite(lv):
                 status = "diverged"
