@@ -788,3 +788,18 @@ def test_library_save_writes_through_no_planted_link_and_refuses_non_finite_weig
                                               r"nan.*previous checkpoint there \(if any\) is intact"):
         fp8pass.checkpoint.save(path, model, opt)
     assert path.read_bytes() == before
+
+
+def test_library_loads_check_shapes_before_values(tmp_path):
+    """fp8pass.checkpoint.load and Adam.load_state_dict: a 2**42-element view (16 TiB if computed on)
+    is refused by its shape."""
+    model, opt = _trained_tiny()
+    state = fp8pass.checkpoint_state(model, opt)
+    state["optimizer"]["state"][2]["exp_avg_scale"] = torch.ones(1).expand(2**42)
+    path = tmp_path / "ck.pt"
+    save_file(path, state)
+    with pytest.raises(CheckpointError, match=r"state\['.*\.weight'\]\.exp_avg_scale: shape \(4398046511104,\)"):
+        fresh = _tiny()
+        fp8pass.checkpoint.load(path, fresh, fp8pass.optim.AdamW(fresh.parameters(), lr=1e-2), config=CFG)
+    with pytest.raises(CheckpointError, match=r"state\[2\]\.exp_avg_scale: shape \(4398046511104,\)"):
+        fp8pass.optim.AdamW(_tiny().parameters(), lr=1e-2).load_state_dict(state["optimizer"])

@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..numerics import ROUNDINGS
 from ..numerics.kernels import family_name
 from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
-from .state_check import check_optimizer_state
+from .state_check import check_optimizer_state, saved_param_shapes
 from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
 from .sharded import init_sharded_moment, is_dtensor, local_view
 
@@ -191,7 +191,7 @@ class Adam(torch.optim.Optimizer):
         """
         from .convert import from_torch_state_dict, is_torch_state_dict
 
-        check_optimizer_state(state_dict)
+        check_optimizer_state(state_dict, params=saved_param_shapes(self, state_dict))  # shapes before values
         if is_torch_state_dict(state_dict):
             opts = {k: self.defaults[k] for k in FP8_GROUP_KEYS}
             state_dict = from_torch_state_dict(state_dict, **opts)

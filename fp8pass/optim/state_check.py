@@ -61,7 +61,7 @@ def saved_param_shapes(optimizer: torch.optim.Optimizer, state_dict: Mapping,
     """``{state key: (parameter name, shape)}`` for ``optimizer``'s saved ``state_dict`` (its ``state``
     keyed by index in ``param_groups`` order), the ``params`` of :func:`check_optimizer_state`.
 
-    ``names`` maps ``id(parameter)`` to its FQN (default ``"param <index>"``). Returns {} when the
+    ``names`` maps ``id(parameter)`` to its FQN (default: the state key). Returns {} when the
     counts differ or the groups are malformed (``load_state_dict`` / the checker report those).
     """
     try:
@@ -72,7 +72,7 @@ def saved_param_shapes(optimizer: torch.optim.Optimizer, state_dict: Mapping,
     if len(ids) != len(params):
         return {}
     names = names or {}
-    return {i: (names.get(id(p), f"param {i}"), tuple(p.shape)) for i, p in zip(ids, params)}
+    return {i: (names.get(id(p), i), tuple(p.shape)) for i, p in zip(ids, params)}
 
 
 def _fp8_format(key: str, group: Mapping):
