@@ -58,7 +58,7 @@ def baseline_dtype(device="cpu") -> torch.dtype:
     """
     if torch.device(device).type != "cpu":
         return torch.bfloat16
-    from fp8pass.runtime.kernels.cpu import fast_matmul_dtype
+    from fp8pass.kernels.cpu import fast_matmul_dtype
 
     return fast_matmul_dtype()
 
@@ -69,7 +69,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def cpu_state() -> dict:
     """CPU capability (what decides bf16 vs fp32 speed) and the load other processes put on it."""
-    from fp8pass.runtime.kernels.cpu import cpu_capability
+    from fp8pass.kernels.cpu import cpu_capability
 
     state = cpu_capability()
     try:

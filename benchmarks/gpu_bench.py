@@ -344,10 +344,10 @@ class StageRun:
             raise
         except Exception as e:
             tb = traceback.format_exc()
+            error = f"{type(e).__name__}: {e}"[:500]  # `e` is unbound after the except block
             print(tb, flush=True)
             self.failed.append((name, tb))
-            self._edit(lambda s: s.setdefault("cases", {}).setdefault(name, {}).update(
-                error=f"{type(e).__name__}: {e}"[:500], traceback=tb))
+            self._edit(lambda s: s.setdefault("cases", {}).setdefault(name, {}).update(error=error, traceback=tb))
             self._edit(lambda s: s.pop("running_case", None))
             return False
 
@@ -515,9 +515,9 @@ def _cast_bandwidth(run: StageRun, repeat: int) -> None:
     from fp8pass.numerics import E4M3
 
     try:  # off the GPU: in the interpreter (TRITON_INTERPRET=1)
-        from fp8pass.numerics.kernels import triton_family
-        from fp8pass.runtime.kernels import triton_kernels
-        cast_scaled, transpose_cast = triton_family.cast_scaled, triton_kernels.transpose_cast
+        from fp8pass.kernels import triton_family
+        from fp8pass.kernels import triton_operand_casts
+        cast_scaled, transpose_cast = triton_family.cast_scaled, triton_operand_casts.transpose_cast
     except (ImportError, AttributeError) as e:  # the kernels moved: the GEMM numbers still count
         run.note(f"cast kernels not timed: {type(e).__name__}: {e}")
         return

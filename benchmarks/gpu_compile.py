@@ -29,12 +29,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fp8pass.numerics import E2M1, E4M3, E5M2  # noqa: E402
-from fp8pass.numerics.kernels import triton_family as tf  # noqa: E402
+from fp8pass.kernels import triton_family as tf  # noqa: E402
+from fp8pass.kernels import triton_helpers
 from fp8pass.numerics.scaling import MAX_SCALE  # noqa: E402
-from fp8pass.optim import triton_split as tsplit  # noqa: E402
-from fp8pass.optim import triton_step as ts  # noqa: E402
+from fp8pass.kernels import triton_adam_split as tsplit  # noqa: E402
+from fp8pass.kernels import triton_adam as ts  # noqa: E402
 from fp8pass.optim.moments import MomentSpec  # noqa: E402
-from fp8pass.runtime.kernels import triton_kernels as tk  # noqa: E402
+from fp8pass.kernels import triton_operand_casts as tk  # noqa: E402
 
 
 def _jit(kernel):
@@ -63,7 +64,7 @@ def _adam_signature(ms: MomentSpec, vs: MomentSpec, split: bool) -> dict:
 
 
 def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool) -> dict:
-    """The update's compile-time arguments, as the launchers build them (``triton_step._step_meta``) for
+    """The update's compile-time arguments, as the launchers build them (``triton_adam._step_meta``) for
     an sm_89+ GPU (FP8 moments decoded and, rounding to nearest, encoded by the hardware conversions)."""
     return dict(ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
                                            rounding="stochastic" if stochastic else "nearest",
@@ -73,7 +74,7 @@ def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool) -> dict:
 
 def _hw(fmt) -> int:
     """The cast kernels' HW constexpr as the launchers set it on an sm_89+ GPU (triton_family.hardware_cast)."""
-    return int(not fmt.packed and (fmt.mbits, fmt.bias, float(fmt.max)) in tf._HW_FORMATS)
+    return int(not fmt.packed and (fmt.mbits, fmt.bias, float(fmt.max)) in triton_helpers.HW_FORMATS)
 
 
 def cases():
@@ -150,17 +151,17 @@ def cases():
     return out
 
 
-# the arguments of triton_scaling._scale_epilogue (triton_scaling.epilogue_args)
+# the arguments of triton_scaling.scale_epilogue (triton_scaling.epilogue_args)
 _EPILOGUE_SIG = {"held_ptr": "*fp32", "steps_ptr": "*i64", "skipped_ptr": "*i64", "guard_ptr": "*i1",
                  "inv0_in": "*fp32", "inv1_in": "*fp32", "amax_out": "*fp32", "scale_out": "*fp32", "inv_out": "*fp32",
                  "recast_out": "*i32", "inv0_out": "*fp32", "inv1_out": "*fp32"}
 
 
 def _scaling_cases():
-    """The one-program scalar kernels (runtime/kernels/triton_scaling.py) and the SwiGLU backward."""
+    """The one-program scalar kernels (kernels/triton_scaling.py) and the SwiGLU backward."""
     from fp8pass.numerics.scaling import HUGE_AMAX, NO_PENDING, OVERFLOW_FACTOR
-    from fp8pass.runtime.kernels import triton_glu as tg
-    from fp8pass.runtime.kernels import triton_scaling as tsc
+    from fp8pass.kernels import triton_glu as tg
+    from fp8pass.kernels import triton_scaling as tsc
 
     fmt = dict(TARGET=448.0, FMT_MAX=448.0, MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=False, NAN_SCALE=False)
     out = []

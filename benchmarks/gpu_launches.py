@@ -192,7 +192,7 @@ def _count_triton_launches(counter: LaunchCounter):
 def pretend_cuda_gemms():
     """Make the CUDA kernel module call ``torch._scaled_mm`` / ``_scaled_grouped_mm`` on CPU tensors as it
     would on a GPU; each call is one launch, its result computed in fp32 outside the counter's view."""
-    from fp8pass.runtime.kernels import cuda
+    from fp8pass.kernels import cuda
 
     orig_plan, orig_ok = cuda.scaled_mm_plan, cuda._scaled_grouped_mm_ok
     orig_mm, orig_gmm = torch._scaled_mm, getattr(torch, "_scaled_grouped_mm", None)

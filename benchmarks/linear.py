@@ -140,7 +140,7 @@ def torchao_case(kind, tensors, device, force=False):
 def cpu_breakdown(t, d_in, d_out, repeat, dtype):
     """Where the fp8 linear's CPU time goes: each piece timed alone (ms)."""
     from fp8pass import E4M3
-    from fp8pass.runtime.kernels import cpu
+    from fp8pass.kernels import cpu
 
     up = cpu.gemm_dtype(dtype)
     x = torch.randn(t, d_in, dtype=dtype)
@@ -179,7 +179,7 @@ def main(argv=None):
               "baseline_dtype": dtype_name(dtype), "cases": {}}
     if device.type == "cpu":
         result["cpu"] = cpu_state()
-        from fp8pass.runtime.kernels.cpu import gemm_dtype
+        from fp8pass.kernels.cpu import gemm_dtype
         result["fp8_gemm_dtype"] = dtype_name(gemm_dtype(dtype))
     print(f"baseline dtype {dtype_name(dtype)}" + (f" (CPU {result['cpu']['cpu_capability']}, native bf16 "
           f"{result['cpu']['native_bf16']}, fp8 GEMMs in {result['fp8_gemm_dtype']}, load "

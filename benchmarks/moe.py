@@ -124,7 +124,7 @@ def profile_steps(fns: dict, top: int) -> None:
     ``CompiledFxGraph`` entries. On a shared machine compare ops within one step, not wall times."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from fp8pass.runtime.kernels import cpu as cpu_kernels
+    from fp8pass.kernels import cpu as cpu_kernels
 
     run_compiled = cpu_kernels._run_compiled
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_step as ts  # noqa: E402
 from fp8pass import E4M3, E5M2  # noqa: E402
-from fp8pass.runtime.kernels.cpu import _stochastic_cast_math, rne_constants, rne_values_math  # noqa: E402
+from fp8pass.kernels.cpu import _stochastic_cast_math, rne_constants, rne_values_math  # noqa: E402
 from fp8pass.train.model import ModelConfig, TinyLlama  # noqa: E402
 
 torch.set_num_threads(1)

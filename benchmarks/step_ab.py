@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import moe  # noqa: E402
 from benchmarks.common import baseline_dtype, machine  # noqa: E402
 from benchmarks.train_step import SHAPES, VARIANTS, build  # noqa: E402
-from fp8pass.runtime.kernels import cpu  # noqa: E402
+from fp8pass.kernels import cpu  # noqa: E402
 
 EXPERIMENTS = {  # name -> (module, attribute, {label: value}); the first label is today's choice
     "e5m2-upcast": (cpu, "_UPCAST_OUTSIDE_THE_LOOP",

@@ -26,7 +26,7 @@ def _selfcheck(args) -> int:
 
     from . import E2M1, E4M3, E5M2, quantize
     from .numerics import decode, saturating_cast
-    from .numerics.kernels import family_name
+    from .kernels import family_name
 
     torch.manual_seed(0)
     print(f"fp8pass selfcheck: torch {torch.__version__}, kernels={family_name('cpu')}")

@@ -1,6 +1,6 @@
 """The hardware cast path of the Triton cast kernels (issue 28), checked on CPU.
 
-On CUDA (sm_89+) the kernels convert fp32 -> E4M3/E5M2 with ``cvt.rn.satfinite`` (``_cast_codes`` HW=1);
+On CUDA (sm_89+) the kernels convert fp32 -> E4M3/E5M2 with ``cvt.rn.satfinite`` (``cast_codes`` HW=1);
 the interpreter cannot run that conversion (its fp32 -> fp8 is not the hardware's), so here:
 
 * the sm_90 build is compiled (a subprocess without TRITON_INTERPRET) and its PTX must hold the cvt and
@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2
-from fp8pass.numerics.kernels import triton_family as R
-from fp8pass.runtime.kernels import triton_kernels
+from fp8pass.kernels import triton_family as R
+from fp8pass.kernels import triton_helpers
+from fp8pass.kernels import triton_operand_casts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +54,7 @@ def _launch(x, scale, fmt, stochastic, hw, seed=1234):
     s = torch.tensor([scale], dtype=torch.float32)
     n = x.numel()
     R._cast_tensor_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](
-        x, out, s, partial, torch.tensor([seed]), n, R.size_class(n), STOCHASTIC=stochastic, PACKED=False,
+        x, out, s, partial, torch.tensor([seed]), n, triton_helpers.size_class(n), STOCHASTIC=stochastic, PACKED=False,
         WANT_AMAX=True, HW=hw, **R._fmt_args(fmt))
     return out, partial
 
@@ -81,7 +82,7 @@ def test_philox4_is_tl_philox():
         i = tl.arange(0, N)
         k = tl.load(k_ptr + i)
         seed = tl.load(seed_ptr)
-        a0, a1, a2, a3 = R._philox4(seed, k)
+        a0, a1, a2, a3 = triton_helpers.philox4(seed, k)
         lo = k.to(tl.uint32)
         hi = (k >> 32).to(tl.uint32)
         b0, b1, b2, b3 = tl.philox(seed, lo, hi, lo * 0, lo * 0)
@@ -105,7 +106,7 @@ def test_stochastic_transpose_shares_philox_per_quad_and_matches_the_flat_cast(c
     x = torch.randn(37, cols) * 3
     s = torch.tensor(16.0)
     torch.manual_seed(5)
-    codes, codes_t, _ = triton_kernels.transpose_cast(x, s, E4M3, transpose=True, rounding="stochastic")
+    codes, codes_t, _ = triton_operand_casts.transpose_cast(x, s, E4M3, transpose=True, rounding="stochastic")
     torch.manual_seed(5)
     ref, _ = R.cast_scaled(x, s, E4M3, "stochastic", None)
     assert torch.equal(codes.view(torch.uint8), ref.view(torch.uint8))
@@ -113,10 +114,10 @@ def test_stochastic_transpose_shares_philox_per_quad_and_matches_the_flat_cast(c
 
 
 def test_hardware_cast_only_for_cuda_fp8_formats():
-    assert R.hardware_cast(torch.device("cpu"), E4M3) == 0
+    assert triton_helpers.hardware_cast(torch.device("cpu"), E4M3) == 0
     for fmt in (E2M1, E4M3_GAUDI):  # no fp8 dtype / clamped below what cvt.satfinite saturates to
-        assert (fmt.mbits, fmt.bias, float(fmt.max)) not in R._HW_FORMATS
-    assert {(E4M3.mbits, E4M3.bias, E4M3.max), (E5M2.mbits, E5M2.bias, E5M2.max)} == R._HW_FORMATS
+        assert (fmt.mbits, fmt.bias, float(fmt.max)) not in triton_helpers.HW_FORMATS
+    assert {(E4M3.mbits, E4M3.bias, E4M3.max), (E5M2.mbits, E5M2.bias, E5M2.max)} == triton_helpers.HW_FORMATS
 
 
 _COMPILE = r"""

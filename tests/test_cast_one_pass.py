@@ -2,16 +2,19 @@
 itself, stochastic casts write the transposed copy in the same kernel. Triton kernels run here under
 the interpreter (the conftest sets TRITON_INTERPRET=1) against their torch references."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import fp8pass
 from fp8pass import DelayedScaling, DelayedScalingState, E4M3, E5M2
 from fp8pass.numerics import saturating_cast
-from fp8pass.numerics.kernels import torch_family, triton_family
+from fp8pass.kernels import torch_family, triton_family
 from fp8pass.numerics.scaling import scale_from_amax, scale_to_cast
-from fp8pass.runtime import casting, kernels
-from fp8pass.runtime.kernels import cuda, triton_kernels
+from fp8pass import kernels
+from fp8pass.runtime import casting
+from fp8pass.kernels import cuda, triton_operand_casts
 
 
 def _x(r=37, c=70, seed=0):
@@ -25,13 +28,13 @@ def _x(r=37, c=70, seed=0):
 def test_stochastic_transpose_cast_matches_the_flat_stochastic_cast_bit_for_bit(fmt):
     x, s = _x(), torch.tensor(16.0)
     torch.manual_seed(5)
-    codes, codes_t, amax = triton_kernels.transpose_cast(x, s, fmt, transpose=True, rounding="stochastic")
+    codes, codes_t, amax = triton_operand_casts.transpose_cast(x, s, fmt, transpose=True, rounding="stochastic")
     torch.manual_seed(5)  # the same seed: the same random bits per flat index
     ref, ref_amax = triton_family.cast_scaled(x, s, fmt, "stochastic", None, want_amax=True)
     assert torch.equal(codes.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(codes_t.view(torch.uint8), ref.view(torch.uint8).t())
     assert float(amax) == float(ref_amax) == float(x.abs().max())
-    near, _, _ = triton_kernels.transpose_cast(x, s, fmt, transpose=False)
+    near, _, _ = triton_operand_casts.transpose_cast(x, s, fmt, transpose=False)
     assert torch.equal(near.view(torch.uint8), saturating_cast(x * s, fmt).view(torch.uint8))
     assert not torch.equal(near.view(torch.uint8), codes.view(torch.uint8))  # stochastic really rounds
 
@@ -40,9 +43,9 @@ def test_conditional_cast_writes_only_when_the_flag_is_set():
     x, s = _x(), torch.tensor(4.0)
     out = torch.full((37, 70), 0x11, dtype=torch.uint8).view(E4M3.torch_dtype)
     out_t = torch.full((70, 37), 0x11, dtype=torch.uint8).view(E4M3.torch_dtype)
-    triton_kernels.transpose_cast(x, s, E4M3, True, only_if=torch.tensor(False), out=(out, out_t))
+    triton_operand_casts.transpose_cast(x, s, E4M3, True, only_if=torch.tensor(False), out=(out, out_t))
     assert (out.view(torch.uint8) == 0x11).all() and (out_t.view(torch.uint8) == 0x11).all()
-    triton_kernels.transpose_cast(x, s, E4M3, True, only_if=torch.tensor(True), out=(out, out_t))
+    triton_operand_casts.transpose_cast(x, s, E4M3, True, only_if=torch.tensor(True), out=(out, out_t))
     ref = saturating_cast(x * s, E4M3).view(torch.uint8)
     assert torch.equal(out.view(torch.uint8), ref) and torch.equal(out_t.view(torch.uint8), ref.t())
 
@@ -72,8 +75,8 @@ def test_delayed_cast_reads_once_and_equals_the_two_read_reference(monkeypatch, 
     monkeypatch.setattr(torch_family, "tensor_amax", no_amax_pass(torch_family.tensor_amax))
     monkeypatch.setattr(triton_family, "tensor_amax", no_amax_pass(triton_family.tensor_amax))
     launches = []
-    real = triton_kernels.transpose_cast
-    monkeypatch.setattr(triton_kernels, "transpose_cast", lambda *a, **k: launches.append(k.get("only_if")) or real(
+    real = triton_operand_casts.transpose_cast
+    monkeypatch.setattr(triton_operand_casts, "transpose_cast", lambda *a, **k: launches.append(k.get("only_if")) or real(
         *a, **k))
     data, data_t, sc = cuda.cast_delayed(x, ops, fmt, 0.0, False, "nearest", transpose=True)
     scale, amax = sc.scale, sc.amax
@@ -105,12 +108,12 @@ def test_cast_operand_on_the_triton_kernels_equals_the_torch_kernels(monkeypatch
 def test_compiled_delayed_step_with_one_read_casts_equals_the_two_read_casts(monkeypatch):
     """Forward and backward of a compiled fp8 model (delayed scaling with the overflow guard, nearest
     rounding) on the Triton kernels: the one-read casts give the outputs and gradients of the two-read
-    path (separate amax pass, then the cast) bit for bit over three steps, the guard firing in one."""
+    path (amax pass and scale by torch ops, then the cast) bit for bit over three steps, the guard firing in one."""
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")
     outs = {}
     for one_read in (True, False):
         if not one_read:
-            monkeypatch.delattr(cuda, "cast_delayed")
+            monkeypatch.setattr(cuda, "OFFERS", dataclasses.replace(cuda.OFFERS, scale_on_device=False))
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 16))

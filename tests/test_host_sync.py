@@ -24,7 +24,7 @@ from fp8pass.compile_backend import Backend
 CPU_ONLY = {
     ("runtime/casting.py", "needs_current_amax"),   # `steps.device.type != "cpu" or int(steps) ...`
     ("runtime/casting.py", "state_scale"),          # `if state[2].device.type == "cpu": ...`
-    ("runtime/kernels/cpu.py", "gemm_tensor_scaled"),  # the CPU kernel family (never used on CUDA)
+    ("kernels/cpu.py", "gemm_tensor_scaled"),  # the CPU kernel family (never used on CUDA)
     ("optim/adam.py", "step"),                      # float(step) of the step count kept on the host
 }
 READS = ("item", "__bool__", "tolist", "__int__", "__float__")
@@ -117,8 +117,9 @@ def test_stochastic_gradient_cast_on_the_cuda_kernels_is_the_fused_triton_cast(m
     """The CUDA module (run here under the Triton interpreter) casts a stochastically rounded operand
     with the Triton cast kernel in one read, never the torch integer emulation: each code is one of
     the two FP8 neighbours of ``x * scale``, the mean over draws is unbiased, the amax is exact."""
-    from fp8pass.numerics.kernels import torch_family
-    from fp8pass.runtime import casting, kernels
+    from fp8pass.kernels import torch_family
+    from fp8pass import kernels
+    from fp8pass.runtime import casting
 
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")
     assert kernels.for_device("cpu").__name__.endswith(".cuda")

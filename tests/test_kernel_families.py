@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2
-from fp8pass.numerics.kernels import torch_family as T
-from fp8pass.numerics.kernels import triton_family as R
+from fp8pass.kernels import torch_family as T
+from fp8pass.kernels import triton_family as R
+from fp8pass.kernels import triton_helpers
 
 FORMATS = [E4M3, E4M3_GAUDI, E5M2, E2M1]
 
@@ -116,10 +117,10 @@ def test_every_kernel_widens_program_ids_to_int64():
     import inspect
     import re
 
-    from fp8pass.optim import triton_split, triton_step
-    from fp8pass.runtime.kernels import triton_glu, triton_kernels, triton_scaling
+    from fp8pass.kernels import triton_adam_split, triton_adam
+    from fp8pass.kernels import triton_glu, triton_operand_casts, triton_scaling
 
-    for mod in (R, triton_kernels, triton_step, triton_split, triton_scaling, triton_glu):
+    for mod in (R, triton_operand_casts, triton_adam, triton_adam_split, triton_scaling, triton_glu):
         src = inspect.getsource(mod)
         ids = re.findall(r"tl\.program_id\(\d\)(\.to\(tl\.int64\))?", src)
         assert ids and all(ids), f"{mod.__name__}: a tl.program_id(...) is used without .to(tl.int64)"
@@ -145,7 +146,7 @@ def test_flat_kernels_address_past_2_31_exactly(fmt, strict_interpreter):
     pid_shift[0] = programs
     n = programs * block * per + x.numel()
     assert programs * block * per > 2**31
-    R._cast_tensor_kernel[(2,)](x, out, s, partial, s, n, R.size_class(n), STOCHASTIC=False, PACKED=fmt.packed,
+    R._cast_tensor_kernel[(2,)](x, out, s, partial, s, n, triton_helpers.size_class(n), STOCHASTIC=False, PACKED=fmt.packed,
                                 WANT_AMAX=True, **R._fmt_args(fmt))
     ref, _ = T.cast_scaled(x, s, fmt)
     assert same(out, ref)
@@ -154,7 +155,7 @@ def test_flat_kernels_address_past_2_31_exactly(fmt, strict_interpreter):
     shift.clear()
     shift.update({x: programs * block, amax: programs})
     n = programs * block + x.numel()
-    R._amax_kernel[(triton_cdiv(x.numel(), block),)](x, amax, n, R.size_class(n))
+    R._amax_kernel[(triton_cdiv(x.numel(), block),)](x, amax, n, triton_helpers.size_class(n))
     assert amax.max() == x.abs().max()
 
 

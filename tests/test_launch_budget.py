@@ -35,7 +35,7 @@ def test_launches_and_syncs_of_the_public_ops(case):
 
 def test_the_counter_sees_launches_syncs_and_host_data(monkeypatch):
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")
-    from fp8pass.runtime.kernels import triton_scaling
+    from fp8pass.kernels import triton_scaling
 
     x = torch.randn(8, 8)
     with gl.LaunchCounter() as c:

@@ -278,7 +278,8 @@ def test_per_tensor_scales_route_large_blocks_away_from_fused_kernels(monkeypatc
     (one scale for a large tensor) take the torch path (compiled) or the split-block Triton kernels
     (triton; tested in tests/test_optim_triton.py), smaller ones still reach the fused entry points."""
     from fp8pass.optim import adam as adam_mod
-    from fp8pass.optim import compiled_step, triton_step
+    from fp8pass.kernels import triton_adam
+    from fp8pass.optim import compiled_step
     from fp8pass.optim.torch_step import adam_step_torch
 
     calls = []
@@ -295,8 +296,8 @@ def test_per_tensor_scales_route_large_blocks_away_from_fused_kernels(monkeypatc
             adam_step_torch(p, g, st, m_spec, v_spec, hp, **kwargs)
 
     monkeypatch.setattr(compiled_step, "adam_step_compiled", spy("compiled"))
-    monkeypatch.setattr(triton_step, "adam_step_triton", spy("triton"))
-    monkeypatch.setattr(triton_step, "adam_step_triton_multi", spy_multi)
+    monkeypatch.setattr(triton_adam, "adam_step_triton", spy("triton"))
+    monkeypatch.setattr(triton_adam, "adam_step_triton_multi", spy_multi)
     monkeypatch.setattr(adam_mod, "CHUNK", 256)
     monkeypatch.setattr(adam_mod, "TRITON_MAX_BLOCK", 256)
     ref, _ = _run(lambda ps: fo.AdamW(ps, lr=1e-2, block_size=None, kernels="torch"), steps=2)

@@ -10,10 +10,10 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import fp8pass.optim as fo  # noqa: E402
-from fp8pass.optim.triton_step import _div_by_row  # noqa: E402
+from fp8pass.kernels.triton_adam import _div_by_row  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),  # NaN injection
-              # the row-scale division (triton_step._div_by_row) equals IEEE division through a fused tl.fma
+              # the row-scale division (triton_adam._div_by_row) equals IEEE division through a fused tl.fma
               pytest.mark.needs_fused_fma]
 
 
@@ -93,7 +93,7 @@ def test_triton_stochastic_rounding_within_one_ulp_of_nearest():
 def test_triton_kernel_rejects_non_contiguous():
     from fp8pass.optim.moments import MomentSpec, init_moment
     from fp8pass.optim.torch_step import hyper_params
-    from fp8pass.optim.triton_step import adam_step_triton
+    from fp8pass.kernels.triton_adam import adam_step_triton
 
     p = torch.randn(16, 16).t()
     st = {}
@@ -136,11 +136,11 @@ MANY = [(3, 100), (0,), (7,), (2, 3, 40), (129,), (64, 64)]
 def test_multi_tensor_one_launch_per_dtype_pair(kw, monkeypatch):
     """All parameters of a group go through one launch per (device, param dtype, grad dtype), bit for
     bit the torch path: here six fp32 tensors (one empty, one below a block) and two bf16 ones."""
-    from fp8pass.optim import triton_step
+    from fp8pass.kernels import triton_adam
 
     launches = []
-    real = triton_step._launch
-    monkeypatch.setattr(triton_step, "_launch", lambda items, *a, **k: (launches.append(len(items)),
+    real = triton_adam._launch
+    monkeypatch.setattr(triton_adam, "_launch", lambda items, *a, **k: (launches.append(len(items)),
                                                                         real(items, *a, **k)))
     shapes = MANY + [(5, 30), (300,)]
     dtypes = [torch.float32] * len(MANY) + [torch.bfloat16] * 2
@@ -154,7 +154,7 @@ def test_multi_tensor_one_launch_per_dtype_pair(kw, monkeypatch):
 def test_blocks_wider_than_a_span_two_passes(kw):
     """A block of 5000 elements (wider than MAX_SPAN = 1024 lanes) is walked in spans, once for its
     amax and once to write: the same bits as the torch path."""
-    from fp8pass.optim.triton_step import MAX_SPAN
+    from fp8pass.kernels.triton_adam import MAX_SPAN
 
     assert 5000 > MAX_SPAN
     shapes = [(3, 4000), (4500,)]  # 3 blocks (last partial), one partial block
@@ -176,18 +176,18 @@ def test_stochastic_streams_differ_between_tensors_and_steps():
 
 
 def test_live_tuning_is_refused():
-    from fp8pass.optim import triton_step
+    from fp8pass.kernels import triton_adam
 
     with pytest.raises(RuntimeError, match="autotuned on live tensors"):
-        triton_step._refuse_live_tuning({})
+        triton_adam._refuse_live_tuning({})
 
 
 def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
-    from fp8pass.numerics.kernels import triton_family
+    from fp8pass.kernels import triton_helpers
 
-    monkeypatch.setattr(triton_family, "INTERPRETING", False)
+    monkeypatch.setattr(triton_helpers, "INTERPRETING", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        triton_family.check_interpretable(torch.device("cpu"))
+        triton_helpers.check_interpretable(torch.device("cpu"))
 
 
 # Split-block path: per-tensor scales (block_size=None) wider than TRITON_MAX_BLOCK. The limits are made
@@ -199,21 +199,23 @@ WIDE = {300, 1000, 259}
 
 @pytest.fixture
 def small_wide_limits(monkeypatch):
-    from fp8pass.optim import adam, triton_step
+    from fp8pass.kernels import triton_adam
+    from fp8pass.optim import adam
 
     monkeypatch.setattr(adam, "TRITON_MAX_BLOCK", WIDE_LIMIT)
-    monkeypatch.setattr(triton_step, "MAX_SPAN", WIDE_SPAN)
+    monkeypatch.setattr(triton_adam, "MAX_SPAN", WIDE_SPAN)
 
 
 def _spy_launches(monkeypatch):
     """Record the tensor sizes of each fused and each split launch, and refuse the torch path."""
-    from fp8pass.optim import adam, triton_split, triton_step
+    from fp8pass.kernels import triton_adam, triton_adam_split
+    from fp8pass.optim import adam
 
     launches = []
-    fused, split = triton_step._launch, triton_split._launch_split
-    monkeypatch.setattr(triton_step, "_launch", lambda items, *a, **k: (
+    fused, split = triton_adam._launch, triton_adam_split._launch_split
+    monkeypatch.setattr(triton_adam, "_launch", lambda items, *a, **k: (
         launches.append(("fused", sorted(it[0].numel() for it in items))), fused(items, *a, **k)))
-    monkeypatch.setattr(triton_split, "_launch_split", lambda items, *a, **k: (
+    monkeypatch.setattr(triton_adam_split, "_launch_split", lambda items, *a, **k: (
         launches.append(("split", sorted(it[0].numel() for it in items))), split(items, *a, **k)))
 
     def refuse(*a, **k):
@@ -277,9 +279,10 @@ def test_wide_blocks_take_the_split_kernels_bit_identical_to_torch(case, small_w
 def test_split_kernels_draw_the_fused_kernels_random_bits(rounding, flush, monkeypatch):
     """Stochastic rounding cannot match the torch path's generator; the split kernels key Philox as the
     fused kernel does (launch seed, element index in the launch): the same bits for the same seed."""
-    from fp8pass.optim import adam, triton_step
+    from fp8pass.kernels import triton_adam
+    from fp8pass.optim import adam
 
-    monkeypatch.setattr(triton_step, "MAX_SPAN", WIDE_SPAN)
+    monkeypatch.setattr(triton_adam, "MAX_SPAN", WIDE_SPAN)
     shapes = [(900,), (2, 250), (5,)]  # blocks of 300: three whole, one whole and a partial, one partial
     kw = dict(block_size=300, rounding=rounding, stochastic_flush=flush, specials=False, steps=2)
     a, oa = _run_wide("triton", shapes, generator=torch.Generator().manual_seed(9), **kw)  # fused: 300 <= 8192
@@ -323,7 +326,7 @@ def test_step_has_no_host_sync(block_size, small_wide_limits, monkeypatch):
 def test_split_kernels_refuse_mixed_storage():
     from fp8pass.optim.moments import MomentSpec, init_moment
     from fp8pass.optim.torch_step import hyper_params
-    from fp8pass.optim.triton_split import adam_step_triton_split
+    from fp8pass.kernels.triton_adam_split import adam_step_triton_split
 
     params, states = [torch.zeros(300), torch.zeros(400)], [{}, {}]
     m_specs = [MomentSpec("exp_avg", "e4m3", 300), MomentSpec("exp_avg", "e5m2", 400)]
@@ -342,12 +345,12 @@ def test_split_kernels_stay_in_bounds(block, strict_interpreter, monkeypatch):
     """Every masked-in load and store of both phases lies inside the launch's tensors (partial last
     spans; with blocks of 300 in spans of 128, the partial last block's spans past the tensor's end
     are empty), and the result is the torch path's."""
-    from fp8pass.optim import triton_step
+    from fp8pass.kernels import triton_adam
     from fp8pass.optim.moments import MomentSpec, init_moment
     from fp8pass.optim.torch_step import adam_step_torch, hyper_params
-    from fp8pass.optim.triton_split import adam_step_triton_split
+    from fp8pass.kernels.triton_adam_split import adam_step_triton_split
 
-    monkeypatch.setattr(triton_step, "MAX_SPAN", WIDE_SPAN)
+    monkeypatch.setattr(triton_adam, "MAX_SPAN", WIDE_SPAN)
     g = torch.Generator().manual_seed(8)
     m, v = MomentSpec("exp_avg", "e4m3", block), MomentSpec("exp_avg_sq", "e5m2", block)
     ref_p = torch.randn(1000, generator=g)
@@ -376,7 +379,7 @@ def _divide(a_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def test_division_by_a_row_scale_is_ieee_division():
     """The kernels decode a moment as code / scale with a per-row reciprocal and one FMA correction
-    (``triton_step._div_by_row``) instead of an IEEE division per element: for every E4M3 and E5M2
+    (``triton_adam._div_by_row``) instead of an IEEE division per element: for every E4M3 and E5M2
     code (NaN, Inf, +-0, subnormals) and scales over the whole fp32 range (the capped 2**126, scales
     whose quotients overflow or are subnormal), the quotient equals torch's division bit for bit."""
     g = torch.Generator().manual_seed(0)

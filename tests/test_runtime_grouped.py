@@ -16,7 +16,7 @@ import fp8pass
 from fp8pass import E4M3, E5M2, quantize
 from fp8pass.numerics import DelayedScalingState
 from fp8pass.runtime import LinearScalingState, grouped_state_for
-from fp8pass.runtime.kernels import cpu
+from fp8pass.kernels import cpu
 
 LIN = torch.ops.fp8pass.fp8_grouped_linear
 GLU = torch.ops.fp8pass.fp8_grouped_swiglu_down
@@ -378,7 +378,7 @@ def test_scaled_grouped_mm_call_passes_torchs_own_checks(monkeypatch, transposed
     contract torch's meta function checks (the checks of ``_scaled_grouped_mm_cuda`` in Blas.cpp):
     E4M3 operands, ``a`` row-major, ``b`` column-major [E, K, N], 16-byte aligned strides, fp32 scales
     of [S] and [E, N], bf16 out. Run on meta tensors, so the arguments are checked, not the math."""
-    from fp8pass.runtime.kernels import cuda
+    from fp8pass.kernels import cuda
 
     monkeypatch.setattr(cuda, "_scaled_grouped_mm_ok", lambda a, b, out_dtype: True)
     meta = dict(device="meta")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import fp8pass
 from fp8pass import E4M3, E5M2, ops, quantize
 from fp8pass.runtime import LinearScalingState
-from fp8pass.runtime.kernels import cpu
+from fp8pass.kernels import cpu
 
 
 def _bound(a, b, fa, fb, sa, sb, out_u):

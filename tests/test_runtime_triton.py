@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from fp8pass import E4M3, E4M3_GAUDI, E5M2, quantize  # noqa: E402
 from fp8pass.numerics import saturating_cast  # noqa: E402
-from fp8pass.runtime.kernels import triton_kernels as tk  # noqa: E402
+from fp8pass.kernels import triton_operand_casts as tk  # noqa: E402
 from fp8pass.runtime.swiglu import channel_scales, swiglu_operand, token_scales  # noqa: E402
 
 
@@ -150,7 +150,7 @@ def test_swiglu_colamax_propagates_nan():
     assert col[3].isnan() and not col[torch.arange(20) != 3].isnan().any()
 
 
-from fp8pass.runtime.kernels import cuda as cuda_kernels  # noqa: E402
+from fp8pass.kernels import cuda as cuda_kernels  # noqa: E402
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -234,7 +234,7 @@ def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
     from fp8pass.numerics import DelayedScalingState, get_format
     from fp8pass.runtime.op_schema import LinearKnobs
 
-    from fp8pass.runtime.kernels import cuda
+    from fp8pass.kernels import cuda
 
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")
     calls = []

@@ -165,7 +165,7 @@ def test_fp8_moments_resume_exactly(tmp_path, corpus):
 def test_precision_follows_the_cpu_and_is_recorded(tmp_path, corpus, monkeypatch, native_bf16, expected):
     """The high-precision baseline runs in this CPU's fast dtype (fp32 on AVX2-only CPUs, where bf16
     matmuls are ~100x slower) and the run says which; the resolved value is saved for resume."""
-    from fp8pass.runtime.kernels import cpu
+    from fp8pass.kernels import cpu
     from fp8pass.train import TinyLlama, load_text_data
 
     monkeypatch.delenv("FP8PASS_CPU_GEMM_DTYPE", raising=False)
@@ -186,7 +186,7 @@ def test_precision_follows_the_cpu_and_is_recorded(tmp_path, corpus, monkeypatch
 
 
 def test_precision_line_says_why(monkeypatch):
-    from fp8pass.runtime.kernels import cpu
+    from fp8pass.kernels import cpu
     from fp8pass.train.recipes import describe_precision
 
     monkeypatch.setattr(cpu, "native_bf16", lambda: False)

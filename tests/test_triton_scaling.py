@@ -1,4 +1,4 @@
-"""The scalar kernels around a cast (runtime/kernels/triton_scaling.py) against their torch references,
+"""The scalar kernels around a cast (kernels/triton_scaling.py) against their torch references,
 bit for bit, in Triton's interpreter: scales from amaxes (current and delayed), decode scales, and the
 multi-state delayed-scaling record."""
 
@@ -9,9 +9,9 @@ import torch
 
 from fp8pass.config import DelayedScaling
 from fp8pass.numerics import E4M3, E5M2, DelayedScalingState, scale_from_amax
-from fp8pass.numerics.kernels import torch_family
+from fp8pass.kernels import torch_family
 from fp8pass.numerics.scaling import record_update, scale_to_cast
-from fp8pass.runtime.kernels import triton_scaling as ts
+from fp8pass.kernels import triton_scaling as ts
 
 SPECIAL = [0.0, 1e-30, 1e-3, 0.5, 1.0, 448.0, 3.0e4, 2.0**64, 2.0**63 * 1.5, float("inf"), float("nan")]
 

@@ -163,7 +163,7 @@ def _shard_group(mesh):
 def _cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt):
     """FP8 codes of ``x * scale`` by the runtime's own per-tensor cast (bit-identical to the op's)."""
     x2d = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    from ..runtime import kernels
+    from .. import kernels
 
     op = _cast_tensor(kernels.for_device(x.device), x2d, scale.to(torch.float32).reshape(()), fmt, "nearest", None)
     return op.data.reshape(x.shape)

@@ -45,7 +45,7 @@ import torch
 from ..config import GRANULARITIES
 from .casts import check_rounding, decode
 from .formats import E2M1, E8M0, Format, get_format
-from .kernels import kernel_family, torch_family
+from ..kernels import kernel_family, torch_family
 from .scaling import DelayedScalingState, scale_from_amax
 
 __all__ = ["Quantized", "quantize", "quantize_delayed", "normalize_block", "MX_BLOCK", "MX_FORMATS"]

@@ -18,14 +18,13 @@ reads a checkpoint. bf16/fp32 moment formats store ``exp_avg`` / ``exp_avg_sq`` 
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..numerics import ROUNDINGS
-from ..numerics.kernels import family_name
+from ..kernels import family_name, forced
 from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
 from .state_check import check_optimizer_state, saved_param_shapes
 from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
@@ -275,11 +274,11 @@ class Adam(torch.optim.Optimizer):
             opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                         stochastic_flush=group["stochastic_flush"], generator=self.generator)
             for (m_spec, v_spec), batch in batches.items():
-                from .triton_step import adam_step_triton_multi
+                from ..kernels.triton_adam import adam_step_triton_multi
 
                 adam_step_triton_multi(*zip(*batch), m_spec, v_spec, **opts)
             if wide:  # one pair of launches for all of them, whatever their widths
-                from .triton_split import adam_step_triton_split
+                from ..kernels.triton_adam_split import adam_step_triton_split
 
                 adam_step_triton_split(*zip(*wide), **opts)
         return loss
@@ -290,8 +289,7 @@ class Adam(torch.optim.Optimizer):
         kind = group["kernels"]
         if kind == "auto":
             kind = family_name(p.device)
-            forced = os.environ.get("FP8PASS_KERNELS", "auto").lower() != "auto"
-            if kind == "torch" and not forced and p.device.type == "cpu" and \
+            if kind == "torch" and not forced() and p.device.type == "cpu" and \
                     self._device_numel("cpu") >= AUTO_COMPILE_NUMEL:
                 kind = "compiled"
         return kind

@@ -24,16 +24,14 @@ import numpy as np
 import torch
 
 from ..numerics import saturating_cast, scale_from_amax
-from .moments import MomentSpec, finite_block_amax
+from ..kernels.adam_layout import HP_FIELDS, MomentSpec
+from .moments import finite_block_amax
 
 __all__ = ["CHUNK", "HP_FIELDS", "host_hyper_params", "device_hyper_params", "hyper_params", "as_tensor_hp",
            "adam_step_torch", "cast_moment"]
 
 # Elements per chunk (a multiple of the block is used): 6 fp32 buffers of 1 MiB stay in L2/L3.
 CHUNK = 1 << 18
-
-HP_FIELDS = ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "inv_bc2_sqrt", "eps", "step_size",
-             "decay", "l2")
 
 
 def host_hyper_params(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,

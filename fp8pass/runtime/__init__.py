@@ -116,7 +116,7 @@ no_grad / inference_mode
     them: they are the scales in use).
 
 Kernels
-    Per device in :mod:`fp8pass.runtime.kernels`: CPU = Inductor-compiled casts + bf16 GEMMs of upcast
+    Per device in :mod:`fp8pass.kernels`: CPU = Inductor-compiled casts + bf16 GEMMs of upcast
     codes (never ``_scaled_mm``); CUDA = Triton casts/fused SwiGLU cast + ``torch._scaled_mm``.
     ``FP8PASS_KERNELS=triton`` (with ``TRITON_INTERPRET=1``) runs the CUDA path on CPU for testing.
 """

@@ -19,8 +19,8 @@ import torch
 
 from ..numerics import Format, get_format, quantize, scale_from_amax
 from ..numerics.scaling import outgrew, scale_to_cast
-from ..numerics.kernels import torch_family
-from . import kernels
+from ..kernels import torch_family
+from .. import kernels
 
 __all__ = ["IDENTITY", "Operand", "unaliased", "resolve_format", "cast_operand", "cast_with_scale", "state_scale", "tile_for", "dequantize",
            "gemm", "as_bytes", "from_bytes", "MX_ROWS", "MX_COLS"]
@@ -133,7 +133,7 @@ def cast_operand(
     if state:
         if granularity != "tensor":
             raise ValueError(f"delayed scaling is per tensor; got granularity {granularity!r}")
-        if hasattr(kern, "cast_delayed") and fmt.torch_dtype is not None:  # Triton: one read, no host read
+        if kern.OFFERS.scale_on_device and fmt.torch_dtype is not None:  # Triton: one read, no host read
             data, data_t, sc = kern.cast_delayed(x2d, state, fmt, margin, power_of_two, rounding, transpose,
                                                  invert)
             return Operand(data, sc.scale, sc.amax, None if up is None else kern.upcast(data, up), data_t,
@@ -141,7 +141,7 @@ def cast_operand(
         amax_now = torch_family.tensor_amax(x2d) if needs_current_amax(state) else None
         scale = state_scale(state, amax_now, fmt, margin, power_of_two)
         return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes)
-    if granularity == "tensor" and hasattr(kern, "cast_current") and fmt.torch_dtype is not None:
+    if granularity == "tensor" and kern.OFFERS.scale_on_device and fmt.torch_dtype is not None:
         data, data_t, sc = kern.cast_current(x2d, fmt, margin, power_of_two, rounding, transpose, invert)  # Triton
         return Operand(data, sc.scale, sc.amax, None if up is None else kern.upcast(data, up), data_t, sc.inv_scale,
                        sc.inverted)
@@ -173,19 +173,16 @@ def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: tor
 
 
 def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_codes=True, want_amax=True) -> Operand:
-    if not keep_codes and up is not None and rounding == "nearest" and hasattr(kern, "cast_values"):
+    if not keep_codes and up is not None and rounding == "nearest" and kern.OFFERS.values_without_codes:
         values, amax = kern.cast_values(x2d, scale, fmt, up)  # no codes: one loop, one write
         return Operand(values, scale, amax, values)
-    if transpose and hasattr(kern, "transpose_cast"):  # Triton: both layouts in one read, RNE or stochastic
+    if transpose and kern.OFFERS.transpose_cast:  # Triton: both layouts in one read, RNE or stochastic
         data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding)
         return Operand(data, scale, amax, None, data_t)
     if rounding == "nearest":
         data, amax, upc = kern.cast(x2d, scale, fmt, up, want_amax)
         return Operand(data, scale, amax, upc)
-    if hasattr(kern, "cast_stochastic"):
-        data, amax = kern.cast_stochastic(x2d, scale, fmt)
-    else:
-        data, amax = torch_family.cast_scaled(x2d, scale, fmt, rounding, None, want_amax=True)
+    data, amax = kern.cast_stochastic(x2d, scale, fmt)
     return Operand(data, scale, amax.float(), None if up is None else kern.upcast(data, up))
 
 

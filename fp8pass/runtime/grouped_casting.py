@@ -17,8 +17,8 @@ import torch
 
 from ..numerics import Format, scale_from_amax
 from ..numerics.scaling import scale_to_cast
-from . import kernels
-from .kernels import cpu
+from .. import kernels
+from ..kernels import cpu
 
 __all__ = ["group_ids", "group_amax", "expert_scales", "GroupedOperand", "gemm_up", "with_ones", "cast_grouped_rows",
            "cast_experts", "held_scales"]
@@ -56,7 +56,7 @@ class GroupedOperand:
         else one upcast here (once, also when the operand feeds two GEMMs)."""
         if self.values is not None:
             return self.values
-        if not hasattr(kern, "gemm_dtype"):
+        if not kern.OFFERS.upcast_gemm_operands:
             return self.data
         return kern.upcast(self.data, kern.gemm_dtype(out_dtype, self.data))
 
@@ -64,7 +64,7 @@ class GroupedOperand:
 def gemm_up(kern, fmt, out_dtype):
     """The dtype the CPU GEMM takes FP8 codes in (for casts that also write the GEMM operand), or None
     (no FP8 codes, or a device whose GEMM takes the codes themselves)."""
-    if fmt is None or not hasattr(kern, "gemm_dtype") or not kern.fused_enabled():
+    if fmt is None or not kern.OFFERS.upcast_gemm_operands or not kern.fused_enabled():
         return None
     return kern.gemm_dtype(out_dtype, torch.empty(0, dtype=fmt.torch_dtype))
 

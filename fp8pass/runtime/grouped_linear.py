@@ -17,10 +17,10 @@ The static knobs are :class:`~.op_schema.GroupedLinearKnobs` (the schema's last 
 once). ``out_dtype`` (the replaced node's dtype, passed by the rewrite; None: the input's) is the dtype
 the op computes and outputs in, as for ``fp8_linear``: under autocast(bf16) the outputs are bf16
 whatever the inputs' dtype, the GEMMs of both passes round to it (CPU: bf16 GEMMs of the codes where
-this CPU's bf16 matmul is native, :func:`fp8pass.runtime.kernels.cpu.gemm_dtype`), each gradient takes
+this CPU's bf16 matmul is native, :func:`fp8pass.kernels.cpu.gemm_dtype`), each gradient takes
 its input's dtype, and autocast is off inside the op (:func:`~.op_schema.knob_op`).
 
-Kernels (:mod:`fp8pass.runtime.kernels`): CPU = compiled per-row casts + one GEMM per group on the
+Kernels (:mod:`fp8pass.kernels`): CPU = compiled per-row casts + one GEMM per group on the
 upcast codes; CUDA = ``torch._scaled_grouped_mm`` for the forward where available, else a
 ``torch._scaled_mm`` loop. The GLU tail of an expert MLP is :mod:`.grouped_swiglu`.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics import DelayedScalingState
-from . import kernels
+from .. import kernels
 from .casting import as_bytes, from_bytes, resolve_format
 from .grouped_casting import cast_experts, cast_grouped_rows, group_ids
 from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax

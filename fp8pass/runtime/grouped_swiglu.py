@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from .. import kernels
 from .casting import as_bytes, from_bytes, resolve_format
 from .grouped_casting import cast_experts, cast_grouped_rows, group_ids, with_ones
 from .grouped_glu_cpu import (cpu_fast, fused_glu_operand, fused_smoothed_weight_operand, glu_backward_rows,
                               glu_backward_rows_joined, scaled_values, times)
 from .grouped_linear import (check_grouped_knobs, check_grouped_tensors, check_states, dgrad_b, fwd_b, out_features,
                              wgrad)
-from .kernels import cpu
+from ..kernels import cpu
 from .linear import compute_dtype, record_grad_amax
 from .op_schema import GroupedGLUKnobs, knob_op
 from .swiglu import (ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math, channel_scales,
@@ -187,7 +187,7 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     # B = W / c => dW = dB / c (exact: powers of two); on CPU the 1/c scales A's columns as its codes
     # are upcast for the GEMM (the same bits: every step scales exactly by a power of two), not dB after it
     fast = cpu_fast(gate)
-    fold = k.smooth == "channel" and fwd_fmt is not None and fast and hasattr(kern, "gemm_dtype")
+    fold = k.smooth == "channel" and fwd_fmt is not None and fast and kern.OFFERS.upcast_gemm_operands
     a_in = (cpu.run_fused(scaled_values, (a_data, with_ones(1 / s), ids), (kern.gemm_dtype(dt, g_in),)) if fold
             else a_data)
     db = wgrad(kern, a_in, a_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)  # dB (dW), w_down's layout

@@ -27,8 +27,8 @@ from ..numerics import ROUNDINGS
 from ..config import GRANULARITIES, ALGOS
 from .casting import (MX_COLS, Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for,
                       unaliased)
-from .kernels import cpu as cpu_kernels
-from .kernels import uses_triton
+from ..kernels import cpu as cpu_kernels
+from ..kernels import uses_triton
 from .op_schema import LinearKnobs, knob_op
 
 __all__ = ["fp8_linear_op", "check_linear_args", "check_linear_tensors", "check_knobs", "knobs_of", "compute_dtype",
@@ -94,7 +94,7 @@ def compute_dtype(k: LinearKnobs, x_dtype: torch.dtype) -> torch.dtype:
 def _up(device, out_dtype) -> torch.dtype | None:
     """Dtype the torch-family GEMM upcasts codes to (None: the Triton/CUDA path takes the codes).
 
-    On CPU, :func:`fp8pass.runtime.kernels.cpu.gemm_dtype` decides (bf16 only where this CPU has
+    On CPU, :func:`fp8pass.kernels.cpu.gemm_dtype` decides (bf16 only where this CPU has
     native bf16 matmuls), so the casts upcast once, to what the GEMM will use.
     """
     if uses_triton(device):

@@ -34,7 +34,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..config import DelayedScaling
 from ..numerics import E4M3, E5M2, DelayedScalingState, Format, get_format
 from ..numerics.scaling import commit_update, record_update
-from .kernels import uses_triton
+from ..kernels import uses_triton
 
 __all__ = ["delayed_record_", "delayed_record_many_", "commit_states", "record", "LinearScalingState", "state_for",
            "grouped_state_for", "ROLES"]
@@ -77,7 +77,7 @@ def delayed_record_(history, scale, steps, skipped, overflows, guard, pending, a
                          f"{tuple(scale.shape)} = [...] and as many amaxes, got amax {tuple(amax.shape)}")
     states = [[history, scale, steps, skipped, overflows, guard, pending, accumulate]]
     if _one_launch(states, [amax]):
-        from .kernels import triton_scaling
+        from ..kernels import triton_scaling
 
         triton_scaling.record_states(states, amax.to(torch.float32), fmt, margin, interval, algo, power_of_two)
         return
@@ -111,7 +111,7 @@ def delayed_record_many_(history: list, scale: list, steps: list, skipped: list,
         states = [[history[i], scale[i], steps[i], skipped[i], overflows[i], scale[i], pending[i], accumulate[i]]
                   for i in idx]  # (guard is not read by a record: its slot holds any tensor)
         if _one_launch(states, [amax[i] for i in idx]):
-            from .kernels import triton_scaling
+            from ..kernels import triton_scaling
 
             amaxes = [amax[i].reshape(()).to(torch.float32) for i in idx]
             triton_scaling.record_states(states, amaxes if len(idx) <= 4 else torch.stack(amaxes), f, *recipe_args)

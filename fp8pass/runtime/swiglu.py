@@ -43,11 +43,11 @@ import torch
 
 from ..numerics import scale_from_amax
 from ..numerics.scaling import power_of_two_floor
-from ..numerics.kernels import torch_family
+from ..kernels import torch_family
 from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for,
                       unaliased)
-from .kernels import cpu as cpu_kernels
-from .kernels import uses_triton
+from ..kernels import cpu as cpu_kernels
+from ..kernels import uses_triton
 from .linear import (_scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad,
                      record_grad_amax)
 from .op_schema import GLUKnobs, knob_op
@@ -169,8 +169,8 @@ def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
     """GPU: smoothing scales (channel: one pass for the column maxima, one launch for the scales),
     one Triton pass for A's amax, one launch for A's scale (current or delayed), one fused
     silu*up*scale+cast."""
-    from .kernels import triton_kernels as tk
-    from .kernels import triton_scaling
+    from ..kernels import triton_operand_casts as tk
+    from ..kernels import triton_scaling
 
     g2, u2 = g2.contiguous(), u2.contiguous()
     if smooth == "channel":
@@ -368,7 +368,7 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     fwd_fmt = resolve_format(k.fwd_format)
     saved = (from_bytes(gate_data, fwd_fmt), gate_scale, from_bytes(up_data, fwd_fmt), up_scale)
     if k.activation == "silu" and fwd_fmt is not None and uses_triton(dy.device):  # one Triton launch
-        from .kernels import triton_glu
+        from ..kernels import triton_glu
 
         dgate, dup = triton_glu.swiglu_backward(da, saved[0], saved[1], saved[2], saved[3], s, k.smooth, gate_dtype)
     elif k.activation == "silu":

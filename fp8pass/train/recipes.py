@@ -27,7 +27,7 @@ in what the table says.
 
 Precision (``TrainConfig.precision``): "auto" (default) runs the high-precision parts in the dtype
 this CPU's matmuls are fast in: bf16 where oneDNN has native bf16 (AVX512/AMX), fp32 on AVX2-only
-CPUs, where a bf16 matmul is ~100x slower (:func:`fp8pass.runtime.kernels.cpu.fast_matmul_dtype`;
+CPUs, where a bf16 matmul is ~100x slower (:func:`fp8pass.kernels.cpu.fast_matmul_dtype`;
 ``FP8PASS_CPU_GEMM_DTYPE`` overrides it). The ``bf16`` recipe is then an fp32 baseline, and says so:
 the resolved precision is printed and saved in the run's config.json and metrics.
 """
@@ -95,13 +95,13 @@ def resolve_precision(precision: str) -> str:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
     if precision != "auto":
         return precision
-    from ..runtime.kernels.cpu import fast_matmul_dtype
+    from ..kernels.cpu import fast_matmul_dtype
     return "bf16" if fast_matmul_dtype() == torch.bfloat16 else "fp32"
 
 
 def describe_precision(precision: str) -> str:
     """One line for the log: the resolved precision and the CPU facts behind it."""
-    from ..runtime.kernels.cpu import cpu_capability
+    from ..kernels.cpu import cpu_capability
     caps = cpu_capability()
     resolved = resolve_precision(precision)
     why = "native bf16 matmuls" if caps["native_bf16"] else "no native bf16 matmuls: bf16 would be ~100x slower"

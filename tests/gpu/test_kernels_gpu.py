@@ -11,8 +11,9 @@ import torch
 
 import fp8pass
 from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2, saturating_cast
-from fp8pass.numerics.kernels import torch_family as T
-from fp8pass.numerics.kernels import triton_family as R
+from fp8pass.kernels import torch_family as T
+from fp8pass.kernels import triton_family as R
+from fp8pass.kernels import triton_helpers
 
 pytestmark = pytest.mark.gpu
 FORMATS = [E4M3, E4M3_GAUDI, E5M2, E2M1]
@@ -135,9 +136,9 @@ def _every_class() -> torch.Tensor:
 def test_hardware_cast_bit_exact_every_input_class(fmt, scale):
     """The flat, transpose and tile kernels through the hardware conversion (sm_89+) give the torch
     reference's codes for every input class, -NaN keeping its sign, Inf saturating to +-max."""
-    from fp8pass.runtime.kernels import triton_kernels as tk
+    from fp8pass.kernels import triton_operand_casts as tk
 
-    assert R.hardware_cast(torch.device("cuda"), fmt) == int(torch.cuda.get_device_capability() >= (8, 9))
+    assert triton_helpers.hardware_cast(torch.device("cuda"), fmt) == int(torch.cuda.get_device_capability() >= (8, 9))
     x = _every_class()
     ref = saturating_cast(x * scale, fmt)
     s = torch.tensor(scale, device="cuda")
@@ -168,7 +169,7 @@ def test_hardware_stochastic_cast_is_the_integer_encoder(fmt):
         out = torch.empty(n, dtype=torch.uint8, device="cuda")
         partial = torch.empty(triton.cdiv(n, R._MIN_FLAT_BLOCK), device="cuda")
         R._cast_tensor_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](
-            x, out, s, partial, seed, n, R.size_class(n), STOCHASTIC=True, PACKED=False, WANT_AMAX=False,
+            x, out, s, partial, seed, n, triton_helpers.size_class(n), STOCHASTIC=True, PACKED=False, WANT_AMAX=False,
             HW=hw, **R._fmt_args(fmt))
         codes.append(out)
     assert torch.equal(codes[0], codes[1])
@@ -180,7 +181,7 @@ def test_hardware_stochastic_cast_is_the_integer_encoder(fmt):
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 @pytest.mark.parametrize("shape", [(4095, 4096), (37, 50), (1, 129), (2048, 5632)])
 def test_transpose_cast_bit_exact(fmt, shape):
-    from fp8pass.runtime.kernels import triton_kernels as tk
+    from fp8pass.kernels import triton_operand_casts as tk
 
     x = hard(shape[0] * shape[1], 5).reshape(shape).bfloat16()
     codes, codes_t, amax = tk.transpose_cast(x.cuda(), torch.tensor(0.5, device="cuda"), fmt)
@@ -192,7 +193,7 @@ def test_transpose_cast_bit_exact(fmt, shape):
 @pytest.mark.parametrize("mode", ["none", "channel", "token"])
 def test_swiglu_kernels_bounded(mode):
     """silu's tl.exp is approximate on the GPU: codes within one step of the CPU reference, < 0.2% differ."""
-    from fp8pass.runtime.kernels import triton_kernels as tk
+    from fp8pass.kernels import triton_operand_casts as tk
     from fp8pass.runtime.swiglu import swiglu_operand
 
     g = torch.Generator().manual_seed(1)
@@ -217,7 +218,7 @@ def test_swiglu_kernels_bounded(mode):
 
 
 def test_swiglu_cast_exact_where_silu_is_exact():
-    from fp8pass.runtime.kernels import triton_kernels as tk
+    from fp8pass.kernels import triton_operand_casts as tk
     from fp8pass.runtime.swiglu import swiglu_operand
 
     gate = torch.full((64, 256), 120.0)  # silu(120) == 120 in fp32
@@ -230,7 +231,7 @@ def test_swiglu_cast_exact_where_silu_is_exact():
 @pytest.mark.parametrize("mkn", [(4095, 4096, 4096), (100, 72, 40), (4096, 4095, 1000)])
 def test_scaled_mm_whenever_fp8(mkn):
     """M arbitrary, K and N padded to 16: torch._scaled_mm against the dequantized fp32 product."""
-    from fp8pass.runtime.kernels import cuda
+    from fp8pass.kernels import cuda
 
     m, k, n = mkn
     a = (torch.randn(m, k, device="cuda") * 4).to(torch.float8_e4m3fn)
@@ -347,7 +348,7 @@ def test_adam_per_tensor_scale_split_kernels_bit_identical_to_torch_path(m_fmt, 
 def test_adam_kernel_step_has_no_host_sync():
     from fp8pass.optim.moments import MomentSpec, init_moment
     from fp8pass.optim.torch_step import hyper_params
-    from fp8pass.optim.triton_step import adam_step_triton_multi
+    from fp8pass.kernels.triton_adam import adam_step_triton_multi
 
     ms, vs = MomentSpec("exp_avg", "e4m3"), MomentSpec("exp_avg_sq", "e5m2", sqrt=True)
     params = [torch.randn(s, device="cuda") for s in ((1000, 300), (77,), (4096,))]
@@ -445,7 +446,7 @@ def test_cast_past_2_31_elements_exact(fmt):
 
 
 def test_transpose_cast_past_2_31_elements_exact():
-    from fp8pass.runtime.kernels import triton_kernels as tk
+    from fp8pass.kernels import triton_operand_casts as tk
 
     r, c = 65600, 32768  # 2.15e9 elements
     x = torch.randn(r, c, device="cuda", dtype=torch.bfloat16)

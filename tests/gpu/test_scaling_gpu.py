@@ -1,4 +1,4 @@
-"""The one-program scalar kernels (runtime/kernels/triton_scaling.py) and the SwiGLU backward kernel
+"""The one-program scalar kernels (kernels/triton_scaling.py) and the SwiGLU backward kernel
 compiled for the GPU (skipped without one): bit-identical to the torch math, the last-program
 reduction of ``amax_and_scale`` over thousands of programs and back-to-back launches, no host sync."""
 
@@ -7,9 +7,9 @@ import torch
 
 from fp8pass.config import DelayedScaling
 from fp8pass.numerics import E4M3, E5M2, DelayedScalingState, saturating_cast, scale_from_amax
-from fp8pass.numerics.kernels import torch_family
+from fp8pass.kernels import torch_family
 from fp8pass.numerics.scaling import record_update, scale_to_cast
-from fp8pass.runtime.kernels import triton_glu, triton_scaling as ts
+from fp8pass.kernels import triton_glu, triton_scaling as ts
 from fp8pass.runtime.swiglu import _C_MAX, _C_MIN, _glu_backward_from_saved, channel_scales
 
 pytestmark = pytest.mark.gpu

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from ...numerics import Format
-from ...numerics.scaling import scale_to_cast
-from ...numerics.kernels import triton_family
-from . import triton_kernels, triton_scaling
+from ..numerics import Format
+from . import triton_family, triton_operand_casts, triton_scaling
+from .interface import Offers
 
-__all__ = ["cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
+__all__ = ["OFFERS", "cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
            "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
            "grouped_gemm_wgrad"]
+
+# Scales picked on the device inside the casts' launches, both layouts from one read; the GEMMs
+# (``_scaled_mm``) take the FP8 codes themselves.
+OFFERS = Offers(scale_on_device=True, transpose_cast=True, values_without_codes=False, upcast_gemm_operands=False)
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -36,13 +39,13 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
     """Codes ``saturating_cast(x * scale)`` and ``max |x|`` in one read (Triton); amax None without
     ``want_amax`` (no reduction launched: a recast with a known scale)."""
     x2d = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    codes, _, amax = triton_kernels.transpose_cast(x2d, scale, fmt, transpose=False, partials=not want_amax)
+    codes, _, amax = triton_operand_casts.transpose_cast(x2d, scale, fmt, transpose=False, partials=not want_amax)
     amax = amax if want_amax else None
     codes = codes.view(x.shape)
     return codes, amax, (None if up is None else codes.to(up))
 
 
-transpose_cast = triton_kernels.transpose_cast
+transpose_cast = triton_operand_casts.transpose_cast
 
 
 def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin: float, power_of_two: bool,
@@ -60,9 +63,9 @@ def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, marg
     Returns:
         (codes [R, C], codes [C, R] or None, :class:`~.triton_scaling.OperandScale`).
     """
-    data, data_t, sc = triton_kernels.transpose_cast(x2d, state[1], fmt, transpose, rounding,
+    data, data_t, sc = triton_operand_casts.transpose_cast(x2d, state[1], fmt, transpose, rounding,
                                                      delayed=(state, margin, power_of_two, invert))
-    triton_kernels.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, only_if=sc.recast, out=(data, data_t))
+    triton_operand_casts.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, only_if=sc.recast, out=(data, data_t))
     return data, data_t, sc
 
 
@@ -77,7 +80,7 @@ def cast_current(x2d: torch.Tensor, fmt: Format, margin: float, power_of_two: bo
         (codes [R, C], codes [C, R] or None, :class:`~.triton_scaling.OperandScale`).
     """
     sc = triton_scaling.amax_and_scale(x2d, fmt, margin, power_of_two, invert=invert)
-    data, data_t, _ = triton_kernels.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, partials=True)
+    data, data_t, _ = triton_operand_casts.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, partials=True)
     return data, data_t, sc
 
 

@@ -16,7 +16,7 @@ writes the parameter, the codes and the scales. A block wider than ``MAX_SPAN`` 
 spans twice: once for its amaxes, once to write (the same ops, so the same values). Per element that
 is 2 bytes of moments read and written instead of torch AdamW's 16, and no fp32 moment ever reaches
 memory. Blocks wider than ``adam.TRITON_MAX_BLOCK`` (one scale for a large tensor) would be one serial
-program each: the optimizer gives them to ``triton_split``, whose kernels run their spans in parallel
+program each: the optimizer gives them to ``triton_adam_split``, whose kernels run their spans in parallel
 with this module's jit helpers.
 
 On GPUs with FP8 conversions (sm_89+: ``triton_family.hardware_cast``) the codes are decoded by the
@@ -47,11 +47,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics.kernels.triton_family import (  # the exact in-kernel casts and the shared helpers
+from .triton_helpers import (  # the exact in-kernel casts and the shared helpers
     INTERPRETING,
-    _cast_codes,
-    _random_bits4,
-    _random_bits_at,
+    cast_codes,
+    random_bits4,
+    random_bits_at,
     autotune,
     check_interpretable,
     hardware_cast,
@@ -59,8 +59,7 @@ from ..numerics.kernels.triton_family import (  # the exact in-kernel casts and 
     size_class,
 )
 from ..numerics.scaling import MAX_SCALE
-from .moments import MomentSpec
-from .torch_step import HP_FIELDS
+from .adam_layout import HP_FIELDS, MomentSpec, init_moment
 
 __all__ = ["adam_step_triton", "adam_step_triton_multi", "MAX_SPAN"]
 
@@ -171,10 +170,10 @@ def _store_moment(x, ptr, e, mask, scale, rbits, KIND: tl.constexpr, MBITS: tl.c
                   STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, HW: tl.constexpr):
     if KIND == 0:
         y = x * scale[:, None]
-        code = _cast_codes(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC, HW)
+        code = cast_codes(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC, HW)
         if SFLUSH:
             if not STOCHASTIC:
-                sr = _cast_codes(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, True, HW)
+                sr = cast_codes(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, True, HW)
                 code = tl.where(tl.abs(y) < MIN_SUB, sr, code)
         tl.store(ptr + e, code.to(tl.uint8), mask=mask)
     else:
@@ -214,12 +213,12 @@ def _span_bits(seed, key, e, RAND4: tl.constexpr, NB: tl.constexpr, SPAN: tl.con
     """The 30 random bits of each element of a span: Philox under ``seed``, element j of a tensor (launch
     counter ``key + j``, ``key`` [NB, 1] the counter of each row's first lane) taking output j % 4 of the
     call at counter j // 4. RAND4: each row's lanes are whole quads (``key`` a multiple of 4), so one
-    call serves four lanes (``_random_bits4``); otherwise one call per lane (``_random_bits_at``)."""
+    call serves four lanes (``random_bits4``); otherwise one call per lane (``random_bits_at``)."""
     if RAND4:
         quads = key // 4 + tl.arange(0, SPAN // 4)[None, :]
-        bits = tl.reshape(_random_bits4(seed, quads), [NB, SPAN])
+        bits = tl.reshape(random_bits4(seed, quads), [NB, SPAN])
     else:
-        bits = _random_bits_at(seed, key + e)
+        bits = random_bits_at(seed, key + e)
     return bits
 
 
@@ -519,7 +518,7 @@ def _launch_seed(opts: dict, device: torch.device, unused: torch.Tensor) -> torc
 
 def _step_meta(m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, device: torch.device | None = None) -> dict:
     """The compile-time arguments of the update shared by the Adam kernels (formats and flags): M_HW /
-    V_HW = 1 where ``device`` converts the moment's FP8 format in hardware (``_decode``, ``_cast_codes``)."""
+    V_HW = 1 where ``device`` converts the moment's FP8 format in hardware (``_decode``, ``cast_codes``)."""
     hw = {f"{prefix}_HW": hardware_cast(device, spec.format) if spec.fp8 and device is not None else 0
           for prefix, spec in (("M", m_spec), ("V", v_spec))}
     return dict(**_fmt_args(m_spec, "M"), **_fmt_args(v_spec, "V"), **hw, V_SQRT=v_spec.stores_sqrt,
@@ -553,8 +552,6 @@ def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_clas
 
 def _tune_on_scratch(item, m_spec, v_spec, opts, rows_class: int, numel: int) -> None:
     """Autotune the kernel for this key on scratch tensors shaped like ``item`` (never on live ones)."""
-    from .moments import init_moment
-
     p, g, _, hp = item
     if isinstance(hp, torch.Tensor):
         hp = hp.clone()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..casts import saturating_cast
-from ..formats import E4M3, Format
-from ..scaling import MAX_SCALE, scale_from_amax
+from ..numerics.casts import saturating_cast
+from ..numerics.formats import E4M3, Format
+from ..numerics.scaling import MAX_SCALE, scale_from_amax
 
 __all__ = [
     "tensor_amax",

@@ -36,13 +36,18 @@ import warnings
 
 import torch
 
-from ...numerics import Format
-from ...numerics.kernels import torch_family
+from ..numerics import Format
+from . import torch_family
+from .interface import Offers
 
-__all__ = ["fused_enabled", "run_fused", "cast", "codes_values_amax_math", "rne_values_math", "rne_constants",
+__all__ = ["OFFERS", "fused_enabled", "run_fused", "cast", "codes_values_amax_math", "rne_values_math", "rne_constants",
            "cast_values", "cast_stochastic", "uniform_bits", "upcast", "native_bf16", "fast_matmul_dtype",
            "cpu_capability", "gemm_dtype", "gemm_tensor_scaled", "row_amax", "cast_rows", "cast_rows_with_amax",
            "grouped_gemm", "grouped_gemm_wgrad"]
+
+# The CPU emulates FP8 GEMMs with bf16/fp32 GEMMs of upcast codes, so its casts can write the GEMM's
+# values directly (with or without codes); scales are torch ops on the host's device, one layout per cast.
+OFFERS = Offers(scale_on_device=False, transpose_cast=False, values_without_codes=True, upcast_gemm_operands=True)
 
 _BROKEN: list[str] = []  # set once when Inductor fails, so we warn once and stay eager
 

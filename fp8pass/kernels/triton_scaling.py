@@ -16,7 +16,7 @@ host-bound (docs/runtime.md, Launches).
 ``_amax_scale_kernel``     ``max |x|`` and current scaling's scale in one launch: every program stores
                            its partial max, the last to arrive (an acquire-release counter per
                            stream, which it resets) reduces them and runs the same scale epilogue
-                           (``_scale_epilogue``, which the transpose-cast's delayed mode runs too)
+                           (``scale_epilogue``, which the transpose-cast's delayed mode runs too)
 ``_record_kernel``         :func:`fp8pass.numerics.scaling.record_update` of many delayed-scaling
                            states at once, in place (one program per state; the states' tensors are
                            found through an offset table cached on the device)
@@ -36,12 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ...numerics import Format, get_format
-from ...numerics.scaling import HUGE_AMAX, MAX_SCALE, NO_PENDING, OVERFLOW_FACTOR
-from ...numerics.kernels.triton_family import INTERPRETING, _nan_max, _tile_scale, check_interpretable
+from ..numerics import Format, get_format
+from ..numerics.scaling import HUGE_AMAX, MAX_SCALE, NO_PENDING, OVERFLOW_FACTOR
+from .triton_helpers import INTERPRETING, check_interpretable, max_propagating_nan, tile_scale
 
-__all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "epilogue_args",
-           "counter"]
+__all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "epilogue_args", "scale_epilogue",
+           "max_of_uncached", "counter"]
 
 _PARTIALS_BLOCK = 1024
 
@@ -52,13 +52,13 @@ def _max_of(ptr, n, BLOCK: tl.constexpr):
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        acc = _nan_max(acc, tl.load(ptr + offs, mask=offs < n, other=0.0))
+        acc = max_propagating_nan(acc, tl.load(ptr + offs, mask=offs < n, other=0.0))
     has_nan = tl.max((acc != acc).to(tl.int32))
     return tl.where(has_nan > 0, float("nan"), tl.max(acc))
 
 
 @triton.jit
-def _scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out, inv_out,
+def scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out, inv_out,
                     recast_out, inv0_out, inv1_out, N_INVERT: tl.constexpr, DELAYED: tl.constexpr,
                     TARGET: tl.constexpr, FMT_MAX: tl.constexpr, MAX_SCALE_C: tl.constexpr, HUGE: tl.constexpr,
                     POW2: tl.constexpr, NAN_SCALE: tl.constexpr):
@@ -69,7 +69,7 @@ def _scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, 
     Delayed: the held scale, unless the history is empty (``steps <= skipped``) or the overflow guard
     is on and ``amax * held > fmt.max`` for a usable amax: then the current scale (``scale_to_cast``).
     """
-    scale = _tile_scale(amax, TARGET, MAX_SCALE_C, POW2, NAN_SCALE)
+    scale = tile_scale(amax, TARGET, MAX_SCALE_C, POW2, NAN_SCALE)
     one = tl.full([], 1.0, tl.float32)
     if DELAYED:
         held = tl.load(held_ptr)
@@ -92,9 +92,9 @@ def _operand_scale_kernel(partial_ptr, n_partial, held_ptr, steps_ptr, skipped_p
                           DELAYED: tl.constexpr, TARGET: tl.constexpr, FMT_MAX: tl.constexpr,
                           MAX_SCALE_C: tl.constexpr, HUGE: tl.constexpr, POW2: tl.constexpr,
                           NAN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: ``amax = max(partials)``, then :func:`_scale_epilogue`."""
+    """One program: ``amax = max(partials)``, then :func:`scale_epilogue`."""
     amax = _max_of(partial_ptr, n_partial, BLOCK)
-    _scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out,
+    scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out,
                     inv_out, recast_out, inv0_out, inv1_out, N_INVERT, DELAYED, TARGET, FMT_MAX, MAX_SCALE_C, HUGE,
                     POW2, NAN_SCALE)
 
@@ -110,34 +110,34 @@ def _amax_scale_kernel(x_ptr, n, partial_ptr, counter_ptr, held_ptr, steps_ptr, 
     Each program takes every ``num_programs``-th block of ``BLOCK`` elements (so the programs, and the
     partial maxima the last one reduces, are few) and stores its NaN-propagating max. The program
     that increments ``*counter`` last (acquire-release: it sees every partial) reduces them, runs
-    :func:`_scale_epilogue` and resets ``*counter`` to 0 for the next launch on the stream.
+    :func:`scale_epilogue` and resets ``*counter`` to 0 for the next launch on the stream.
     """
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0)
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(pid * BLOCK, n, nprog.to(tl.int64) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        acc = _nan_max(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
+        acc = max_propagating_nan(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
     has_nan = tl.max((acc != acc).to(tl.int32))
     tl.store(partial_ptr + pid, tl.where(has_nan > 0, float("nan"), tl.max(acc)))
     # the partial's store (by whichever thread made it) completes before this program's release
     tl.debug_barrier()
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == nprog - 1:
         tl.debug_barrier()  # every thread of the last program reads the partials after its acquire
-        amax = _max_of_uncached(partial_ptr, nprog, RBLOCK)
-        _scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out,
+        amax = max_of_uncached(partial_ptr, nprog, RBLOCK)
+        scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out,
                         inv_out, recast_out, inv0_out, inv1_out, N_INVERT, DELAYED, TARGET, FMT_MAX, MAX_SCALE_C,
                         HUGE, POW2, NAN_SCALE)
         tl.store(counter_ptr, 0)
 
 
 @triton.jit
-def _max_of_uncached(ptr, n, BLOCK: tl.constexpr):
+def max_of_uncached(ptr, n, BLOCK: tl.constexpr):
     """:func:`_max_of` reading through L2 only (``.cg``): values other programs just wrote."""
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        acc = _nan_max(acc, tl.load(ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg"))
+        acc = max_propagating_nan(acc, tl.load(ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg"))
     has_nan = tl.max((acc != acc).to(tl.int32))
     return tl.where(has_nan > 0, float("nan"), tl.max(acc))
 
@@ -164,7 +164,7 @@ class OperandScale:
 
 def epilogue_args(fmt: Format, margin: float, power_of_two: bool, state: list[torch.Tensor] | None,
                   invert: tuple[torch.Tensor, ...], device: torch.device) -> tuple[OperandScale, list, dict]:
-    """The outputs, runtime arguments and constexprs of :func:`_scale_epilogue` (after its ``amax``):
+    """The outputs, runtime arguments and constexprs of :func:`scale_epilogue` (after its ``amax``):
     ``(OperandScale of new tensors, [held, steps, skipped, guard, inv0_in, inv1_in, amax_out, scale_out,
     inv_out, recast_out, inv0_out, inv1_out], {N_INVERT, DELAYED, TARGET, FMT_MAX, MAX_SCALE_C, HUGE,
     POW2, NAN_SCALE})``; unused pointer slots hold the scale output (never read or written)."""
@@ -278,7 +278,7 @@ def _record_kernel(amax_ptr, a1_ptr, a2_ptr, a3_ptr, table_ptr, hist0, scale0, s
             a = tl.where(i == 2, tl.load(a2_ptr), a)
         if N_DIRECT > 3:
             a = tl.where(i == 3, tl.load(a3_ptr), a)
-    amax = _nan_max(pending, a)
+    amax = max_propagating_nan(pending, a)
     usable = amax < HUGE
     j = tl.arange(0, BH)
     hist = tl.load(h_ptr + j, mask=j < H, other=0.0)
@@ -293,7 +293,7 @@ def _record_kernel(amax_ptr, a1_ptr, a2_ptr, a3_ptr, table_ptr, hist0, scale0, s
         reduced = tl.max(tl.where(j < H, new_hist, 0.0))
     else:
         reduced = tl.sum(tl.where(j == 0, new_hist, 0.0))
-    recomputed = _tile_scale(reduced, TARGET, MAX_SCALE_C, POW2, NAN_SCALE)
+    recomputed = tile_scale(reduced, TARGET, MAX_SCALE_C, POW2, NAN_SCALE)
     update = (((new_steps % interval) == 0) | (usable & ~had_valid)) & (new_steps > new_skipped)
     new_scale = tl.where(update, recomputed, scale)
     if tl.load(a_ptr) == 0:
@@ -376,7 +376,7 @@ def _channel_scales_kernel(part_ptr, rows, F, c_ptr, C_MIN: tl.constexpr, C_MAX:
         p = tl.load(part_ptr + r[:, None] * F + cols[None, :], mask=(r[:, None] < rows) & (cols[None, :] < F),
                     other=0.0)
         has_nan = tl.max((p != p).to(tl.int32), axis=0)
-        acc = _nan_max(acc, tl.where(has_nan > 0, float("nan"), tl.max(p, axis=0)))
+        acc = max_propagating_nan(acc, tl.where(has_nan > 0, float("nan"), tl.max(p, axis=0)))
     floor2 = (acc.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     c = tl.minimum(tl.maximum(tl.math.div_rn(tl.full([BF], 1.0, tl.float32), floor2), C_MIN), C_MAX)
     c = tl.where((acc > 0) & (acc < float("inf")), c, 1.0)

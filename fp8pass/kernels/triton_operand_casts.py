@@ -11,9 +11,9 @@
                                conditionally (a device flag) as the recast of a delayed-scaled cast
 =============================  ===========================================================================
 
-Codes come from ``_cast_codes`` of ``fp8pass.numerics.kernels.triton_family``, the one in-kernel cast: on
+Codes come from ``cast_codes`` of ``fp8pass.kernels.triton_family``, the one in-kernel cast: on
 an sm_89+ NVIDIA GPU the hardware conversion (``cvt.rn.satfinite``, NaN's sign fixed up; stochastic
-rounding done on the fp32 bits first), elsewhere the integer encoder ``_encode`` (the algorithm of
+rounding done on the fp32 bits first), elsewhere the integer encoder ``encode`` (the algorithm of
 ``fp8pass.numerics.casts.encode``; Triton's own fp32 -> fp8 conversion is wrong in the interpreter:
 docs/background.md, Traps). Both are bit-identical to ``saturating_cast`` and to each other.
 
@@ -43,35 +43,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ...numerics import Format
-from ...numerics.kernels import torch_family
-from ...numerics.kernels.triton_family import (  # the one exact in-kernel cast, shared tuning helpers
-    INTERPRETED,
-    _cast_codes,
-    _max_propagating_nan,
-    _philox_pick,
+from ..numerics import Format
+from . import torch_family
+from .triton_helpers import (  # the one exact in-kernel cast, shared tuning helpers
+    abs_max_2d,
     autotune,
+    cast_codes,
     check_interpretable,
     hardware_cast,
+    philox_pick,
     random_seed,
     size_class,
 )
 from . import triton_scaling
-from .triton_scaling import _max_of_uncached, _scale_epilogue  # the scale a delayed cast's last program picks
+from .triton_scaling import max_of_uncached, scale_epilogue  # the scale a delayed cast's last program picks
 
 __all__ = ["swiglu_colamax", "swiglu_amax", "swiglu_cast", "transpose_cast", "MODES"]
 
 MODES = {"none": 0, "channel": 1, "token": 2}
-
-
-@triton.jit
-def _abs_max(x):
-    """max |x| of a 2-D block, NaN if it holds NaN (one NaN-propagating max per element; the interpreter
-    takes the max and a NaN test: its custom ``tl.reduce`` combines are Python calls, far slower)."""
-    if INTERPRETED:
-        has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
-        return tl.where(has_nan > 0, float("nan"), tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    return tl.reduce(tl.reduce(tl.abs(x), 1, _max_propagating_nan), 0, _max_propagating_nan)
 
 
 @triton.jit
@@ -118,10 +107,10 @@ def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr
         if MODE == 1:
             c = tl.load(c_ptr + cols, mask=cols < F, other=1.0)
             a = a * c[None, :]
-    tl.store(amax_ptr + pid_t * tl.num_programs(1) + pid_f, _abs_max(a))
+    tl.store(amax_ptr + pid_t * tl.num_programs(1) + pid_f, abs_max_2d(a))
     if STORE:
         s = tl.load(scale_ptr)
-        code = _cast_codes(a * s, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
+        code = cast_codes(a * s, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
 
 
@@ -159,7 +148,7 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
                            POW2: tl.constexpr = False, NAN_SCALE: tl.constexpr = False, RBLOCK: tl.constexpr = 1024):
     """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile.
 
-    ``code = cast(x * s)`` (``_cast_codes``; HW: the hardware RNE conversion), reference
+    ``code = cast(x * s)`` (``cast_codes``; HW: the hardware RNE conversion), reference
     ``saturating_cast(x * s)``; ``amax[tile] = max |x|`` over the tile, NaN-propagating. STOCHASTIC:
     the flat cast's random bits for the element's flat index ``r * C + c`` (output ``(r * C + c) % 4``
     of Philox at counter ``(r * C + c) // 4``), so the codes are the flat stochastic cast's for the same
@@ -168,7 +157,7 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
     traffic: a launch that does nothing) and no amax is written.
     DELAYED (a cast with a delayed-scaling state's held scale ``*scale_ptr``): the program that stores
     its tile's max last (an acquire-release arrival counter, reset by it) reduces every tile's max
-    and runs ``triton_scaling._scale_epilogue``: the amax, the scale the cast should have used
+    and runs ``triton_scaling.scale_epilogue``: the amax, the scale the cast should have used
     (``scale_to_cast``), its decode scale, the recast flag, ``1 / inv_in``; one launch less per cast.
     """
     pid_r, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -181,13 +170,13 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
     mask_t = (cols[:, None] < C) & (rows[None, :] < r_end)
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if not CONDITIONAL:
-        tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, _abs_max(x))
+        tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, abs_max_2d(x))
         if DELAYED:
             tiles = tl.num_programs(0) * tl.num_programs(1)
             tl.debug_barrier()  # the tile's max (stored by any thread) completes before the release
             if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tiles - 1:
                 tl.debug_barrier()  # every thread reads the tiles' maxima after the acquire
-                _scale_epilogue(_max_of_uncached(amax_ptr, tiles, RBLOCK), scale_ptr, steps_ptr, skipped_ptr,
+                scale_epilogue(max_of_uncached(amax_ptr, tiles, RBLOCK), scale_ptr, steps_ptr, skipped_ptr,
                                 guard_ptr, inv0_in, inv1_in, amax_out, scale_out, inv_out, recast_out, inv0_out,
                                 inv1_out, N_INVERT, True, TARGET, FMT_MAX, MAX_SCALE_C, HUGE, POW2, NAN_SCALE)
                 tl.store(counter_ptr, 0)
@@ -200,8 +189,8 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
             flat = rows[:, None] * C + cols[None, :]
             quad = flat >> 2
             lane = flat & 3
-        rbits = _philox_pick(tl.load(seed_ptr), quad, lane)
-    v = _cast_codes(x * tl.load(scale_ptr), rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC, HW).to(tl.uint8)
+        rbits = philox_pick(tl.load(seed_ptr), quad, lane)
+    v = cast_codes(x * tl.load(scale_ptr), rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC, HW).to(tl.uint8)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], v, mask=mask)
     if TRANSPOSE:
         # [BC, BR] in registers: consecutive lanes write consecutive bytes of a row of the [C, R] copy.
@@ -251,7 +240,7 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
     Returns:
         (codes [T, F], amax of A fp32 scalar or None, the scale used).
     """
-    from ...numerics import scale_from_amax
+    from ..numerics import scale_from_amax
 
     t, f = gate2d.shape
     check_interpretable(gate2d.device)
@@ -289,7 +278,7 @@ def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = No
     grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)
     out = torch.empty(1, dtype=torch.uint8, device=g.device)
-    from ...numerics import E4M3
+    from ..numerics import E4M3
     _swiglu_cast_kernel[grid](g, u, c, r, dummy, out, part, t, f, MODE=MODES[mode], STORE=False, BT=bt, BF=bf,
                               **_fmt_kw(E4M3))
     return part if partials else _reduce_amax(part)

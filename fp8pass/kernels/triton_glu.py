@@ -15,7 +15,7 @@ gradients agree to within one step of their output dtype, nearly all bit for bit
 (tests/test_triton_glu.py bounds it); divisions are correctly rounded, as torch's are. A code's value
 comes from a 256-entry fp32 table of its format (made once per device with torch's own float8
 conversion; a cached gather), so the kernel reads the codes as bytes. The forward's SwiGLU kernels
-are in :mod:`.triton_kernels`.
+are in :mod:`.triton_operand_casts`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...numerics.kernels.triton_family import check_interpretable
+from .triton_helpers import check_interpretable
 
 __all__ = ["swiglu_backward"]
 

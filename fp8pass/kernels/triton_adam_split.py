@@ -1,6 +1,6 @@
 """Split-block Triton Adam step: scale blocks too wide for one program, their spans in parallel.
 
-The fused kernel (``triton_step``) gives each scale block to one program, which walks a wide block in
+The fused kernel (``triton_adam``) gives each scale block to one program, which walks a wide block in
 spans serially; with one scale per tensor (``block_size=None``) a large tensor would be one program.
 Here every span of ``MAX_SPAN`` elements of every wide block is a program, in two launches over all
 the wide blocks of a group of tensors:
@@ -16,7 +16,7 @@ the wide blocks of a group of tensors:
 
 So the result is bit-identical to ``torch_step.adam_step_torch`` (and to the fused kernel), for 3
 passes over the inputs instead of 2. Stochastic rounding keys Philox exactly as the fused kernel
-does (one seed per launch, drawn on the device; the same counter per element: ``triton_step._span_bits``),
+does (one seed per launch, drawn on the device; the same counter per element: ``triton_adam._span_bits``),
 so the two kernels draw the same bits for the same tensors and seed. Each program finds its tensor,
 offsets and span once, on scalars (as the fused kernel's programs do). No host synchronisation; one
 fixed launch configuration (one span of ``MAX_SPAN`` lanes per program, 4 warps, untuned). With moments
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_step as fused
-from .moments import MomentSpec, num_blocks
-from .triton_step import (
+from . import triton_adam as fused
+from .adam_layout import MomentSpec, num_blocks
+from .triton_adam import (
     _COLS,
     _base_args,
     _block_scale,
@@ -177,7 +177,7 @@ def adam_step_triton_split(params, grads, states, hps, m_specs, v_specs, maximiz
 
     Args:
         params, grads, states, hps: per parameter its contiguous tensor, dense gradient, state dict and
-            hyper-parameters (host values or a device row: see ``triton_step.adam_step_triton_multi``).
+            hyper-parameters (host values or a device row: see ``triton_adam.adam_step_triton_multi``).
         m_specs, v_specs: per parameter its moments' storage: one format pair for all, any block widths
             (one scale per tensor gives each tensor its own).
         maximize, coupled_wd, rounding, stochastic_flush: as in ``adam_step_torch``.
