@@ -38,7 +38,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["CheckpointError", "DiskFullError", "atomic_write", "open_append", "ALLOW_UNVERIFIED_ENV", "MANIFEST_SUFFIX", "manifest_path", "write_with_manifest",
+__all__ = ["CheckpointError", "DiskFullError", "atomic_write", "open_append", "write_failed",
+           "ALLOW_UNVERIFIED_ENV", "MANIFEST_SUFFIX", "manifest_path", "write_with_manifest",
            "write_manifest", "read_verified", "verify_files", "file_digest", "fsync_dir", "allow_unverified"]
 
 ALLOW_UNVERIFIED_ENV = "FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT"
@@ -119,9 +120,12 @@ def _unlink_quietly(path: Path) -> None:
         pass  # already gone: nothing left to clean up
 
 
-def _write_failed(path: Path, cause: BaseException) -> CheckpointError:
-    """The error of a write to ``path`` whose temp file was removed (the previous ``path`` is untouched)."""
-    kept = f"the partial temp file was removed and {path} (its previous version, if any) is intact"
+def write_failed(path: str | os.PathLike, cause: BaseException, kept: str | None = None) -> CheckpointError:
+    """The error for a write to ``path`` that failed with ``cause``: :class:`DiskFullError` for lack of
+    space, else :class:`CheckpointError`, naming the file, the cause and what is ``kept`` (default: a
+    temp-file write, whose temp file was removed, the previous ``path`` untouched)."""
+    path = Path(path)
+    kept = kept or f"the partial temp file was removed and {path} (its previous version, if any) is intact"
     if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
         return DiskFullError(f"{path}: no space left on device while writing it ({cause.strerror}); {kept}. "
                              "Free space (or write elsewhere) and run again")
@@ -135,7 +139,7 @@ def _write_temp(path: Path, write: Callable, fixed_name: Path | None = None) -> 
 
     The temp file is created with ``O_CREAT|O_EXCL|O_NOFOLLOW``: by ``mkstemp`` (a per-process
     name) or, with ``fixed_name``, at that name (which must not exist). On any failure it is removed
-    and the error is raised as :func:`_write_failed` (an OSError or an interrupt) or as it was.
+    and the error is raised as :func:`write_failed` (an OSError or an interrupt) or as it was.
     """
     if fixed_name is None:
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -148,9 +152,10 @@ def _write_temp(path: Path, write: Callable, fixed_name: Path | None = None) -> 
             raise CheckpointError(f"{tmp}: already exists (another process is writing {path}, or a link was "
                                   "planted there); refusing to write through it") from None
         except OSError as e:
-            raise _write_failed(path, e) from e
-    f = _RecordingFile(fd)
+            raise write_failed(path, e) from e
+    f = None
     try:
+        f = _RecordingFile(fd)
         try:
             write(f)
             f.flush()
@@ -159,9 +164,9 @@ def _write_temp(path: Path, write: Callable, fixed_name: Path | None = None) -> 
             f.close()
     except (OSError, RuntimeError, KeyboardInterrupt) as e:
         _unlink_quietly(tmp)
-        cause = f.error or e
+        cause = (f.error if f is not None else None) or e
         if isinstance(cause, (OSError, KeyboardInterrupt)):
-            raise _write_failed(path, cause) from e
+            raise write_failed(path, cause) from e
         raise
     except BaseException:
         _unlink_quietly(tmp)
@@ -199,7 +204,7 @@ def open_append(path: str | os.PathLike):
         if e.errno == errno.ELOOP:
             raise CheckpointError(f"{path}: is a symbolic link; fp8pass does not write through links "
                                   "(remove it, or choose another output folder)") from None
-        raise _write_failed(path, e) from e
+        raise write_failed(path, e) from e
     return os.fdopen(fd, "a", encoding="utf-8")
 
 

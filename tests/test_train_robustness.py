@@ -172,3 +172,39 @@ def test_a_second_trainer_on_the_same_folder_is_refused_naming_the_first(tmp_pat
     records = read_metrics(out / "bf16" / "metrics.jsonl", "train")
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # the first run's records, all kept
     assert load_checkpoint(out / "bf16")["step"] == len(records)
+
+
+# ---- a real full disk (root only: mounts a small tmpfs) ----------------------------------------------
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB tmpfs under ``tmp_path`` (skipped where this process may not mount)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    folder = tmp_path / "tmpfs"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.slow
+def test_a_really_full_disk(small_tmpfs, corpus):
+    from fp8pass.checkpoint import load_file, save_file
+
+    path = small_tmpfs / "x.pt"
+    save_file(path, {"w": torch.arange(1000)})
+    with pytest.raises(DiskFullError, match=rf"{path}: no space left on device .* is intact"):
+        save_file(path, {"w": torch.zeros(200_000)})  # 800 KB on a 256 KiB filesystem
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["x.pt", "x.pt.manifest.json"]
+    assert torch.equal(load_file(path)["w"], torch.arange(1000))
+    path.unlink()
+    (small_tmpfs / "x.pt.manifest.json").unlink()
+    out = small_tmpfs / "runs"  # the trainer's checkpoint (~0.3 MB of weights and moments) does not fit
+    r = subprocess.run(_cli(out, corpus, 2), capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == EXIT_DISK_FULL, r.stderr
+    assert f"{out / 'bf16' / CHECKPOINT_NAME}: no space left on device" in r.stderr and "Traceback" not in r.stderr
+    assert not [p.name for p in (out / "bf16").iterdir() if p.name.endswith(".tmp")]
+    assert read_metrics(out / "bf16" / "metrics.jsonl", "end")[-1]["status"] == "error: DiskFullError"

@@ -38,7 +38,6 @@ Safety and integrity (see docs/distributed.md):
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import pickle
@@ -53,7 +52,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..config import Config, DelayedScaling
-from ..integrity import CheckpointError, DiskFullError, verify_files, write_manifest
+from ..integrity import CheckpointError, verify_files, write_failed, write_manifest
 from ..optim.state_check import check_optimizer_state
 from ..scaling_checks import _FIELDS, check_delayed_state, check_model_state_dict
 from ..scaling_state import _load_delayed
@@ -305,10 +304,9 @@ def _dcp_failure(path: Path, action: str, e: BaseException) -> CheckpointError:
     inner = _unwrap_dcp_error(e) if isinstance(e, CheckpointException) else e
     if isinstance(inner, CheckpointError):
         return type(inner)(f"{path}: {inner}")
-    if isinstance(inner, OSError) and inner.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFullError(f"{path}: no space left on device during the DCP {action} ({inner.strerror}); "
-                             "the files of this folder are incomplete and its manifest is absent, so it will not "
-                             "load; earlier checkpoint folders are untouched")
+    if isinstance(inner, OSError) and action == "save":
+        return write_failed(path, inner, "this folder's files are incomplete and it has no manifest, so it will "
+                                         "not load; earlier checkpoint folders are untouched")
     first = (str(inner).strip().splitlines() or [""])[0][:300] or "no message: a file is likely truncated or damaged"
     return CheckpointError(f"{path}: DCP {action} failed ({type(inner).__name__}: {first})")
 

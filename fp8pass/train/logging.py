@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..integrity import atomic_write, open_append
+from ..integrity import atomic_write, open_append, write_failed
 
 __all__ = ["MetricsWriter", "ProgressBar", "read_metrics"]
 
@@ -34,8 +34,11 @@ class MetricsWriter:
         self._f = open_append(self.path)  # never through a link planted at that name
 
     def __call__(self, record: dict) -> None:
-        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            self._f.flush()
+        except OSError as e:  # e.g. a full disk: name the file (at most this record is torn, and skipped on read)
+            raise write_failed(self.path, e, "the records before this one are intact") from e
 
     def truncate_after(self, step: int) -> None:
         """Keep records of steps <= ``step`` (minus old "end" records), so a resumed run logs each step once.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..integrity import atomic_write
+from ..integrity import CheckpointError, atomic_write
 from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
@@ -270,7 +270,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
         raise ValueError(f"--resume {out}: the data differ from the checkpoint's (fingerprint "
                          f"{data.fingerprint} vs {ckpt['data']['fingerprint']}); pass the same --data")
 
-    from ..kernels.cpu import cpu_capability
+    from ..runtime.kernels.cpu import cpu_capability
 
     torch.manual_seed(cfg.seed)
     model = TinyLlama(cfg.model)
@@ -449,7 +449,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
             end["signal"] = stop.name
         try:
             log(end)
-        except OSError:
+        except CheckpointError:  # MetricsWriter's write error
             if not status.startswith("error"):
                 raise
             # else: a full disk that already failed the run; the error being raised says so
