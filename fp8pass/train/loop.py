@@ -270,7 +270,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
         raise ValueError(f"--resume {out}: the data differ from the checkpoint's (fingerprint "
                          f"{data.fingerprint} vs {ckpt['data']['fingerprint']}); pass the same --data")
 
-    from ..runtime.kernels.cpu import cpu_capability
+    from ..kernels.cpu import cpu_capability
 
     torch.manual_seed(cfg.seed)
     model = TinyLlama(cfg.model)
