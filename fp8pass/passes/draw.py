@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..integrity import atomic_write
+
 __all__ = ["draw_graph", "layer_patterns", "MAX_PIXELS"]
 
 MAX_PIXELS = 2000  # long side of a PNG
@@ -158,5 +160,6 @@ def draw_graph(report, path: str) -> None:
             ax.annotate("", xy=(width / 2, y + h + gap - 0.02), xytext=(width / 2, y + h + 0.02),
                         arrowprops={"arrowstyle": "->", "lw": 0.8})
         y += h + gap
-    fig.savefig(path, dpi=_DPI if str(path).endswith(".png") else None)
+    png = str(path).endswith(".png")
+    atomic_write(path, lambda f: fig.savefig(f, dpi=_DPI if png else None, format="png" if png else "svg"))
     plt.close(fig)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..integrity import atomic_write
 from .logging import read_metrics
 
 __all__ = ["plot_runs", "find_runs", "have_matplotlib", "run_label"]
@@ -122,6 +123,6 @@ def plot_runs(root: str | Path, out_dir: str | Path | None = None, stream=None) 
 
 def _save(fig, path, plt):
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))  # never through a link at ``path``
     plt.close(fig)
     return path
