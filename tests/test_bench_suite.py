@@ -151,3 +151,40 @@ def test_step_ab_experiments_name_todays_choice_first():
         assert getattr(module, attr) == next(iter(choices.values())), name
     with pytest.raises(SystemExit):
         step_ab.main(["e5m2-upcast", "--rounds", "0"])
+
+
+def test_exit_code_and_last_line_say_which_goals_were_missed_and_why():
+    """Issue 34: --quick ended with exit code 1 and no word of why."""
+    ok = {"status": "ok"}
+    results = {"quantize": {**ok, "result": {"rows": [{"ratio_vs_clone": 0.9}]}},
+               "linear": {**ok, "result": {"cases": {"linear": {"fp8_current/baseline": 1.4,
+                                                                 "fp8_delayed/baseline": 1.1}}}},
+               "compile": {"status": "timeout", "note": "timed out after 240 s"}}
+    code, line = suite.verdict(results, suite.check_goals(results))
+    assert code == suite.EXIT_SUITE_UNFINISHED == 3
+    assert line == ("bench: 2 of 4 goals met; missed: CPU fp8 linear/MLP fwd+bwd / high precision (current "
+                    "scaling) 1.4 (goal <= 1.25); not measured: compile time fp8 / inductor (4 layers) (compile "
+                    "suite timeout: timed out after 240 s) -> exit 3")
+    del results["compile"]
+    assert suite.verdict(results, suite.check_goals(results))[0] == suite.EXIT_GOAL_MISSED == 1
+    results["linear"]["result"]["cases"]["linear"]["fp8_current/baseline"] = 1.0
+    assert suite.verdict(results, suite.check_goals(results)) == (0, "bench: 3 of 3 goals met -> exit 0")
+    results["train"] = {**ok, "result": {"rows": [{"shape": "tiny", "step fp8/bf16-inductor": 1.2}]}}
+    code, line = suite.verdict(results, suite.check_goals(results))
+    assert code == 0 and ("not measured: block training step fp8 / bf16-Inductor (CPU) (its suite does not "
+                          "measure it with these options (e.g. --quick's shapes))") in line
+
+
+def test_the_budget_leaves_out_what_it_cannot_fit(tmp_path, monkeypatch, capsys):
+    """--quick has a whole-run budget: a suite that would start with less than MIN_SUITE_SECONDS left is
+    not started, the last line names it, and the exit code is 3."""
+    quick = tmp_path / "quick.py"
+    quick.write_text("import json, sys\njson.dump({'rows': [{'ratio_vs_clone': 0.9}]}, open(sys.argv[2], 'w'))\n")
+    monkeypatch.setitem(suite.SUITES, "quantize", suite.Suite("quantize", str(quick)))
+    monkeypatch.setitem(suite.SUITES, "roofline", suite.Suite("roofline", str(quick)))
+    assert suite.main(["--suite", "quantize", "--quick", "--budget", "600"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "bench: 1 of 1 goals met -> exit 0"
+    assert suite.main(["--suite", "roofline,quantize", "--quick", "--budget", "10"]) == 3
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == ("bench: 0 of 1 goals met; not measured: CPU quantize / clone bandwidth (quantize suite skipped: "
+                    "not started: 10 s budget spent (run it alone: --suite quantize)) -> exit 3")
