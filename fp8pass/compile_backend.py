@@ -284,7 +284,7 @@ class Backend:
             nonlocal calls
             calls += 1
             if calls == 2 and key not in self._models_with_fp8:
-                name = type(model).__name__ if model is not None else "a compiled function"
+                name = type(model).__name__ if model is not None else "a function"
                 self._warn_once(f"no-fp8:{key}", no_fp8_message(name, self._records_without_fp8.get(key, [])))
             return compiled(*args)
 
