@@ -191,7 +191,9 @@ def _count_triton_launches(counter: LaunchCounter):
 @contextlib.contextmanager
 def pretend_cuda_gemms():
     """Make the CUDA kernel module call ``torch._scaled_mm`` / ``_scaled_grouped_mm`` on CPU tensors as it
-    would on a GPU; each call is one launch, its result computed in fp32 outside the counter's view."""
+    would on a GPU; each call is one launch, its result computed in fp32 outside the counter's view.
+
+    Yields the list of GEMM calls made inside, in order: ``(op name, use_fast_accum)``."""
     from fp8pass.kernels import cuda
 
     orig_plan, orig_ok = cuda.scaled_mm_plan, cuda._scaled_grouped_mm_ok
@@ -200,7 +202,10 @@ def pretend_cuda_gemms():
     def plan(m, k, n, a_dtype, b_dtype, out_dtype, device_type):
         return orig_plan(m, k, n, a_dtype, b_dtype, out_dtype, "cuda")
 
+    calls: list[tuple[str, bool]] = []
+
     def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, **kw):
+        calls.append(("_scaled_mm", bool(kw.get("use_fast_accum", False))))
         with _uncounted():
             out = (a.float() * scale_a) @ (b.float() * scale_b)
             if bias is not None:
@@ -213,6 +218,7 @@ def pretend_cuda_gemms():
                 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0)
 
     def scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, **kw):
+        calls.append(("_scaled_grouped_mm", bool(kw.get("use_fast_accum", False))))
         with _uncounted():
             out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype)
             start = 0
@@ -225,7 +231,7 @@ def pretend_cuda_gemms():
     cuda.scaled_mm_plan, cuda._scaled_grouped_mm_ok = plan, grouped_ok
     torch._scaled_mm, torch._scaled_grouped_mm = scaled_mm, scaled_grouped_mm
     try:
-        yield
+        yield calls
     finally:
         cuda.scaled_mm_plan, cuda._scaled_grouped_mm_ok = orig_plan, orig_ok
         torch._scaled_mm = orig_mm

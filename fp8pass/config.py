@@ -269,6 +269,11 @@ class Config:
         dim_multiple: FP8 GEMMs need both feature dims divisible by this (16 for ``_scaled_mm``);
             other linears stay high precision. 1 disables the check.
         grad_stochastic_rounding: round gradients (E5M2) stochastically instead of to nearest even.
+        fast_accum: on CUDA, the forward GEMMs accumulate with ``torch._scaled_mm(use_fast_accum=True)``
+            (Hopper's FP8 tensor cores then promote partial sums to fp32 less often: faster, a little less
+            precise), as Transformer Engine and torchao do; the dgrad and wgrad GEMMs always accumulate
+            precisely (gradients sum many small terms). False: precise accumulation everywhere. The CPU's
+            emulated GEMMs accumulate in fp32 either way (docs/runtime.md, GEMMs).
         fwd_format, bwd_format: formats of the forward operands (input, weight) and of the gradient
             (``"e4m3"`` / ``"e5m2"``; ``"e4m3_gaudi"`` for Gaudi2's range). ``"identity"`` turns
             quantization off inside the same ops (a testing hook: the rewritten model then computes
@@ -298,6 +303,7 @@ class Config:
     min_dim: int = 16
     dim_multiple: int = 16
     grad_stochastic_rounding: bool = True
+    fast_accum: bool = True
     fwd_format: str = "e4m3"
     bwd_format: str = "e5m2"
     compiler: str = "inductor"
@@ -340,6 +346,7 @@ class Config:
                 raise ValueError(f"Config.amax_reduction must be 'auto', 'off' or a torch.distributed.ProcessGroup, "
                                  f"got {self.amax_reduction!r}")
         _check_bool("Config.grad_stochastic_rounding", self.grad_stochastic_rounding)
+        _check_bool("Config.fast_accum", self.fast_accum)
         keep = self.keep_high_precision
         if isinstance(keep, str):  # a lone glob would otherwise be iterated character by character
             keep = (keep,)

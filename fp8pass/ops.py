@@ -42,7 +42,7 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, out_dtype):
+def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, out_dtype, fast_accum=True):
     """``(x_state, w_state, g_state, LinearKnobs, state)`` for one op call."""
     if recipe is None:
         recipe = CurrentScaling()
@@ -55,13 +55,13 @@ def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, out_dtype):
         if not torch.is_grad_enabled():
             gs = []  # no backward will run: do not hand grad_output state to the op
         knobs = LinearKnobs(fwd, bwd, "tensor", 128, bool(recipe.power_of_two), grad_rounding, float(recipe.margin),
-                            int(recipe.interval), recipe.algo, out_dtype)
+                            int(recipe.interval), recipe.algo, out_dtype, fast_accum)
         return xs, ws, gs, knobs, state
     if isinstance(recipe, CurrentScaling):
         if state is not None:
             raise ValueError("state= is for DelayedScaling recipes; CurrentScaling keeps no state")
         knobs = LinearKnobs(fwd, bwd, recipe.granularity, int(recipe.block), bool(recipe.power_of_two),
-                            grad_rounding, 0.0, 1, "max", out_dtype)
+                            grad_rounding, 0.0, 1, "max", out_dtype, fast_accum)
         return [], [], [], knobs, None
     raise TypeError(f"recipe must be None, fp8pass.CurrentScaling or fp8pass.DelayedScaling; got {recipe!r}")
 

@@ -9,7 +9,7 @@ from fp8pass.runtime import op_schema
 from fp8pass.runtime.linear import knobs_of
 from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
 
-GOOD = ("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16)
+GOOD = ("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16, True)
 
 
 def test_of_builds_once_per_tuple():
@@ -18,13 +18,13 @@ def test_of_builds_once_per_tuple():
     assert knobs_of(tuple(GOOD)) is k  # an equal tuple: the same instance, no rebuild
     assert LinearKnobs.take((torch.zeros(1), None, *GOOD)) is k
     assert k.args() == GOOD
-    other = knobs_of(GOOD[:-1] + (torch.float32,))
+    other = knobs_of(GOOD[:-2] + (torch.float32, True))
     assert other is not k and other.out_dtype == torch.float32
     # another Knobs class with a prefix of equal values is never confused with a LinearKnobs
     glu = GLUKnobs.of(GOOD + ("silu", "channel", True))
     assert type(glu) is GLUKnobs and glu.args() == GOOD + ("silu", "channel", True)
-    assert LinearKnobs.count() == 10 and GLUKnobs.count() == 13
-    assert GLUKnobs.no_grads() == (None,) * 13
+    assert LinearKnobs.count() == 11 and GLUKnobs.count() == 14
+    assert GLUKnobs.no_grads() == (None,) * 14
     assert GLUKnobs(*GOOD, "silu", "channel").recast_weight is False  # the default: W_down's codes kept
 
 
@@ -41,3 +41,11 @@ def test_bad_knobs_raise_on_every_call(field, value, error):
         with pytest.raises(error):
             torch.ops.fp8pass.fp8_cast_input(x, [], *bad)
     assert len(op_schema._MADE) == before
+
+
+def test_fast_accum_must_be_a_bool():
+    bad = GOOD[:10] + ("yes",)
+    with pytest.raises(TypeError, match="fast_accum must be True or False, got 'yes'"):
+        knobs_of(bad)
+    with pytest.raises(RuntimeError, match="Expected a value of type 'bool' for argument 'fast_accum'"):
+        torch.ops.fp8pass.fp8_cast_input(torch.randn(4, 8), [], *bad)  # the schema refuses it first

@@ -93,7 +93,7 @@ def test_swiglu_compiled_matches_eager(backend, smooth):
 
 
 def _knobs(granularity="tensor", fmts=("e4m3", "e5m2"), out_dtype=None):
-    return LinearKnobs(*fmts, granularity, 128, False, "nearest", 0.0, 1, "max", out_dtype)
+    return LinearKnobs(*fmts, granularity, 128, False, "nearest", 0.0, 1, "max", out_dtype, True)
 
 
 def _op_args(x, w, b, states=([], [], []), granularity="tensor", fmts=("e4m3", "e5m2"), out_dtype=None):

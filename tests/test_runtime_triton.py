@@ -109,7 +109,7 @@ def test_gpu_code_path_on_cpu_matches_torch_path(monkeypatch):
         y = ops.swiglu_mlp(*leaves, smooth=smooth, activation=activation)
         y.backward(dy)
         lin = torch.ops.fp8pass.fp8_linear(x, wg, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False,
-                                           "nearest", 0.0, 1, "max", None)
+                                           "nearest", 0.0, 1, "max", None, True)
         return [y.detach()] + [t.grad for t in leaves], lin
 
     for smooth in ("channel", "token", None):
@@ -171,7 +171,7 @@ def test_scaled_mm_plan():
     assert plan(64, 64, 64, e4, e4, torch.int32, "cuda") is None
 
 
-def _fake_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
+def _fake_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False):
     """torch._scaled_mm's checks (K, N multiples of 16; a row-major, b column-major; bias dtype) and
     its math, on CPU, so the padding around it is tested without a GPU."""
     assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
@@ -245,7 +245,7 @@ def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
     x = torch.randn(2, 24, 64, generator=g)
     w = torch.randn(40, 64, generator=g) / 8
     dy = torch.randn(2, 24, 40, generator=g)
-    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None).args()
+    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True).args()
 
     def states():
         out = []

@@ -273,7 +273,7 @@ def test_shared_cast_ops_opcheck():
     w = torch.randn(24, D, requires_grad=True)
     b = torch.randn(24, requires_grad=True)
     for gran in ("tensor", "block"):
-        k = LinearKnobs("e4m3", "e5m2", gran, 16, False, "nearest", 0.0, 1, "max", torch.bfloat16)
+        k = LinearKnobs("e4m3", "e5m2", gran, 16, False, "nearest", 0.0, 1, "max", torch.bfloat16, True)
         cast_args = (x.detach(), [], *k.args())
         torch.library.opcheck(torch.ops.fp8pass.fp8_cast_input.default, cast_args)
         data, scale, _, up = torch.ops.fp8pass.fp8_cast_input(*cast_args)
@@ -288,7 +288,7 @@ def test_shared_cast_ops_opcheck():
 def test_shared_cast_ops_clear_errors():
     from fp8pass.runtime.op_schema import LinearKnobs
 
-    k = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None)
+    k = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True)
     x = torch.randn(4, 16, D)
     data, scale, _, up = torch.ops.fp8pass.fp8_cast_input(x, [], *k.args())
     with pytest.raises(ValueError, match="is not the cast of x"):

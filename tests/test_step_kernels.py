@@ -173,7 +173,7 @@ def test_weight_casts_of_the_precast_linear_write_no_codes_on_cpu(monkeypatch):
     x = torch.randn(4, 64, 128, dtype=torch.bfloat16)
     w = torch.randn(160, 128) * 0.05  # above MIN_COMPILED: the compiled loop
     dy = torch.randn(4, 64, 160, dtype=torch.bfloat16)
-    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16).args()
+    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16, True).args()
     outs = []
     for precast in (True, False):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -203,7 +203,7 @@ def test_gradient_casts_write_no_codes_on_cpu(monkeypatch):
     x = torch.randn(4, 64, 128, dtype=torch.bfloat16)
     w = torch.randn(160, 128) * 0.05
     dy = torch.randn(4, 64, 160, dtype=torch.bfloat16)  # 40960 elements: the compiled loops
-    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16).args()
+    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16, True).args()
 
     def grads():
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -247,7 +247,7 @@ def test_saved_gate_and_up_from_the_operand_loops_amax_equal_casting_them_alone(
         up = torch.randn(rows, 96, generator=g).to(dtype)
         up[1, 2] = -7e4  # the largest |up| is negative
         w = torch.randn(40, 96, generator=g) * 0.1
-        knobs = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, "silu", smooth).args()
+        knobs = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "silu", smooth).args()
         out = torch.ops.fp8pass.swiglu_down(gate, up, w, [], [], [], *knobs)
         fmt = get_format("e4m3")
         for t, codes, scale in ((gate, out[8], out[9]), (up, out[10], out[11])):

@@ -422,8 +422,12 @@ def gemm_tensor_scaled(
     bias: torch.Tensor | None = None,
     a_inv: torch.Tensor | None = None,
     b_inv: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale).T (+ bias)`` for 2-D operands with scalar scales.
+
+    ``fast_accum`` (the CUDA GEMM's fast accumulation) changes nothing here: these GEMMs always
+    accumulate in fp32.
 
     ``a_inv``/``b_inv`` (decode scales, which the CUDA GEMM takes) are not read: ``alpha`` is computed
     from the encode scales in double, one rounding.

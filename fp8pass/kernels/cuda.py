@@ -111,8 +111,10 @@ def scaled_mm_plan(m: int, k: int, n: int, a_dtype: torch.dtype, b_dtype: torch.
     return (-k) % 16, (-n) % 16
 
 
-def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None, a_inv=None, b_inv=None):
+def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None, a_inv=None, b_inv=None, fast_accum=False):
     """``(a / a_scale) @ (b / b_scale).T (+ bias)``; ``a`` [M, K], ``b`` [N, K], scalar scales.
+
+    ``fast_accum``: ``_scaled_mm``'s ``use_fast_accum`` (the forward GEMMs; gradients accumulate precisely).
 
     ``a_inv``/``b_inv``: the decode scales ``1 / a_scale`` / ``1 / b_scale`` where the caller has them
     (computed beside the scale, :mod:`.triton_scaling`): ``_scaled_mm`` takes those, and a
@@ -129,7 +131,8 @@ def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None, a_inv=None,
         inv_b = (b_inv if b_inv is not None else torch.reciprocal(b_scale.to(torch.float32))).reshape(())
         fuse_bias = bias is not None and out_dtype == torch.bfloat16 and not pad_n
         out = torch._scaled_mm(a, b.t(), scale_a=inv_a, scale_b=inv_b,
-                               bias=bias.to(out_dtype) if fuse_bias else None, out_dtype=out_dtype)
+                               bias=bias.to(out_dtype) if fuse_bias else None, out_dtype=out_dtype,
+                               use_fast_accum=fast_accum)
         if pad_n:
             out = out[:, : out.shape[1] - pad_n].contiguous()
         if bias is not None and not fuse_bias:

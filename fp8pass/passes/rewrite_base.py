@@ -86,6 +86,7 @@ def recipe_kwargs(cfg: Config) -> dict:
         margin=float(getattr(r, "margin", 0.0)) if delayed else 0.0,
         interval=int(getattr(r, "interval", 1)) if delayed else 1,
         algo=getattr(r, "algo", "max") if delayed else "max",
+        fast_accum=cfg.fast_accum,
     )
 
 

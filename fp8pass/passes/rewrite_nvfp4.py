@@ -41,7 +41,7 @@ class NVFP4Rewriter(GraphRewriter):
         self.kw = dict(fwd_format=cfg.fwd_format, bwd_format=cfg.bwd_format, granularity="tensor", block=128,
                        power_of_two=False,
                        grad_rounding="stochastic" if cfg.grad_stochastic_rounding else "nearest",
-                       margin=0.0, interval=1, algo="max")
+                       margin=0.0, interval=1, algo="max", fast_accum=cfg.fast_accum)
 
     def hcp_state(self, w: fx.Node) -> list[fx.Node]:
         """``[err, hot, step]`` placeholders of the weight's HCPState; [] without HCP."""

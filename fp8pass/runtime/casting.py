@@ -211,11 +211,14 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | 
 
 def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
          a_t: bool = False, b_t: bool = False, mm_dtype: torch.dtype = torch.float32,
-         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+         compute_dtype: torch.dtype | None = None, fast_accum: bool = False) -> torch.Tensor:
     """``A @ B.T (+ bias)`` of two operands; ``a_t``/``b_t`` take the operand's transpose instead.
 
     The result is rounded to ``compute_dtype`` (default ``out_dtype``), then converted to ``out_dtype``:
     a gradient GEMM under autocast rounds to the autocast dtype and returns the input's dtype.
+
+    ``fast_accum``: the device GEMM may accumulate fast (``_scaled_mm(use_fast_accum=True)`` on CUDA:
+    the forward GEMMs, ``Config.fast_accum``); the default accumulates precisely (the gradient GEMMs).
 
     Per-tensor scales use the device's fast GEMM; per-row / per-tile scales dequantize both operands
     to fp32 (exact codes, one fp32 rounding of ``data / scale``) and multiply in ``mm_dtype``: fp32,
@@ -230,7 +233,7 @@ def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: t
         bu = None if b.up is None else (b.up.t() if b_t else b.up)
         out = kern.gemm_tensor_scaled(au if au is not None else ad, a.scale,
                                       bu if bu is not None else bd, b.scale, compute_dtype or out_dtype, bias,
-                                      a_inv=a.inv_scale, b_inv=b.inv_scale)
+                                      a_inv=a.inv_scale, b_inv=b.inv_scale, fast_accum=fast_accum)
         return out.to(out_dtype)
     av = dequantize(a.data, a.scale, a_tile)
     bv = dequantize(b.data, b.scale, b_tile)

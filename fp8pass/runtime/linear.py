@@ -65,6 +65,8 @@ def check_knobs(k: LinearKnobs) -> None:
         raise ValueError(f"unknown granularity {k.granularity!r}; valid: {', '.join(GRANULARITIES)}")
     if k.block < 1:
         raise ValueError(f"block must be >= 1, got {k.block}")
+    if not isinstance(k.fast_accum, bool):
+        raise TypeError(f"fast_accum must be True or False, got {k.fast_accum!r}")
 
 
 def check_recipe_knobs(k) -> None:
@@ -137,7 +139,8 @@ def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, *knobs):
     xo = cast_operand(x2d, fmt, k.granularity, xt, x_state, k.margin, k.power_of_two, up=up)
     wo = cast_operand(weight, fmt, k.granularity, wt, w_state, k.margin, k.power_of_two, up=up)
     mx = k.granularity == "mx" and fmt is not None
-    y = gemm(xo, xt, wo, wt, dt, bias, mm_dtype=_mx_mm_dtype(x.device, dt) if mx else torch.float32)
+    y = gemm(xo, xt, wo, wt, dt, bias, mm_dtype=_mx_mm_dtype(x.device, dt) if mx else torch.float32,
+             fast_accum=k.fast_accum)
     if mx:  # the backward GEMMs reduce over tokens (x) and out-features (W): save both cast down the rows
         xo = cast_operand(x2d, fmt, k.granularity, MX_COLS)
         wo = cast_operand(weight, fmt, k.granularity, MX_COLS)

@@ -99,6 +99,8 @@ class LinearKnobs(Knobs):
         margin, interval, algo: the DelayedScaling recipe's fields.
         out_dtype: dtype of the op's output and of its GEMMs' rounding: the dtype the replaced node
             produced (under autocast, the autocast dtype); None means the input's dtype.
+        fast_accum: the forward GEMM accumulates fast (``_scaled_mm(use_fast_accum=True)`` on CUDA;
+            ``Config.fast_accum``); backward GEMMs always accumulate precisely.
     """
 
     fwd_format: str
@@ -111,6 +113,7 @@ class LinearKnobs(Knobs):
     interval: int
     algo: str
     out_dtype: typing.Optional[torch.dtype]
+    fast_accum: bool
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,7 @@ def fp8_linear_precast_op(x, x_data, x_scale, x_up, weight, bias, w_state, g_sta
         xo.inv_scale = wo.inverted[0]
     xt = tile_for(k.granularity, k.block, xo.data.shape, weight=False)
     wt = tile_for(k.granularity, k.block, weight.shape, weight=True)
-    y = gemm(xo, xt, wo, wt, dt, bias)
+    y = gemm(xo, xt, wo, wt, dt, bias, fast_accum=k.fast_accum)
     return y.reshape(*x.shape[:-1], weight.shape[0]), wo.amax, unaliased(wo.scale, (x_scale, w_state))
 
 

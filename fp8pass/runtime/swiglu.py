@@ -278,9 +278,9 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
         bo = cast_operand(b, fmt, k.granularity, bt, [] if k.smooth == "channel" else b_state, k.margin,
                           k.power_of_two, up=up_dtype)
     if k.smooth == "token":
-        y = (gemm(ao, at, bo, bt, dt).float() * s).to(dt)
+        y = (gemm(ao, at, bo, bt, dt, fast_accum=k.fast_accum).float() * s).to(dt)
     else:
-        y = gemm(ao, at, bo, bt, dt)
+        y = gemm(ao, at, bo, bt, dt, fast_accum=k.fast_accum)
     go, uo = saved_glu_input(g2, fmt, g_amax), saved_glu_input(u2, fmt, u_amax)
     states = (a_state, b_state)
     return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
