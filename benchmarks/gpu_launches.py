@@ -13,7 +13,8 @@ launch on a GPU:
   once);
 * ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` as one launch each: :func:`pretend_cuda_gemms`
   makes the CUDA module take the path it takes on a GPU (CPU tensors would take the dequantize
-  fallback) and computes the result on the host without counting its math.
+  fallback) and computes the result on the host without counting its math (``_scaled_grouped_mm``:
+  the CUDA module's own emulation, after torch's meta function has checked the arguments).
 
 Host syncs are counted beside: ``aten._local_scalar_dense`` / ``aten.item`` (``.item()``, ``bool()``,
 ``int()``, ``float()``, ``.tolist()`` of a device tensor), ``aten.is_nonzero``, and tensors built from
@@ -214,18 +215,18 @@ def pretend_cuda_gemms():
         return _one_launch("aten._scaled_mm.default", out)
 
     def grouped_ok(a, b, out_dtype):
-        return (a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
-                and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0)
+        return cuda._grouped_mm_operands_ok(a, b, out_dtype)
 
     def scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, **kw):
         calls.append(("_scaled_grouped_mm", bool(kw.get("use_fast_accum", False))))
         with _uncounted():
-            out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype)
-            start = 0
-            for e, end in enumerate(offs.tolist()):
-                out[start:end] = ((a[start:end].float() * scale_a[start:end, None]) @ (b[e].float() * scale_b[e])
-                                  ).to(out_dtype)
-                start = end
+            # the arguments must pass torch's own checks (its meta function: layouts, strides, scale shapes)
+            torch.ops.aten._scaled_grouped_mm(*(_on_meta(t) for t in (a, b, scale_a, scale_b)), offs=_on_meta(offs),
+                                              out_dtype=out_dtype)
+            if a.dim() == b.dim() == 2 and bool((offs % cuda.GROUP_ALIGN).any()):  # TMA: 16-byte group starts
+                raise RuntimeError(f"_scaled_grouped_mm 2d x 2d: group ends {offs.tolist()} not multiples of "
+                                   f"{cuda.GROUP_ALIGN}")
+            out = cuda.grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype)
         return _one_launch("aten._scaled_grouped_mm.default", out)
 
     cuda.scaled_mm_plan, cuda._scaled_grouped_mm_ok = plan, grouped_ok
@@ -237,6 +238,11 @@ def pretend_cuda_gemms():
         torch._scaled_mm = orig_mm
         if orig_gmm is not None:
             torch._scaled_grouped_mm = orig_gmm
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``t``'s shape, strides and dtype."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _active_counter() -> LaunchCounter | None:
@@ -322,21 +328,45 @@ def _adamw_case(n_tensors: int = 4, numel: int = 4096):
     return step
 
 
+def _grouped_offs(tokens: int, experts: int) -> torch.Tensor:
+    """Group ends of ``tokens`` rows spread over ``experts`` (uneven sizes, not multiples of 16)."""
+    return torch.tensor([tokens * (e + 1) // experts for e in range(experts)], dtype=torch.int32)
+
+
 def _grouped_case(tokens: int = 64, experts: int = 4, d_in: int = 64, d_out: int = 96):
     """One MoE expert projection (``fp8pass::fp8_grouped_linear``, current scaling, tokens sorted by
-    expert) fwd+bwd: the grouped GEMMs' per-expert fallback loops and their offset reads show here."""
+    expert) fwd+bwd: three grouped GEMMs, whatever the number of experts."""
     from fp8pass.runtime.op_schema import GroupedLinearKnobs
 
     torch.manual_seed(0)
     x = torch.randn(tokens, d_in, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(experts, d_out, d_in, dtype=torch.bfloat16, requires_grad=True)
-    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    offs = _grouped_offs(tokens, experts)
     knobs = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)
     dy = torch.randn(tokens, d_out, dtype=torch.bfloat16)
 
     def step():
         x.grad = w.grad = None
         out = torch.ops.fp8pass.fp8_grouped_linear(x, w, offs, False, [], [], [], *knobs.args())
+        out[0].backward(dy)
+
+    return step
+
+
+def _grouped_swiglu_case(smooth: str, tokens: int = 64, experts: int = 4, d: int = 64, ffn: int = 32):
+    """The GLU tail of an expert MLP (``fp8pass::fp8_grouped_swiglu_down``, fused gate_up input) fwd+bwd."""
+    from fp8pass.runtime.op_schema import GroupedGLUKnobs
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(tokens, 2 * ffn, dtype=torch.bfloat16, requires_grad=True)
+    wd = torch.randn(experts, d, ffn, dtype=torch.bfloat16, requires_grad=True)
+    offs = _grouped_offs(tokens, experts)
+    knobs = GroupedGLUKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, "silu", smooth)
+    dy = torch.randn(tokens, d, dtype=torch.bfloat16)
+
+    def step():
+        gate_up.grad = wd.grad = None
+        out = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate_up, None, wd, offs, False, [], [], [], *knobs.args())
         out[0].backward(dy)
 
     return step
@@ -349,6 +379,9 @@ CASES = {
     "adamw step 4 tensors": lambda: _adamw_case(4),
     "adamw step 16 tensors": lambda: _adamw_case(16),
     "grouped_linear current": lambda: _grouped_case(),
+    "grouped_linear current 2 experts": lambda: _grouped_case(experts=2),
+    "grouped_linear current 8 experts": lambda: _grouped_case(experts=8),
+    "grouped_swiglu channel": lambda: _grouped_swiglu_case("channel"),
 }
 # issue 28's goals (fwd+bwd, GEMMs included; the AdamW step O(1) in the number of tensors)
 GOALS = {"fp8_linear delayed": 12, "fp8_linear current": 16, "swiglu_mlp channel": 30}

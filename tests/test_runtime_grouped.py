@@ -21,6 +21,7 @@ from fp8pass.kernels import cpu
 LIN = torch.ops.fp8pass.fp8_grouped_linear
 GLU = torch.ops.fp8pass.fp8_grouped_swiglu_down
 FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)  # ..., out_dtype (None: the input's)
+FP8_E4M3_GRADS = ("e4m3", "e4m3") + FP8[2:]
 IDENT = ("identity", "identity", False, "nearest", 0.0, 1, "max", None)
 OFFS = [10, 10, 33, 40]  # expert 1 empty; rows 40..43 are padding past offs[-1]
 
@@ -398,19 +399,21 @@ def test_scaled_grouped_mm_call_passes_torchs_own_checks(monkeypatch, transposed
 
 def test_cuda_kernel_module_fallback_agrees_on_cpu(monkeypatch):
     """FP8PASS_KERNELS=triton runs the CUDA kernel module on CPU tensors: its per-row casts and its
-    per-group GEMM loop (the fallback taken without ``_scaled_grouped_mm``) against the CPU module."""
+    grouped GEMMs (the emulation of ``_scaled_grouped_mm`` taken without it) against the CPU module.
+    The CUDA path casts the E5M2 gradient to E4M3 (``_scaled_grouped_mm`` takes E4M3 only), so it
+    equals the CPU module run with E4M3 gradients: same codes, same exact products, fp32 sums."""
     x, w, offs, dy = _data(14)
     g = torch.Generator().manual_seed(14)
     gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g)
     wd = torch.randn(4, 24, 16, generator=g)
     results = []
-    for family in ("torch", "triton"):
+    for family, knobs in (("torch", FP8_E4M3_GRADS), ("triton", FP8)):
         monkeypatch.setenv("FP8PASS_KERNELS", family)
         a = [t.clone().requires_grad_() for t in (x, w)]
-        out = LIN(*a, offs, False, [], [], [], *FP8)
+        out = LIN(*a, offs, False, [], [], [], *knobs)
         out[0].backward(dy)
         b = [t.clone().requires_grad_() for t in (gate, up, wd)]
-        out2 = GLU(*b, offs, True, [], [], [], *FP8, "silu", "channel")
+        out2 = GLU(*b, offs, True, [], [], [], *knobs, "silu", "channel")
         out2[0].backward(dy[:, :16])
         results.append((out, out2, [t.grad for t in a + b]))
     (o1, p1, g1), (o2, p2, g2) = results
@@ -669,3 +672,100 @@ def test_delayed_cast_with_amax_in_one_loop_gives_the_two_pass_bits(monkeypatch,
     assert torch.equal(held_scales(state), state[1])
     state[5].fill_(True)  # overflow guard on: the current amax decides, two passes
     assert held_scales(state) is None
+
+
+# ---- the CUDA path's grouped GEMMs: torch._scaled_grouped_mm for all three, no host sync ----------
+
+def _exact_codes(shape, seed):
+    """E4M3 codes of values in +-[1/8, 4]: every product and every sum of up to 2**10 of them is exact
+    in fp32, so GEMMs of these codes are bit-identical whatever the summation order."""
+    g = torch.Generator().manual_seed(seed)
+    mag = 2.0 ** torch.randint(-3, 3, shape, generator=g) * (1 + torch.randint(0, 8, shape, generator=g) / 8)
+    return (mag * (torch.randint(0, 2, shape, generator=g) * 2 - 1)).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("offs", [OFFS, [0, 16, 16, 44], [3, 20, 37, 41]])
+def test_grouped_gemms_of_the_cuda_module_are_the_per_group_gemms(offs):
+    """``cuda.grouped_gemm`` (2d x 3d) and ``grouped_gemm_wgrad`` (2d x 2d, groups along the contraction,
+    re-laid at 16-token boundaries) against one GEMM per group: bit-identical on exact codes, with empty
+    groups, rows past offs[-1] and group sizes that are not multiples of 16; per-expert scales."""
+    from fp8pass.kernels import cuda
+
+    rows, k, n = 44, 32, 48
+    a, b = _exact_codes((rows, k), 0), _exact_codes((4, n, k), 1)
+    dy = _exact_codes((rows, n), 2)
+    sa, sb, sg = torch.tensor([2.0, 0.5, 4.0, 1.0]), torch.tensor([1.0, 8.0, 0.25, 2.0]), torch.tensor([0.5, 1, 2, 4.])
+    o = torch.tensor(offs, dtype=torch.int32)
+    y = cuda.grouped_gemm(a, sa, b, sb, o, torch.float32)
+    dx = cuda.grouped_gemm(dy, sg, b.transpose(1, 2), sb, o, torch.float32)  # the dgrad's transposed view
+    dw = cuda.grouped_gemm_wgrad(dy, sg, a, sa, o, torch.float32)
+    for e, lo, hi in _groups(offs):
+        af, dyf, bf = a[lo:hi].float() / sa[e], dy[lo:hi].float() / sg[e], b[e].float() / sb[e]
+        assert torch.equal(y[lo:hi], af @ bf.t()) and torch.equal(dx[lo:hi], dyf @ bf)
+        assert torch.equal(dw[e], dyf.t() @ af)  # zeros for an empty group
+    assert not y[offs[-1]:].any() and not dx[offs[-1]:].any()
+
+
+def test_cuda_path_calls_scaled_grouped_mm_three_times_without_sync_and_is_near_fp32(monkeypatch):
+    """The CUDA path of fp8_grouped_linear with ``torch._scaled_grouped_mm`` as on an sm90 GPU
+    (``pretend_cuda_gemms``: torch's meta function checks every call's layouts and scale shapes, the
+    result is the module's own emulation): three grouped GEMMs, no host sync, the same bits as the
+    fallback CPU tensors take; and against the fp32 autograd of the exact grouped matmul within the
+    bound of E4M3 operands (each within 2**-4 relative of its value, the E5M2 gradient too, cast to
+    E4M3 here): ``|g - ref| <= 2**-3 (|A| |B|^T) + 2**-8 |ref|`` (the second term: bf16 outputs)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_launches as gl
+
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    x, w, offs, dy = (t.bfloat16() if t.is_floating_point() else t for t in _data(15))
+
+    def run():
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = LIN(xx, ww, offs, False, [], [], [], *FP8)[0]
+        y.backward(dy)
+        return y, xx.grad, ww.grad
+
+    plain = run()
+    with gl.pretend_cuda_gemms(), gl.LaunchCounter() as c:
+        called = run()
+    assert c.syncs == {} and c.aten["aten._scaled_grouped_mm.default"] == 3
+    for u, v in zip(plain, called):
+        assert torch.equal(u, v)
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    ref = torch.cat([xr[lo:hi] @ wr[e].t() for e, lo, hi in _groups(OFFS)] + [xr.new_zeros(4, 48)])
+    ref.backward(dy.float())
+    y, dx, dw = (t.float() for t in plain)
+    for e, lo, hi in _groups(OFFS):
+        xe, we, ge = x[lo:hi].float(), w[e].float(), dy[lo:hi].float()
+        for got, want, bound in ((y[lo:hi], ref[lo:hi], xe.abs() @ we.abs().t()),
+                                 (dx[lo:hi], xr.grad[lo:hi], ge.abs() @ we.abs()),
+                                 (dw[e], wr.grad[e], ge.abs().t() @ xe.abs())):
+            assert ((got - want).abs() <= 2.0**-3 * bound + 2.0**-8 * want.abs() + 1e-30).all()
+    assert not dx[OFFS[-1]:].any()
+
+
+def test_gradient_format_of_the_grouped_ops_per_device(monkeypatch):
+    """CPU keeps the recipe's gradient format; the CUDA module's grouped GEMMs take E4M3 only, so an
+    E5M2 gradient is cast to E4M3 there (its delayed state records in E4M3 too); explain says so."""
+    from fp8pass.passes.explain import expert_grads_line
+    from fp8pass.runtime.grouped_casting import grad_format
+
+    cpu_t = torch.zeros(1)
+    assert grad_format("e5m2", cpu_t.device) == "e5m2"
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    assert [grad_format(f, cpu_t.device) for f in ("e5m2", "e4m3", "e4m3_gaudi", "identity")] == \
+        ["e4m3", "e4m3", "e4m3_gaudi", "identity"]
+    assert "on CUDA E4M3 per expert" in expert_grads_line("e5m2") and "takes E4M3 only" in expert_grads_line("e5m2")
+    assert expert_grads_line("e4m3") == "  grads: E4M3 per expert (CPU and CUDA)"
+    recipe = fp8pass.DelayedScaling(history_len=4)
+    x, w, offs, dy = _data(16)
+    w = w.clone().requires_grad_()
+    st = grouped_state_for(w, recipe)
+    LIN(x, w, offs, False, *st.op_args(), *FP8)[0].backward(dy)
+    for e, lo, hi in _groups(OFFS):  # the gradient's held scales are E4M3's (448 / amax), not E5M2's
+        alone = DelayedScalingState(recipe, E4M3)
+        alone.record(dy[lo:hi].abs().max() if hi > lo else torch.zeros(()))
+        assert st.grad_output.scale[e] == alone.scale

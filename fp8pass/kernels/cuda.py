@@ -9,11 +9,11 @@ take (two E5M2 operands, the identity testing format, empty dims, CPU tensors) g
 fallback: dequantize to fp32 and multiply there, correct for every shape, only slower. Never used
 on CPU.
 
-Grouped (MoE) GEMMs: the forward (E4M3 x E4M3) uses ``torch._scaled_grouped_mm`` where torch has it
-and the GPU takes it (sm90+, dims multiples of 16), with no host sync; otherwise, and for the
-backward GEMMs (E5M2 operands, which ``_scaled_grouped_mm`` does not take), a loop of
-:func:`gemm_tensor_scaled` per group, which reads the group offsets on the host (one sync per call).
-The per-row casts are eager torch math here (no Triton kernel yet).
+Grouped (MoE) GEMMs: all three (forward, dgrad, wgrad) are one ``torch._scaled_grouped_mm`` each
+where the GPU takes it (sm90+, E4M3 operands, dims multiples of 16; the gradient is cast to E4M3 for
+them, :func:`fp8pass.runtime.grouped_casting.grad_format`), else one :func:`grouped_mm_emulated` with
+the same arguments; neither reads the group offsets on the host. The per-row casts are eager torch
+math here (no Triton kernel yet).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .interface import Offers
 
 __all__ = ["OFFERS", "cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
            "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
-           "grouped_gemm_wgrad"]
+           "grouped_gemm_wgrad", "grouped_mm_emulated", "GROUP_ALIGN"]
 
 # Scales picked on the device inside the casts' launches, both layouts from one read; the GEMMs
 # (``_scaled_mm``) take the FP8 codes themselves.
@@ -166,43 +166,113 @@ def cast_rows(x2d, row_scale, fmt: Format, rounding="nearest", generator=None):
     return cpu._cast_rows_sr_math(x2d.contiguous(), row_scale, seed, fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype)
 
 
+# --- grouped (MoE) GEMMs ----------------------------------------------------------------------------
+# torch._scaled_grouped_mm (sm90+; the checks of _scaled_grouped_mm_cuda in Blas.cpp and of its meta
+# function) takes two E4M3 operands, bf16 out and fp32 DECODE scales given per row and per column:
+#   2d x 3d (forward, dgrad): a [S, K] row-major, b [E, K, N] column-major, offs the group ends along S,
+#       scale_a [S], scale_b [E, N]; out [S, N], rows past offs[-1] left unwritten;
+#   2d x 2d (wgrad): a [M, T] row-major, b [T, N] column-major, offs the group ends along T (the
+#       contraction), scale_a [E*M], scale_b [E*N]; out [E, M, N];
+#   a's last dim and both dims of b multiples of 16.
+# The scales here are per expert: the row and column vectors repeat each expert's decode scale.
+
+GROUP_ALIGN = 16  # wgrad groups start at multiples of 16 tokens: 16-byte aligned FP8 addresses for TMA
+
+
+def _grouped_mm_operands_ok(a, b, out_dtype) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` takes these operands, as they are passed to it (dtypes, dims)."""
+    return (a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and a.numel() > 0
+            and b.numel() > 0 and a.shape[-1] % 16 == 0 and b.shape[-2] % 16 == 0 and b.shape[-1] % 16 == 0)
+
+
 def _scaled_grouped_mm_ok(a, b, out_dtype) -> bool:
     return (hasattr(torch, "_scaled_grouped_mm") and a.is_cuda
-            and torch.cuda.get_device_capability(a.device) >= (9, 0)
-            and a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
-            and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0)
+            and torch.cuda.get_device_capability(a.device) >= (9, 0) and _grouped_mm_operands_ok(a, b, out_dtype))
+
+
+def grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype):
+    """What ``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs)`` computes (both layouts of the
+    table above), in torch ops on any device and with no host sync: per element the fp32 sum of the
+    operands' products, times its row's decode scale, times its column's, rounded once to ``out_dtype``.
+
+    Groups of data-dependent size are masks, not slices: every expert's GEMM runs over all rows (2d x 3d)
+    or all contraction columns (2d x 2d) with the others' entries zero, E times the kernel's work. It is
+    the fallback (CPU tensors, GPUs or shapes without the kernel) and the CPU tests' stand-in for the
+    kernel. Rows past ``offs[-1]`` come out 0 (2d x 3d).
+    """
+    experts = offs.numel()
+    expert = torch.arange(experts, device=a.device, dtype=offs.dtype)
+    along = a.shape[0] if b.dim() == 3 else a.shape[1]  # the grouped dim: rows of a, or the contraction
+    ids = torch.searchsorted(offs, torch.arange(along, device=a.device, dtype=offs.dtype), right=True)
+    mine = ids[None, :] == expert[:, None]  # [E, along]
+    av = a.float()
+    if b.dim() == 3:  # where(), not a product with the mask: a NaN of one group stays out of the others
+        acc = torch.bmm(torch.where(mine[:, :, None], av[None], 0.0), b.float()).sum(0)  # one non-zero term each
+        out = acc * scale_a[:, None] * scale_b[ids.clamp(max=experts - 1)]
+    else:
+        acc = torch.matmul(torch.where(mine[:, None, :], av[None], 0.0), b.float())  # [E, M, N]
+        out = acc * scale_a.view(experts, -1, 1) * scale_b.view(experts, 1, -1)
+    return out.to(out_dtype)
+
+
+def _grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+    if _scaled_grouped_mm_ok(a, b, out_dtype):
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+    return grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype)
+
+
+def _expert_of_rows(offs, rows):
+    """Expert of every row (E for rows past ``offs[-1]``)."""
+    return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
+
+
+def _repeated_inverse(scale, times):
+    """fp32 [E, times] contiguous: each expert's decode scale ``1 / scale[e]`` repeated (one launch)."""
+    return torch.reciprocal(scale.float()[:, None].expand(scale.shape[0], times))
 
 
 def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype):
-    """Per group ``(a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``: a [S, K], b [E, N, K]; rows past offs[-1] = 0."""
-    rows = torch.arange(a.shape[0], device=a.device)
-    if _scaled_grouped_mm_ok(a, b, out_dtype):
-        # Decode scales: one per row of a (its expert's), one per (expert, output column) of b.
-        ids = torch.searchsorted(offs, rows.to(offs.dtype), right=True).clamp(max=offs.numel() - 1)
-        inv_a = torch.reciprocal(a_scale.float())[ids].contiguous()
-        inv_b = torch.reciprocal(b_scale.float())[:, None].expand(b.shape[0], b.shape[1]).contiguous()
-        bt = b.contiguous().transpose(1, 2)  # [E, K, N], column-major as the kernel wants
-        out = torch._scaled_grouped_mm(a.contiguous(), bt, inv_a, inv_b, offs=offs, out_dtype=out_dtype)
-        return out.masked_fill((rows >= offs[-1])[:, None], 0)  # the kernel leaves those rows unwritten
-    out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    start = 0
-    # Fallback (no _scaled_grouped_mm: pre-sm_90, other dtypes or shapes): slicing groups of
-    # data-dependent size needs their offsets on the host, one sync per grouped GEMM.
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = gemm_tensor_scaled(a[start:end], a_scale[e], b[e], b_scale[e], out_dtype)
-        start = end
-    return out
+    """Per group ``(a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``: a [S, K], b [E, N, K] (any strides);
+    rows past offs[-1] = 0. One grouped GEMM (2d x 3d), no host sync."""
+    experts = b.shape[0]
+    ids = _expert_of_rows(offs, a.shape[0])
+    scale_a = torch.reciprocal(a_scale.float())[ids.clamp(max=experts - 1)]
+    scale_b = _repeated_inverse(b_scale, b.shape[1])
+    # [E, K, N] column-major: b [E, N, K] row-major (a copy only for a transposed view: dgrad, w_transposed)
+    b = b if b.is_contiguous() else b.clone(memory_format=torch.contiguous_format)
+    out = _grouped_mm(a.contiguous(), b.transpose(1, 2), scale_a, scale_b, offs, out_dtype)
+    return out.masked_fill((ids == experts)[:, None], 0)
+
+
+def _aligned_groups(offs, rows):
+    """The 2d x 2d GEMM's token layout: each group starting at a multiple of ``GROUP_ALIGN`` (zeros
+    between groups). Returns (int32 [E] group ends in it, int64 [rows] position of every row in it,
+    its width: a static bound, so the layout needs no host read of the group sizes; the group sizes)."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    gaps = torch.cumsum((-sizes) & (GROUP_ALIGN - 1), 0, dtype=offs.dtype)  # zeros added up to each group's end
+    shift = torch.cat([gaps.new_zeros(1), gaps])  # of each group's rows (rows past offs[-1]: the total)
+    where = torch.arange(rows, device=offs.device) + shift[_expert_of_rows(offs, rows)]
+    width = -(-(rows + (GROUP_ALIGN - 1) * offs.numel()) // GROUP_ALIGN) * GROUP_ALIGN
+    return offs + gaps, where, width, sizes
+
+
+def _scattered_transpose(x, where, width):
+    """``x.T`` [C, width] with row r of ``x`` [R, C] in column ``where[r]``, zeros elsewhere (zero codes
+    are 0.0 in both FP8 formats)."""
+    raw = x.view(torch.uint8) if x.element_size() == 1 else x  # index_copy_ of FP8 dtypes: as bytes
+    out = raw.new_zeros(x.shape[1], width).index_copy_(1, where, raw.t())
+    return out.view(x.dtype)
 
 
 def grouped_gemm_wgrad(a, a_scale, b, b_scale, offs, out_dtype):
-    """Per expert ``(a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N]."""
-    out = torch.zeros(offs.numel(), a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
-    start = 0
-    # One host read of the offsets per call (groups of data-dependent size are sliced on the host);
-    # the grouped-K form of _scaled_grouped_mm would avoid it and is not wired here yet.
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            out[e] = gemm_tensor_scaled(a[start:end].t(), a_scale[e], b[start:end].t(), b_scale[e], out_dtype)
-        start = end
-    return out
+    """Per expert ``(a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N] (rows
+    past offs[-1] left out). One grouped GEMM (2d x 2d, groups along the contraction), no host sync."""
+    experts = offs.numel()
+    ends, where, width, sizes = _aligned_groups(offs, a.shape[0])
+    mat_a = _scattered_transpose(a, where, width)  # [M, T] row-major
+    mat_b = _scattered_transpose(b, where, width).t()  # [T, N] column-major
+    scale_a = _repeated_inverse(a_scale, a.shape[1]).view(-1)
+    scale_b = _repeated_inverse(b_scale, b.shape[1]).view(-1)
+    out = _grouped_mm(mat_a, mat_b, scale_a, scale_b, ends, out_dtype)
+    # an expert without tokens gets 0, not whatever the kernel leaves for an empty contraction
+    return out.masked_fill((sizes == 0)[:, None, None], 0)

@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SwiGLUEntry", "ExpertsEntry", "Report", "expert_weights_outside_graphs", "graph_tensors", "OUTSIDE_GRAPHS"]
+from ..runtime.grouped_casting import scaled_grouped_mm_grad_format
+
+__all__ = ["SwiGLUEntry", "ExpertsEntry", "Report", "expert_weights_outside_graphs", "expert_grads_line", "graph_tensors",
+           "OUTSIDE_GRAPHS"]
 
 OUTSIDE_GRAPHS = ("3-D expert weight that no graph takes: the code using it ran between graphs, in high precision "
                   "(a per-expert loop over data-dependent expert ids breaks the graph, e.g. transformers' eager "
@@ -115,6 +118,7 @@ class Report:
             lines += _table(["variant", "module", "weights"],
                             [[e.variant, e.module, ", ".join(w.rsplit(".", 1)[-1] for w in e.weights)]
                              for e in self.experts])
+            lines.append(expert_grads_line(getattr(self.config, "bwd_format", "e5m2")))
         if self.linears:
             lines += ["", f"{kind} linears (weight FQN):"]
             lines += ["  " + f for f in self.linears]
@@ -129,6 +133,15 @@ class Report:
     def __repr__(self) -> str:
         return (f"Report(swiglus={len(self.swiglus)}, experts={len(self.experts)}, linears={len(self.linears)}, "
                 f"skipped={len(self.skipped)}, graph_breaks={len(self.graph_breaks)})")
+
+
+def expert_grads_line(bwd_format: str) -> str:
+    """Which gradient format the expert stacks' grouped GEMMs take, per device."""
+    cuda = scaled_grouped_mm_grad_format(bwd_format)
+    if cuda == bwd_format:
+        return f"  grads: {bwd_format.upper()} per expert (CPU and CUDA)"
+    return (f"  grads: {bwd_format.upper()} per expert on CPU; on CUDA {cuda.upper()} per expert, scales passed "
+            f"row-wise (torch._scaled_grouped_mm takes E4M3 only)")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -5,8 +5,9 @@ rows past ``offs[-1]`` are padding) are cast with one scale per expert from thei
 (:func:`cast_grouped_rows`; an empty group has amax 0 and scale 1, padding rows scale 1); stacked expert
 weights [E, ...] likewise (:func:`cast_experts`). Delayed scaling reads a stack of E states per role
 (history [E, H], scale [E], ...); an expert whose history is still empty casts with its current amax's
-scale (``torch.where``, no host sync). On CPU the cast loop can also write the GEMM operand (the codes'
-values in the GEMM dtype) so it is not upcast in a second pass.
+scale (``torch.where``, no host sync). On CUDA the gradient is E4M3 (:func:`grad_format`). On CPU the
+cast loop can also write the GEMM operand (the codes' values in the GEMM dtype) so it is not upcast in a
+second pass.
 """
 
 from __future__ import annotations
@@ -15,13 +16,30 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import Format, scale_from_amax
+from ..numerics import Format, get_format, scale_from_amax
 from ..numerics.scaling import scale_to_cast
 from .. import kernels
 from ..kernels import cpu
 
-__all__ = ["group_ids", "group_amax", "expert_scales", "GroupedOperand", "gemm_up", "with_ones", "cast_grouped_rows",
-           "cast_experts", "held_scales"]
+__all__ = ["grad_format", "scaled_grouped_mm_grad_format", "group_ids", "group_amax", "expert_scales", "GroupedOperand", "gemm_up", "with_ones",
+           "cast_grouped_rows", "cast_experts", "held_scales"]
+
+
+def grad_format(bwd_format: str, device) -> str:
+    """The format the gradient of a grouped op is cast to on ``device``: the recipe's where the grouped
+    GEMMs take upcast codes (CPU), :func:`scaled_grouped_mm_grad_format` where they take the FP8 codes
+    themselves (CUDA: ``torch._scaled_grouped_mm``). Its delayed-scaling state records in this format."""
+    if kernels.for_device(device).OFFERS.upcast_gemm_operands:
+        return bwd_format
+    return scaled_grouped_mm_grad_format(bwd_format)
+
+
+def scaled_grouped_mm_grad_format(bwd_format: str) -> str:
+    """``torch._scaled_grouped_mm`` takes E4M3 operands only: an E5M2 gradient is cast to E4M3 instead,
+    with the same per-expert scales (given to the GEMM row-wise); E4M3 formats and identity stay."""
+    if bwd_format == "identity" or get_format(bwd_format).torch_dtype == torch.float8_e4m3fn:
+        return bwd_format
+    return "e4m3"
 
 
 def group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:

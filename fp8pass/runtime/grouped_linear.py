@@ -21,23 +21,26 @@ this CPU's bf16 matmul is native, :func:`fp8pass.kernels.cpu.gemm_dtype`), each 
 its input's dtype, and autocast is off inside the op (:func:`~.op_schema.knob_op`).
 
 Kernels (:mod:`fp8pass.kernels`): CPU = compiled per-row casts + one GEMM per group on the
-upcast codes; CUDA = ``torch._scaled_grouped_mm`` for the forward where available, else a
-``torch._scaled_mm`` loop. The GLU tail of an expert MLP is :mod:`.grouped_swiglu`.
+upcast codes; CUDA = one ``torch._scaled_grouped_mm`` per GEMM (forward, dgrad, wgrad; E4M3 gradients,
+:func:`.grouped_casting.grad_format`) where available, else its sync-free emulation; no host sync.
+The GLU tail of an expert MLP is :mod:`.grouped_swiglu`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..numerics import DelayedScalingState
 from .. import kernels
 from .casting import as_bytes, from_bytes, resolve_format
-from .grouped_casting import cast_experts, cast_grouped_rows, group_ids
+from .grouped_casting import cast_experts, cast_grouped_rows, grad_format, group_ids
 from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax
 from .op_schema import GroupedLinearKnobs, knob_op
 
-__all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "check_grouped_tensors", "check_grouped_linear_args",
-           "out_features", "fwd_b", "dgrad_b", "wgrad"]
+__all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "record_grouped_grad_amax", "check_grouped_tensors",
+           "check_grouped_linear_args", "out_features", "fwd_b", "dgrad_b", "wgrad"]
 
 
 def check_grouped_knobs(k: GroupedLinearKnobs) -> None:
@@ -102,6 +105,11 @@ def wgrad(kern, xo_data, xo_scale, go_data, go_scale, offs, w_transposed, out_dt
     return kern.grouped_gemm_wgrad(go_data, go_scale, xo_data, xo_scale, offs, out_dtype)
 
 
+def record_grouped_grad_amax(g_state, g_amax, k) -> None:
+    """The backward's record of the gradient's [E] amax, in the format the gradient was cast to."""
+    record_grad_amax(g_state, g_amax, dataclasses.replace(k, bwd_format=grad_format(k.bwd_format, g_amax.device)))
+
+
 def _knobs(args) -> GroupedLinearKnobs:
     return GroupedLinearKnobs.of(args, check_grouped_knobs)
 
@@ -151,7 +159,7 @@ def fp8_grouped_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, offs, g
     round to the forward's compute dtype, then each gradient takes its input's dtype (as autocast's
     backward does)."""
     k = _knobs(knobs)
-    fmt = resolve_format(k.bwd_format)
+    fmt = resolve_format(grad_format(k.bwd_format, dy.device))
     x_data = from_bytes(x_data, resolve_format(k.fwd_format))
     w_data = from_bytes(w_data, resolve_format(k.fwd_format))
     dt = compute_dtype(k, x_dtype)
@@ -190,7 +198,7 @@ def _backward(ctx, dy, *unused):
                               dtype=compute_dtype(k, ctx.x_dtype))
     dx, dw, g_amax = torch.ops.fp8pass.fp8_grouped_linear_backward(
         dy, *ctx.saved_tensors, ctx.g_state, ctx.w_transposed, ctx.x_dtype, ctx.w_dtype, *k.args())
-    record_grad_amax(ctx.g_state, g_amax, k)
+    record_grouped_grad_amax(ctx.g_state, g_amax, k)
     nx, nw, ng = ctx.n_states
     return (dx, dw, None, None, [None] * nx, [None] * nw, [None] * ng) + GroupedLinearKnobs.no_grads()
 

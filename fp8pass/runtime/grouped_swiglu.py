@@ -23,13 +23,13 @@ import torch
 
 from .. import kernels
 from .casting import as_bytes, from_bytes, resolve_format
-from .grouped_casting import cast_experts, cast_grouped_rows, group_ids, with_ones
+from .grouped_casting import cast_experts, cast_grouped_rows, grad_format, group_ids, with_ones
 from .grouped_glu_cpu import (cpu_fast, fused_glu_operand, fused_smoothed_weight_operand, glu_backward_rows,
                               glu_backward_rows_joined, scaled_values, times)
 from .grouped_linear import (check_grouped_knobs, check_grouped_tensors, check_states, dgrad_b, fwd_b, out_features,
-                             wgrad)
+                             record_grouped_grad_amax, wgrad)
 from ..kernels import cpu
-from .linear import compute_dtype, record_grad_amax
+from .linear import compute_dtype
 from .op_schema import GroupedGLUKnobs, knob_op
 from .swiglu import (ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math, channel_scales,
                      swiglu_operand)
@@ -171,7 +171,7 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     fused = up is None
     gate, up = halves(gate, up)
     dt = compute_dtype(k, gate.dtype)
-    fmt = resolve_format(k.bwd_format)
+    fmt = resolve_format(grad_format(k.bwd_format, dy.device))
     fwd_fmt = resolve_format(k.fwd_format)
     a_data = from_bytes(a_data, fwd_fmt)
     b_data = from_bytes(b_data, fwd_fmt)
@@ -236,7 +236,7 @@ def _backward(ctx, dy, *unused):
                             dtype=compute_dtype(k, gate.dtype))
     dgate, dup, dw, g_amax = torch.ops.fp8pass.fp8_grouped_swiglu_down_backward(
         dy, *ctx.saved_tensors, ctx.g_state, ctx.w_transposed, ctx.w_dtype, *k.args())
-    record_grad_amax(ctx.g_state, g_amax, k)
+    record_grouped_grad_amax(ctx.g_state, g_amax, k)
     na, nb, ng = ctx.n_states
     return (dgate, None if up is None else dup, dw, None, None, [None] * na, [None] * nb, [None] * ng) + \
         GroupedGLUKnobs.no_grads()
