@@ -57,3 +57,14 @@ def test_the_ops_accumulate_their_forward_gemm_fast(monkeypatch):
 def test_config_checks_fast_accum():
     with pytest.raises(ValueError, match="Config.fast_accum must be True or False, got .yes."):
         fp8pass.Config(fast_accum="yes")
+
+
+@pytest.mark.parametrize("case", ["fp8_linear delayed", "fp8_linear current", "swiglu_mlp channel"])
+def test_gemm_operands_are_cast_in_the_layout_scaled_mm_takes(case):
+    """The casts write each GEMM operand in the layout ``_scaled_mm`` takes (A row-major, B column-major:
+    the transpose-cast's second copy), so no copy or transpose kernel runs between a cast and its GEMM."""
+    counted = gl.count(case)
+    copies = {op: n for op, n in counted.aten.items()
+              if any(k in op for k in ("clone", "copy", "contiguous", "_to_copy", "transpose", "permute"))}
+    assert copies == {}
+    assert counted.aten["aten._scaled_mm.default"] == (3 if case.startswith("fp8_linear") else 9)
