@@ -103,30 +103,36 @@ def cases():
                      SR4=mode == 0 and tile[1] % 4 == 0)
             out.append((f"tiles {fmt.name} {tile} mode={mode}", tf._quantize_tiles_kernel, sig, c,
                         triton.Config({}, num_warps=tf._tile_warps(tile, fmt.packed))))
-    for transpose, stochastic, conditional, delayed in (
-            (False, False, False, False), (True, False, False, False), (True, True, False, False),
-            (True, False, True, False), (False, True, True, False), (True, False, False, True),
-            (True, True, False, True)):
+    for transpose, stochastic, conditional, delayed, divide in (
+            (False, False, False, False, None), (True, False, False, False, None), (True, True, False, False, None),
+            (True, False, True, False, None), (False, True, True, False, None), (True, False, False, True, None),
+            (True, True, False, True, None), (False, False, False, False, "bf16"),
+            (False, False, False, False, "fp32")):
         for cfg in tk._prune_tile_configs(_configs(tk._transpose_cast_kernel), {}, STOCHASTIC=stochastic):
-            sig = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_ptr": "*fp32",
-                   "seed_ptr": "*i64", "flag_ptr": "*i32", "R": "i32", "C": "i32", "r_class": "i32", "c_class": "i32",
-                   "counter_ptr": "*i32", **{k: v for k, v in _EPILOGUE_SIG.items() if k != "held_ptr"}}
+            sig = {"x_ptr": f"*{divide or 'bf16'}", "scale_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8",
+                   "amax_ptr": "*fp32", "seed_ptr": "*i64", "flag_ptr": "*i32", "div_ptr": "*fp32", "R": "i32",
+                   "C": "i32", "r_class": "i32", "c_class": "i32", "counter_ptr": "*i32",
+                   **{k: v for k, v in _EPILOGUE_SIG.items() if k != "held_ptr"}}
             c = dict(TRANSPOSE=transpose, STOCHASTIC=stochastic, CONDITIONAL=conditional, **tk._fmt_kw(E4M3),
                      **cfg.kwargs, HW=_hw(E4M3), SR4=stochastic)
             # the last program's scale epilogue (cuda.cast_delayed), or its off defaults (named: triton 3.9's
             # ahead-of-time compile does not fill in defaulted constexprs)
             c.update(DELAYED=delayed, N_INVERT=2 if delayed else 0, TARGET=448.0, FMT_MAX=448.0,
-                     MAX_SCALE_C=MAX_SCALE, HUGE=2.0**64, POW2=False, NAN_SCALE=False, RBLOCK=1024)
+                     MAX_SCALE_C=MAX_SCALE, HUGE=2.0**64, POW2=False, NAN_SCALE=False, RBLOCK=1024,
+                     DIVIDE=divide is not None)
             out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional}"
-                        + (" delayed" if delayed else "") + f" {cfg.kwargs}", tk._transpose_cast_kernel, sig, c, cfg))
-    for mode in (0, 1, 2):
+                        + (" delayed" if delayed else "") + (f" divide {divide}" if divide else "")
+                        + f" {cfg.kwargs}", tk._transpose_cast_kernel, sig, c, cfg))
+    for mode, inputs in ((0, False), (1, False), (2, False), (1, True)):
         sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "c_ptr": "*fp32", "r_ptr": "*fp32", "scale_ptr": "*fp32",
-               "out_ptr": "*u8", "amax_ptr": "*fp32", "T": "i32", "F": "i32"}
-        out.append((f"swiglu_cast mode={mode}", tk._swiglu_cast_kernel, sig,
-                    dict(MODE=mode, STORE=True, BT=32, BF=64, **tk._fmt_kw(E4M3), HW=1), None))
-    out.append(("swiglu_colamax", tk._swiglu_colamax_kernel,
-                {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "F": "i32"}, dict(BT=32, BF=64),
-                None))
+               "out_ptr": "*u8", "amax_ptr": "*fp32", "g_scale_ptr": "*fp32", "u_scale_ptr": "*fp32",
+               "g_out_ptr": "*u8", "u_out_ptr": "*u8", "T": "i32", "F": "i32"}
+        out.append((f"swiglu_cast mode={mode}" + (" inputs" if inputs else ""), tk._swiglu_cast_kernel, sig,
+                    dict(MODE=mode, STORE=True, BT=32, BF=64, **tk._fmt_kw(E4M3), HW=1, INPUTS=inputs), None))
+    for input_max in (False, True):
+        out.append(("swiglu_colamax" + (" input_max" if input_max else ""), tk._swiglu_colamax_kernel,
+                    {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*fp32", "gu_ptr": "*fp32", "T": "i32",
+                     "F": "i32"}, dict(BT=32, BF=64, INPUT_MAX=input_max), None))
     out.extend(_scaling_cases())
     for mf, vf, block in (("e4m3", "e5m2", 128), ("e5m2", "e4m3", 128), ("bf16", "fp32", 128),
                           ("e4m3", "e5m2", 8192)):
@@ -182,14 +188,24 @@ def _scaling_cases():
         out.append((f"record direct={n_direct} max={algo_max}", tsc._record_kernel, sig,
                     dict(N_DIRECT=n_direct, ALGO_MAX=algo_max, OVERFLOW=OVERFLOW_FACTOR, NO_PENDING_C=NO_PENDING,
                          BH=16, **{k: v for k, v in fmt.items() if k != "FMT_MAX"}, FMT_MAX=448.0), None))
-    out.append(("channel_scales", tsc._channel_scales_kernel, {"part_ptr": f32, "rows": "i32", "F": "i32",
-                                                               "c_ptr": f32},
-                dict(C_MIN=2.0**-64, C_MAX=2.0**64, BR=16, BF=128), None))
-    for smooth in (0, 1, 2):
+    for scales, with_b, delayed in ((False, False, False), (True, False, False), (True, True, False),
+                                    (True, True, True)):
+        sig = {"part_ptr": f32, "rows": "i32", "F": "i32", "c_ptr": f32, "gu_ptr": f32, "n_gu": "i32",
+               "w_ptr": "*bf16", "N": "i32", "prog_max_ptr": f32, "counter_ptr": "*i32",
+               **{k: epilogue[k] for k in ("held_ptr", "steps_ptr", "skipped_ptr", "guard_ptr", "amax_out",
+                                           "scale_out", "inv_out", "recast_out")},
+               "b_amax_out": f32, "b_scale_out": f32, "b_inv_out": f32, "g_scale_out": f32, "u_scale_out": f32}
+        c = dict(C_MIN=2.0**-64, C_MAX=2.0**64, BR=16, BF=128, SCALES=scales, WITH_B=with_b, DELAYED=delayed,
+                 G_TARGET=448.0, GBLOCK=tsc._PARTIALS_BLOCK, RBLOCK=1024,
+                 **{k: v for k, v in fmt.items() if k != "FMT_MAX"}, FMT_MAX=448.0)
+        out.append((f"channel_scales scales={scales} w={with_b} delayed={delayed}", tsc._channel_scales_kernel,
+                    sig, c, None))
+    for smooth, unsmooth_w in ((0, False), (1, False), (2, False), (1, True)):
         sig = {"da_ptr": "*bf16", "g_ptr": "*u8", "u_ptr": "*u8", "lut_ptr": f32, "g_scale_ptr": f32,
-               "u_scale_ptr": f32, "s_ptr": f32, "dg_ptr": "*bf16", "du_ptr": "*bf16", "T": "i32", "F": "i32"}
-        out.append((f"swiglu_backward smooth={smooth}", tg._swiglu_backward_kernel, sig,
-                    dict(SMOOTH=smooth, BT=32, BF=64), None))
+               "u_scale_ptr": f32, "s_ptr": f32, "dg_ptr": "*bf16", "du_ptr": "*bf16", "db_ptr": "*bf16",
+               "dw_ptr": "*bf16", "T": "i32", "F": "i32", "N": "i32"}
+        out.append((f"swiglu_backward smooth={smooth}" + (" unsmooth_w" if unsmooth_w else ""),
+                    tg._swiglu_backward_kernel, sig, dict(SMOOTH=smooth, BT=32, BF=64, UNSMOOTH_W=unsmooth_w), None))
     return out
 
 

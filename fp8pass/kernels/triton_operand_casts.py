@@ -1,14 +1,17 @@
 """Triton kernels of the runtime ops (GPU; on CPU tensors they run under ``TRITON_INTERPRET=1``).
 
 =============================  ===========================================================================
-``_swiglu_colamax_kernel``     per-tile column max of ``|silu(gate) * up|`` (channel smoothing's input)
+``_swiglu_colamax_kernel``     per-tile column max of ``|silu(gate) * up|`` (channel smoothing's input);
+                               ``INPUT_MAX``: per-tile max ``|gate|`` and ``|up|`` from the same read
 ``_swiglu_cast_kernel``        one read of gate/up: ``A`` = ``silu(g)*u`` (``*c[col]`` channel,
                                ``silu(g)*(u/r[row])`` token), per-tile max ``|A|``, E4M3 codes of
-                               ``A * s`` (one write, 1 byte/element)
+                               ``A * s`` (one write, 1 byte/element); ``INPUTS``: the codes of the saved
+                               gate and up copies too (exact: ``saturating_cast(g * s_g)``)
 ``_transpose_cast_kernel``     one read of ``x``: codes of ``x * s`` (nearest or stochastic) in both layouts
                                (``[R, C]`` and ``[C, R]``; the transposed copy is the wgrad / dgrad GEMM
                                operand that ``_scaled_mm`` wants column-major) and per-tile max ``|x|``;
-                               conditionally (a device flag) as the recast of a delayed-scaled cast
+                               conditionally (a device flag) as the recast of a delayed-scaled cast;
+                               ``DIVIDE``: of ``x / d[col]`` (``W_down / c``, exact as torch divides)
 =============================  ===========================================================================
 
 Codes come from ``cast_codes`` of ``fp8pass.kernels.triton_family``, the one in-kernel cast: on
@@ -56,9 +59,10 @@ from .triton_helpers import (  # the one exact in-kernel cast, shared tuning hel
     size_class,
 )
 from . import triton_scaling
-from .triton_scaling import max_of_uncached, scale_epilogue  # the scale a delayed cast's last program picks
+# the scale a delayed cast's last program picks; W_down / c divided in the cast
+from .triton_scaling import divided_in, max_of_uncached, reciprocal_rn, scale_epilogue
 
-__all__ = ["swiglu_colamax", "swiglu_amax", "swiglu_cast", "transpose_cast", "MODES"]
+__all__ = ["swiglu_colamax", "swiglu_amax", "swiglu_cast", "swiglu_cast_with_inputs", "transpose_cast", "MODES"]
 
 MODES = {"none": 0, "channel": 1, "token": 2}
 
@@ -70,8 +74,10 @@ def _silu(g):
 
 
 @triton.jit
-def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, T, F, BT: tl.constexpr, BF: tl.constexpr):
-    """out[pid_t, col] = max over this tile's rows of |silu(g) * u| (NaN-propagating)."""
+def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, gu_ptr, T, F, BT: tl.constexpr, BF: tl.constexpr,
+                           INPUT_MAX: tl.constexpr = False):
+    """out[pid_t, col] = max over this tile's rows of |silu(g) * u| (NaN-propagating); INPUT_MAX: also
+    max |g| and max |u| of the tile at ``gu[tile]`` and ``gu[tiles + tile]`` (the saved copies' amaxes)."""
     pid_t, pid_f = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_t * BT + tl.arange(0, BT)
     cols = pid_f * BF + tl.arange(0, BF)
@@ -84,14 +90,21 @@ def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, T, F, BT: tl.constexpr, BF: tl
     nan = tl.max((h != h).to(tl.int32), axis=0)
     m = tl.where(nan > 0, float("nan"), m)
     tl.store(out_ptr + pid_t * F + cols, m, mask=cols < F)
+    if INPUT_MAX:
+        tile = pid_t * tl.num_programs(1) + pid_f
+        tl.store(gu_ptr + tile, abs_max_2d(g))
+        tl.store(gu_ptr + tl.num_programs(0) * tl.num_programs(1) + tile, abs_max_2d(u))
 
 
 @triton.jit
-def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr, T, F,
+def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr, g_scale_ptr, u_scale_ptr,
+                        g_out_ptr, u_out_ptr, T, F,
                         MODE: tl.constexpr, STORE: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr,
                         MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
-                        NAN_CODE: tl.constexpr, HW: tl.constexpr = 0):
-    """A tile of the down GEMM operand: A, max |A| (per program) and, if STORE, codes of A * scale."""
+                        NAN_CODE: tl.constexpr, HW: tl.constexpr = 0, INPUTS: tl.constexpr = False):
+    """A tile of the down GEMM operand: A, max |A| (per program) and, if STORE, codes of A * scale;
+    INPUTS (with STORE): also the codes of ``g * g_scale`` and ``u * u_scale`` (the saved copies of gate
+    and up, from the same read: what ``transpose_cast`` of each gives)."""
     pid_t, pid_f = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_t * BT + tl.arange(0, BT)
     cols = pid_f * BF + tl.arange(0, BF)
@@ -112,6 +125,11 @@ def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr
         s = tl.load(scale_ptr)
         code = cast_codes(a * s, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
+        if INPUTS:
+            g_code = cast_codes(g * tl.load(g_scale_ptr), 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
+            tl.store(g_out_ptr + offs, g_code.to(tl.uint8), mask=mask)
+            u_code = cast_codes(u * tl.load(u_scale_ptr), 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
+            tl.store(u_out_ptr + offs, u_code.to(tl.uint8), mask=mask)
 
 
 # Tiles of 2-8K elements, 16-32 per thread (64 x 64 on 4 warps spills unaligned with triton 3.6). A
@@ -134,10 +152,10 @@ def _max_programs(r: int, c: int) -> int:
     return max(triton.cdiv(r, k.kwargs["BR"]) * triton.cdiv(c, k.kwargs["BC"]) for k in _TILE_CONFIGS + [_TILE_INTERPRET])
 
 
-@autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE", "STOCHASTIC", "CONDITIONAL", "DELAYED"],
+@autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE", "STOCHASTIC", "CONDITIONAL", "DELAYED", "DIVIDE"],
           interpret=_TILE_INTERPRET, prune_configs_by={"early_config_prune": _prune_tile_configs})
 @triton.jit
-def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_ptr, flag_ptr, R, C, r_class,
+def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_ptr, flag_ptr, div_ptr, R, C, r_class,
                            c_class, counter_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out,
                            scale_out, inv_out, recast_out, inv0_out, inv1_out,
                            TRANSPOSE: tl.constexpr, STOCHASTIC: tl.constexpr, CONDITIONAL: tl.constexpr,
@@ -145,7 +163,8 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
                            BR: tl.constexpr, BC: tl.constexpr, HW: tl.constexpr = 0, SR4: tl.constexpr = False,
                            DELAYED: tl.constexpr = False, N_INVERT: tl.constexpr = 0, TARGET: tl.constexpr = 1.0,
                            FMT_MAX: tl.constexpr = 1.0, MAX_SCALE_C: tl.constexpr = 1.0, HUGE: tl.constexpr = 1.0,
-                           POW2: tl.constexpr = False, NAN_SCALE: tl.constexpr = False, RBLOCK: tl.constexpr = 1024):
+                           POW2: tl.constexpr = False, NAN_SCALE: tl.constexpr = False, RBLOCK: tl.constexpr = 1024,
+                           DIVIDE: tl.constexpr = False):
     """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile.
 
     ``code = cast(x * s)`` (``cast_codes``; HW: the hardware RNE conversion), reference
@@ -159,6 +178,8 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
     its tile's max last (an acquire-release arrival counter, reset by it) reduces every tile's max
     and runs ``triton_scaling.scale_epilogue``: the amax, the scale the cast should have used
     (``scale_to_cast``), its decode scale, the recast flag, ``1 / inv_in``; one launch less per cast.
+    DIVIDE: ``x`` is ``x / div[c]`` as torch divides in x's dtype (fp32 or bf16; ``div`` powers of two:
+    ``triton_scaling.divided_in``): Smooth-SwiGLU's ``B = W_down / c`` cast without writing ``B`` out first.
     """
     pid_r, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_r * BR + tl.arange(0, BR)
@@ -169,6 +190,9 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
     mask = (rows[:, None] < r_end) & (cols[None, :] < C)
     mask_t = (cols[:, None] < C) & (rows[None, :] < r_end)
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if DIVIDE:
+        inv = reciprocal_rn(tl.load(div_ptr + cols, mask=cols < C, other=1.0))
+        x = divided_in(x, inv[None, :], x_ptr.dtype.element_ty)
     if not CONDITIONAL:
         tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, abs_max_2d(x))
         if DELAYED:
@@ -209,17 +233,25 @@ def _reduce_amax(partial: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_colamax(gate2d: torch.Tensor, up2d: torch.Tensor, bt: int = 32, bf: int = 64,
-                   partials: bool = False) -> torch.Tensor:
+                   partials: bool = False, input_maxima: bool = False):
     """fp32 [F]: max over tokens of ``|silu(gate) * up|`` per channel; with ``partials`` the per-tile
-    maxima [token tiles, F] instead (``triton_scaling.channel_scales`` reduces them)."""
+    maxima [token tiles, F] instead (``triton_scaling.channel_scales`` reduces them). ``input_maxima``
+    (with ``partials``, T and F > 0): returns ``(partials, maxima)``, ``maxima`` fp32 [2, tiles] the
+    per-tile max ``|gate|`` and ``|up|`` from the same read (``triton_scaling.smooth_scales``)."""
     t, f = gate2d.shape
     check_interpretable(gate2d.device)
     nt = triton.cdiv(t, bt)
     part = torch.empty(max(nt, 1), f, dtype=torch.float32, device=gate2d.device)
-    if t == 0:
-        return part.zero_()[0]
-    _swiglu_colamax_kernel[(nt, triton.cdiv(f, bf))](gate2d.contiguous(), up2d.contiguous(), part, t, f,
-                                                     BT=bt, BF=bf)
+    if input_maxima and not (partials and t and f):
+        raise ValueError("swiglu_colamax: input_maxima needs partials and a non-empty input")
+    if t == 0:  # no tokens: column maxima 0 (channel scales 1)
+        return part.zero_() if partials else part.zero_()[0]
+    grid = (nt, triton.cdiv(f, bf))
+    maxima = torch.empty(2, grid[0] * grid[1], dtype=torch.float32, device=gate2d.device) if input_maxima else part
+    _swiglu_colamax_kernel[grid](gate2d.contiguous(), up2d.contiguous(), part, maxima, t, f, BT=bt, BF=bf,
+                                 INPUT_MAX=input_maxima)
+    if input_maxima:
+        return part, maxima
     return part if partials else part.amax(0)  # amax propagates NaN: no host synchronisation needed
 
 
@@ -255,12 +287,41 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
         zero = torch.zeros((), dtype=torch.float32, device=g.device)
         return out, zero, scale if scale is not None else torch.ones_like(zero)
     kw = dict(MODE=MODES[mode], BT=bt, BF=bf, **_fmt_kw(fmt), HW=hardware_cast(g.device, fmt))
+    unused = (dummy, dummy, out.view(torch.uint8), out.view(torch.uint8))
     if scale is None:
-        _swiglu_cast_kernel[grid](g, u, c, r, dummy, out.view(torch.uint8), part, t, f, STORE=False, **kw)
+        _swiglu_cast_kernel[grid](g, u, c, r, dummy, out.view(torch.uint8), part, *unused, t, f, STORE=False, **kw)
         scale = scale_from_amax(_reduce_amax(part), fmt)
     scale = scale.to(torch.float32).reshape(1).contiguous()
-    _swiglu_cast_kernel[grid](g, u, c, r, scale, out.view(torch.uint8), part, t, f, STORE=True, **kw)
+    _swiglu_cast_kernel[grid](g, u, c, r, scale, out.view(torch.uint8), part, *unused, t, f, STORE=True, **kw)
     return out, _reduce_amax(part) if want_amax else None, scale.reshape(())
+
+
+def swiglu_cast_with_inputs(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor,
+                            smooth_scales: torch.Tensor | None, gate_scale: torch.Tensor, up_scale: torch.Tensor,
+                            bt: int = 32, bf: int = 64):
+    """Codes of ``A`` (:func:`swiglu_cast` with a given ``scale``) and of the saved copies of gate and up,
+    ``saturating_cast(gate * gate_scale)`` and ``saturating_cast(up * up_scale)`` (``fmt``; fp32 scalar
+    scales), in one read of gate and up and one launch (T and F > 0).
+
+    Returns:
+        (codes of A, codes of gate, codes of up), each [T, F].
+    """
+    t, f = gate2d.shape
+    if not (t and f):
+        raise ValueError("swiglu_cast_with_inputs needs a non-empty [T, F] input")
+    check_interpretable(gate2d.device)
+    g, u = gate2d.contiguous(), up2d.contiguous()
+    dummy = _unread(g.device)
+    c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
+    r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
+    grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
+    out, g_out, u_out = (torch.empty(t, f, dtype=fmt.torch_dtype, device=g.device) for _ in range(3))
+    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)  # written, not read
+    scales = [x.to(torch.float32).reshape(1).contiguous() for x in (scale, gate_scale, up_scale)]
+    _swiglu_cast_kernel[grid](g, u, c, r, scales[0], out.view(torch.uint8), part, scales[1], scales[2],
+                              g_out.view(torch.uint8), u_out.view(torch.uint8), t, f, MODE=MODES[mode], STORE=True,
+                              BT=bt, BF=bf, **_fmt_kw(fmt), HW=hardware_cast(g.device, fmt), INPUTS=True)
+    return out, g_out, u_out
 
 
 def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = None, bt: int = 32,
@@ -279,8 +340,8 @@ def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = No
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)
     out = torch.empty(1, dtype=torch.uint8, device=g.device)
     from ..numerics import E4M3
-    _swiglu_cast_kernel[grid](g, u, c, r, dummy, out, part, t, f, MODE=MODES[mode], STORE=False, BT=bt, BF=bf,
-                              **_fmt_kw(E4M3))
+    _swiglu_cast_kernel[grid](g, u, c, r, dummy, out, part, dummy, dummy, out, out, t, f, MODE=MODES[mode],
+                              STORE=False, BT=bt, BF=bf, **_fmt_kw(E4M3))
     return part if partials else _reduce_amax(part)
 
 
@@ -296,7 +357,7 @@ def _unread(device: torch.device) -> torch.Tensor:
 
 def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpose: bool = True,
                    rounding: str = "nearest", only_if: torch.Tensor | None = None, out=None,
-                   partials: bool = False, delayed: tuple | None = None):
+                   partials: bool = False, delayed: tuple | None = None, divisor: torch.Tensor | None = None):
     """``(codes [R, C], codes [C, R] or None, max |x|)`` of ``saturating_cast(x * scale)``, one read of x.
 
     Args:
@@ -309,9 +370,15 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
         delayed: ``(state, margin, power_of_two, invert)``: ``scale`` is the state's held scale and the
             kernel's last program also computes the scale to cast with (see the kernel's DELAYED);
             returns a ``triton_scaling.OperandScale`` in place of the amax.
+        divisor: fp32 [C] powers of two: cast (and take the amax of) ``x / divisor`` (columns divided, in
+            x's dtype as torch divides; x fp32 or bf16) instead of ``x``: ``W_down / c`` without writing it
+            out. (Another divisor gets ``x * (1 / divisor)``, not the quotient.)
     """
     r, c = x2d.shape
     x = x2d.contiguous()
+    if divisor is not None and (x.dtype not in (torch.float32, torch.bfloat16) or divisor.numel() != c):
+        raise ValueError(f"transpose_cast: a divisor needs an fp32 or bf16 x and one value per column, got "
+                         f"{x.dtype} {tuple(x.shape)} and {tuple(divisor.shape)}")
     if out is not None:
         out, out_t = out
         out_t = out_t if out_t is not None else torch.empty(0, r, dtype=fmt.torch_dtype, device=x.device)
@@ -337,10 +404,11 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
     else:
         sc, epi, epi_consts, counter = None, [s] * 11, {}, s
     _transpose_cast_kernel[lambda meta: (triton.cdiv(r, meta["BR"]), triton.cdiv(c, meta["BC"]))](
-        x, s, out.view(torch.uint8), out_t.view(torch.uint8), part, seed, flag, r, c, size_class(r), size_class(c),
-        counter, *epi, TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic", CONDITIONAL=only_if is not None,
-        **_fmt_kw(fmt), HW=hardware_cast(x.device, fmt), SR4=c % 4 == 0, **epi_consts,
-        RBLOCK=triton.next_power_of_2(min(_max_programs(r, c), 1024)))
+        x, s, out.view(torch.uint8), out_t.view(torch.uint8), part, seed, flag,
+        s if divisor is None else divisor.to(torch.float32).reshape(-1).contiguous(), r, c, size_class(r),
+        size_class(c), counter, *epi, TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic",
+        CONDITIONAL=only_if is not None, **_fmt_kw(fmt), HW=hardware_cast(x.device, fmt), SR4=c % 4 == 0,
+        **epi_consts, RBLOCK=triton.next_power_of_2(min(_max_programs(r, c), 1024)), DIVIDE=divisor is not None)
     if only_if is not None:
         return out, (out_t if transpose else None), None
     if sc is not None:

@@ -20,7 +20,10 @@ host-bound (docs/runtime.md, Launches).
 ``_record_kernel``         :func:`fp8pass.numerics.scaling.record_update` of many delayed-scaling
                            states at once, in place (one program per state; the states' tensors are
                            found through an offset table cached on the device)
-``_channel_scales_kernel`` Smooth-SwiGLU's power-of-two channel scales from per-tile column maxima
+``_channel_scales_kernel`` Smooth-SwiGLU's power-of-two channel scales from per-tile column maxima;
+                           ``SCALES`` (:func:`smooth_scales`): in the same launch the scales of every
+                           tensor the SwiGLU forward casts (A, ``W_down / c``, the saved gate and up),
+                           the last program to arrive reducing the programs' maxima
 =========================  ===========================================================================
 
 Bit-identical to the torch references (tests/test_triton_scaling.py): divisions are correctly rounded
@@ -38,9 +41,10 @@ import triton.language as tl
 
 from ..numerics import Format, get_format
 from ..numerics.scaling import HUGE_AMAX, MAX_SCALE, NO_PENDING, OVERFLOW_FACTOR
-from .triton_helpers import INTERPRETING, check_interpretable, max_propagating_nan, tile_scale
+from .triton_helpers import INTERPRETING, abs_max_2d, check_interpretable, max_propagating_nan, tile_scale
 
-__all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "epilogue_args", "scale_epilogue",
+__all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "SmoothScales",
+           "smooth_scales", "rounded_to", "reciprocal_rn", "divided_in", "epilogue_args", "scale_epilogue",
            "max_of_uncached", "counter"]
 
 _PARTIALS_BLOCK = 1024
@@ -364,12 +368,58 @@ def record_states(states: list[list[torch.Tensor]], amax: torch.Tensor | list[to
 
 
 @triton.jit
-def _channel_scales_kernel(part_ptr, rows, F, c_ptr, C_MIN: tl.constexpr, C_MAX: tl.constexpr, BR: tl.constexpr,
-                           BF: tl.constexpr):
+def rounded_to(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even in ``DTYPE`` (fp32 or bf16), kept as fp32. For bf16 the rounding
+    is done on the bits (Triton's interpreter truncates fp32 -> bf16, the GPU rounds); NaN stays NaN."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        x = tl.where(x != x, x, rounded)
+    return x
+
+
+@triton.jit
+def reciprocal_rn(d):
+    """``1 / d`` of a power of two ``d`` in ``[2**-126, 2**126]`` (the channel scales' range), exact: its
+    exponent field negated (``254 - E``), one integer subtraction instead of an IEEE division."""
+    return (0x7F000000 - d.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def divided_in(x, inv_d, DTYPE: tl.constexpr):
+    """``x / d`` as torch divides two ``DTYPE`` tensors (fp32 or bf16) for a power of two ``d``, given as
+    ``inv_d = reciprocal_rn(d)``: the fp32 quotient, correctly rounded, then rounded once to ``DTYPE``;
+    returned as fp32 (``W_down / c`` and ``dB / c``). ``1 / d`` is exact, so ``x * (1 / d)`` is the
+    correctly rounded ``x / d`` (subnormal and overflowing quotients too) for one multiply, not an
+    IEEE division per element."""
+    return rounded_to(x * inv_d, DTYPE)
+
+
+@triton.jit
+def _channel_scales_kernel(part_ptr, rows, F, c_ptr, gu_ptr, n_gu, w_ptr, N, prog_max_ptr, counter_ptr, held_ptr,
+                           steps_ptr, skipped_ptr, guard_ptr, amax_out, scale_out, inv_out, recast_out, b_amax_out,
+                           b_scale_out, b_inv_out, g_scale_out, u_scale_out, C_MIN: tl.constexpr,
+                           C_MAX: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr, SCALES: tl.constexpr = False,
+                           WITH_B: tl.constexpr = False, DELAYED: tl.constexpr = False, TARGET: tl.constexpr = 1.0,
+                           G_TARGET: tl.constexpr = 1.0, FMT_MAX: tl.constexpr = 1.0,
+                           MAX_SCALE_C: tl.constexpr = 1.0, HUGE: tl.constexpr = 1.0, POW2: tl.constexpr = False,
+                           NAN_SCALE: tl.constexpr = False, GBLOCK: tl.constexpr = 1024, RBLOCK: tl.constexpr = 1024):
     """``c[f] = 2**-floor(log2 amax_f)`` (clamped; 1 for a zero or non-finite amax) with ``amax_f`` the
     NaN-propagating max over ``rows`` of ``part[:, f]``; ``2**floor(log2 a)`` is ``a`` with its mantissa
-    bits cleared (reference: ``swiglu.channel_scales``)."""
-    cols = tl.program_id(0).to(tl.int64) * BF + tl.arange(0, BF)
+    bits cleared (reference: ``swiglu.channel_scales``).
+
+    SCALES (Smooth-SwiGLU's forward, ``part`` the column maxima of ``|h|``, ``h = silu(gate) * up``): also
+    the scales of every tensor the forward casts, so that the cast is the next launch. Each program
+    stores four partial maxima (``prog_max[k * programs + pid]``): ``|A| = |h| c`` over its columns
+    (``max_t fl(|h_tf| c_f) = fl(amax_f c_f)``: multiplying by ``c_f > 0`` is monotone), with WITH_B
+    ``|B|``, ``B = W_down / c`` in W_down's dtype (``w`` [N, F], as torch divides), and its share of the
+    ``n_gu`` per-tile maxima of ``|gate|`` and ``|up|`` (``gu`` [2, n_gu]). The last program to arrive
+    (acquire-release counter, reset by it) reduces them: A's amax and scale (current or delayed:
+    :func:`scale_epilogue`), B's (current), and the scales of the saved gate and up copies
+    (``scale_from_amax`` with ``G_TARGET = fmt.max``, no margin, no power of two).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    cols = pid * BF + tl.arange(0, BF)
     acc = tl.zeros([BF], tl.float32)
     for start in range(0, rows, BR):
         r = start + tl.arange(0, BR)
@@ -381,6 +431,53 @@ def _channel_scales_kernel(part_ptr, rows, F, c_ptr, C_MIN: tl.constexpr, C_MAX:
     c = tl.minimum(tl.maximum(tl.math.div_rn(tl.full([BF], 1.0, tl.float32), floor2), C_MIN), C_MAX)
     c = tl.where((acc > 0) & (acc < float("inf")), c, 1.0)
     tl.store(c_ptr + cols, c, mask=cols < F)
+    if SCALES:
+        nprog = tl.num_programs(0)
+        a_max = _vector_max(acc * c)  # masked columns: amax 0, c 1
+        b_max = tl.full([], 0.0, tl.float32)
+        if WITH_B:
+            inv_c = reciprocal_rn(c)[None, :]
+            b_acc = tl.zeros([BR, BF], tl.float32)
+            for start in range(0, N, BR):
+                r = start + tl.arange(0, BR)
+                w = tl.load(w_ptr + r[:, None] * F + cols[None, :], mask=(r[:, None] < N) & (cols[None, :] < F),
+                            other=0.0).to(tl.float32)
+                b_acc = max_propagating_nan(b_acc, tl.abs(divided_in(w, inv_c, w_ptr.dtype.element_ty)))
+            b_max = abs_max_2d(b_acc)
+        g_acc = tl.zeros([GBLOCK], tl.float32)
+        u_acc = tl.zeros([GBLOCK], tl.float32)
+        for start in range(pid * GBLOCK, n_gu, nprog.to(tl.int64) * GBLOCK):
+            offs = start + tl.arange(0, GBLOCK)
+            g_acc = max_propagating_nan(g_acc, tl.load(gu_ptr + offs, mask=offs < n_gu, other=0.0))
+            u_acc = max_propagating_nan(u_acc, tl.load(gu_ptr + n_gu + offs, mask=offs < n_gu, other=0.0))
+        tl.store(prog_max_ptr + pid, a_max)
+        tl.store(prog_max_ptr + nprog + pid, b_max)
+        tl.store(prog_max_ptr + 2 * nprog + pid, _vector_max(g_acc))
+        tl.store(prog_max_ptr + 3 * nprog + pid, _vector_max(u_acc))
+        tl.debug_barrier()  # the partials (stored by any thread) complete before this program's release
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == nprog - 1:
+            tl.debug_barrier()  # every thread of the last program reads the partials after its acquire
+            amax = max_of_uncached(prog_max_ptr, nprog, RBLOCK)
+            scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, scale_out, scale_out, amax_out,
+                           scale_out, inv_out, recast_out, scale_out, scale_out, 0, DELAYED, TARGET, FMT_MAX,
+                           MAX_SCALE_C, HUGE, POW2, NAN_SCALE)
+            if WITH_B:
+                scale_epilogue(max_of_uncached(prog_max_ptr + nprog, nprog, RBLOCK), b_scale_out, b_scale_out,
+                               b_scale_out, b_scale_out, b_scale_out, b_scale_out, b_amax_out, b_scale_out, b_inv_out,
+                               b_scale_out, b_scale_out, b_scale_out, 0, False, TARGET, FMT_MAX, MAX_SCALE_C, HUGE,
+                               POW2, NAN_SCALE)
+            g_amax = max_of_uncached(prog_max_ptr + 2 * nprog, nprog, RBLOCK)
+            u_amax = max_of_uncached(prog_max_ptr + 3 * nprog, nprog, RBLOCK)
+            tl.store(g_scale_out, tile_scale(g_amax, G_TARGET, MAX_SCALE_C, False, NAN_SCALE))
+            tl.store(u_scale_out, tile_scale(u_amax, G_TARGET, MAX_SCALE_C, False, NAN_SCALE))
+            tl.store(counter_ptr, 0)
+
+
+@triton.jit
+def _vector_max(x):
+    """NaN-propagating max of a 1-D block."""
+    has_nan = tl.max((x != x).to(tl.int32))
+    return tl.where(has_nan > 0, float("nan"), tl.max(x))
 
 
 def channel_scales(partials: torch.Tensor, c_min: float, c_max: float) -> torch.Tensor:
@@ -389,6 +486,66 @@ def channel_scales(partials: torch.Tensor, c_min: float, c_max: float) -> torch.
     check_interpretable(partials.device)
     c = torch.empty(f, dtype=torch.float32, device=partials.device)
     if f:
-        bf = 128
-        _channel_scales_kernel[(triton.cdiv(f, bf),)](partials, rows, f, c, C_MIN=c_min, C_MAX=c_max, BR=16, BF=bf)
+        _channel_scales_kernel[(triton.cdiv(f, _CHANNEL_BLOCK),)](
+            partials, rows, f, c, *([c, 0, c, 0, c, c] + [c] * 13), C_MIN=c_min, C_MAX=c_max, BR=16, BF=_CHANNEL_BLOCK)
     return c
+
+
+_CHANNEL_BLOCK = 128
+
+
+@dataclass
+class SmoothScales:
+    """What :func:`smooth_scales` computed (tensors on the device, no host read): the channel scales
+    ``c`` [F]; ``a``: A's :class:`OperandScale`; ``b``: B's (``W_down / c``), or None; ``gate_scale``,
+    ``up_scale``: fp32 scalar scales of the saved gate and up copies."""
+
+    c: torch.Tensor
+    a: OperandScale
+    b: OperandScale | None
+    gate_scale: torch.Tensor
+    up_scale: torch.Tensor
+
+
+def smooth_scales(partials: torch.Tensor, input_maxima: torch.Tensor, w_down: torch.Tensor | None, fmt: Format,
+                  margin: float, power_of_two: bool, state: list[torch.Tensor] | None, c_min: float,
+                  c_max: float) -> SmoothScales:
+    """Smooth-SwiGLU's channel scales and the scales of every tensor its forward casts, one launch.
+
+    Args:
+        partials: fp32 [token tiles, F], per-tile column maxima of ``|silu(gate) * up|``
+            (``triton_operand_casts.swiglu_colamax``).
+        input_maxima: fp32 [2, n], per-tile maxima of ``|gate|`` and ``|up|`` (the same pass).
+        w_down: [N, F] fp32 or bf16, whose ``W_down / c`` (B) gets its amax and scale here too; None: not.
+        fmt, margin, power_of_two: A's and B's format and scale options; the gate and up copies take
+            ``fmt`` with plain current scaling (``swiglu.saved_glu_input``).
+        state: A's delayed-scaling op list, or None (current scaling).
+        c_min, c_max: the clamp of ``c``.
+    """
+    rows, f = partials.shape
+    device = partials.device
+    check_interpretable(device)
+    if f == 0 or input_maxima.shape[1] == 0:
+        raise ValueError("smooth_scales needs a non-empty [tokens, F] SwiGLU input")
+    if w_down is not None and (w_down.dtype not in (torch.float32, torch.bfloat16) or w_down.shape[1] != f):
+        raise ValueError(f"smooth_scales: w_down must be fp32 or bf16 [N, {f}], got {w_down.dtype} "
+                         f"{tuple(w_down.shape)}")
+    c = torch.empty(f, dtype=torch.float32, device=device)
+    a, args, consts = epilogue_args(fmt, margin, power_of_two, state or None, (), device)
+    held, steps, skipped, guard, _, _, amax_out, scale_out, inv_out, recast_out, _, _ = args
+    b = None
+    if w_down is not None:
+        b = OperandScale(*(torch.empty((), dtype=torch.float32, device=device) for _ in range(3)), None, ())
+    g_scale, u_scale = (torch.empty((), dtype=torch.float32, device=device) for _ in range(2))
+    programs = triton.cdiv(f, _CHANNEL_BLOCK)
+    prog_max = torch.empty(4 * programs, dtype=torch.float32, device=device)
+    w = w_down.contiguous() if w_down is not None else c
+    bo = b if b is not None else a
+    _channel_scales_kernel[(programs,)](
+        partials, rows, f, c, input_maxima.contiguous(), input_maxima.shape[1], w, 0 if w_down is None else w.shape[0],
+        prog_max, counter(device), held, steps, skipped, guard, amax_out, scale_out, inv_out, recast_out, bo.amax,
+        bo.scale, bo.inv_scale, g_scale, u_scale, C_MIN=c_min, C_MAX=c_max, BR=16, BF=_CHANNEL_BLOCK, SCALES=True,
+        WITH_B=w_down is not None, G_TARGET=float(fmt.max), GBLOCK=_PARTIALS_BLOCK,
+        RBLOCK=triton.next_power_of_2(min(programs, 1024)),
+        **{k: consts[k] for k in ("DELAYED", "TARGET", "FMT_MAX", "MAX_SCALE_C", "HUGE", "POW2", "NAN_SCALE")})
+    return SmoothScales(c, a, b, g_scale, u_scale)

@@ -166,9 +166,9 @@ def _glu_operand(gate2d, up2d, smooth: str, activation: str):
 
 
 def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
-    """GPU: smoothing scales (channel: one pass for the column maxima, one launch for the scales),
-    one Triton pass for A's amax, one launch for A's scale (current or delayed), one fused
-    silu*up*scale+cast."""
+    """GPU, token and no smoothing (and channel on empty inputs; otherwise :func:`_fused_channel_operands`):
+    smoothing scales (channel: one pass for the column maxima, one launch for the scales), one Triton
+    pass for A's amax, one launch for A's scale (current or delayed), one fused silu*up*scale+cast."""
     from ..kernels import triton_operand_casts as tk
     from ..kernels import triton_scaling
 
@@ -185,6 +185,41 @@ def _fused_operand(g2, u2, smooth, fmt, a_state, margin, power_of_two):
     # the cast's A is the amax pass's A (the same kernel math): its amax is sc.amax, not reduced again
     codes, _, scale = tk.swiglu_cast(g2, u2, smooth, fmt, sc.scale, ss, want_amax=False)
     return Operand(codes, scale, sc.amax, inv_scale=sc.inv_scale), s
+
+
+# weight dtypes whose ``W_down / c`` the Triton kernels divide in-kernel as torch does (c is exact in them)
+_DIVIDED_IN_KERNEL = (torch.float32, torch.bfloat16)
+
+
+def _fused_channel_operands(g2, u2, w_down, fmt, a_state, margin, power_of_two):
+    """GPU, channel smoothing: every forward cast of the op in three launches and two reads of gate/up.
+
+    One pass over gate and up for the channel maxima of ``|h|`` and the per-tile maxima of ``|gate|``
+    and ``|up|``; one launch for ``c`` and every scale (A's, current or delayed, with its amax taken as
+    ``max_f fl(amax_f c_f)``; B's, ``B = W_down / c`` read from W_down; the saved copies'); one pass
+    writing the codes of A, gate and up (:func:`saved_glu_input`'s copies). With W_down in fp32 or bf16,
+    B is cast with the division in the cast (one launch, no ``W_down / c`` written), else B is None.
+    The same codes, scales and amaxes as :func:`_fused_operand`, ``W_down / c`` cast by
+    :func:`cast_operand` and :func:`saved_glu_input` (tests/test_runtime_swiglu.py).
+
+    Returns:
+        (A's Operand, c, B's Operand or None, the gate copy, the up copy).
+    """
+    from ..kernels import triton_operand_casts as tk
+    from ..kernels import triton_scaling
+
+    g2, u2 = g2.contiguous(), u2.contiguous()
+    part, maxima = tk.swiglu_colamax(g2, u2, partials=True, input_maxima=True)
+    w = w_down if w_down.dtype in _DIVIDED_IN_KERNEL else None
+    sc = triton_scaling.smooth_scales(part, maxima, w, fmt, margin, power_of_two, a_state or None, _C_MIN, _C_MAX)
+    a, g_codes, u_codes = tk.swiglu_cast_with_inputs(g2, u2, "channel", fmt, sc.a.scale, sc.c, sc.gate_scale,
+                                                     sc.up_scale)
+    bo = None
+    if w is not None:
+        b, _, _ = tk.transpose_cast(w, sc.b.scale, fmt, transpose=False, partials=True, divisor=sc.c)
+        bo = Operand(b, sc.b.scale, sc.b.amax, inv_scale=sc.b.inv_scale)
+    return (Operand(a, sc.a.scale, sc.a.amax, inv_scale=sc.a.inv_scale), sc.c, bo,
+            Operand(g_codes, sc.gate_scale, None), Operand(u_codes, sc.up_scale, None))
 
 
 def _smoothed_weight(w_down, c):
@@ -263,14 +298,19 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
     u2 = up.reshape(-1, up.shape[-1])
     up_dtype = _up(gate.device, dt)
     at = tile_for(k.granularity, k.block, g2.shape, weight=False)
-    g_amax = u_amax = None
+    g_amax = u_amax = bo = go = uo = None
     if uses_triton(gate.device) and fmt is not None and k.granularity == "tensor" and k.activation == "silu":
-        ao, s = _fused_operand(g2, u2, k.smooth, fmt, a_state, k.margin, k.power_of_two)
+        if k.smooth == "channel" and g2.numel() > 0:
+            ao, s, bo, go, uo = _fused_channel_operands(g2, u2, w_down, fmt, a_state, k.margin, k.power_of_two)
+        else:
+            ao, s = _fused_operand(g2, u2, k.smooth, fmt, a_state, k.margin, k.power_of_two)
     else:
         a, s, g_amax, u_amax = operand_and_input_amax(g2, u2, k.smooth, k.activation)
         ao = cast_operand(a, fmt, k.granularity, at, a_state, k.margin, k.power_of_two, up=up_dtype)
     bt = tile_for(k.granularity, k.block, w_down.shape, weight=True)
-    if k.smooth == "channel" and fmt is not None and k.granularity == "tensor" and w_down.device.type == "cpu" \
+    if bo is not None:  # cast by _fused_channel_operands
+        pass
+    elif k.smooth == "channel" and fmt is not None and k.granularity == "tensor" and w_down.device.type == "cpu" \
             and not uses_triton(w_down.device):
         bo = _smoothed_weight_operand(w_down, s, fmt, k.margin, k.power_of_two, up_dtype)
     else:
@@ -281,7 +321,8 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
         y = (gemm(ao, at, bo, bt, dt, fast_accum=k.fast_accum).float() * s).to(dt)
     else:
         y = gemm(ao, at, bo, bt, dt, fast_accum=k.fast_accum)
-    go, uo = saved_glu_input(g2, fmt, g_amax), saved_glu_input(u2, fmt, u_amax)
+    if go is None:
+        go, uo = saved_glu_input(g2, fmt, g_amax), saved_glu_input(u2, fmt, u_amax)
     states = (a_state, b_state)
     return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
             unaliased(ao.scale, states), as_bytes(bo.data), unaliased(bo.scale, states), unaliased(s, states),
@@ -360,17 +401,25 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     bo = _recast_weight(b_data, s, b_scale, k, up_dtype) if recasts_weight(k) else Operand(b_data, b_scale, b_scale)
     bo.inv_scale = b_inv
     da = gemm(go, gt, bo, bt, gate_dtype, b_t=True, compute_dtype=dt)           # dA = G @ B      [T, F]
-    if k.smooth == "channel":  # B = W / c  =>  dW = dB / c (exact: powers of two), one pass with the cast
+    fwd_fmt = resolve_format(k.fwd_format)
+    triton_glu_kernel = k.activation == "silu" and fwd_fmt is not None and uses_triton(dy.device)
+    # B = W / c  =>  dW = dB / c (exact: powers of two): in the SwiGLU backward's launch where it runs
+    unsmooth_in_kernel = k.smooth == "channel" and triton_glu_kernel and w_dtype in _DIVIDED_IN_KERNEL
+    if k.smooth == "channel":
         db = gemm(go, gt, ao, at, dt, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
-        db = _on_cpu(_unsmooth_weight_grad, db, s, (w_dtype,))
+        if not unsmooth_in_kernel:
+            db = _on_cpu(_unsmooth_weight_grad, db, s, (w_dtype,))
     else:
         db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True, compute_dtype=dt)
-    fwd_fmt = resolve_format(k.fwd_format)
     saved = (from_bytes(gate_data, fwd_fmt), gate_scale, from_bytes(up_data, fwd_fmt), up_scale)
-    if k.activation == "silu" and fwd_fmt is not None and uses_triton(dy.device):  # one Triton launch
+    if triton_glu_kernel:  # one Triton launch
         from ..kernels import triton_glu
 
-        dgate, dup = triton_glu.swiglu_backward(da, saved[0], saved[1], saved[2], saved[3], s, k.smooth, gate_dtype)
+        if unsmooth_in_kernel:
+            dgate, dup, db = triton_glu.swiglu_backward(da, *saved, s, k.smooth, gate_dtype,
+                                                        weight_grad=(db, w_dtype))
+        else:
+            dgate, dup = triton_glu.swiglu_backward(da, *saved, s, k.smooth, gate_dtype)
     elif k.activation == "silu":
         dgate, dup = _on_cpu(_swiglu_backward_from_saved, da, *saved, s, (k.smooth, gate_dtype))
     else:  # eager torch math (module doc)
@@ -445,6 +494,11 @@ def _recast_weight(w_down, s, b_scale, k: GLUKnobs, up_dtype) -> Operand:
     fmt = resolve_format(k.fwd_format)
     if k.smooth == "channel" and w_down.device.type == "cpu" and not uses_triton(w_down.device):
         return _smoothed_weight_cast_with(w_down, s, b_scale, b_scale, fmt, up_dtype, keep_codes=False)
+    if k.smooth == "channel" and uses_triton(w_down.device) and w_down.dtype in _DIVIDED_IN_KERNEL:
+        from ..kernels import triton_operand_casts as tk  # the division inside the cast: one launch
+
+        codes, _, _ = tk.transpose_cast(w_down, b_scale, fmt, transpose=False, partials=True, divisor=s)
+        return Operand(codes, b_scale, None)
     b = w_down / s.to(w_down.dtype) if k.smooth == "channel" else w_down
     return cast_with_scale(b, b_scale, fmt, up_dtype, keep_codes=False)
 
