@@ -19,17 +19,20 @@ memory. Blocks wider than ``adam.TRITON_MAX_BLOCK`` (one scale for a large tenso
 program each: the optimizer gives them to ``triton_adam_split``, whose kernels run their spans in parallel
 with this module's jit helpers.
 
-On GPUs with FP8 conversions (sm_89+: ``triton_family.hardware_cast``) the codes are decoded by the
-hardware (E4M3/E5M2 -> fp16 -> fp32, exact) and encoded by it (``triton_family._cast_codes``: the
-reference's saturating RNE, NaN sign included; stochastic rounding moves the value onto the grid with
-integer operations first, then converts). Elsewhere both are integer operations (the algorithm of
-``fp8pass.numerics.casts.encode``): Triton's fp32 -> fp8 conversion is wrong in the interpreter
-(docs/background.md, Traps).
+On GPUs with FP8 conversions (sm_89+: ``triton_helpers.hardware_cast``) the codes are decoded by the
+hardware (E4M3/E5M2 -> fp16 -> fp32, exact) and encoded by it (``triton_helpers.cast_codes``: the
+reference's saturating RNE, NaN sign included; stochastic rounding, ``_sr16_codes``, moves the value
+onto the grid with integer operations first, then converts). Elsewhere both are integer operations (the
+algorithm of ``fp8pass.numerics.casts.encode``): Triton's fp32 -> fp8 conversion is wrong in the
+interpreter (docs/background.md, Traps).
 ``torch_step.adam_step_torch`` is the reference: the tests compare the two bit for bit (under
 ``TRITON_INTERPRET=1`` on CPU, on CUDA in tests/gpu). Stochastic rounding draws one seed per launch on
-the device (no host synchronisation); element j of a tensor takes output j % 4 of Philox at counter
-(its tensor's first counter + j) // 4 (``_span_bits``: one call per four elements; m under the seed, v
-under seed + 1).
+the device (no host synchronisation) and one 32-bit Philox output per element, shared by the moments:
+element j of a tensor takes output j % 4 of Philox at counter (its tensor's first counter + j) // 4
+(``_span_bits``: one call per four elements), m rounds with its high 16 bits and v with its low 16
+(``_sr16_codes``: casts.encode's stochastic rounding with the 16 bits at the top of the dropped bits, so
+the probability of rounding up is exact to 2**-16 of a code step). The torch path draws its own bits
+(torch's generator, full resolution): the two are not bit-identical under stochastic rounding.
 
 Autotuning (``triton.autotune`` over blocks per program and warps, keyed on the launch's size class, the
 block size, the formats and the dtypes) never benchmarks live tensors: the kernel updates in place, so
@@ -48,10 +51,12 @@ import triton
 import triton.language as tl
 
 from .triton_helpers import (  # the exact in-kernel casts and the shared helpers
+    INTERPRETED,
     INTERPRETING,
     cast_codes,
-    random_bits4,
-    random_bits_at,
+    encode,
+    philox4,
+    philox_at,
     autotune,
     check_interpretable,
     hardware_cast,
@@ -158,22 +163,57 @@ def _block_scale(amax, FMAX: tl.constexpr, SCALE_CAP: tl.constexpr):
 
 
 @triton.jit
-def _finite_amax(x, mask):
-    """Per-row max |x| over the finite values (moments.finite_block_amax)."""
+def _finite_amax(x):
+    """Per-row max |x| over the finite values (moments.finite_block_amax). Masked-off lanes need no mask:
+    they update zeros (loads' ``other``), so their moments are 0, or non-finite for non-finite
+    hyper-parameters, and leave the max as it is."""
     a = tl.abs(x)
-    return tl.max(tl.where(mask & (a < float("inf")), a, 0.0), axis=1)
+    return tl.max(tl.where(a < float("inf"), a, 0.0), axis=1)
 
 
 @triton.jit
-def _store_moment(x, ptr, e, mask, scale, rbits, KIND: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+def _sr16_codes(y, r16, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+                HW: tl.constexpr):
+    """Stochastic codes of fp32 ``y`` from 16 random bits ``r16`` (int32, 0..65535): exactly
+    ``encode(y, rbits, STOCHASTIC)`` (casts.encode) with ``rbits = r16 << (s - 16)``, the 16 bits at the
+    top of the s bits the format drops at y's exponent (s = min(shift, 30)): the round-up probability
+    is resolved to 2**-16 of a code step. That placement makes the rounding a fixed-point sum in units
+    of the step: |y| >= 2**emin (FP8 normal range, Inf): add ``r16`` under the kept bits and truncate
+    on the fp32 bits (s = 23 - MBITS), then an exact conversion; |y| below it (subnormal codes, and
+    values under the smallest one): the code is ``(floor(|y| * 2**16 / q) + r16) >> 16`` (q the smallest
+    subnormal; the product is exact). NaN gives NAN_CODE; the sign is y's. HW = 1: the hardware
+    conversion (sm_89+), else ``encode`` (exact for the on-grid value)."""
+    bits = y.to(tl.int32, bitcast=True)
+    t = ((bits + (r16 << (7 - MBITS))) & (-1 << (23 - MBITS))).to(tl.float32, bitcast=True)
+    if HW == 1:
+        if MBITS == 3:
+            c = t.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            c = t.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        c = encode(t, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False)
+    # |y| / q * 2**16 (exact, < 2**(16 + MBITS) where used); NaN -> NAN_CODE * 2**16, so that n = NAN_CODE
+    # (the GPU's min returns the operand that is not NaN; the interpreter's propagates it)
+    steps = tl.minimum(tl.abs(y * (2.0 ** (16 + MBITS + BIAS - 1))), NAN_CODE * 65536.0)
+    if INTERPRETED:
+        steps = tl.where(y != y, NAN_CODE * 65536.0, steps)
+    n = (steps.to(tl.int32) + r16) >> 16
+    c = tl.where(tl.abs(y) >= 2.0 ** (1 - BIAS), c, n)  # NaN takes n
+    return c | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def _store_moment(x, ptr, e, mask, scale, r16, KIND: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                   MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr, MIN_SUB: tl.constexpr,
                   STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, HW: tl.constexpr):
     if KIND == 0:
         y = x * scale[:, None]
-        code = cast_codes(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC, HW)
-        if SFLUSH:
-            if not STOCHASTIC:
-                sr = cast_codes(y, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, True, HW)
+        if STOCHASTIC:
+            code = _sr16_codes(y, r16, MBITS, BIAS, MAX_CODE, NAN_CODE, HW)
+        else:
+            code = cast_codes(y, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
+            if SFLUSH:
+                sr = _sr16_codes(y, r16, MBITS, BIAS, MAX_CODE, NAN_CODE, HW)
                 code = tl.where(tl.abs(y) < MIN_SUB, sr, code)
         tl.store(ptr + e, code.to(tl.uint8), mask=mask)
     else:
@@ -210,15 +250,17 @@ def _span_update(p_ptr, g_ptr, m_ptr, m_scale, m_inv, v_ptr, v_scale, v_inv, e, 
 
 @triton.jit
 def _span_bits(seed, key, e, RAND4: tl.constexpr, NB: tl.constexpr, SPAN: tl.constexpr):
-    """The 30 random bits of each element of a span: Philox under ``seed``, element j of a tensor (launch
-    counter ``key + j``, ``key`` [NB, 1] the counter of each row's first lane) taking output j % 4 of the
-    call at counter j // 4. RAND4: each row's lanes are whole quads (``key`` a multiple of 4), so one
-    call serves four lanes (``random_bits4``); otherwise one call per lane (``random_bits_at``)."""
+    """The 32 random bits of each element of a span (int32 [NB, SPAN]): Philox under ``seed``, element
+    index ``e`` taking output (key + e) % 4 of the call at counter (key + e) // 4 (``key``: the launch
+    counter of the tile's e = 0). RAND4: ``key`` and each quad's first ``e`` are multiples of 4, so one
+    call serves four lanes; its counters come from ``e`` itself (reshaped and split), which keeps the
+    calls in the lanes' own layout; otherwise one call per lane (``philox_at``)."""
     if RAND4:
-        quads = key // 4 + tl.arange(0, SPAN // 4)[None, :]
-        bits = tl.reshape(random_bits4(seed, quads), [NB, SPAN])
+        first, _ = tl.split(tl.split(tl.reshape(e, [NB, SPAN // 4, 2, 2]))[0])  # e of each quad's lane 0
+        r0, r1, r2, r3 = philox4(seed, key // 4 + (first >> 2))
+        bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [NB, SPAN]).to(tl.int32, bitcast=True)
     else:
-        bits = random_bits_at(seed, key + e)
+        bits = philox_at(seed, key + e)
     return bits
 
 
@@ -230,14 +272,15 @@ def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, k
                 V_NAN_CODE: tl.constexpr, V_MIN_SUB: tl.constexpr, STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr,
                 M_HW: tl.constexpr, V_HW: tl.constexpr, RAND4: tl.constexpr, NB: tl.constexpr,
                 SPAN: tl.constexpr):
-    """Store a span's new parameter and moments (codes with the given per-row scales). Random bits
-    (``_span_bits``): seed for m, seed+1 for v."""
+    """Store a span's new parameter and moments (codes with the given per-row scales). Random bits: one
+    32-bit draw per element (``_span_bits``), its high 16 bits for m, its low 16 for v (``_sr16_codes``)."""
     _store_float(p_ptr + e, p, mask)
     r_m = 0
     r_v = 0
     if STOCHASTIC or SFLUSH:
-        r_m = _span_bits(seed, key, e, RAND4, NB, SPAN)
-        r_v = _span_bits(seed + 1, key, e, RAND4, NB, SPAN)
+        bits = _span_bits(seed, key, e, RAND4, NB, SPAN)
+        r_m = (bits.to(tl.uint32, bitcast=True) >> 16).to(tl.int32)
+        r_v = bits & 0xFFFF
     _store_moment(m, m_ptr, e, mask, m_scale, r_m, M_KIND, M_MBITS, M_BIAS, M_MAX_CODE, M_NAN_CODE, M_MIN_SUB,
                   STOCHASTIC, SFLUSH, M_HW)
     _store_moment(v, v_ptr, e, mask, v_scale, r_v, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
@@ -288,8 +331,11 @@ def _hyper_params(hp_ptr, t, host, HP_TABLE: tl.constexpr):
     return out
 
 
+# 8 blocks of 128 (the default width) on 2 warps: 16 elements per thread, as at NB 16 and 32, which
+# spreads each program's fixed work (table search, row scales, amax trees, division slow paths) over
+# twice the elements of 4 warps (SASS per element on sm_90: docs/optim.md)
 _ADAM_CONFIGS = [triton.Config({"NB": nb, "TILE_COL": len(_COLS) + _NBS.index(nb)}, num_warps=w)
-                 for nb, w in ((1, 4), (2, 4), (4, 4), (8, 4), (16, 4), (32, 8))]
+                 for nb, w in ((1, 4), (2, 4), (4, 4), (8, 2), (16, 4), (32, 8))]
 _ADAM_INTERPRET = triton.Config({"NB": 8, "TILE_COL": len(_COLS) + _NBS.index(8)}, num_warps=4)
 
 
@@ -354,7 +400,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
     key = 0
     if STOCHASTIC or SFLUSH:
         seed = tl.load(seed_ptr)
-        key = (tl.load(t + 9) + start + rows * BLOCK)[:, None]  # Philox counter of each row's first lane
+        key = tl.load(t + 9) + start  # Philox counter of the tile's first element (element e: key + e)
     p_t, g_t = p_ptr + p_off + start, g_ptr + g_off + start
     m_t, v_t = m_ptr + m_off + start, v_ptr + v_off + start
     lane = tl.arange(0, SPAN)
@@ -375,8 +421,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
             p, m, v = _span_update(p_t, g_t, m_t, m_old, m_inv, v_t, v_old, v_inv, e, mask, b1, omb1, b2, omb2,
                                    inv_bc2s, eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND,
                                    V_MBITS, V_BIAS, V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD, M_HW, V_HW)
-            m_amax = tl.maximum(m_amax, _finite_amax(m, mask))
-            v_amax = tl.maximum(v_amax, _finite_amax(v, mask))
+            m_amax = tl.maximum(m_amax, _finite_amax(m))
+            v_amax = tl.maximum(v_amax, _finite_amax(v))
         m_scale = _block_scale(m_amax, M_FMAX, SCALE_CAP)
         v_scale = _block_scale(v_amax, V_FMAX, SCALE_CAP)
 
@@ -387,9 +433,9 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
                                eps, step_size, decay, l2, M_KIND, M_MBITS, M_BIAS, M_IEEE, V_KIND, V_MBITS, V_BIAS,
                                V_IEEE, V_SQRT, MAXIMIZE, COUPLED_WD, M_HW, V_HW)
         if BLOCK <= SPAN:
-            m_scale = _block_scale(_finite_amax(m, mask), M_FMAX, SCALE_CAP)
-            v_scale = _block_scale(_finite_amax(v, mask), V_FMAX, SCALE_CAP)
-        _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key + s0, M_KIND, M_MBITS, M_BIAS,
+            m_scale = _block_scale(_finite_amax(m), M_FMAX, SCALE_CAP)
+            v_scale = _block_scale(_finite_amax(v), V_FMAX, SCALE_CAP)
+        _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key, M_KIND, M_MBITS, M_BIAS,
                     M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
                     STOCHASTIC, SFLUSH, M_HW, V_HW, rand4, NB, SPAN)
     # the new scales: the pointers are formed again here (a reload of two table entries), not kept

@@ -16,11 +16,12 @@ the wide blocks of a group of tensors:
 
 So the result is bit-identical to ``torch_step.adam_step_torch`` (and to the fused kernel), for 3
 passes over the inputs instead of 2. Stochastic rounding keys Philox exactly as the fused kernel
-does (one seed per launch, drawn on the device; the same counter per element: ``triton_adam._span_bits``),
-so the two kernels draw the same bits for the same tensors and seed. Each program finds its tensor,
-offsets and span once, on scalars (as the fused kernel's programs do). No host synchronisation; one
-fixed launch configuration (one span of ``MAX_SPAN`` lanes per program, 4 warps, untuned). With moments
-stored in bf16/fp32 there are no scales, and phase 1 is skipped.
+does (one seed per launch, drawn on the device; the same counter per element: ``triton_adam._span_bits``;
+m and v round with its two 16-bit halves), so the two kernels draw the same bits for the same tensors
+and seed. Each program finds its tensor, offsets and span once, on scalars (as the fused kernel's
+programs do). No host synchronisation; one fixed launch configuration (one span of ``MAX_SPAN`` lanes
+per program, 4 warps, untuned). With moments stored in bf16/fp32 there are no scales, and phase 1 is
+skipped.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, 
         key = 0
         if STOCHASTIC or SFLUSH:
             seed = tl.load(seed_ptr)
-            key = (tl.load(t + 9) + start + one)[:, None]  # Philox counter of the span's first element
+            key = tl.load(t + 9) + start  # Philox counter of the span's first element (element e: key + e)
         _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key, M_KIND, M_MBITS, M_BIAS,
                     M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
                     STOCHASTIC, SFLUSH, M_HW, V_HW, RAND4, 1, SPAN)
@@ -129,10 +130,10 @@ def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, 
     else:
         bits = slot.to(tl.pointer_type(tl.int32))  # amax >= 0: its int32 bits order like the value
         if M_KIND == 0:
-            tl.atomic_max(bits + 0, _finite_amax(m, mask).to(tl.int32, bitcast=True))
+            tl.atomic_max(bits + 0, _finite_amax(m).to(tl.int32, bitcast=True))
             tl.store(slot + 2, tl.load(ms, mask=first_span, other=1.0), mask=first_span)
         if V_KIND == 0:
-            tl.atomic_max(bits + 1, _finite_amax(v, mask).to(tl.int32, bitcast=True))
+            tl.atomic_max(bits + 1, _finite_amax(v).to(tl.int32, bitcast=True))
             tl.store(slot + 3, tl.load(vs, mask=first_span, other=1.0), mask=first_span)
 
 
