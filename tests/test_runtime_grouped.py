@@ -750,7 +750,7 @@ def test_cuda_path_calls_scaled_grouped_mm_three_times_without_sync_and_is_near_
 def test_gradient_format_of_the_grouped_ops_per_device(monkeypatch):
     """CPU keeps the recipe's gradient format; the CUDA module's grouped GEMMs take E4M3 only, so an
     E5M2 gradient is cast to E4M3 there (its delayed state records in E4M3 too); explain says so."""
-    from fp8pass.passes.explain import expert_grads_line
+    from fp8pass.passes.explain import ExpertsEntry, Report, expert_grads_line
     from fp8pass.runtime.grouped_casting import grad_format
 
     cpu_t = torch.zeros(1)
@@ -760,6 +760,9 @@ def test_gradient_format_of_the_grouped_ops_per_device(monkeypatch):
         ["e4m3", "e4m3", "e4m3_gaudi", "identity"]
     assert "on CUDA E4M3 per expert" in expert_grads_line("e5m2") and "takes E4M3 only" in expert_grads_line("e5m2")
     assert expert_grads_line("e4m3") == "  grads: E4M3 per expert (CPU and CUDA)"
+    report = str(Report(experts=[ExpertsEntry("moe", ("moe.w13", "moe.w2"), "grouped linears")],
+                        config=fp8pass.Config()))
+    assert expert_grads_line("e5m2") in report.splitlines()  # the default recipe's E5M2 gradients
     recipe = fp8pass.DelayedScaling(history_len=4)
     x, w, offs, dy = _data(16)
     w = w.clone().requires_grad_()
