@@ -20,7 +20,7 @@ does (one seed per launch, drawn on the device; the same counter per element: ``
 m and v round with its two 16-bit halves), so the two kernels draw the same bits for the same tensors
 and seed. Each program finds its tensor, offsets and span once, on scalars (as the fused kernel's
 programs do). No host synchronisation; one fixed launch configuration (one span of ``MAX_SPAN`` lanes
-per program, 4 warps, untuned). With moments stored in bf16/fp32 there are no scales, and phase 1 is
+per program, 2 warps, untuned). With moments stored in bf16/fp32 there are no scales, and phase 1 is
 skipped.
 """
 
@@ -56,7 +56,9 @@ __all__ = ["adam_step_triton_split"]
 _SPLIT_COLS = (*_COLS, "block", "first_span")
 # Per block in the scratch buffer: new m amax, new v amax, old m scale, old v scale.
 _SLOT = 4
-_NUM_WARPS = 4  # one span of MAX_SPAN lanes per program, 8 lanes per thread
+# one span of MAX_SPAN lanes per program on 2 warps: 16 lanes per thread, which spreads the program's
+# fixed work (table search, scales, amax, the division slow paths) over twice the lanes of 4 warps
+_NUM_WARPS = 2
 
 
 @triton.jit
