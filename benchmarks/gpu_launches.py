@@ -114,11 +114,29 @@ class LaunchCounter(TorchDispatchMode):
         if func.namespace == "fp8pass":  # enter the custom op: count the kernels its implementation runs
             with self:
                 return func.redispatch(_BELOW_PYTHON, *args, **kwargs)
-        if name not in _NO_KERNEL and not func.is_view and name not in SYNC_OPS:
-            self.aten[name] += 1
-            if self.where is not None:
-                self.where[(_caller(), name)] += 1
+        if func.is_view:  # a view launches nothing, unless the op copied: inside a custom op (redispatched
+            # below the composite ops) ``contiguous`` / ``reshape`` / ``to`` arrive whole, aliasing in their
+            # schema, and copy when they cannot alias
+            out = func(*args, **kwargs)
+            if _copied(out, args):
+                self._count(f"{name} (copy)")
+            return out
+        if name not in _NO_KERNEL and name not in SYNC_OPS:
+            self._count(name)
         return func(*args, **kwargs)
+
+    def _count(self, name: str) -> None:
+        self.aten[name] += 1
+        if self.where is not None:
+            self.where[(_caller(), name)] += 1
+
+
+def _copied(out, args) -> bool:
+    """Whether a view op's tensor result does not share the storage of its input (it made a copy)."""
+    src = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    return src is not None and any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr()
+                                   != src.untyped_storage().data_ptr() for o in outs)
 
 
 @contextlib.contextmanager

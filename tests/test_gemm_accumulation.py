@@ -59,6 +59,8 @@ def test_config_checks_fast_accum():
         fp8pass.Config(fast_accum="yes")
 
 
+@pytest.mark.xfail(strict=True, reason="issue 28, open: the saved x and W codes are kept row-major, so the "
+                                       "backward GEMMs transpose them with a copy (2 per linear, 7 per GLU MLP)")
 @pytest.mark.parametrize("case", ["fp8_linear delayed", "fp8_linear current", "swiglu_mlp channel"])
 def test_gemm_operands_are_cast_in_the_layout_scaled_mm_takes(case):
     """The casts write each GEMM operand in the layout ``_scaled_mm`` takes (A row-major, B column-major:

@@ -19,14 +19,16 @@ from benchmarks import gpu_launches as gl  # noqa: E402
 from fp8pass.numerics import E4M3  # noqa: E402
 
 # fwd + bwd, GEMMs included, steady state (a delayed-scaling history that is no longer empty)
+# Since the counter sees the copies a view op makes inside an fp8pass op (``contiguous`` of a saved
+# operand's transpose: 2 per linear, 7 per GLU MLP; ``to`` of grouped operands), the counts include them.
 BUDGETS = {
-    "fp8_linear delayed": 11,   # issue 28's goal: <= 12 (was 222)
-    "fp8_linear current": 9,    # goal <= 16 (was 63)
-    "swiglu_mlp channel": 30,   # goal <= 30 (was 246; 40 before issue 28 item 3)
+    "fp8_linear delayed": 13,   # issue 28's goal: <= 12 (was 222); 2 of the 13 are transposes of saved codes
+    "fp8_linear current": 11,   # goal <= 16 (was 63)
+    "swiglu_mlp channel": 37,   # goal <= 30 (was 246; 47 before issue 28 item 3); 7 transposes of saved codes
     # MoE, 4 experts: three grouped GEMMs, E4M3 gradients, eager torch casts; O(1) in the experts (was 96
     # and 2 host syncs, 80 for 2 experts, 144 for 8: per-expert backward GEMMs after offs.tolist())
-    "grouped_linear current": 93,
-    "grouped_swiglu channel": 127,  # was 130 and 2 host syncs
+    "grouped_linear current": 102,
+    "grouped_swiglu channel": 143,  # was 130 and 2 host syncs
 }
 
 
@@ -51,6 +53,19 @@ def test_the_counter_sees_launches_syncs_and_host_data(monkeypatch):
     assert dict(c.aten) == {"aten.abs.default": 1, "aten.sum.default": 1}
     assert dict(c.triton) == {"_operand_scale_kernel": 1}
     assert dict(c.syncs) == {"aten.lift_fresh.default": 1, "aten._local_scalar_dense.default": 1, "tolist": 1}
+
+
+@torch.library.custom_op("fp8pass::_launch_counter_probe", mutates_args=())
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous().t() + x.contiguous()  # one copy (the transpose), one no-op, one add
+
+
+def test_the_counter_sees_copies_that_view_ops_make_inside_fp8pass_ops():
+    """Inside a custom op ``contiguous`` arrives whole (its schema may alias): a copy when it made one."""
+    x = torch.randn(8, 16)
+    with gl.LaunchCounter() as c:
+        torch.ops.fp8pass._launch_counter_probe(x)
+    assert dict(c.aten) == {"aten.contiguous.default (copy)": 1, "aten.add.Tensor": 1}
 
 
 def test_grouped_linear_has_no_host_sync():
