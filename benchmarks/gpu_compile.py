@@ -196,10 +196,10 @@ def _scaling_cases():
                                            "scale_out", "inv_out", "recast_out")},
                "b_amax_out": f32, "b_scale_out": f32, "b_inv_out": f32, "g_scale_out": f32, "u_scale_out": f32}
         c = dict(C_MIN=2.0**-64, C_MAX=2.0**64, BR=16, BF=128, SCALES=scales, WITH_B=with_b, DELAYED=delayed,
-                 G_TARGET=448.0, GBLOCK=tsc._PARTIALS_BLOCK, RBLOCK=1024,
+                 G_TARGET=448.0, GBLOCK=tsc._PARTIALS_BLOCK, RBLOCK=1024, WBR=32,
                  **{k: v for k, v in fmt.items() if k != "FMT_MAX"}, FMT_MAX=448.0)
         out.append((f"channel_scales scales={scales} w={with_b} delayed={delayed}", tsc._channel_scales_kernel,
-                    sig, c, None))
+                    sig, c, triton.Config({}, num_warps=8 if scales else 4)))  # as smooth_scales launches it
     for smooth, unsmooth_w in ((0, False), (1, False), (2, False), (1, True)):
         sig = {"da_ptr": "*bf16", "g_ptr": "*u8", "u_ptr": "*u8", "lut_ptr": f32, "g_scale_ptr": f32,
                "u_scale_ptr": f32, "s_ptr": f32, "dg_ptr": "*bf16", "du_ptr": "*bf16", "db_ptr": "*bf16",

@@ -246,7 +246,9 @@ def test_fused_channel_path_equals_the_launch_plan_it_replaces(w_dtype, monkeypa
 
 def test_the_fused_plan_takes_the_launches_the_budget_counts(monkeypatch):
     """Forward 4 launches before the GEMM (was 12 with the saved copies), backward recast 1 (was 2), dW
-    inside the SwiGLU backward (was a division): no torch division on this path."""
+    inside the SwiGLU backward (was a division): no torch division on this path. dy and the recast B
+    are cast in both layouts, so the GEMMs copy only A's saved codes to A^T (steady state: the first
+    call's per-device constants made before counting)."""
     from benchmarks import gpu_launches as gl
 
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")
@@ -255,13 +257,17 @@ def test_the_fused_plan_takes_the_launches_the_budget_counts(monkeypatch):
     wd = torch.randn(48, 64, generator=g).requires_grad_()
     dy = torch.randn(64, 48, generator=g).to(torch.bfloat16)
     k = _knobs(recast_weight=True)
-    with gl.pretend_cuda_gemms(), gl.LaunchCounter() as c:
-        out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *k.args())
-        out[0].backward(dy)
+    with gl.pretend_cuda_gemms():
+        for step in range(2):
+            gate.grad = up.grad = wd.grad = None
+            with gl.LaunchCounter() as c:
+                out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *k.args())
+                out[0].backward(dy)
     assert c.syncs == {}
     assert dict(c.triton) == {"_swiglu_colamax_kernel": 1, "_channel_scales_kernel": 1, "_swiglu_cast_kernel": 1,
                               "_transpose_cast_kernel": 3, "_amax_scale_kernel": 1, "_swiglu_backward_kernel": 1}
-    assert dict(c.aten) == {"aten._scaled_mm.default": 3}
+    assert {op: n for op, n in c.aten.items() if "copy" not in op} == {"aten._scaled_mm.default": 3}
+    assert sum(n for op, n in c.aten.items() if "copy" in op) in (0, 1)  # A^T: 1 (a counter that sees copies)
 
 
 def test_no_tokens_take_the_former_plan_with_unit_channel_scales(monkeypatch):

@@ -403,7 +403,8 @@ def _channel_scales_kernel(part_ptr, rows, F, c_ptr, gu_ptr, n_gu, w_ptr, N, pro
                            WITH_B: tl.constexpr = False, DELAYED: tl.constexpr = False, TARGET: tl.constexpr = 1.0,
                            G_TARGET: tl.constexpr = 1.0, FMT_MAX: tl.constexpr = 1.0,
                            MAX_SCALE_C: tl.constexpr = 1.0, HUGE: tl.constexpr = 1.0, POW2: tl.constexpr = False,
-                           NAN_SCALE: tl.constexpr = False, GBLOCK: tl.constexpr = 1024, RBLOCK: tl.constexpr = 1024):
+                           NAN_SCALE: tl.constexpr = False, GBLOCK: tl.constexpr = 1024, RBLOCK: tl.constexpr = 1024,
+                           WBR: tl.constexpr = 32):
     """``c[f] = 2**-floor(log2 amax_f)`` (clamped; 1 for a zero or non-finite amax) with ``amax_f`` the
     NaN-propagating max over ``rows`` of ``part[:, f]``; ``2**floor(log2 a)`` is ``a`` with its mantissa
     bits cleared (reference: ``swiglu.channel_scales``).
@@ -437,9 +438,9 @@ def _channel_scales_kernel(part_ptr, rows, F, c_ptr, gu_ptr, n_gu, w_ptr, N, pro
         b_max = tl.full([], 0.0, tl.float32)
         if WITH_B:
             inv_c = reciprocal_rn(c)[None, :]
-            b_acc = tl.zeros([BR, BF], tl.float32)
-            for start in range(0, N, BR):
-                r = start + tl.arange(0, BR)
+            b_acc = tl.zeros([WBR, BF], tl.float32)
+            for start in range(0, N, WBR):  # WBR rows of W_down a step: bytes in flight on few programs
+                r = start + tl.arange(0, WBR)
                 w = tl.load(w_ptr + r[:, None] * F + cols[None, :], mask=(r[:, None] < N) & (cols[None, :] < F),
                             other=0.0).to(tl.float32)
                 b_acc = max_propagating_nan(b_acc, tl.abs(divided_in(w, inv_c, w_ptr.dtype.element_ty)))
@@ -545,6 +546,7 @@ def smooth_scales(partials: torch.Tensor, input_maxima: torch.Tensor, w_down: to
         partials, rows, f, c, input_maxima.contiguous(), input_maxima.shape[1], w, 0 if w_down is None else w.shape[0],
         prog_max, counter(device), held, steps, skipped, guard, amax_out, scale_out, inv_out, recast_out, bo.amax,
         bo.scale, bo.inv_scale, g_scale, u_scale, C_MIN=c_min, C_MAX=c_max, BR=16, BF=_CHANNEL_BLOCK, SCALES=True,
+        WBR=32, num_warps=8,  # 8 KB of W_down in flight per step, no spills (triton 3.6 spills at 64 rows)
         WITH_B=w_down is not None, G_TARGET=float(fmt.max), GBLOCK=_PARTIALS_BLOCK,
         RBLOCK=triton.next_power_of_2(min(programs, 1024)),
         **{k: consts[k] for k in ("DELAYED", "TARGET", "FMT_MAX", "MAX_SCALE_C", "HUGE", "POW2", "NAN_SCALE")})

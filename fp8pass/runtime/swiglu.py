@@ -392,8 +392,10 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     up_dtype = _up(dy.device, dt)
     gt = tile_for(k.granularity, k.block, dy2.shape, weight=False)
     saved_scales = (a_scale, b_scale) if a_scale.dim() == 0 and b_scale.dim() == 0 else ()
+    # never kept: on CPU the GEMM values only; on CUDA also dy's transposed codes from the same read (the
+    # wgrad GEMM's row-major G^T: no copy)
     go = cast_operand(dy2, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up_dtype,
-                      keep_codes=False, invert=saved_scales)  # never kept: on CPU the GEMM values only
+                      keep_codes=False, invert=saved_scales, transpose=True)
     at = tile_for(k.granularity, k.block, a_data.shape, weight=False)
     bt = tile_for(k.granularity, k.block, b_data.shape, weight=True)
     a_inv, b_inv = go.inverted if go.inverted else (None, None)  # the decode scales, from dy's scale launch
@@ -497,8 +499,9 @@ def _recast_weight(w_down, s, b_scale, k: GLUKnobs, up_dtype) -> Operand:
     if k.smooth == "channel" and uses_triton(w_down.device) and w_down.dtype in _DIVIDED_IN_KERNEL:
         from ..kernels import triton_operand_casts as tk  # the division inside the cast: one launch
 
-        codes, _, _ = tk.transpose_cast(w_down, b_scale, fmt, transpose=False, partials=True, divisor=s)
-        return Operand(codes, b_scale, None)
+        # both layouts: the dgrad GEMM reads B^T row-major (no copy)
+        codes, codes_t, _ = tk.transpose_cast(w_down, b_scale, fmt, transpose=True, partials=True, divisor=s)
+        return Operand(codes, b_scale, None, data_t=codes_t)
     b = w_down / s.to(w_down.dtype) if k.smooth == "channel" else w_down
     return cast_with_scale(b, b_scale, fmt, up_dtype, keep_codes=False)
 
