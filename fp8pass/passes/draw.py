@@ -9,6 +9,7 @@ one box. Colors: red GLU MLPs (fused, Smooth-SwiGLU), orange FP8 linears, grey k
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import dataclass, field
 
@@ -161,5 +162,7 @@ def draw_graph(report, path: str) -> None:
                         arrowprops={"arrowstyle": "->", "lw": 0.8})
         y += h + gap
     png = str(path).endswith(".png")
-    atomic_write(path, lambda f: fig.savefig(f, dpi=_DPI if png else None, format="png" if png else "svg"))
+    image = io.BytesIO()  # rendered first: matplotlib's SVG writer wants a seekable file
+    fig.savefig(image, dpi=_DPI if png else None, format="png" if png else "svg")
+    atomic_write(path, lambda f: f.write(image.getvalue()))
     plt.close(fig)
