@@ -114,10 +114,10 @@ def _shared_input_linears(x, weights, biases, recipe, states, fwd, bwd, grad_rou
     xs, knobs = args[0][0], args[0][3]
     if not shares_input_cast(knobs) or weights_may_be_regathered():
         return None
-    x_data, x_scale, x_amax, x_up = torch.ops.fp8pass.fp8_cast_input(x.detach(), xs, *knobs.args())
+    x_data, x_scale, x_amax, x_alt = torch.ops.fp8pass.fp8_cast_input(x.detach(), xs, *knobs.args())
     outs = []
     for w, b, (_, ws, gs, _, st) in zip(weights, biases, args):
-        y, w_amax, _ = torch.ops.fp8pass.fp8_linear_precast(x, x_data, x_scale, x_up, w, b, ws, gs, *knobs.args())
+        y, w_amax, _ = torch.ops.fp8pass.fp8_linear_precast(x, x_data, x_scale, x_alt, w, b, ws, gs, *knobs.args())
         if st is not None:
             st.record_forward(x_amax, w_amax)
         outs.append(y)

@@ -227,7 +227,7 @@ def test_scaled_mm_call_passes_torchs_own_checks(dtypes, mkn, bias, out_dtype, m
 
 def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
     """FP8PASS_KERNELS=triton (the CUDA module on CPU tensors): fp8_cast_input + fp8_linear_precast
-    (codes, no GEMM values: x_up empty; the weight recast in backward with the forward's scale) give
+    (codes, no GEMM values: x_alt holds them column-major; the weight recast in backward with the forward's scale) give
     what fp8_linear gives on the same path, bit for bit, with current and delayed scaling."""
     import fp8pass  # noqa: F401  (registers the ops)
     from fp8pass.config import DelayedScaling
@@ -261,9 +261,10 @@ def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
             xs, ws, gs = states() if delayed else ([], [], [])
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
             if precast:
-                xd, xsc, _, xu = torch.ops.fp8pass.fp8_cast_input(xi.detach(), xs, *knobs)
-                assert xu.numel() == 0  # the GEMM takes the codes on this path
-                y = torch.ops.fp8pass.fp8_linear_precast(xi, xd, xsc, xu, wi, None, ws, gs, *knobs)[0]
+                xd, xsc, _, xa = torch.ops.fp8pass.fp8_cast_input(xi.detach(), xs, *knobs)
+                # the GEMM takes the codes on this path; x_alt holds them column-major (what backward keeps)
+                assert xa.dtype == torch.uint8 and xa.stride() == (1, xd.shape[0]) and torch.equal(xa, xd)
+                y = torch.ops.fp8pass.fp8_linear_precast(xi, xd, xsc, xa, wi, None, ws, gs, *knobs)[0]
             else:
                 y = torch.ops.fp8pass.fp8_linear(xi, wi, None, xs, ws, gs, *knobs)[0]
             y.backward(dy)

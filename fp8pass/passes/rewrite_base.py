@@ -204,7 +204,7 @@ class GraphRewriter:
         return y
 
     def input_cast(self, x: fx.Node, xs: list[fx.Node], out_dtype, before: fx.Node) -> tuple:
-        """``(x_data, x_scale, x_amax, x_up)`` nodes of ``fp8_cast_input(x.detach(), xs)`` (``x_amax``
+        """``(x_data, x_scale, x_amax, x_alt)`` nodes of ``fp8_cast_input(x.detach(), xs)`` (``x_amax``
         None under current scaling) for a linear at ``before``: one cast per (input node, compute
         dtype), sitting right before the earliest linear that uses it; a later request shares it
         (and its ``xs`` is not read: the first consumer's state scales the shared cast) unless a

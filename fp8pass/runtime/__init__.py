@@ -16,8 +16,8 @@ x_scale, w_data, w_scale)``
     to it, the gradients come back in each input's own dtype. ``x_amax``/``w_amax``: fp32 scalars
     ``max|x|``, ``max|W|`` of this call (what delayed scaling records). The last four outputs are the
     saved operands for backward (codes as uint8, 1 byte/element, and their fp32 scales): ignore them.
-``fp8_cast_input(x, x_state, *LinearKnobs) -> (x_data, x_scale, x_amax, x_up)`` and
-``fp8_linear_precast(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *LinearKnobs) -> (y, w_amax,
+``fp8_cast_input(x, x_state, *LinearKnobs) -> (x_data, x_scale, x_amax, x_alt)`` and
+``fp8_linear_precast(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, *LinearKnobs) -> (y, w_amax,
 w_scale)``
     ``fp8_linear`` split in two (:mod:`fp8pass.runtime.precast`): one forward-only cast of ``x`` shared by
     every linear that reads it (its codes saved once for backward), then each linear from the cast

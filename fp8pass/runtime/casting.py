@@ -153,8 +153,27 @@ def cast_operand(
     return Operand(q.data, q.scale, torch_family.tensor_amax(x2d))
 
 
+def saved_transposed(device, fmt: Format | None, granularity: str) -> bool:
+    """Whether the ops keep a saved GEMM operand (x, W) as its transpose's codes: on the Triton/CUDA
+    path, per-tensor FP8, whose backward ``_scaled_mm`` GEMMs read x and W transposed (wgrad ``x^T``,
+    dgrad ``W^T``). The forward casts both layouts in one read (``transpose_cast``), its GEMM takes the
+    row-major codes, and the op saves the other copy as the ``[rows, cols]`` operand laid out column-major
+    (:func:`column_major`): as many bytes as before, and no copy in backward to transpose them."""
+    return fmt is not None and granularity == "tensor" and kernels.uses_triton(device)
+
+
+def column_major(op: Operand) -> torch.Tensor:
+    """The operand's codes ``[rows, cols]`` as a view of its transposed copy (strides ``(1, rows)``)."""
+    return op.data_t.t()
+
+
+def column_major_like(rows, cols, dtype, device) -> torch.Tensor:
+    """An empty ``[rows, cols]`` tensor laid out as :func:`column_major` (for the ops' fake functions)."""
+    return torch.empty_strided((rows, cols), (1, rows), dtype=dtype, device=device)
+
+
 def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None,
-                    keep_codes: bool = True) -> Operand:
+                    keep_codes: bool = True, transpose: bool = False) -> Operand:
     """Per-tensor RNE cast of ``x2d`` with a given fp32 scalar ``scale`` (e.g. a weight recast in
     backward with its forward's scale: the same codes again). Its ``amax`` is None: nobody reads a
     recast's amax, and the GPU then launches no reduction for it.
@@ -165,8 +184,9 @@ def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: tor
             ``cast_values`` (CPU) one loop writes the values in ``up`` and no codes; ``data`` and
             ``up`` are then both those values (bit-identical to upcasting the codes; GEMMs read
             ``up``). Where the GEMM takes codes (Triton/CUDA, ``up`` None) the codes are made as usual.
+        transpose: also the transposed codes in the same pass where the device can (``data_t``).
     """
-    op = _cast_tensor(kernels.for_device(x2d.device), x2d, scale, fmt, "nearest", up, keep_codes=keep_codes,
+    op = _cast_tensor(kernels.for_device(x2d.device), x2d, scale, fmt, "nearest", up, transpose, keep_codes=keep_codes,
                       want_amax=False)
     op.amax = None
     return op
@@ -177,8 +197,9 @@ def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_code
         values, amax = kern.cast_values(x2d, scale, fmt, up)  # no codes: one loop, one write
         return Operand(values, scale, amax, values)
     if transpose and kern.OFFERS.transpose_cast:  # Triton: both layouts in one read, RNE or stochastic
-        data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding)
-        return Operand(data, scale, amax, None, data_t)
+        # without want_amax the per-tile maxima stay unreduced (no reduction launches for an unread amax)
+        data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding, partials=not want_amax)
+        return Operand(data, scale, amax if want_amax else None, None, data_t)
     if rounding == "nearest":
         data, amax, upc = kern.cast(x2d, scale, fmt, up, want_amax)
         return Operand(data, scale, amax, upc)

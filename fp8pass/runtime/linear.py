@@ -25,7 +25,8 @@ import torch
 
 from ..numerics import ROUNDINGS
 from ..config import GRANULARITIES, ALGOS
-from .casting import (MX_COLS, Operand, as_bytes, cast_operand, from_bytes, gemm, resolve_format, tile_for,
+from .casting import (MX_COLS, Operand, as_bytes, cast_operand, column_major, column_major_like, from_bytes, gemm,
+                      resolve_format, saved_transposed, tile_for,
                       unaliased)
 from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
@@ -136,16 +137,18 @@ def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, *knobs):
     up = _up(x.device, dt)
     xt = tile_for(k.granularity, k.block, x2d.shape, weight=False)
     wt = tile_for(k.granularity, k.block, weight.shape, weight=True)
-    xo = cast_operand(x2d, fmt, k.granularity, xt, x_state, k.margin, k.power_of_two, up=up)
-    wo = cast_operand(weight, fmt, k.granularity, wt, w_state, k.margin, k.power_of_two, up=up)
+    transposed = saved_transposed(x.device, fmt, k.granularity)  # GPU: keep the layouts backward reads
+    xo = cast_operand(x2d, fmt, k.granularity, xt, x_state, k.margin, k.power_of_two, up=up, transpose=transposed)
+    wo = cast_operand(weight, fmt, k.granularity, wt, w_state, k.margin, k.power_of_two, up=up, transpose=transposed)
     mx = k.granularity == "mx" and fmt is not None
     y = gemm(xo, xt, wo, wt, dt, bias, mm_dtype=_mx_mm_dtype(x.device, dt) if mx else torch.float32,
              fast_accum=k.fast_accum)
     if mx:  # the backward GEMMs reduce over tokens (x) and out-features (W): save both cast down the rows
         xo = cast_operand(x2d, fmt, k.granularity, MX_COLS)
         wo = cast_operand(weight, fmt, k.granularity, MX_COLS)
+    x_saved, w_saved = (column_major(xo), column_major(wo)) if transposed else (xo.data, wo.data)
     return (y.reshape(*x.shape[:-1], weight.shape[0]), xo.amax, wo.amax,
-            as_bytes(xo.data), unaliased(xo.scale, (x_state, w_state)), as_bytes(wo.data),
+            as_bytes(x_saved), unaliased(xo.scale, (x_state, w_state)), as_bytes(w_saved),
             unaliased(wo.scale, (x_state, w_state)))
 
 
@@ -167,13 +170,17 @@ def _(x, weight, bias, x_state, w_state, g_state, *knobs):
     else:
         x_scale = _scale_shape(granularity, k.block, rows, kk, False)
         w_scale = _scale_shape(granularity, k.block, n, kk, True)
+    if saved_transposed(x.device, fmt, granularity):
+        x_saved, w_saved = column_major_like(rows, kk, code, x.device), column_major_like(n, kk, code, x.device)
+    else:
+        x_saved, w_saved = x.new_empty(rows, kk, dtype=code), x.new_empty(n, kk, dtype=code)
     return (
         x.new_empty(*x.shape[:-1], n, dtype=dt),
         x.new_empty((), dtype=torch.float32),
         x.new_empty((), dtype=torch.float32),
-        x.new_empty(rows, kk, dtype=code),
+        x_saved,
         torch.empty(x_scale, **f32),
-        x.new_empty(n, kk, dtype=code),
+        w_saved,
         torch.empty(w_scale, **f32),
     )
 

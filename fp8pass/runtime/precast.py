@@ -6,10 +6,10 @@ itself and saves its own copy of the codes for backward, so three projections of
 three times and save three identical copies. Here the cast is its own forward-only op, emitted once
 per input, and every linear takes its outputs::
 
-    x_data, x_scale, x_amax, x_up = fp8pass::fp8_cast_input(x.detach(), x_state, <knobs>)
-    y_q, w_amax_q, w_scale_q = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_up, W_q, b_q, w_state_q,
+    x_data, x_scale, x_amax, x_alt = fp8pass::fp8_cast_input(x.detach(), x_state, <knobs>)
+    y_q, w_amax_q, w_scale_q = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_alt, W_q, b_q, w_state_q,
                                                            g_state_q, <knobs>)
-    y_k, ...                  = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_up, W_k, ...)
+    y_k, ...                  = fp8pass::fp8_linear_precast(x, x_data, x_scale, x_alt, W_k, ...)
 
 ``x`` is still an input of each linear, so autograd routes its ``dx`` to it, but its values are not
 read. The linear saves for backward its *inputs* ``x_data`` and ``x_scale`` (one graph node, so AOT
@@ -25,17 +25,20 @@ linear (the same casts and GEMMs). Under delayed scaling the shared cast uses th
 their histories stay identical). MX granularity (a second, column-blocked cast of ``x`` per linear)
 and NVFP4 keep the per-linear ops.
 
-``x_up``: on CPU, the codes already converted to the GEMM dtype (what :func:`~.casting.cast_operand`
-makes beside the codes), shared by the consumers' forward GEMMs; an empty 1-D tensor where the GEMM
-takes the codes (Triton/CUDA) or with the identity format. Forward only: never saved.
+``x_alt``: the second form of x's codes that GEMMs read, made by the same cast. On CPU, the codes
+already converted to the GEMM dtype (what :func:`~.casting.cast_operand` makes beside the codes), shared
+by the consumers' forward GEMMs and never saved. On the Triton/CUDA path (per-tensor FP8) the codes
+laid out column-major (:func:`~.casting.saved_transposed`): the forward GEMMs read ``x_data`` and the
+backward keeps ``x_alt`` instead, whose transpose is the row-major ``x^T`` the wgrad ``_scaled_mm`` takes
+(no copy). An empty 1-D tensor otherwise (identity format, per-row/tile scales).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for,
-                      unaliased)
+from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, column_major, column_major_like, from_bytes,
+                      gemm, resolve_format, saved_transposed, tile_for, unaliased)
 from .linear import (_scale_shape, _up, check_linear_tensors, compute_dtype, keep_output_grad_only, knobs_of,
                      linear_backward, output_grad, record_grad_amax)
 from .op_schema import LinearKnobs, knob_op
@@ -60,7 +63,7 @@ def _check_cast(x, k: LinearKnobs):
 
 @knob_op("fp8pass::fp8_cast_input", "Tensor x, Tensor[] x_state", LinearKnobs, "(Tensor, Tensor, Tensor, Tensor)")
 def fp8_cast_input_op(x, x_state, *knobs):
-    """``(x_data [rows, in], x_scale, x_amax, x_up)`` of the module doc; ``x`` [..., in] is cast as
+    """``(x_data [rows, in], x_scale, x_amax, x_alt)`` of the module doc; ``x`` [..., in] is cast as
     ``fp8_linear`` casts it (``x_state``: delayed scaling, [] current)."""
     k = knobs_of(knobs)
     _check_cast(x, k)
@@ -71,11 +74,15 @@ def fp8_cast_input_op(x, x_state, *knobs):
         x2d = x2d.to(dt)
     up = _up_dtype(k, x.device, dt)
     xt = tile_for(k.granularity, k.block, x2d.shape, weight=False)
-    xo = cast_operand(x2d, fmt, k.granularity, xt, x_state, k.margin, k.power_of_two, up=up)
-    x_up = xo.up if up is not None and xo.up is not None else x.new_empty(0, dtype=dt)
-    if x_up is xo.data:  # outputs may not alias (codes already in the GEMM dtype)
-        x_up = x_up.clone()
-    return as_bytes(xo.data), unaliased(xo.scale, x_state), xo.amax, x_up
+    transposed = saved_transposed(x.device, fmt, k.granularity)
+    xo = cast_operand(x2d, fmt, k.granularity, xt, x_state, k.margin, k.power_of_two, up=up, transpose=transposed)
+    if transposed:
+        x_alt = as_bytes(column_major(xo))
+    else:
+        x_alt = xo.up if up is not None and xo.up is not None else x.new_empty(0, dtype=dt)
+        if x_alt is xo.data:  # outputs may not alias (codes already in the GEMM dtype)
+            x_alt = x_alt.clone()
+    return as_bytes(xo.data), unaliased(xo.scale, x_state), xo.amax, x_alt
 
 
 @fp8_cast_input_op.register_fake
@@ -90,18 +97,23 @@ def _(x, x_state, *knobs):
     kk = x.shape[-1]
     up = _up_dtype(k, x.device, dt)
     f32 = dict(dtype=torch.float32, device=x.device)
+    if saved_transposed(x.device, fmt, k.granularity):
+        x_alt = column_major_like(rows, kk, torch.uint8, x.device)
+    else:
+        x_alt = x.new_empty(rows, kk, dtype=up) if up is not None else x.new_empty(0, dtype=dt)
     return (x.new_empty(rows, kk, dtype=torch.uint8 if fmt is not None else dt),
             torch.empty(_scale_shape(k.granularity if fmt else "tensor", k.block, rows, kk, False), **f32),
             torch.empty((), **f32),
-            x.new_empty(rows, kk, dtype=up) if up is not None else x.new_empty(0, dtype=dt))
+            x_alt)
 
 
-def _operand_x(x_data, x_scale, x_up, fmt) -> Operand:
+def _operand_x(x_data, x_scale, x_alt, fmt) -> Operand:
+    """x's forward GEMM operand: the codes, with their GEMM-dtype values where the CPU made them."""
     data = from_bytes(x_data, fmt)
-    return Operand(data, x_scale, x_scale, x_up if x_up.dim() == 2 else None)
+    return Operand(data, x_scale, x_scale, x_alt if x_alt.dim() == 2 and x_alt.dtype != torch.uint8 else None)
 
 
-def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None, invert=()) -> Operand:
+def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None, invert=(), transpose=False) -> Operand:
     """``W``'s operand as ``fp8_linear`` casts it (``w`` already in the compute dtype for the identity
     format). With ``scale`` (backward): the cast of ``W`` with that per-tensor scale, the forward's
     codes again, or, per row/tile (current scaling), the same current cast again. ``invert``: the
@@ -113,7 +125,7 @@ def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None, invert=()) -> Opera
     if scale is None or fmt is None or k.granularity != "tensor":
         return cast_operand(w, fmt, k.granularity, wt, w_state if scale is None else None, k.margin,
                             k.power_of_two, up=up, keep_codes=False, invert=invert)
-    return cast_with_scale(w, scale, fmt, up, keep_codes=False)
+    return cast_with_scale(w, scale, fmt, up, keep_codes=False, transpose=transpose)
 
 
 def _up_dtype(k: LinearKnobs, device, dt) -> torch.dtype | None:
@@ -123,7 +135,7 @@ def _up_dtype(k: LinearKnobs, device, dt) -> torch.dtype | None:
     return _up(device, dt)
 
 
-def _check_precast(x, x_data, x_scale, x_up, weight, bias):
+def _check_precast(x, x_data, x_scale, x_alt, weight, bias):
     check_linear_tensors(x, weight, bias)
     rows = 1
     for d in x.shape[:-1]:
@@ -134,17 +146,17 @@ def _check_precast(x, x_data, x_scale, x_up, weight, bias):
 
 
 @knob_op("fp8pass::fp8_linear_precast",
-         "Tensor x, Tensor x_data, Tensor x_scale, Tensor x_up, Tensor weight, Tensor? bias, Tensor[] w_state, "
+         "Tensor x, Tensor x_data, Tensor x_scale, Tensor x_alt, Tensor weight, Tensor? bias, Tensor[] w_state, "
          "Tensor[] g_state", LinearKnobs, "(Tensor, Tensor, Tensor)")
-def fp8_linear_precast_op(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *knobs):
+def fp8_linear_precast_op(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, *knobs):
     """``(y, w_amax, w_scale)``: ``y = x W^T (+ b)`` from ``fp8_cast_input(x)``'s outputs (``x``'s
     values are not read); see the module doc."""
     k = knobs_of(knobs)
-    _check_precast(x, x_data, x_scale, x_up, weight, bias)
+    _check_precast(x, x_data, x_scale, x_alt, weight, bias)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
     w = weight.to(dt) if fmt is None else weight
-    xo = _operand_x(x_data, x_scale, x_up, fmt)
+    xo = _operand_x(x_data, x_scale, x_alt, fmt)
     wo = _cast_weight(w, k, w_state, _up_dtype(k, x.device, dt), invert=(x_scale,) if x_scale.dim() == 0 else ())
     if wo.inverted:  # x's decode scale, made by W's scale launch (GPU)
         xo.inv_scale = wo.inverted[0]
@@ -155,9 +167,9 @@ def fp8_linear_precast_op(x, x_data, x_scale, x_up, weight, bias, w_state, g_sta
 
 
 @fp8_linear_precast_op.register_fake
-def _(x, x_data, x_scale, x_up, weight, bias, w_state, g_state, *knobs):
+def _(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, *knobs):
     k = knobs_of(knobs)
-    _check_precast(x, x_data, x_scale, x_up, weight, bias)
+    _check_precast(x, x_data, x_scale, x_alt, weight, bias)
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
     n, kk = weight.shape
@@ -176,8 +188,11 @@ def fp8_linear_precast_backward_op(dy, x_data, x_scale, weight, w_scale, g_state
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x_dtype)
     w = weight.to(dt) if fmt is None else weight
-    wo = _cast_weight(w, k, [], _up_dtype(k, dy.device, dt), scale=w_scale)
-    return linear_backward(dy, from_bytes(x_data, fmt), x_scale, wo.data, wo.scale, g_state, x_dtype, weight.dtype,
+    # on the GPU the recast writes W^T too (one read): the dgrad's _scaled_mm takes it as it is
+    wo = _cast_weight(w, k, [], _up_dtype(k, dy.device, dt), scale=w_scale,
+                      transpose=saved_transposed(dy.device, fmt, k.granularity))
+    w_data = column_major(wo) if wo.data_t is not None else wo.data
+    return linear_backward(dy, from_bytes(x_data, fmt), x_scale, w_data, wo.scale, g_state, x_dtype, weight.dtype,
                            want_bias_grad, k, w_up=wo.up)
 
 
@@ -190,14 +205,17 @@ def _(dy, x_data, x_scale, weight, w_scale, g_state, x_dtype, want_bias_grad, *k
 
 
 def _setup_context(ctx, inputs, output):
-    x, x_data, x_scale, x_up, weight, bias, w_state, g_state = inputs[:8]
-    ctx.save_for_backward(x_data, x_scale, weight, output[2])  # codes once (a shared input), W itself
+    x, x_data, x_scale, x_alt, weight, bias, w_state, g_state = inputs[:8]
+    k = LinearKnobs.take(inputs)
+    # the codes once (a shared input; on the GPU the column-major copy the wgrad reads), W itself
+    saved_x = x_alt if saved_transposed(x.device, resolve_format(k.fwd_format), k.granularity) else x_data
+    ctx.save_for_backward(saved_x, x_scale, weight, output[2])
     keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)
     ctx.n_states = (len(w_state), len(g_state))
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
-    ctx.knobs = LinearKnobs.take(inputs)  # validated by the forward
+    ctx.knobs = k  # validated by the forward
 
 
 def _backward(ctx, dy, *unused):
