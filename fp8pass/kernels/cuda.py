@@ -267,7 +267,6 @@ def _scattered_transpose(x, where, width):
 def grouped_gemm_wgrad(a, a_scale, b, b_scale, offs, out_dtype):
     """Per expert ``(a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N] (rows
     past offs[-1] left out). One grouped GEMM (2d x 2d, groups along the contraction), no host sync."""
-    experts = offs.numel()
     ends, where, width, sizes = _aligned_groups(offs, a.shape[0])
     mat_a = _scattered_transpose(a, where, width)  # [M, T] row-major
     mat_b = _scattered_transpose(b, where, width).t()  # [T, N] column-major

@@ -54,7 +54,7 @@ from .triton_helpers import (  # the exact in-kernel casts and the shared helper
     INTERPRETED,
     INTERPRETING,
     cast_codes,
-    encode,
+    on_grid_codes,
     philox4,
     philox_at,
     autotune,
@@ -185,13 +185,7 @@ def _sr16_codes(y, r16, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.co
     conversion (sm_89+), else ``encode`` (exact for the on-grid value)."""
     bits = y.to(tl.int32, bitcast=True)
     t = ((bits + (r16 << (7 - MBITS))) & (-1 << (23 - MBITS))).to(tl.float32, bitcast=True)
-    if HW == 1:
-        if MBITS == 3:
-            c = t.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        else:
-            c = t.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        c = encode(t, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False)
+    c = on_grid_codes(t, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, HW)
     # |y| / q * 2**16 (exact, < 2**(16 + MBITS) where used); NaN -> NAN_CODE * 2**16, so that n = NAN_CODE
     # (the GPU's min returns the operand that is not NaN; the interpreter's propagates it)
     steps = tl.minimum(tl.abs(y * (2.0 ** (16 + MBITS + BIAS - 1))), NAN_CODE * 65536.0)

@@ -5,6 +5,7 @@
                            sm_89+ (``hardware_cast``), else the integer encoder ``encode``
 ``encode``                 the integer encoder (algorithm: ``fp8pass.numerics.casts.encode``)
 ``stochastic_grid``        stochastic rounding on the fp32 bits, so an exact conversion can follow
+``on_grid_codes``          the codes of a value already on the grid: the hardware conversion or ``encode``
 ``philox4`` and friends    Philox4x32-10 bits keyed by an int64 element index, one call per four elements
 ``tile_scale``             ``scale_from_amax`` of one amax, in a kernel
 ``max_propagating_nan``    max that keeps NaN (``abs_max`` / ``abs_max_2d``: max |x| of a block)
@@ -29,9 +30,9 @@ from ..numerics.formats import Format
 from ..numerics.scaling import HUGE_AMAX
 
 __all__ = ["INTERPRETING", "INTERPRETED", "HW_FORMATS", "autotune", "size_class", "check_interpretable", "encode",
-           "max_propagating_nan", "abs_max", "abs_max_2d", "stochastic_grid", "cast_codes", "random_bits", "philox4",
-           "random_bits4", "philox_pick", "philox_at", "random_bits_at", "tile_scale", "hardware_cast",
-           "hardware_rne", "random_seed"]
+           "max_propagating_nan", "abs_max", "abs_max_2d", "stochastic_grid", "on_grid_codes", "cast_codes",
+           "random_bits", "philox4", "random_bits4", "philox_pick", "philox_at", "random_bits_at", "tile_scale",
+           "hardware_cast", "hardware_rne", "random_seed"]
 
 
 def _interpreting() -> bool:
@@ -178,6 +179,22 @@ def stochastic_grid(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def on_grid_codes(w, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+                  SIGN_SHIFT: tl.constexpr, HW: tl.constexpr):
+    """Codes (int32) of fp32 ``w`` that is on the format's grid (or beyond its max, Inf, NaN), so that any
+    rounding gives them: HW = 1 the hardware conversion (fp32 -> float8e4nv / float8e5, saturating), else
+    the integer encoder. NaN's sign is the caller's to fix (``cast_codes``)."""
+    if HW == 1:
+        if MBITS == 3:
+            c = w.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            c = w.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        c = encode(w, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, False)
+    return c
+
+
+@triton.jit
 def cast_codes(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
                 NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr, HW: tl.constexpr):
     """Codes (int32) of fp32 ``v``: saturating RNE or stochastic, as ``casts.saturating_cast`` /
@@ -199,13 +216,7 @@ def cast_codes(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.c
         w = v
         if STOCHASTIC:
             w, tiny, n = stochastic_grid(v, rbits, MBITS, BIAS)
-        if HW == 1:
-            if MBITS == 3:
-                c = w.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-            else:
-                c = w.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
-        else:
-            c = encode(w, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, False)
+        c = on_grid_codes(w, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, HW)
         if STOCHASTIC:
             c = tl.where(tiny, n, c)
         return c | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)

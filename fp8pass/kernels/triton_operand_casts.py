@@ -74,10 +74,9 @@ def _silu(g):
 
 
 @triton.jit
-def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, gu_ptr, T, F, BT: tl.constexpr, BF: tl.constexpr,
-                           INPUT_MAX: tl.constexpr = False):
-    """out[pid_t, col] = max over this tile's rows of |silu(g) * u| (NaN-propagating); INPUT_MAX: also
-    max |g| and max |u| of the tile at ``gu[tile]`` and ``gu[tiles + tile]`` (the saved copies' amaxes)."""
+def _gate_up_tile(g_ptr, u_ptr, T, F, BT: tl.constexpr, BF: tl.constexpr):
+    """This program's [BT, BF] tile of gate and up ([T, F] row-major) in fp32, zeros past the edges,
+    with its program ids (int64), row and column indices, mask and offsets."""
     pid_t, pid_f = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_t * BT + tl.arange(0, BT)
     cols = pid_f * BF + tl.arange(0, BF)
@@ -85,6 +84,15 @@ def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, gu_ptr, T, F, BT: tl.constexpr
     offs = rows[:, None] * F + cols[None, :]
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return pid_t, pid_f, rows, cols, mask, offs, g, u
+
+
+@triton.jit
+def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, gu_ptr, T, F, BT: tl.constexpr, BF: tl.constexpr,
+                           INPUT_MAX: tl.constexpr = False):
+    """out[pid_t, col] = max over this tile's rows of |silu(g) * u| (NaN-propagating); INPUT_MAX: also
+    max |g| and max |u| of the tile at ``gu[tile]`` and ``gu[tiles + tile]`` (the saved copies' amaxes)."""
+    pid_t, pid_f, rows, cols, mask, offs, g, u = _gate_up_tile(g_ptr, u_ptr, T, F, BT, BF)
     h = _silu(g) * u
     m = tl.max(tl.abs(h), axis=0)
     nan = tl.max((h != h).to(tl.int32), axis=0)
@@ -105,13 +113,7 @@ def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr
     """A tile of the down GEMM operand: A, max |A| (per program) and, if STORE, codes of A * scale;
     INPUTS (with STORE): also the codes of ``g * g_scale`` and ``u * u_scale`` (the saved copies of gate
     and up, from the same read: what ``transpose_cast`` of each gives)."""
-    pid_t, pid_f = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    rows = pid_t * BT + tl.arange(0, BT)
-    cols = pid_f * BF + tl.arange(0, BF)
-    mask = (rows[:, None] < T) & (cols[None, :] < F)
-    offs = rows[:, None] * F + cols[None, :]
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pid_t, pid_f, rows, cols, mask, offs, g, u = _gate_up_tile(g_ptr, u_ptr, T, F, BT, BF)
     if MODE == 2:
         r = tl.load(r_ptr + rows, mask=rows < T, other=1.0)
         a = _silu(g) * (u / r[:, None])
