@@ -257,6 +257,17 @@ def swiglu_colamax(gate2d: torch.Tensor, up2d: torch.Tensor, bt: int = 32, bf: i
     return part if partials else part.amax(0)  # amax propagates NaN: no host synchronisation needed
 
 
+def _cast_launch_args(gate2d, up2d, mode: str, smooth_scales, bt: int, bf: int):
+    """``(gate, up, c, r, unread, grid)`` of a ``_swiglu_cast_kernel`` launch: contiguous inputs, the
+    smoothing scales where the mode reads them (an unread placeholder otherwise) and the tile grid."""
+    check_interpretable(gate2d.device)
+    g, u = gate2d.contiguous(), up2d.contiguous()
+    dummy = _unread(g.device)
+    c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
+    r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
+    return g, u, c, r, dummy, (triton.cdiv(gate2d.shape[0], bt), triton.cdiv(gate2d.shape[1], bf))
+
+
 def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None,
                 smooth_scales: torch.Tensor | None = None, bt: int = 32, bf: int = 64, want_amax: bool = True):
     """Codes of the down GEMM's operand ``A`` (see the module doc) and ``max |A|``.
@@ -277,12 +288,7 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
     from ..numerics import scale_from_amax
 
     t, f = gate2d.shape
-    check_interpretable(gate2d.device)
-    g, u = gate2d.contiguous(), up2d.contiguous()
-    dummy = _unread(g.device)
-    c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
-    r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
-    grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
+    g, u, c, r, dummy, grid = _cast_launch_args(gate2d, up2d, mode, smooth_scales, bt, bf)
     out = torch.empty(t, f, dtype=fmt.torch_dtype, device=g.device)
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)
     if t == 0 or f == 0:
@@ -311,12 +317,7 @@ def swiglu_cast_with_inputs(gate2d, up2d, mode: str, fmt: Format, scale: torch.T
     t, f = gate2d.shape
     if not (t and f):
         raise ValueError("swiglu_cast_with_inputs needs a non-empty [T, F] input")
-    check_interpretable(gate2d.device)
-    g, u = gate2d.contiguous(), up2d.contiguous()
-    dummy = _unread(g.device)
-    c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
-    r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
-    grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
+    g, u, c, r, dummy, grid = _cast_launch_args(gate2d, up2d, mode, smooth_scales, bt, bf)
     out, g_out, u_out = (torch.empty(t, f, dtype=fmt.torch_dtype, device=g.device) for _ in range(3))
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)  # written, not read
     scales = [x.to(torch.float32).reshape(1).contiguous() for x in (scale, gate_scale, up_scale)]
@@ -333,12 +334,7 @@ def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = No
     t, f = gate2d.shape
     if t == 0 or f == 0:
         return torch.zeros(1 if partials else (), dtype=torch.float32, device=gate2d.device)
-    check_interpretable(gate2d.device)
-    g, u = gate2d.contiguous(), up2d.contiguous()
-    dummy = _unread(g.device)
-    c = smooth_scales.reshape(-1).contiguous() if mode == "channel" else dummy
-    r = smooth_scales.reshape(-1).contiguous() if mode == "token" else dummy
-    grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
+    g, u, c, r, dummy, grid = _cast_launch_args(gate2d, up2d, mode, smooth_scales, bt, bf)
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)
     out = torch.empty(1, dtype=torch.uint8, device=g.device)
     from ..numerics import E4M3
