@@ -123,12 +123,14 @@ def cases():
             out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional}"
                         + (" delayed" if delayed else "") + (f" divide {divide}" if divide else "")
                         + f" {cfg.kwargs}", tk._transpose_cast_kernel, sig, c, cfg))
-    for mode, inputs in ((0, False), (1, False), (2, False), (1, True)):
+    for mode, inputs, transpose in ((0, False, False), (1, False, False), (2, False, False), (1, True, False),
+                                    (1, True, True)):
         sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "c_ptr": "*fp32", "r_ptr": "*fp32", "scale_ptr": "*fp32",
                "out_ptr": "*u8", "amax_ptr": "*fp32", "g_scale_ptr": "*fp32", "u_scale_ptr": "*fp32",
-               "g_out_ptr": "*u8", "u_out_ptr": "*u8", "T": "i32", "F": "i32"}
-        out.append((f"swiglu_cast mode={mode}" + (" inputs" if inputs else ""), tk._swiglu_cast_kernel, sig,
-                    dict(MODE=mode, STORE=True, BT=32, BF=64, **tk._fmt_kw(E4M3), HW=1, INPUTS=inputs), None))
+               "g_out_ptr": "*u8", "u_out_ptr": "*u8", "out_t_ptr": "*u8", "T": "i32", "F": "i32"}
+        out.append((f"swiglu_cast mode={mode}" + (" inputs" if inputs else "") + (" T" if transpose else ""),
+                    tk._swiglu_cast_kernel, sig, dict(MODE=mode, STORE=True, BT=32, BF=64, **tk._fmt_kw(E4M3), HW=1,
+                                                      INPUTS=inputs, TRANSPOSE=transpose), None))
     for input_max in (False, True):
         out.append(("swiglu_colamax" + (" input_max" if input_max else ""), tk._swiglu_colamax_kernel,
                     {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*fp32", "gu_ptr": "*fp32", "T": "i32",

@@ -153,8 +153,9 @@ def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
         return size["x_ptr"] + (0 if c["MODE"] == 2 else code)
     if name == "_transpose_cast_kernel":
         return size["x_ptr"] + code * (2 if c["TRANSPOSE"] else 1)
-    if name == "_swiglu_cast_kernel":  # INPUTS: the codes of gate and up written too
-        return size["g_ptr"] + size["u_ptr"] + (code * (3 if c.get("INPUTS") else 1) if c["STORE"] else 0)
+    if name == "_swiglu_cast_kernel":  # INPUTS: the codes of gate and up written too; TRANSPOSE: A^T too
+        writes = 1 + (2 if c.get("INPUTS") else 0) + (1 if c.get("TRANSPOSE") else 0)
+        return size["g_ptr"] + size["u_ptr"] + (code * writes if c["STORE"] else 0)
     if name == "_swiglu_colamax_kernel":
         return size["g_ptr"] + size["u_ptr"]
     if name == "_swiglu_backward_kernel":  # dA, FP8 gate and up in; dgate, dup out

@@ -6,7 +6,8 @@
 ``_swiglu_cast_kernel``        one read of gate/up: ``A`` = ``silu(g)*u`` (``*c[col]`` channel,
                                ``silu(g)*(u/r[row])`` token), per-tile max ``|A|``, E4M3 codes of
                                ``A * s`` (one write, 1 byte/element); ``INPUTS``: the codes of the saved
-                               gate and up copies too (exact: ``saturating_cast(g * s_g)``)
+                               gate and up copies too (exact: ``saturating_cast(g * s_g)``);
+                               ``TRANSPOSE``: A's codes transposed too (``[F, T]``, the wgrad operand)
 ``_transpose_cast_kernel``     one read of ``x``: codes of ``x * s`` (nearest or stochastic) in both layouts
                                (``[R, C]`` and ``[C, R]``; the transposed copy is the wgrad / dgrad GEMM
                                operand that ``_scaled_mm`` wants column-major) and per-tile max ``|x|``;
@@ -106,13 +107,16 @@ def _swiglu_colamax_kernel(g_ptr, u_ptr, out_ptr, gu_ptr, T, F, BT: tl.constexpr
 
 @triton.jit
 def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr, g_scale_ptr, u_scale_ptr,
-                        g_out_ptr, u_out_ptr, T, F,
+                        g_out_ptr, u_out_ptr, out_t_ptr, T, F,
                         MODE: tl.constexpr, STORE: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr,
                         MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
-                        NAN_CODE: tl.constexpr, HW: tl.constexpr = 0, INPUTS: tl.constexpr = False):
+                        NAN_CODE: tl.constexpr, HW: tl.constexpr = 0, INPUTS: tl.constexpr = False,
+                        TRANSPOSE: tl.constexpr = False):
     """A tile of the down GEMM operand: A, max |A| (per program) and, if STORE, codes of A * scale;
     INPUTS (with STORE): also the codes of ``g * g_scale`` and ``u * u_scale`` (the saved copies of gate
-    and up, from the same read: what ``transpose_cast`` of each gives)."""
+    and up, from the same read: what ``transpose_cast`` of each gives); TRANSPOSE (with STORE): also A's
+    codes transposed, ``[F, T]`` row-major at ``out_t`` (the wgrad GEMM's operand, as ``transpose_cast``
+    writes its transposed copy)."""
     pid_t, pid_f, rows, cols, mask, offs, g, u = _gate_up_tile(g_ptr, u_ptr, T, F, BT, BF)
     if MODE == 2:
         r = tl.load(r_ptr + rows, mask=rows < T, other=1.0)
@@ -127,6 +131,9 @@ def _swiglu_cast_kernel(g_ptr, u_ptr, c_ptr, r_ptr, scale_ptr, out_ptr, amax_ptr
         s = tl.load(scale_ptr)
         code = cast_codes(a * s, 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
         tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
+        if TRANSPOSE:  # [BF, BT] in registers: consecutive lanes write consecutive bytes of a row of A^T
+            mask_t = (cols[:, None] < F) & (rows[None, :] < T)
+            tl.store(out_t_ptr + cols[:, None] * T + rows[None, :], tl.trans(code.to(tl.uint8)), mask=mask_t)
         if INPUTS:
             g_code = cast_codes(g * tl.load(g_scale_ptr), 0, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, False, HW)
             tl.store(g_out_ptr + offs, g_code.to(tl.uint8), mask=mask)
@@ -295,7 +302,7 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
         zero = torch.zeros((), dtype=torch.float32, device=g.device)
         return out, zero, scale if scale is not None else torch.ones_like(zero)
     kw = dict(MODE=MODES[mode], BT=bt, BF=bf, **_fmt_kw(fmt), HW=hardware_cast(g.device, fmt))
-    unused = (dummy, dummy, out.view(torch.uint8), out.view(torch.uint8))
+    unused = (dummy, dummy, out.view(torch.uint8), out.view(torch.uint8), out.view(torch.uint8))
     if scale is None:
         _swiglu_cast_kernel[grid](g, u, c, r, dummy, out.view(torch.uint8), part, *unused, t, f, STORE=False, **kw)
         scale = scale_from_amax(_reduce_amax(part), fmt)
@@ -306,25 +313,29 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
 
 def swiglu_cast_with_inputs(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor,
                             smooth_scales: torch.Tensor | None, gate_scale: torch.Tensor, up_scale: torch.Tensor,
-                            bt: int = 32, bf: int = 64):
+                            bt: int = 32, bf: int = 64, transpose: bool = False):
     """Codes of ``A`` (:func:`swiglu_cast` with a given ``scale``) and of the saved copies of gate and up,
     ``saturating_cast(gate * gate_scale)`` and ``saturating_cast(up * up_scale)`` (``fmt``; fp32 scalar
-    scales), in one read of gate and up and one launch (T and F > 0).
+    scales), in one read of gate and up and one launch (T and F > 0). ``transpose``: also A's codes
+    transposed (``[F, T]`` contiguous) from the same launch.
 
     Returns:
-        (codes of A, codes of gate, codes of up), each [T, F].
+        (codes of A, codes of gate, codes of up), each [T, F]; with ``transpose`` a fourth, A's
+        transposed codes.
     """
     t, f = gate2d.shape
     if not (t and f):
         raise ValueError("swiglu_cast_with_inputs needs a non-empty [T, F] input")
     g, u, c, r, dummy, grid = _cast_launch_args(gate2d, up2d, mode, smooth_scales, bt, bf)
     out, g_out, u_out = (torch.empty(t, f, dtype=fmt.torch_dtype, device=g.device) for _ in range(3))
+    out_t = torch.empty(f, t, dtype=fmt.torch_dtype, device=g.device) if transpose else out
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)  # written, not read
     scales = [x.to(torch.float32).reshape(1).contiguous() for x in (scale, gate_scale, up_scale)]
     _swiglu_cast_kernel[grid](g, u, c, r, scales[0], out.view(torch.uint8), part, scales[1], scales[2],
-                              g_out.view(torch.uint8), u_out.view(torch.uint8), t, f, MODE=MODES[mode], STORE=True,
-                              BT=bt, BF=bf, **_fmt_kw(fmt), HW=hardware_cast(g.device, fmt), INPUTS=True)
-    return out, g_out, u_out
+                              g_out.view(torch.uint8), u_out.view(torch.uint8), out_t.view(torch.uint8), t, f,
+                              MODE=MODES[mode], STORE=True, BT=bt, BF=bf, **_fmt_kw(fmt),
+                              HW=hardware_cast(g.device, fmt), INPUTS=True, TRANSPOSE=transpose)
+    return (out, g_out, u_out, out_t) if transpose else (out, g_out, u_out)
 
 
 def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = None, bt: int = 32,
@@ -338,7 +349,7 @@ def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = No
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)
     out = torch.empty(1, dtype=torch.uint8, device=g.device)
     from ..numerics import E4M3
-    _swiglu_cast_kernel[grid](g, u, c, r, dummy, out, part, dummy, dummy, out, out, t, f, MODE=MODES[mode],
+    _swiglu_cast_kernel[grid](g, u, c, r, dummy, out, part, dummy, dummy, out, out, out, t, f, MODE=MODES[mode],
                               STORE=False, BT=bt, BF=bf, **_fmt_kw(E4M3))
     return part if partials else _reduce_amax(part)
 

@@ -44,8 +44,8 @@ import torch
 from ..numerics import scale_from_amax
 from ..numerics.scaling import power_of_two_floor
 from ..kernels import torch_family
-from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, from_bytes, gemm, resolve_format, tile_for,
-                      unaliased)
+from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, column_major, column_major_like, from_bytes,
+                      gemm, resolve_format, tile_for, unaliased)
 from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
 from .linear import (_scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad,
@@ -200,7 +200,8 @@ def _fused_channel_operands(g2, u2, w_down, fmt, a_state, margin, power_of_two):
     writing the codes of A, gate and up (:func:`saved_glu_input`'s copies). With W_down in fp32 or bf16,
     B is cast with the division in the cast (one launch, no ``W_down / c`` written), else B is None.
     The same codes, scales and amaxes as :func:`_fused_operand`, ``W_down / c`` cast by
-    :func:`cast_operand` and :func:`saved_glu_input` (tests/test_runtime_swiglu.py).
+    :func:`cast_operand` and :func:`saved_glu_input` (tests/test_runtime_swiglu.py). The cast pass
+    writes A's codes in both layouts (``data_t``: what the op saves, :func:`~.casting.column_major`).
 
     Returns:
         (A's Operand, c, B's Operand or None, the gate copy, the up copy).
@@ -212,13 +213,14 @@ def _fused_channel_operands(g2, u2, w_down, fmt, a_state, margin, power_of_two):
     part, maxima = tk.swiglu_colamax(g2, u2, partials=True, input_maxima=True)
     w = w_down if w_down.dtype in _DIVIDED_IN_KERNEL else None
     sc = triton_scaling.smooth_scales(part, maxima, w, fmt, margin, power_of_two, a_state or None, _C_MIN, _C_MAX)
-    a, g_codes, u_codes = tk.swiglu_cast_with_inputs(g2, u2, "channel", fmt, sc.a.scale, sc.c, sc.gate_scale,
-                                                     sc.up_scale)
+    # A^T from the same launch: the op saves A column-major, the wgrad GEMM's operand as it is read (no copy)
+    a, g_codes, u_codes, a_t = tk.swiglu_cast_with_inputs(g2, u2, "channel", fmt, sc.a.scale, sc.c, sc.gate_scale,
+                                                          sc.up_scale, transpose=True)
     bo = None
     if w is not None:
         b, _, _ = tk.transpose_cast(w, sc.b.scale, fmt, transpose=False, partials=True, divisor=sc.c)
         bo = Operand(b, sc.b.scale, sc.b.amax, inv_scale=sc.b.inv_scale)
-    return (Operand(a, sc.a.scale, sc.a.amax, inv_scale=sc.a.inv_scale), sc.c, bo,
+    return (Operand(a, sc.a.scale, sc.a.amax, data_t=a_t, inv_scale=sc.a.inv_scale), sc.c, bo,
             Operand(g_codes, sc.gate_scale, None), Operand(u_codes, sc.up_scale, None))
 
 
@@ -299,11 +301,11 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
     up_dtype = _up(gate.device, dt)
     at = tile_for(k.granularity, k.block, g2.shape, weight=False)
     g_amax = u_amax = bo = go = uo = None
-    if uses_triton(gate.device) and fmt is not None and k.granularity == "tensor" and k.activation == "silu":
-        if k.smooth == "channel" and g2.numel() > 0:
-            ao, s, bo, go, uo = _fused_channel_operands(g2, u2, w_down, fmt, a_state, k.margin, k.power_of_two)
-        else:
-            ao, s = _fused_operand(g2, u2, k.smooth, fmt, a_state, k.margin, k.power_of_two)
+    fused_channel = _runs_fused_channel(gate, fmt, k)
+    if fused_channel:
+        ao, s, bo, go, uo = _fused_channel_operands(g2, u2, w_down, fmt, a_state, k.margin, k.power_of_two)
+    elif _runs_fused(gate, fmt, k):
+        ao, s = _fused_operand(g2, u2, k.smooth, fmt, a_state, k.margin, k.power_of_two)
     else:
         a, s, g_amax, u_amax = operand_and_input_amax(g2, u2, k.smooth, k.activation)
         ao = cast_operand(a, fmt, k.granularity, at, a_state, k.margin, k.power_of_two, up=up_dtype)
@@ -324,9 +326,21 @@ def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
     if go is None:
         go, uo = saved_glu_input(g2, fmt, g_amax), saved_glu_input(u2, fmt, u_amax)
     states = (a_state, b_state)
-    return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(ao.data),
+    a_saved = column_major(ao) if fused_channel else ao.data  # fused: the layout the wgrad GEMM reads
+    return (y.reshape(*gate.shape[:-1], w_down.shape[0]), ao.amax, bo.amax, as_bytes(a_saved),
             unaliased(ao.scale, states), as_bytes(bo.data), unaliased(bo.scale, states), unaliased(s, states),
             as_bytes(go.data), go.scale, as_bytes(uo.data), uo.scale)
+
+
+def _runs_fused(gate, fmt, k: GLUKnobs) -> bool:
+    """Whether the op casts A with the Triton SwiGLU kernels (GPU, per-tensor FP8, silu)."""
+    return uses_triton(gate.device) and fmt is not None and k.granularity == "tensor" and k.activation == "silu"
+
+
+def _runs_fused_channel(gate, fmt, k: GLUKnobs) -> bool:
+    """Whether the op takes :func:`_fused_channel_operands` (and saves A column-major): the op and its
+    fake function ask the same question."""
+    return _runs_fused(gate, fmt, k) and k.smooth == "channel" and gate.numel() > 0
 
 
 def saved_glu_input(t2d: torch.Tensor, fmt, amax: torch.Tensor | None = None) -> Operand:
@@ -356,11 +370,15 @@ def _(gate, up, w_down, a_state, b_state, g_state, *knobs):
     f32 = dict(dtype=torch.float32, device=gate.device)
     s_shape = {"channel": (f,), "token": (rows, 1), "none": ()}[k.smooth]
     granularity = k.granularity if fmt else "tensor"
+    if _runs_fused_channel(gate, fmt, k):
+        a_saved = column_major_like(rows, f, torch.uint8, gate.device)
+    else:
+        a_saved = gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8)
     return (
         gate.new_empty(*gate.shape[:-1], n, dtype=compute_dtype(k, gate.dtype)),
         torch.empty((), **f32),
         torch.empty((), **f32),
-        gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8),
+        a_saved,
         torch.empty(_scale_shape(granularity, k.block, rows, f, False), **f32),
         w_down.new_empty(n, f, dtype=w_down.dtype if fmt is None else torch.uint8),
         torch.empty(_scale_shape(granularity, k.block, n, f, True), **f32),
