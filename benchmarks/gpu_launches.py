@@ -360,7 +360,7 @@ def _grouped_case(tokens: int = 64, experts: int = 4, d_in: int = 64, d_out: int
     x = torch.randn(tokens, d_in, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(experts, d_out, d_in, dtype=torch.bfloat16, requires_grad=True)
     offs = _grouped_offs(tokens, experts)
-    knobs = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)
+    knobs = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, True)
     dy = torch.randn(tokens, d_out, dtype=torch.bfloat16)
 
     def step():
@@ -379,7 +379,7 @@ def _grouped_swiglu_case(smooth: str, tokens: int = 64, experts: int = 4, d: int
     gate_up = torch.randn(tokens, 2 * ffn, dtype=torch.bfloat16, requires_grad=True)
     wd = torch.randn(experts, d, ffn, dtype=torch.bfloat16, requires_grad=True)
     offs = _grouped_offs(tokens, experts)
-    knobs = GroupedGLUKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, "silu", smooth)
+    knobs = GroupedGLUKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, True, "silu", smooth)
     dy = torch.randn(tokens, d, dtype=torch.bfloat16)
 
     def step():

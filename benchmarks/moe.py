@@ -40,7 +40,7 @@ from benchmarks.common import machine  # noqa: E402
 from benchmarks.common import time_rounds  # noqa: E402
 
 # out_dtype None: the input's (bf16)
-FP8 = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)
+FP8 = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, True)
 FP8_GLU = GroupedGLUKnobs(*FP8.args(), activation="silu", smooth="channel")
 
 

@@ -20,9 +20,9 @@ from fp8pass.kernels import cpu
 
 LIN = torch.ops.fp8pass.fp8_grouped_linear
 GLU = torch.ops.fp8pass.fp8_grouped_swiglu_down
-FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)  # ..., out_dtype (None: the input's)
+FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, True)  # ..., out_dtype (None: the input's), fast_accum
 FP8_E4M3_GRADS = ("e4m3", "e4m3") + FP8[2:]
-IDENT = ("identity", "identity", False, "nearest", 0.0, 1, "max", None)
+IDENT = ("identity", "identity", False, "nearest", 0.0, 1, "max", None, True)
 OFFS = [10, 10, 33, 40]  # expert 1 empty; rows 40..43 are padding past offs[-1]
 
 
@@ -353,10 +353,10 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="grad_rounding"):
         LIN(x, w, offs, False, [], [], [], *FP8[:3], "up", *FP8[4:])
     with pytest.raises(TypeError, match="out_dtype"):
-        LIN(x, w, offs, False, [], [], [], *FP8[:-1], torch.int32)
+        LIN(x, w, offs, False, [], [], [], *FP8[:-2], torch.int32, True)
     for _ in range(2):  # a bad knob tuple is not cached as valid (Knobs.of): it raises on every call
         with pytest.raises(ValueError, match="algo"):
-            LIN(x, w, offs, False, [], [], [], *FP8[:6], "median", None)
+            LIN(x, w, offs, False, [], [], [], *FP8[:6], "median", None, True)
     with pytest.raises(ValueError, match="grouped_state_for"):
         grouped_state_for(w[0], fp8pass.DelayedScaling())
 
@@ -608,7 +608,7 @@ def test_autocast_outputs_and_gemm_dtype_are_the_ops_choice(monkeypatch, gemm):
     g = torch.Generator().manual_seed(20)
     wd = torch.randn(4, 32, 24, generator=g) / 5
     a = [t.clone().requires_grad_() for t in (x, w, wd)]
-    knobs = FP8[:-1] + (torch.bfloat16,)
+    knobs = FP8[:-2] + (torch.bfloat16, True)
     with profile(record_shapes=True) as prof:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = LIN(a[0], a[1], offs, False, [], [], [], *knobs)
@@ -772,3 +772,24 @@ def test_gradient_format_of_the_grouped_ops_per_device(monkeypatch):
         alone = DelayedScalingState(recipe, E4M3)
         alone.record(dy[lo:hi].abs().max() if hi > lo else torch.zeros(()))
         assert st.grad_output.scale[e] == alone.scale
+
+
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_grouped_forward_gemm_accumulates_fast_and_gradient_gemms_precisely(monkeypatch, fast_accum):
+    """``fast_accum`` (``Config.fast_accum``) reaches the forward ``_scaled_grouped_mm`` only: dgrad and
+    wgrad accumulate precisely, as the dense ops do (tests/test_gemm_accumulation.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_launches as gl
+
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    x, w, offs, dy = (t.bfloat16() if t.is_floating_point() else t for t in _data(15))
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with gl.pretend_cuda_gemms() as gemms:
+        y = LIN(xx, ww, offs, False, [], [], [], *FP8[:-1], fast_accum)[0]
+        forward = list(gemms)
+        y.backward(dy)
+    assert forward == [("_scaled_grouped_mm", fast_accum)]
+    assert gemms[1:] == [("_scaled_grouped_mm", False)] * 2

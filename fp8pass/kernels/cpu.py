@@ -667,7 +667,7 @@ def _alphas(a_scale: torch.Tensor, b_scale: torch.Tensor) -> list[float]:
 
 
 def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                 offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                 offs: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """Per group ``out[g] = (a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``; rows past ``offs[-1]`` are 0.
 
     Args:

@@ -215,9 +215,10 @@ def grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype):
     return out.to(out_dtype)
 
 
-def _grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+def _grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, fast_accum=False):
     if _scaled_grouped_mm_ok(a, b, out_dtype):
-        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype,
+                                        use_fast_accum=fast_accum)
     return grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype)
 
 
@@ -231,16 +232,17 @@ def _repeated_inverse(scale, times):
     return torch.reciprocal(scale.float()[:, None].expand(scale.shape[0], times))
 
 
-def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype):
+def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False):
     """Per group ``(a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``: a [S, K], b [E, N, K] (any strides);
-    rows past offs[-1] = 0. One grouped GEMM (2d x 3d), no host sync."""
+    rows past offs[-1] = 0. One grouped GEMM (2d x 3d), no host sync; ``fast_accum``: the forward's
+    ``use_fast_accum`` (``Config.fast_accum``)."""
     experts = b.shape[0]
     ids = _expert_of_rows(offs, a.shape[0])
     scale_a = torch.reciprocal(a_scale.float())[ids.clamp(max=experts - 1)]
     scale_b = _repeated_inverse(b_scale, b.shape[1])
     # [E, K, N] column-major: b [E, N, K] row-major (a copy only for a transposed view: dgrad, w_transposed)
     b = b if b.is_contiguous() else b.clone(memory_format=torch.contiguous_format)
-    out = _grouped_mm(a.contiguous(), b.transpose(1, 2), scale_a, scale_b, offs, out_dtype)
+    out = _grouped_mm(a.contiguous(), b.transpose(1, 2), scale_a, scale_b, offs, out_dtype, fast_accum)
     return out.masked_fill((ids == experts)[:, None], 0)
 
 

@@ -59,7 +59,7 @@ class GroupedRewriter(GraphRewriter):
         k = self.kw
         return dict(fwd_format=k["fwd_format"], bwd_format=k["bwd_format"], power_of_two=k["power_of_two"],
                     grad_rounding=k["grad_rounding"], margin=k["margin"], interval=k["interval"], algo=k["algo"],
-                    out_dtype=out_dtype)
+                    out_dtype=out_dtype, fast_accum=k["fast_accum"])
 
     def rows_and_offsets(self, x: fx.Node, w: fx.Node, offs):
         """``(x2d, offs, shape_back)``: the grouped op's operands for either expert form.

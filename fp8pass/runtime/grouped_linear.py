@@ -131,7 +131,7 @@ def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_sta
                            gemm_out=dt)
     wo = cast_experts(weight, fmt, w_state, k.margin, k.power_of_two, gemm_out=dt)
     y = kern.grouped_gemm(xo.gemm_input(kern, dt), xo.scale, fwd_b(wo.gemm_input(kern, dt), w_transposed),
-                          wo.scale, offs, dt)
+                          wo.scale, offs, dt, fast_accum=k.fast_accum)
     return y, xo.amax, wo.amax, as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone()
 
 

@@ -134,7 +134,7 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
     else:
         bo = cast_experts(w_down, fmt, b_state, k.margin, k.power_of_two, gemm_out=dt)
     y = kern.grouped_gemm(ao.gemm_input(kern, dt), ao.scale, fwd_b(bo.gemm_input(kern, dt), w_transposed),
-                          bo.scale, offs, dt)
+                          bo.scale, offs, dt, fast_accum=k.fast_accum)
     if k.smooth == "token":
         y = (y.float() * s).to(dt)
     return (y, ao.amax, bo.amax, as_bytes(ao.data), ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(),

@@ -66,12 +66,10 @@ def check_knobs(k: LinearKnobs) -> None:
         raise ValueError(f"unknown granularity {k.granularity!r}; valid: {', '.join(GRANULARITIES)}")
     if k.block < 1:
         raise ValueError(f"block must be >= 1, got {k.block}")
-    if not isinstance(k.fast_accum, bool):
-        raise TypeError(f"fast_accum must be True or False, got {k.fast_accum!r}")
 
 
 def check_recipe_knobs(k) -> None:
-    """Clear errors for the knobs every FP8 op has (formats, grad_rounding, algo, out_dtype): dense
+    """Clear errors for the knobs every FP8 op has (formats, grad_rounding, algo, out_dtype, fast_accum): dense
     :class:`LinearKnobs` and the grouped ops' knobs alike."""
     resolve_format(k.fwd_format)
     resolve_format(k.bwd_format)
@@ -81,6 +79,8 @@ def check_recipe_knobs(k) -> None:
         raise ValueError(f"unknown algo {k.algo!r}; valid: {', '.join(ALGOS)}")
     if k.out_dtype is not None and k.out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be None or float16/bfloat16/float32/float64, got {k.out_dtype}")
+    if not isinstance(k.fast_accum, bool):
+        raise TypeError(f"fast_accum must be True or False, got {k.fast_accum!r}")
 
 
 def knobs_of(args: tuple) -> LinearKnobs:

@@ -138,7 +138,7 @@ class GLUKnobs(LinearKnobs):
 class GroupedLinearKnobs(Knobs):
     """Knobs of ``fp8_grouped_linear`` (and, after its per-call arguments, ``fp8_grouped_linear_backward``):
     :class:`LinearKnobs` without ``granularity``/``block`` (the grouped ops always scale per tensor per
-    expert), with the same meanings."""
+    expert), with the same meanings (``fast_accum``: the forward grouped GEMM's)."""
 
     fwd_format: str
     bwd_format: str
@@ -148,6 +148,7 @@ class GroupedLinearKnobs(Knobs):
     interval: int
     algo: str
     out_dtype: typing.Optional[torch.dtype]
+    fast_accum: bool
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import torch
 import fp8pass  # noqa: F401  (registers the ops)
 
 pytestmark = pytest.mark.gpu
-FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None)  # ..., out_dtype (None: the input's)
+FP8 = ("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, True)  # ..., out_dtype (None: the input's), fast_accum
 # CUDA casts the E5M2 gradient to E4M3 (_scaled_grouped_mm takes E4M3 only): the CPU reference does too
 FP8_E4M3_GRADS = ("e4m3", "e4m3") + FP8[2:]
 LIN = torch.ops.fp8pass.fp8_grouped_linear
