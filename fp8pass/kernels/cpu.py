@@ -36,7 +36,7 @@ import warnings
 
 import torch
 
-from ..numerics import Format
+from ..numerics.formats import Format
 from . import torch_family
 from .interface import Offers
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import Format
+from ..numerics.formats import Format
 from . import triton_family, triton_operand_casts, triton_scaling
 from .interface import Offers
 

@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import Format
+from ..numerics.formats import E4M3, Format
+from ..numerics.scaling import scale_from_amax
 from . import torch_family
 from .triton_helpers import (  # the one exact in-kernel cast, shared tuning helpers
     abs_max_2d,
@@ -292,8 +293,6 @@ def swiglu_cast(gate2d, up2d, mode: str, fmt: Format, scale: torch.Tensor | None
     Returns:
         (codes [T, F], amax of A fp32 scalar or None, the scale used).
     """
-    from ..numerics import scale_from_amax
-
     t, f = gate2d.shape
     g, u, c, r, dummy, grid = _cast_launch_args(gate2d, up2d, mode, smooth_scales, bt, bf)
     out = torch.empty(t, f, dtype=fmt.torch_dtype, device=g.device)
@@ -348,7 +347,6 @@ def swiglu_amax(gate2d, up2d, mode: str, smooth_scales: torch.Tensor | None = No
     g, u, c, r, dummy, grid = _cast_launch_args(gate2d, up2d, mode, smooth_scales, bt, bf)
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=g.device)
     out = torch.empty(1, dtype=torch.uint8, device=g.device)
-    from ..numerics import E4M3
     _swiglu_cast_kernel[grid](g, u, c, r, dummy, out, part, dummy, dummy, out, out, out, t, f, MODE=MODES[mode],
                               STORE=False, BT=bt, BF=bf, **_fmt_kw(E4M3))
     return part if partials else _reduce_amax(part)

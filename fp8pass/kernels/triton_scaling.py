@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import Format, get_format
+from ..numerics.formats import Format, get_format
 from ..numerics.scaling import HUGE_AMAX, MAX_SCALE, NO_PENDING, OVERFLOW_FACTOR
 from .triton_helpers import INTERPRETING, abs_max_2d, check_interpretable, max_propagating_nan, tile_scale
 
