@@ -64,9 +64,28 @@ def test_block_runs_as_written(where, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks write their checkpoints and runs where they stand
     torch._dynamo.reset()
     torch.manual_seed(0)
+    namespace = {"__name__": "__main__"}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the docs' own output, not the test's concern
-            exec(compile(code, where, "exec"), {"__name__": "__main__"})
+            exec(compile(code, where, "exec"), namespace)
     finally:
         torch._dynamo.reset()
+    # it ran to its last line: every name the block binds at top level is there (an exception fails above)
+    assert set(_top_level_names(code)) <= set(namespace), f"{where}: names missing after the block ran"
+
+
+def _top_level_names(code: str) -> list[str]:
+    """The names a block assigns, defines or imports at its top level (what running it to the end binds)."""
+    import ast
+
+    names = []
+    for node in ast.parse(code).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names += [(a.asname or a.name).split(".")[0] for a in node.names if a.name != "*"]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+    return names
