@@ -107,10 +107,12 @@ def _(x, x_state, *knobs):
             x_alt)
 
 
-def _operand_x(x_data, x_scale, x_alt, fmt) -> Operand:
-    """x's forward GEMM operand: the codes, with their GEMM-dtype values where the CPU made them."""
+def _operand_x(x_data, x_scale, x_alt, fmt, k: LinearKnobs) -> Operand:
+    """x's forward GEMM operand: the codes, with their GEMM-dtype values where the CPU made them (``x_alt``
+    holds those, or on the Triton path the column-major codes that only the backward reads)."""
     data = from_bytes(x_data, fmt)
-    return Operand(data, x_scale, x_scale, x_alt if x_alt.dim() == 2 and x_alt.dtype != torch.uint8 else None)
+    values = x_alt.dim() == 2 and not saved_transposed(x_data.device, fmt, k.granularity)
+    return Operand(data, x_scale, x_scale, x_alt if values else None)
 
 
 def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None, invert=(), transpose=False) -> Operand:
@@ -156,7 +158,7 @@ def fp8_linear_precast_op(x, x_data, x_scale, x_alt, weight, bias, w_state, g_st
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x.dtype)
     w = weight.to(dt) if fmt is None else weight
-    xo = _operand_x(x_data, x_scale, x_alt, fmt)
+    xo = _operand_x(x_data, x_scale, x_alt, fmt, k)
     wo = _cast_weight(w, k, w_state, _up_dtype(k, x.device, dt), invert=(x_scale,) if x_scale.dim() == 0 else ())
     if wo.inverted:  # x's decode scale, made by W's scale launch (GPU)
         xo.inv_scale = wo.inverted[0]
