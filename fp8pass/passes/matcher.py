@@ -24,7 +24,7 @@ from .annotate import facts
 
 __all__ = [
     "Match", "Pattern", "Op", "Bind", "Tag", "OneOf", "Where", "Const", "ANY",
-    "param_fqn", "weight_fqn", "caller_fqn", "is_param_placeholder", "example_value",
+    "param_fqn", "weight_fqn", "caller_fqn", "is_param_placeholder", "example_value", "CASTS", "is_cast",
 ]
 
 
@@ -92,15 +92,20 @@ class Where(Pattern):
 
 @dataclass
 class Bind(Pattern):
-    """Match ``pattern`` and bind the node (or literal) to ``name``; a bound name must recur equal."""
+    """Match ``pattern`` and bind the node (or literal) to ``name``; a bound name must recur equal:
+    the same node, or the same cast of the same node (Dynamo does not merge ``x.bfloat16()`` written
+    twice, as torchtitan's experts do for gate and up); such a twin joins the match's nodes."""
 
     name: str
     pattern: Pattern = ANY
 
     def match(self, value, m):
         if self.name in m.bindings:
-            if m.bindings[self.name] is value:
+            bound = m.bindings[self.name]
+            if bound is value:
                 yield m
+            elif _same_cast(bound, value):
+                yield m.extend(node=value)
             return
         for m2 in self.pattern.match(value, m):
             yield m2.extend(self.name, value)
@@ -128,6 +133,30 @@ class OneOf(Pattern):
     def match(self, value, m):
         for alt in self.alternatives:
             yield from alt.match(value, m)
+
+
+# dtype casts and contiguity calls: what real code puts around a weight or an input of a matmul
+CASTS = ("to", "type", "type_as", "float", "bfloat16", "half", "double", "contiguous")
+
+
+def is_cast(node: Any) -> bool:
+    """A dtype cast or contiguity call (:data:`CASTS`, no side effects) of a tensor node that keeps its
+    shape and device: the same values, possibly in another floating dtype (a device move, a reshape by
+    ``type``/``to`` or a cast to a non-float dtype is not one)."""
+    if not (is_call(node, CASTS) and node.op == "call_method" and node.args and isinstance(node.args[0], fx.Node)):
+        return False
+    out, inp = example_value(node), example_value(node.args[0])
+    return (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.shape == inp.shape
+            and out.device == inp.device and out.dtype.is_floating_point and inp.dtype.is_floating_point)
+
+
+def _same_cast(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same value: the same node, or the same cast call of the same value."""
+    if a is b:
+        return True
+    return (is_cast(a) and is_cast(b) and a.target == b.target and len(a.args) == len(b.args)
+            and _same_cast(a.args[0], b.args[0]) and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs
+            and example_value(a).dtype == example_value(b).dtype)
 
 
 def _target_ok(node: fx.Node, targets: tuple) -> bool:

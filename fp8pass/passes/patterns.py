@@ -21,6 +21,13 @@ Forms covered (all verified on real Dynamo graphs in tests/test_patterns.py):
   ``torch.select(W, 0, e)`` stands for a 2-D weight in every projection form above (``W[e].t()``,
   ``x @ W[e].T``, ...) and binds ``p_w_stack`` (the 3-D parameter) and ``p_w_index`` (``e``, 0 <= e < E);
   a bias may likewise be one row ``b[e]`` of a stacked [E, out] bias;
+* the weight operand of every projection above (dense, one expert's, grouped) through dtype casts and
+  contiguity calls before and/or after its transpose: ``.to(dtype)``, ``.to(x.dtype)``, ``.type_as(x)``,
+  ``.float()``, ``.bfloat16()``, ``.half()``, ``.contiguous()`` (torchtitan's
+  ``w.bfloat16().transpose(-2, -1)``, GPT-OSS's ``w.transpose(-2, -1).bfloat16()``); the match binds the
+  parameter itself, and ``p_w_operand`` the value the matmul read (its dtype is what the policy judges);
+* a bias that is a computed 1-D tensor (``F.linear(x, W, b / tp_degree)``, torchtitan's
+  ``ScaledBiasRowwiseLinear``), not only a parameter;
 * a fused gate+up projection followed by ``chunk``, ``split``, last-dim slicing or
   ``view(..., 2, n).unbind(-2)`` (blocked) / ``view(..., n, 2).unbind(-1)`` (interleaved);
 * the down projection of the GLU output (any projection form above).
@@ -35,7 +42,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from .matcher import (
-    ANY, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_call, is_param_placeholder,
+    ANY, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_call, is_cast,
+    is_param_placeholder,
 )
 
 __all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "GROUPED_LINEAR", "EXPERT_GLU", "MATMUL_LIKE",
@@ -105,8 +113,16 @@ def _expert_weight(name: str) -> Pattern:
 
 
 def _bias(name: str) -> Pattern:
-    """A 1-D bias: a parameter, or one expert's row ``b[e]`` (``e`` a constant) of a stacked [E, out] bias."""
-    return Bind(name, Where(lambda n: (is_param_placeholder(n) and _ndim(n) == 1) or _expert_bias_row(n)))
+    """A 1-D bias: a parameter, one expert's row ``b[e]`` (``e`` a constant) of a stacked [E, out] bias,
+    or a computed 1-D tensor (``b / tp_degree``): the FP8 op adds it in high precision after its GEMM,
+    and autograd carries its gradient back through the computation."""
+    return Bind(name, Where(lambda n: _ndim(n) == 1 or _expert_bias_row(n)))
+
+
+def _linear_bias(name: str) -> Pattern:
+    """``F.linear``'s bias: any tensor (the policy keeps one that is not one value per output feature,
+    with its reason, rather than the pattern passing the call by)."""
+    return Bind(name, Where(lambda n: _ndim(n) is not None))
 
 
 def _expert_bias_row(node: fx.Node) -> bool:
@@ -131,6 +147,27 @@ def _transposed(w: Pattern) -> Pattern:
     )
 
 
+class _Casts(Pattern):
+    """``pattern`` under any number (none included) of dtype casts and contiguity calls
+    (:func:`~.matcher.is_cast`); the casts join the match's nodes (erased once the rewrite leaves
+    them unused, kept while anything else reads them)."""
+
+    def __init__(self, pattern: Pattern):
+        self.pattern = pattern
+
+    def match(self, value, m):
+        yield from self.pattern.match(value, m)
+        if is_cast(value):
+            yield from self.match(value.args[0], m.extend(node=value))
+
+
+def weight_operand(p: str, w: Pattern, transpose) -> tuple[Pattern, Pattern]:
+    """The weight operand ``w`` of projection ``p`` as real code writes it: ``(transposed, as stored)``,
+    each through casts before and after the transpose; binds ``p_w_operand`` to what the matmul reads."""
+    stored = _Casts(w)
+    return (Bind(f"{p}_w_operand", _Casts(transpose(stored))), Bind(f"{p}_w_operand", stored))
+
+
 def linear(p: str, x: Pattern | None = None) -> Pattern:
     """A projection ``y = x W^T (+ b)`` with W (and b) parameters.
 
@@ -138,13 +175,13 @@ def linear(p: str, x: Pattern | None = None) -> Pattern:
     stored ``[out, in]`` (nn.Linear), "in_out" for one stored ``[in, out]`` (GPT-2's Conv1D).
     """
     x = x if x is not None else Bind(f"{p}_x")
-    w = _weight(f"{p}_w")
+    w_t, w = weight_operand(p, _weight(f"{p}_w"), _transposed)
     b = _bias(f"{p}_b")
-    out_in = Tag(f"{p}_layout", "out_in", _transposed(w))
+    out_in = Tag(f"{p}_layout", "out_in", w_t)
     in_out = Tag(f"{p}_layout", "in_out", w)
     matmul = OneOf(Op(MATMUL, x, out_in), Op(MM, x, out_in), Op(MATMUL, x, in_out), Op(MM, x, in_out))
     return Bind(p, OneOf(
-        Tag("form_" + p, "F.linear", Tag(f"{p}_layout", "out_in", Op(F.linear, x, w, bias=(2, None, OneOf(Const((None,)), b))))),
+        Tag("form_" + p, "F.linear", Tag(f"{p}_layout", "out_in", Op(F.linear, x, w, bias=(2, None, OneOf(Const((None,)), _linear_bias(f"{p}_b")))))),
         Tag("form_" + p, "x @ W", matmul),
         Tag("form_" + p, "x @ W + b", Op(ADD, matmul, b, commutative=True)),
         Tag("form_" + p, "addmm(b, x, W)", Op(ADDMM, b, x, OneOf(out_in, in_out))),
@@ -161,10 +198,11 @@ def grouped_linear(p: str, x: Pattern | None = None, offs: Pattern | None = None
     x = x if x is not None else Bind(f"{p}_x")
     offs = offs if offs is not None else Bind("offs")
     w = _expert_weight(f"{p}_w")
-    w_t = OneOf(Op(getattr, w, Const(("mT",))),
-                Op(("transpose", torch.transpose), w, Const((-2, 1)), Const((-1, 2))),
-                Op(("transpose", torch.transpose), w, Const((-1, 2)), Const((-2, 1))))
-    operand = OneOf(Tag(f"{p}_layout", "out_in", w_t), Tag(f"{p}_layout", "in_out", w))
+    w_t, w_stored = weight_operand(p, w, lambda w: OneOf(
+        Op(getattr, w, Const(("mT",))),
+        Op(("transpose", torch.transpose), w, Const((-2, 1)), Const((-1, 2))),
+        Op(("transpose", torch.transpose), w, Const((-1, 2)), Const((-2, 1)))))
+    operand = OneOf(Tag(f"{p}_layout", "out_in", w_t), Tag(f"{p}_layout", "in_out", w_stored))
     return Bind(p, OneOf(
         Tag("form_" + p, "grouped_mm", _GroupedMM(
             x, operand, offs=(2, None, offs), bias=(None, None, Const((None,))), out_dtype=(None, None, Const((None,))))),
@@ -419,11 +457,29 @@ def expert_slices(m: Match) -> dict[fx.Node, tuple[fx.Node, int]]:
     return out
 
 
+_OPERAND_VIEWS = ("t", "transpose", torch.t, torch.transpose, getattr, operator.getitem, "select", torch.select)
+
+
+def _operand_forms(m: Match) -> set[fx.Node]:
+    """The match's nodes that only reshape or cast a value from outside it (a weight's cast and
+    transpose, an input's cast): the rewrite reads their source instead, and leaves them to whoever
+    else uses them."""
+    inside = set(m.nodes)
+    forms: set[fx.Node] = set()
+    for n in reversed(list(dict.fromkeys(m.nodes))):  # sources were matched after their users
+        src = n.args[0] if n.args else None
+        if (is_cast(n) or is_call(n, _OPERAND_VIEWS)) and isinstance(src, fx.Node) and (
+                src not in inside or src in forms):
+            forms.add(n)
+    return forms
+
+
 def _internal_ok(m: Match) -> bool:
-    """Every matched node except the root is used only inside the match (safe to replace)."""
+    """Every matched node except the root and operand forms (:func:`_operand_forms`) is used only
+    inside the match (safe to replace)."""
     root = m.nodes[0]
     inside = set(m.nodes)
-    for n in inside:
+    for n in inside - _operand_forms(m):
         if n is root:
             continue
         if any(u not in inside for u in n.users):

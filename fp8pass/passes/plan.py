@@ -124,7 +124,7 @@ def _glu_decision(cfg: Config, m: Match, experts: bool = False) -> Decision:
     else:
         parts += [(p, m[p], m["x"], m[f"{p}_w"], m.get(f"{p}_b")) for p in ("gate", "up")]
     for role, call, x, w, b in parts:
-        d = decide_linear(cfg, call, x, w, b, experts=experts)
+        d = decide_linear(cfg, call, x, w, b, experts=experts, w_operand=m.get(f"{role}_w_operand"))
         if not d.fp8:
             return Decision(False, f"{role} projection {_weight_name(w)}: {d.reason}")
     return Decision(True)
@@ -302,7 +302,7 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
             if _is_router(node):
                 d = Decision(False, "MoE router (its output picks the experts: topk): kept in high precision by policy")
             else:
-                d = decide_linear(cfg, node, m["lin_x"], w, m.get("lin_b"))
+                d = decide_linear(cfg, node, m["lin_x"], w, m.get("lin_b"), w_operand=m.get("lin_w_operand"))
             expert = expert_slices(m).get(w)
             if d.fp8 and expert is not None and isinstance(cfg.recipe, NVFP4Scaling):
                 d = Decision(False, _NO_LOOP_NVFP4)
@@ -318,7 +318,7 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                 decided.add(node)
                 w = m["lin_w"]
                 where = param_fqn(w) or w.name
-                d = decide_linear(cfg, node, m["lin_x"], w, None, experts=True)
+                d = decide_linear(cfg, node, m["lin_x"], w, None, experts=True, w_operand=m.get("lin_w_operand"))
                 why = _stacked_form_ok(m, ["lin"])
                 if d.fp8 and why:
                     d = Decision(False, why)

@@ -89,12 +89,15 @@ def _kept_by_glob(cfg: Config, names: list[str]) -> str | None:
     return None
 
 
-def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bool = False) -> Decision:
+def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bool = False,
+                  w_operand: fx.Node | None = None) -> Decision:
     """Decide for one linear call ``call`` computing ``x @ w.T (+ b)``.
 
     ``experts``: ``w`` is a 3-D expert stack [E, out, in] or [E, in, out]; the shape rules apply to
     each expert's matrix. One expert's matrix of a stack (``W[e]``, a per-expert loop) is a 2-D
     weight named by the stack's FQN, so the globs treat every form of an expert weight alike.
+    ``w_operand``: what the matmul read, when the code cast ``w`` on the way (``w.bfloat16().t()``):
+    its dtype is the compute dtype the code asked for, judged by the dtype rule.
     """
     wf = weight_fqn(w) or w.name
     names = [module_fqn(wf), wf, caller_fqn(call)]
@@ -105,6 +108,10 @@ def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bo
     if why is not None:
         return Decision(False, why)
     wv, xv = example_value(w), example_value(x)
+    cast = example_value(w_operand) if w_operand is not None and w_operand is not w else None
+    if isinstance(cast, torch.Tensor) and cast.dtype not in FP8_DTYPES:
+        return Decision(False, f"weight cast to {cast.dtype} before the matmul (FP8 computes in fp32/bf16/fp16): "
+                               "kept in high precision")
     for what, v in (("weight", wv), ("input", xv)):
         if isinstance(v, torch.Tensor) and v.dtype not in FP8_DTYPES:
             return Decision(False, f"{what} dtype {v.dtype} (FP8 applies to fp32/bf16/fp16 models)")
@@ -112,6 +119,10 @@ def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bo
         bv = example_value(b)
         if isinstance(bv, torch.Tensor) and bv.dtype not in FP8_DTYPES:
             return Decision(False, f"bias dtype {bv.dtype} (FP8 applies to fp32/bf16/fp16 models)")
+        out = example_value(call)
+        if isinstance(bv, torch.Tensor) and isinstance(out, torch.Tensor) and tuple(bv.shape) != tuple(out.shape[-1:]):
+            return Decision(False, f"bias of shape {tuple(bv.shape)} broadcast to {out.shape[-1]} output features "
+                                   "(the FP8 ops add a bias of one value per output feature)")
     if isinstance(wv, torch.Tensor):
         want = 3 if experts else 2
         if wv.dim() != want:
