@@ -146,7 +146,7 @@ class Backend:
         self.records.append(record)
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
         extras = _resolve_state(record.extra_inputs, example_inputs, self.config, self._reducer)
-        compiled = self._compile(new_gm, list(example_inputs) + extras, mode, options)
+        compiled = self._compile(new_gm, list(example_inputs) + _static_fakes(extras), mode, options)
         compiled = self._watch_for_fp8(compiled, new_gm, record, root)
         relative = relative_param_names(gm.graph, example_inputs)
         if not extras and not relative:
@@ -401,6 +401,16 @@ def _expert_entries(plan, graph: int) -> list[ExpertsEntry]:
         weights, _ = stacks.setdefault(_owner(lin.fqn), ([], "linears (per-expert loop)"))
         weights += [lin.fqn] if lin.fqn not in weights else []
     return [ExpertsEntry(mod, tuple(w), v, graph) for mod, (w, v) in stacks.items()]
+
+
+def _static_fakes(extras: list) -> list:
+    """The state inputs as AOT autograd should trace them: fake tensors of static shape in Dynamo's fake
+    mode. Left to AOT they get symbolic sizes that no Dynamo source names, and a guard on one (the
+    grouped ops' per-expert state check, a clone's stride check) fails Dynamo's guard generation."""
+    tc = torch._guards.TracingContext.try_get()
+    if tc is None or tc.fake_mode is None:
+        return extras
+    return [tc.fake_mode.from_tensor(t, static_shapes=True) for t in extras]
 
 
 def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config,
