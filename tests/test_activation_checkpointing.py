@@ -4,8 +4,6 @@ like the top-level graph, their delayed-scaling state stepping once per step and
 casting with the forward's scales; ``cond`` bodies' linears are listed as kept; ``flex_attention`` is
 listed as attention (docs/backend.md, Activation checkpointing and higher-order ops)."""
 
-import functools
-
 import pytest
 import torch
 import torch.nn as nn
@@ -211,6 +209,26 @@ def test_cond_branch_linears_are_listed_as_kept():
     be = fp8pass.backend(Config(compiler="aot_eager", fwd_format="identity", bwd_format="identity"))
     x = torch.randn(16, 32)
     torch.testing.assert_close(torch.compile(model, backend=be)(x), model(x))
+
+
+class _Loop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        h = self.a(x)
+        return while_loop(lambda i, t: i < 3, lambda i, t: (i + 1, self.b(t)), (torch.zeros((), dtype=torch.int64), h))[1]
+
+
+def test_while_loop_body_linears_are_listed_as_kept():
+    with torch.no_grad():
+        rep = fp8pass.explain(_Loop(), torch.randn(16, 32))
+    assert rep.linears == ["a.weight"]
+    assert len(rep.skipped) == 1 and rep.skipped[0][0] == "b.weight"
+    assert "torch.while_loop" in rep.skipped[0][1] and "kept in high precision" in rep.skipped[0][1]
 
 
 class _Flex(nn.Module):
