@@ -97,6 +97,32 @@ def test_checkpointed_block_is_fp8_and_records_once(mode):
         torch.testing.assert_close(fp8pass.scaling_state_dict(model)[k], v, rtol=0, atol=0)
 
 
+class _Shared(nn.Module):
+    """One weight used outside and inside a checkpointed region."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return checkpoint(self.a, torch.relu(self.a(x)), use_reentrant=False)
+
+
+def test_weight_used_outside_and_inside_a_body_records_once():
+    torch.manual_seed(0)
+    model = _Shared()
+    be = fp8pass.backend(Config(compiler="aot_eager", grad_stochastic_rounding=False))
+    cm = torch.compile(model, backend=be)
+    for _ in range(2):
+        cm(torch.randn(16, 32)).square().sum().backward()
+    assert be.report().linears == ["a.weight"]
+    # one set of state inputs for a.weight, one forward record per step (the max of both uses' amaxes);
+    # grad_output records once per backward use
+    assert len(be.records[0].extra_inputs) == 3 * 8
+    steps = _steps(model)
+    assert steps["a.weight.input.steps"] == 2 and steps["a.weight.weight.steps"] == 2, steps
+
+
 @pytest.mark.parametrize("mode", ["non_reentrant", "selective"])
 def test_checkpointed_block_under_inductor(mode):
     grads, model, _ = _train(mode, "inductor", steps=2)

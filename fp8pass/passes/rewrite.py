@@ -53,7 +53,7 @@ def _rewrite(gm: fx.GraphModule, plan: Plan, cfg: Config, body: bool):
         extra += rw.extra
         rewriters.append(rw)
     if plan.bodies:
-        threader = BodyRewriter(gm, cfg)
+        threader = BodyRewriter(gm, cfg, siblings=rewriters)
         for site in plan.bodies:
             d, k, body_extra, returned = _rewrite(site.body.gm, site.plan, cfg, body=True)
             threader.thread(site, body_extra, returned)

@@ -35,7 +35,18 @@ _LIVE_ROLES = ("grad_output",)  # states the body's backward records into: passe
 
 
 class BodyRewriter(GraphRewriter):
-    """The enclosing graph's side of rewritten bodies: state operands in, amax outputs recorded."""
+    """The enclosing graph's side of rewritten bodies: state operands in, amax outputs recorded.
+
+    Args:
+        gm, cfg: as :class:`.rewrite_base.GraphRewriter`.
+        siblings: the graph's rewriters that ran before: a weight used both in the graph and in a
+            body (or in two bodies) gets one set of state inputs, and its amaxes one record.
+    """
+
+    def __init__(self, gm: fx.GraphModule, cfg, siblings=()):
+        super().__init__(gm, cfg)
+        for rw in siblings:
+            self._state_nodes.update(rw._state_nodes)
 
     def thread(self, site: BodyPlan, body_extra: list[StateInput],
                returned: list[tuple[list[fx.Node], str]]) -> None:
