@@ -61,9 +61,25 @@ class GraphRecord:
 
 
 def _calls_fp8pass_ops(gm) -> bool:
-    """Whether the rewritten graph calls an ``fp8pass::`` custom op."""
-    return any(n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
-               and str(n.target).startswith("fp8pass.") for n in gm.graph.nodes)
+    """Whether the rewritten graph (or a higher-order op body in it) calls an ``fp8pass::`` custom op."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
+                and str(n.target).startswith("fp8pass."):
+            return True
+        sub = getattr(gm, n.target, None) if n.op == "get_attr" and isinstance(n.target, str) else None
+        if isinstance(sub, fx.GraphModule) and _calls_fp8pass_ops(sub):
+            return True
+    return False
+
+
+def _code(gm: fx.GraphModule) -> str:
+    """The graph's code, then each higher-order op body's (activation checkpointing, wrap, cond), depth first."""
+    parts = [gm.code]
+    for node in gm.graph.nodes:
+        sub = getattr(gm, node.target, None) if node.op == "get_attr" and isinstance(node.target, str) else None
+        if isinstance(sub, fx.GraphModule):
+            parts.append(f"# body {node.target}\n{_code(sub)}")
+    return "\n".join(parts)
 
 
 def _inductor_patches(mode: str | None, options: dict | None, dynamic) -> dict:
@@ -213,12 +229,13 @@ class Backend:
         new_gm = copy_graph_module(gm)
         names = names if names is not None else frame_names(root, example_inputs or [])
         annotate(new_gm.graph, names, example_inputs)
-        before = gm.code  # Dynamo already generated it; the copy's code would cost a codegen
+        before = _code(gm)  # Dynamo already generated it; the copy's code would cost a codegen
         plan = plan_graph(new_gm.graph, cfg, self._split_modules)
         self._split_modules.update(plan.split_modules)
+        plans = list(plan.walk())  # the graph's and its higher-order op bodies' (activation checkpointing)
         report = Report(
-            swiglus=[SwiGLUEntry(s.gate, s.up, s.down, s.variant, len(self.records)) for s in plan.glus],
-            experts=_expert_entries(plan, len(self.records)),
+            swiglus=[SwiGLUEntry(s.gate, s.up, s.down, s.variant, len(self.records)) for p in plans for s in p.glus],
+            experts=[e for p in plans for e in _expert_entries(p, len(self.records))],
             skipped=list(plan.skipped), graph_breaks=list(plan.graph_breaks), graph_before=before,
             num_graphs=1, config=cfg,
         )
@@ -231,11 +248,11 @@ class Backend:
                 warnings.warn(msg + ". The cut GLU's down projection stays in high precision; "
                                     "see fp8pass.explain(model, ...).", RuntimeWarning, stacklevel=2)
         extra: list[StateInput] = []
-        if plan.glus or plan.linears or plan.expert_glus or plan.expert_linears or plan.loop_glus or plan.loop_linears:
+        if not plan.empty():
             new_gm, extra, fp8, kept = apply_plan(new_gm, plan, cfg)
             report.linears = fp8
             report.skipped += kept
-        report.graph_after = new_gm.code
+        report.graph_after = _code(new_gm)
         return new_gm, GraphRecord(report, extra)
 
     def _compile(self, gm, inputs, mode, options):

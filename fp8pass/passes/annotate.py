@@ -12,6 +12,7 @@ The classification is deliberately conservative: an unknown kind of node counts 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from . import hops
 from .names import FrameNames
 
 __all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "relative_param_names", "value_dtype", "META_KEY"]
@@ -190,6 +192,20 @@ def annotate(graph: fx.Graph, names: FrameNames | None = None, example_inputs: l
     reals = dict(zip(placeholders, example_inputs or []))
     for node in graph.nodes:
         node.meta[META_KEY] = _compute(node, names, reals.get(node))
+    _annotate_bodies(graph, names)
+
+
+def _annotate_bodies(graph: fx.Graph, names: FrameNames | None) -> None:
+    """Higher-order ops' bodies (:mod:`.hops`): their nodes as any graph's; a placeholder bound to a
+    parameter of the enclosing graph is that parameter (Dynamo gives body placeholders no source)."""
+    for body in hops.bodies(graph):
+        for node in body.gm.graph.nodes:
+            node.meta[META_KEY] = _compute(node, names, None)
+        placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
+        for ph, outer in zip(placeholders, hops.operands(body.node)):
+            if isinstance(outer, fx.Node) and outer.op == "placeholder" and facts(outer).weight_fqn is not None:
+                ph.meta[META_KEY] = dataclasses.replace(facts(ph), weight_fqn=facts(outer).weight_fqn)
+        _annotate_bodies(body.gm.graph, names)
 
 
 def facts(node: fx.Node) -> NodeFacts:

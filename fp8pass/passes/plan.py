@@ -6,7 +6,12 @@ running FP8 ops. A GLU or linear whose weights are single experts of a 3-D exper
 with a constant ``e``: a per-expert Python loop) goes to ``loop_glus`` / ``loop_linears``: FP8 per
 expert, with one scale per (expert weight, expert), one expert stack in the report. Every
 matmul-like call the plan leaves in high precision is listed in ``skipped`` with its reason;
-attention's score and value products are one "attention, kept" line per module.
+attention's score and value products (SDPA, FlexAttention, explicit matmuls in an attention module)
+are one "attention, kept" line per module.
+
+Higher-order ops' bodies (:mod:`.hops`) are planned like any graph: an activation-checkpointed or
+``wrap`` body's plan goes to ``Plan.bodies`` (rewritten with the enclosing graph), a ``cond`` /
+``while_loop`` body's planned matmuls are listed as kept. Every body's kept list joins ``skipped``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..config import Config, NVFP4Scaling
+from . import hops
 from .annotate import META_KEY, annotate
 from .matcher import MUL, Match, caller_fqn, example_value, is_call, param_fqn, weight_fqn
 from .patterns import (
@@ -26,7 +32,7 @@ from .patterns import (
 )
 from .policy import Decision, decide_linear
 
-__all__ = ["GLUSite", "LinearSite", "ExpertGLUSite", "ExpertLinearSite", "Plan", "plan_graph"]
+__all__ = ["GLUSite", "LinearSite", "ExpertGLUSite", "ExpertLinearSite", "BodyPlan", "Plan", "plan_graph"]
 
 
 @dataclass
@@ -95,6 +101,36 @@ class Plan:
     graph_breaks: list[str] = field(default_factory=list)
     # MLP module FQN cut by a break -> where: "act" (after the activation) or "glu" (after the product)
     split_modules: dict[str, str] = field(default_factory=dict)
+    # rewritten higher-order op bodies (activation checkpointing, wrap), each with its own plan
+    bodies: list["BodyPlan"] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        """Nothing to rewrite (in this graph or any body)."""
+        return not (self.glus or self.linears or self.expert_glus or self.expert_linears or self.loop_glus
+                    or self.loop_linears or self.bodies)
+
+    def walk(self):
+        """This plan and its bodies' plans, depth first."""
+        yield self
+        for b in self.bodies:
+            yield from b.plan.walk()
+
+    def planned_weights(self) -> list[str]:
+        """The FQNs of the weights this plan (bodies included) would make FP8, in plan order."""
+        out: list[str] = []
+        for p in self.walk():
+            for g in p.glus + p.expert_glus + p.loop_glus:
+                out += [g.gate, g.up, g.down]
+            out += [lin.fqn for lin in p.linears + p.expert_linears + p.loop_linears]
+        return list(dict.fromkeys(out))
+
+
+@dataclass
+class BodyPlan:
+    """A higher-order op body to rewrite with the enclosing graph (:mod:`.hops`)."""
+
+    body: hops.Body
+    plan: Plan
 
 
 _ACT_OF_LINEAR = activation(linear("g"))
@@ -255,8 +291,8 @@ def _glu_kind_decision(cfg: Config, m: Match, experts: bool) -> Decision:
     return _glu_decision(cfg, m, experts)
 
 
-def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None = None) -> Plan:
-    """Decide what becomes FP8 in ``graph`` (not modified).
+def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None = None, body: bool = False) -> Plan:
+    """Decide what becomes FP8 in ``graph`` and its higher-order ops' bodies (not modified).
 
     Args:
         graph: Dynamo's torch-level graph (placeholders carry ``_dynamo_source``), annotated by
@@ -264,6 +300,8 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
         cfg: the backend's Config.
         split_before: ``Plan.split_modules`` of the earlier graphs of the same model: MLPs that a
             graph break split; their down projection, fed by a graph input, stays high precision.
+        body: ``graph`` is a higher-order op's body: its inputs and outputs are values of the
+            enclosing graph, not graph breaks.
     """
     _ensure_annotated(graph)
     plan = Plan()
@@ -286,7 +324,7 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                 plan.skipped.append((f"{what} {_module_of(site.down)}", f"not fused: {d.reason}"))
         for m, reason in rejected:
             plan.skipped.append((f"{what} at {_where(m['down'], m['down_w'])}", f"not fused: {reason}"))
-    unsafe = _find_breaks(graph, covered, plan, dict(split_before or {}))
+    unsafe = set() if body else _find_breaks(graph, covered, plan, dict(split_before or {}))
     decided: set[fx.Node] = set(covered)
     for node in graph.nodes:
         if node in covered or node.op not in ("call_function", "call_method"):
@@ -331,7 +369,28 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                     plan.skipped.append((where, d.reason))
                 break
     plan.skipped += _unplanned_matmuls(graph, decided)
+    for b in hops.bodies(graph):
+        sub = plan_graph(b.gm.graph, cfg, body=True)
+        why = _why_body_kept(b, cfg)
+        if why is None:
+            plan.bodies.append(BodyPlan(b, sub))
+        else:
+            plan.skipped += [(w, why) for w in sub.planned_weights()]
+        plan.skipped += sub.skipped
     return plan
+
+
+def _why_body_kept(b: hops.Body, cfg: Config) -> str | None:
+    """Why a higher-order op body's planned matmuls stay high precision (None: it is rewritten)."""
+    if not b.rewritten:
+        return (f"inside {b.kind} (a higher-order op body): kept in high precision (the delayed-scaling records would have to "
+                "leave every branch / iteration alike; fp8pass rewrites activation-checkpointed and wrap bodies only)")
+    if isinstance(cfg.recipe, NVFP4Scaling):
+        return (f"inside {b.kind} (a higher-order op body): the NVFP4 recipe is not applied there (its hot-channel update runs in "
+                "forward and would run again in the recomputation); kept in high precision")
+    if not hops.returns_tuple(b.gm):
+        return f"inside {b.kind} (a higher-order op body returning no tuple ; no room for its amax outputs): kept in high precision"
+    return None
 
 
 _TOPK = (torch.topk, "topk")
@@ -416,6 +475,10 @@ def _unplanned_matmuls(graph: fx.Graph, decided: set[fx.Node]) -> list[tuple[str
     attention: dict[str, int] = {}
     targets = MATMUL_LIKE + grouped_mm_targets()
     for node in graph.nodes:
+        if hops.is_flex_attention(node):  # a higher-order op: its score / mask functions hold no weights
+            owner = caller_fqn(node) or node.name
+            attention[owner] = attention.get(owner, 0) + 1
+            continue
         if node in decided or node.op not in ("call_function", "call_method") or not is_call(node, targets):
             continue
         owner = caller_fqn(node) or node.name

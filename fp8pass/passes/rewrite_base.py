@@ -58,7 +58,8 @@ class StateInput:
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of Dynamo's GraphModule whose graph may be edited (Dynamo re-reads the original)."""
+    """A copy of Dynamo's GraphModule whose graph, and its subgraphs' graphs, may be edited (Dynamo
+    re-reads the original)."""
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, val_map)
@@ -69,6 +70,10 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
             new._dynamo_source = src
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta.update(getattr(gm, "meta", {}))
+    for node in graph.nodes:  # higher-order ops' bodies (.hops) are rewritten too: copies of them
+        sub = getattr(new_gm, node.target, None) if node.op == "get_attr" else None
+        if isinstance(sub, fx.GraphModule):
+            setattr(new_gm, node.target, copy_graph_module(sub))
     if hasattr(gm, "_param_name_to_source"):  # AOT autograd reads the static inputs (CUDA graphs) from it
         new_gm._param_name_to_source = gm._param_name_to_source
     return new_gm
@@ -302,7 +307,24 @@ def emit_records(graph: fx.Graph, rewriters: list[GraphRewriter]) -> None:
     All states of a graph share the recipe; each state appears once, with the ``maximum`` of its
     amaxes when the graph used it more than once (NaN-propagating, like the record itself).
     """
-    records = {}
+    records, kw = _merged_records(rewriters)
+    if not records:
+        return
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    fields = DelayedScalingState.OP_FIELDS
+    col = {f: i for i, f in enumerate(fields)}
+    with graph.inserting_before(output):
+        amaxes = [_max_of(graph, nodes) for _, _, nodes in records.values()]
+        lists = [[state[col[f]] for state, _, _ in records.values()]
+                 for f in ("amax_history", "scale", "steps", "skipped", "overflows", "pending", "accumulate")]
+        fmts = [fmt for _, fmt, _ in records.values()]
+        graph.call_function(torch.ops.fp8pass.delayed_record_many_.default,
+                            (*lists, amaxes, fmts, kw["margin"], kw["interval"], kw["algo"], kw["power_of_two"]))
+
+
+def _merged_records(rewriters: list[GraphRewriter]) -> tuple[dict, dict | None]:
+    """The forward records of all ``rewriters`` of one graph, one per state: (records, recipe knobs)."""
+    records: dict = {}
     kw = None
     for rw in rewriters:
         for key, (state, fmt, amaxes) in rw.records.items():
@@ -311,29 +333,36 @@ def emit_records(graph: fx.Graph, rewriters: list[GraphRewriter]) -> None:
             else:
                 records[key] = (state, fmt, list(amaxes))
             kw = rw.kw
-    if not records:
-        return
+    return records, kw
+
+
+def _max_of(graph: fx.Graph, amaxes: list[fx.Node]) -> fx.Node:
+    amax = amaxes[0]
+    for other in amaxes[1:]:
+        amax = graph.call_function(torch.maximum, (amax, other))
+    return amax
+
+
+def return_records(graph: fx.Graph, rewriters: list[GraphRewriter]) -> list[tuple[list[fx.Node], str]]:
+    """A higher-order op body's forward records as extra outputs, appended to the tuple it returns;
+    returns (state placeholders of the body, format) per appended output, in order.
+
+    The enclosing graph records them once (:class:`.rewrite_hop.BodyRewriter`): a body recorded
+    into its state itself would record again when activation checkpointing recomputes it.
+    """
+    records, _ = _merged_records(rewriters)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    fields = DelayedScalingState.OP_FIELDS
-    col = {f: i for i, f in enumerate(fields)}
     with graph.inserting_before(output):
-        amaxes = []
-        for state, fmt, nodes in records.values():
-            amax = nodes[0]
-            for other in nodes[1:]:
-                amax = graph.call_function(torch.maximum, (amax, other))
-            amaxes.append(amax)
-        lists = [[state[col[f]] for state, _, _ in records.values()]
-                 for f in ("amax_history", "scale", "steps", "skipped", "overflows", "pending", "accumulate")]
-        fmts = [fmt for _, fmt, _ in records.values()]
-        graph.call_function(torch.ops.fp8pass.delayed_record_many_.default,
-                            (*lists, amaxes, fmts, kw["margin"], kw["interval"], kw["algo"], kw["power_of_two"]))
+        amaxes = [_max_of(graph, nodes) for _, _, nodes in records.values()]
+    output.args = ((*output.args[0], *amaxes),)
+    return [(state, fmt) for state, fmt, _ in records.values()]
 
 
-def finish(gm: fx.GraphModule, rewriters: list[GraphRewriter]) -> None:
-    """Emit the forward records, erase the covered nodes left without users (never anything else),
-    check and regenerate code."""
-    emit_records(gm.graph, rewriters)
+def finish(gm: fx.GraphModule, rewriters: list[GraphRewriter], emit: bool = True) -> None:
+    """Emit the forward records (``emit``; a body returns them instead, :func:`return_records`), erase
+    the covered nodes left without users (never anything else), check and regenerate code."""
+    if emit:
+        emit_records(gm.graph, rewriters)
     covered: set[fx.Node] = set()
     for rw in rewriters:
         covered |= rw.covered

@@ -63,6 +63,10 @@ interval, algo, power_of_two) -> None``
 ``delayed_record_many_(lists of the state fields, amaxes, fmts, margin, interval, algo, power_of_two) -> None``
     Every forward record of a compiled graph in one op at the graph's end (states stacked per shape,
     updated together, written back with ``_foreach_copy_``). These two are the only ops that mutate state.
+``state_snapshot(Tensor[] state) -> Tensor[]``
+    Copies of state tensors (no autograd, opaque to Inductor): an activation-checkpointed region reads
+    its input and weight states through them, so its recomputation in backward casts with the scales
+    the forward used (passes/rewrite_hop.py).
 ``fp8_linear_backward`` / ``fp8_linear_precast_backward`` / ``swiglu_down_backward`` / ``fp8_grouped_linear_backward`` /
 ``fp8_grouped_swiglu_down_backward``: the ops the backward formulas call; internal.
 ``nvfp4_linear(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,

@@ -36,7 +36,7 @@ from ..numerics import E4M3, E5M2, DelayedScalingState, Format, get_format
 from ..numerics.scaling import commit_update, record_update
 from ..kernels import uses_triton
 
-__all__ = ["delayed_record_", "delayed_record_many_", "commit_states", "record", "LinearScalingState", "state_for",
+__all__ = ["delayed_record_", "delayed_record_many_", "state_snapshot", "commit_states", "record", "LinearScalingState", "state_for",
            "grouped_state_for", "ROLES"]
 
 ROLES = ("input", "weight", "grad_output")
@@ -173,6 +173,25 @@ _LIB.impl("delayed_record_many_", delayed_record_many_, "CompositeExplicitAutogr
 def _(history, scale, steps, skipped, overflows, pending, accumulate, amax, fmt, margin, interval, algo,
       power_of_two):
     return None
+
+
+# A copy of states a recomputed region reads (activation checkpointing, passes/rewrite_hop.py): an
+# opaque op, because Inductor removes an aten.clone of a graph input before partitioning, and the
+# backward's recomputation would then read the input after the forward's records updated it.
+_LIB.define("state_snapshot(Tensor[] state) -> Tensor[]")
+
+
+def state_snapshot(state: list) -> list:
+    """Copies of the state tensors (for a region that activation checkpointing recomputes)."""
+    return [t.clone() for t in state]
+
+
+_LIB.impl("state_snapshot", state_snapshot, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fp8pass::state_snapshot", lib=_LIB)
+def _(state):
+    return [torch.empty_like(t) for t in state]
 
 
 def commit_states(states: list[DelayedScalingState]) -> None:

@@ -1,0 +1,277 @@
+"""FP8 inside higher-order-op bodies: activation checkpointing (``use_reentrant`` True and False, HF
+``gradient_checkpointing_enable()``, selective AC with a ``context_fn``) and ``wrap`` bodies are rewritten
+like the top-level graph, their delayed-scaling state stepping once per step and the recomputation
+casting with the forward's scales; ``cond`` bodies' linears are listed as kept; ``flex_attention`` is
+listed as attention (docs/backend.md, Activation checkpointing and higher-order ops)."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import fp8pass
+from fp8pass.config import Config
+
+import _hf_zoo as Z
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setenv("FP8PASS_CPU_FUSED", "0")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """A torchtitan-style selective-AC policy: keep matmul outputs, recompute the rest."""
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _sac_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+class _Block(nn.Module):
+    """``b(relu(a(x)))``, checkpointed (``mode``: "reentrant", "non_reentrant", "selective"), wrapped in
+    ``wrap`` ("wrap") or plain ("none")."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.a, self.b, self.mode = nn.Linear(32, 64), nn.Linear(64, 32), mode
+
+    def body(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+    def forward(self, x):
+        if self.mode == "none":
+            return self.body(x)
+        if self.mode == "wrap":
+            from torch._higher_order_ops.wrap import wrap
+
+            return wrap(self.body, x)
+        if self.mode == "selective":
+            return checkpoint(self.body, x, use_reentrant=False, context_fn=_sac_context)
+        return checkpoint(self.body, x, use_reentrant=self.mode == "reentrant")
+
+
+def _steps(model) -> dict[str, int]:
+    return {k: int(v) for k, v in fp8pass.scaling_state_dict(model).items() if k.endswith(".steps")}
+
+
+def _train(mode: str, compiler: str, steps: int = 3):
+    """(per-step gradients of a.weight / b.weight, model, backend) of ``steps`` compiled steps; the input's
+    magnitude grows each step, so a recomputation with the updated (delayed) scale would cast differently."""
+    torch.manual_seed(0)
+    model = _Block(mode)
+    be = fp8pass.backend(Config(compiler=compiler, grad_stochastic_rounding=False))
+    cm = torch.compile(model, backend=be)
+    grads = []
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step)) * (1 + step)
+        cm(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in (model.a.weight, model.b.weight)])
+        model.zero_grad()
+    return grads, model, be
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant", "selective", "wrap"])
+def test_checkpointed_block_is_fp8_and_records_once(mode):
+    rep = fp8pass.explain(_Block(mode), torch.randn(16, 32))
+    assert sorted(rep.linears) == ["a.weight", "b.weight"] and rep.skipped == []
+    grads, model, be = _train(mode, "aot_eager")
+    assert be.report().graph_after.count("fp8pass.fp8_linear_precast.default(") == 2
+    # the delayed-scaling state steps once per step (forward roles recorded outside the body, once;
+    # grad_output by the backward, once), not twice for the recomputation
+    assert set(_steps(model).values()) == {3} and len(_steps(model)) == 6
+    # the recomputation casts with the forward's scales: the same gradients as the plain block's,
+    # step by step (step 0 casts with the current amax, later steps with the history's scale)
+    ref, ref_model, _ = _train("none", "aot_eager")
+    for got, want in zip(grads, ref):
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert fp8pass.scaling_state_dict(model).keys() == fp8pass.scaling_state_dict(ref_model).keys()
+    for k, v in fp8pass.scaling_state_dict(ref_model).items():
+        torch.testing.assert_close(fp8pass.scaling_state_dict(model)[k], v, rtol=0, atol=0)
+
+
+class _Shared(nn.Module):
+    """One weight used outside and inside a checkpointed region."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return checkpoint(self.a, torch.relu(self.a(x)), use_reentrant=False)
+
+
+def test_weight_used_outside_and_inside_a_body_records_once():
+    torch.manual_seed(0)
+    model = _Shared()
+    be = fp8pass.backend(Config(compiler="aot_eager", grad_stochastic_rounding=False))
+    cm = torch.compile(model, backend=be)
+    for _ in range(2):
+        cm(torch.randn(16, 32)).square().sum().backward()
+    assert be.report().linears == ["a.weight"]
+    # one set of state inputs for a.weight, one forward record per step (the max of both uses' amaxes);
+    # grad_output records once per backward use
+    assert len(be.records[0].extra_inputs) == 3 * 8
+    steps = _steps(model)
+    assert steps["a.weight.input.steps"] == 2 and steps["a.weight.weight.steps"] == 2, steps
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "selective"])
+def test_checkpointed_block_under_inductor(mode):
+    grads, model, _ = _train(mode, "inductor", steps=2)
+    assert set(_steps(model).values()) == {2} and len(_steps(model)) == 6
+    ref, _, _ = _train("none", "inductor", steps=2)
+    for got, want in zip(grads, ref):
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# HF Llama (2 layers) with gradient_checkpointing_enable()
+
+def _llama(**ckpt_kwargs):
+    model = Z.build("Llama")
+    if ckpt_kwargs is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    return model
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+_KINDS = {"non_reentrant": dict(use_reentrant=False), "reentrant": dict(use_reentrant=True),
+          "selective": dict(use_reentrant=False, context_fn=_sac_context)}
+
+
+def _eager_grads(model, ids):
+    loss = Z.loss_fn(model, ids)
+    loss.backward()
+    grads = _grads(model)
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("kind", ["non_reentrant", pytest.param("reentrant", marks=pytest.mark.slow), "selective"])
+def test_hf_llama_gradient_checkpointing_is_fp8(kind):
+    model = _llama(**_KINDS[kind])
+    ids = Z.ids()
+    rep = fp8pass.explain(model, ids)
+    # 2 layers x (q, k, v, o, gate, up, down) = 14 of 14 linears FP8; kept: lm_head (policy) and the
+    # two attention lines, as without activation checkpointing
+    assert len(rep.linears) == 14 and len(rep.swiglus) == 2
+    assert sorted(w for w, _ in rep.skipped) == ["lm_head.weight", "model.layers.0.self_attn",
+                                                  "model.layers.1.self_attn"]
+    assert sum(why.startswith("attention, kept") for _, why in rep.skipped) == 2
+
+    loss0, g0 = _eager_grads(model, ids)
+    # FP8: gradients within cosine 0.98 of eager; the state steps once per step
+    be = fp8pass.backend(Config(compiler="aot_eager", grad_stochastic_rounding=False))
+    cm = torch.compile(model, backend=be)
+    for step in range(2):
+        loss = Z.loss_fn(cm, ids)
+        loss.backward()
+        if step == 0:
+            g8 = _grads(model)
+            assert abs(loss.item() - loss0.item()) <= 0.02 * loss0.item()
+            assert g8.keys() == g0.keys()
+            cos = torch.nn.functional.cosine_similarity(
+                torch.cat([g0[n].flatten().double() for n in g0]), torch.cat([g8[n].flatten().double() for n in g0]),
+                dim=0)
+            assert cos >= 0.98, cos.item()
+        model.zero_grad()
+        steps = _steps(model)
+        # 14 linears' input/weight/grad_output states; a GLU's W_down is current-scaled under
+        # Smooth-SwiGLU's channel mode (its weight state never records), as without AC
+        want = {k: 0 if k.endswith("down_proj.weight.weight.steps") else step + 1 for k in steps}
+        assert len(steps) == 3 * 14 and steps == want, steps
+
+
+def test_hf_llama_gradient_checkpointing_identity_format_is_eager():
+    model = _llama(use_reentrant=False)
+    ids = Z.ids()
+    loss0, g0 = _eager_grads(model, ids)
+    be = fp8pass.backend(Config(fwd_format="identity", bwd_format="identity", compiler="aot_eager",
+                                grad_stochastic_rounding=False))
+    loss_id = Z.loss_fn(torch.compile(model, backend=be), ids)
+    loss_id.backward()
+    g_id = _grads(model)
+    rep = be.report()
+    assert len(rep.linears) == 14 and rep.graph_after.count("fp8pass.swiglu_down.default(") == 2
+    torch.testing.assert_close(loss_id, loss0, rtol=1e-5, atol=0)
+    assert g_id.keys() == g0.keys()
+    for n in g0:
+        assert (g_id[n] - g0[n]).abs().max() <= 1e-4 * g0[n].abs().max().clamp_min(1e-30), n
+
+
+# --------------------------------------------------------------------------------------------------
+# bodies that are listed, not rewritten
+
+
+class _Cond(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.a(x)
+        return torch.cond(h.sum() > 0, lambda t: self.b(t), lambda t: t * 2, (h,))
+
+
+def test_cond_branch_linears_are_listed_as_kept():
+    model = _Cond()
+    rep = fp8pass.explain(model, torch.randn(16, 32))
+    assert rep.linears == ["a.weight"]
+    assert len(rep.skipped) == 1 and rep.skipped[0][0] == "b.weight"
+    assert "torch.cond" in rep.skipped[0][1] and "kept in high precision" in rep.skipped[0][1]
+    # compiled: a in FP8, the cond branch as written
+    be = fp8pass.backend(Config(compiler="aot_eager", fwd_format="identity", bwd_format="identity"))
+    x = torch.randn(16, 32)
+    torch.testing.assert_close(torch.compile(model, backend=be)(x), model(x))
+
+
+class _Loop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        h = self.a(x)
+        return while_loop(lambda i, t: i < 3, lambda i, t: (i + 1, self.b(t)), (torch.zeros((), dtype=torch.int64), h))[1]
+
+
+def test_while_loop_body_linears_are_listed_as_kept():
+    with torch.no_grad():
+        rep = fp8pass.explain(_Loop(), torch.randn(16, 32))
+    assert rep.linears == ["a.weight"]
+    assert len(rep.skipped) == 1 and rep.skipped[0][0] == "b.weight"
+    assert "torch.while_loop" in rep.skipped[0][1] and "kept in high precision" in rep.skipped[0][1]
+
+
+class _Flex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q, k, v = self.qkv(x).view(1, 16, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5)
+
+
+def test_flex_attention_is_listed_as_attention():
+    # FlexAttention has no CPU backward in torch 2.13: explain traces it without grad
+    with torch.no_grad():
+        rep = fp8pass.explain(_Flex(), torch.randn(16, 32))
+    assert rep.linears == ["qkv.weight"]
+    assert len(rep.skipped) == 1 and rep.skipped[0][1].startswith("attention, kept (1 op")
