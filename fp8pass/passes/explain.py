@@ -26,7 +26,7 @@ from .plan import _WEIGHT_VIEWS
 from .uncompiled import inplace_compile_suspended
 
 __all__ = ["SwiGLUEntry", "ExpertsEntry", "Report", "weights_outside_graphs", "expert_grads_line", "graph_tensors",
-           "matmul_weights", "OUTSIDE_GRAPHS", "RAN_EAGERLY", "IN_NO_GRAPH_MATMUL"]
+           "matmul_weights", "planned_weights", "OUTSIDE_GRAPHS", "RAN_EAGERLY", "IN_NO_GRAPH_MATMUL"]
 
 OUTSIDE_GRAPHS = ("3-D expert weight that no graph takes: the code using it ran between graphs, in high precision "
                   "(a per-expert loop over data-dependent expert ids breaks the graph, e.g. transformers' eager "
