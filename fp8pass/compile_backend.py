@@ -32,7 +32,9 @@ from torch import fx
 
 from .config import Config, DelayedScaling
 from .passes.annotate import annotate, relative_param_names
-from .passes.explain import ExpertsEntry, Report, SwiGLUEntry, expert_weights_outside_graphs, graph_tensors
+from .passes.explain import (
+    ExpertsEntry, Report, SwiGLUEntry, graph_tensors, matmul_weights, planned_weights, weights_outside_graphs,
+)
 from .passes.names import FrameNames, frame_names, frame_root, names_for, top_module
 from .passes.plan import plan_graph
 from .passes.uncompiled import compile_backend_of, inplace_compile_suspended, original_callable
@@ -487,7 +489,10 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
     """What ``torch.compile(model, backend=fp8pass.backend(config))`` would do, without doing it.
 
     Runs ``model(*example_inputs, **example_kwargs)`` once through Dynamo (the original model code
-    executes; no FP8 op runs and no scaling state changes), plans and rewrites a copy of every graph.
+    executes; no FP8 op runs and no scaling state changes), plans and rewrites a copy of every graph;
+    then once eagerly to find the model's matmul weights (``passes.explain.matmul_weights``: RNG and
+    buffers restored), so that each one is in ``linears`` or ``skipped``, those whose matmul ran in no
+    graph as "ran eagerly between graphs".
 
     ``model`` may be the model as built, a ``torch.compile(model, backend=...)`` wrapper or a model
     compiled in place (``model.compile(backend=...)``, the Trainer / Accelerate / FSDP recipes): the
@@ -497,7 +502,7 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
     Returns:
         a :class:`~fp8pass.passes.explain.Report`: ``swiglus``, ``linears``, ``skipped``,
         ``graph_breaks`` (Dynamo's break reasons plus GLUs a break split), ``graph_before`` /
-        ``graph_after``, ``notes``; ``print(report)`` shows a table.
+        ``graph_after``, ``notes``, ``matmul_weights``; ``print(report)`` shows a table.
     """
     # imported here: it loads all of Dynamo, which ``import fp8pass`` should not pay for (1.5 s goal)
     from torch._dynamo.backends.debugging import ExplainWithBackend
@@ -554,7 +559,14 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
             where = f" at {fr.filename}:{fr.lineno}"
         reasons.append(f"Dynamo graph break{where}: {str(br.reason).splitlines()[0]}")
     report.graph_breaks = reasons + report.graph_breaks
-    report.skipped += expert_weights_outside_graphs(target, graph_inputs)
+    try:
+        weights = matmul_weights(target, example_inputs, example_kwargs)
+    except Exception as e:  # noqa: BLE001 - the plan above stands; the report says what it lacks
+        weights = {}
+        notes.append(f"the eager run that finds the model's matmul weights failed ({type(e).__name__}: {e}); "
+                     f"weights whose matmul ran outside every graph are not listed")
+    report.skipped += weights_outside_graphs(weights, planned_weights(report), graph_inputs)
+    report.matmul_weights = list(weights)
     if not records:
         notes.append(f"Dynamo captured no graph from {type(target).__name__}: its code ran outside torch.compile "
                      f"(a torch.compiler.disable'd forward, or a wrapper explain does not see through); pass the "
