@@ -159,7 +159,7 @@ def ids(batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
 # expected counts, from the modules
 
 _GLU_NAMES = [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("gate_up_proj", None, "down_proj"),
-              ("wi_0", "wi_1", "wo")]
+              ("wi_0", "wi_1", "wo"), ("fc_1", "fc_2", "proj")]  # the last: litgpt (tests/_client_zoo.py)
 
 
 @dataclass
@@ -203,7 +203,8 @@ def _weight2d(m, attr) -> bool:
     return isinstance(c, torch.Tensor) and c.dim() == 2
 
 
-def expected_counts(model: torch.nn.Module) -> ExpectedCounts:
+def expected_counts(model: torch.nn.Module, output: torch.nn.Module | None = None) -> ExpectedCounts:
+    """output: the LM head module of a model without ``get_output_embeddings`` (tests/_client_zoo.py)."""
     from transformers.pytorch_utils import Conv1D
     c = ExpectedCounts()
     covered: set[str] = set()  # module names counted as part of a GLU / expert stack / router
@@ -249,7 +250,7 @@ def expected_counts(model: torch.nn.Module) -> ExpectedCounts:
                     c.routers += 1
                     covered |= {x for x in mods if x == n or x.startswith(n + ".")}
 
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else output
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if out is not None:
         c.lm_head = 1

@@ -1,0 +1,55 @@
+"""Tiny models of other training stacks (torchtitan, litgpt, torchtune; tests/_client_zoo.py) under the
+fp8 backend, judged like the Hugging Face zoo (tests/_zoo_judge.py): no crash; every parameter with an
+eager gradient gets a compiled one; gradient cosine >= 0.98 per parameter group and overall; the
+identity format equal to eager to fp32 rounding; explain's GLUs, expert stacks and linears equal the
+counts from the modules. A stack that is not installed is skipped (``_client_zoo.INSTALL`` says how). A fast subset runs by default; the rest is ``slow`` (python -m pytest -m slow
+tests/test_client_zoo.py). Results: docs/results/client_zoo.md.
+"""
+
+import pytest
+
+import _client_zoo as C
+import _zoo_judge as J
+
+_eager_casts = pytest.fixture(autouse=True)(J.eager_casts)
+
+FAST = ["torchtitan/llama3", "litgpt/LLaMAMLP", "torchtune/llama3_2"]
+
+# Known gaps (issue 29), strict: the fix turns them into XPASS and the mark is removed then.
+_GROUPED_CASTS = ("issue 29: weight dtype casts in torchtitan GroupedExperts (w.bfloat16().transpose(-2, -1) "
+                  "before torch._grouped_mm): the experts stay bf16, 0 expert stacks in explain")
+KNOWN = {
+    "torchtitan/qwen3_moe": _GROUPED_CASTS,
+    "torchtitan/deepseek_v3": _GROUPED_CASTS,
+    "litgpt/LLaMAMoE": "issue 29: eager linears between graphs (LLaMAMoE's torch.where expert loop breaks the "
+                       "graph; its router runs in the eager frame and explain lists it nowhere)",
+}
+
+
+def _params(names):
+    out = []
+    for n in names:
+        marks = []
+        if not C.available(n):
+            marks.append(pytest.mark.skip(reason=f"{C.stack(n)} is not installed ({C.INSTALL[C.stack(n)]})"))
+        if n in KNOWN:
+            marks.append(pytest.mark.xfail(strict=True, reason=KNOWN[n]))
+        out.append(pytest.param(n, marks=marks))
+    return out
+
+
+def _check(name, group_bound=0.98):
+    model = C.build(name)
+    # 256 tokens: at 64, top-2-of-4 routing leaves the MoE groups' FP8 noise near the bound
+    return J.judge(model, C.loss_fn, C.ids(4, 64), group_bound=group_bound, expected=C.expected_counts(model))
+
+
+@pytest.mark.parametrize("name", _params(FAST))
+def test_client_zoo_fast_subset(name):
+    _check(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _params([n for n in C.zoo() if n not in FAST]))
+def test_client_zoo_whole(name):
+    _check(name, group_bound=J.WHOLE_ZOO_GROUP_BOUND)
