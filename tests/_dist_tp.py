@@ -132,15 +132,16 @@ def parallelize(model, mesh, sequence_parallel: bool, fp8_all_gather: bool):
 
 
 def _shard_sequence(block, tp_mesh):
-    """Blocks take and return the full sequence; inside, SP norms run on this rank's sequence shard."""
+    """Blocks take and return the full sequence; inside, the residual stream is this rank's sequence
+    shard as a plain tensor (as in torchtitan), which the SP norms and the plan's layouts expect."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def pre(mod, args):
-        x = args[0]
-        return (DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)]),)
+        x = DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False)
+        return (x.redistribute(tp_mesh, [Shard(1)]).to_local(),)
 
     def post(mod, args, out):
-        return out.redistribute(tp_mesh, [Replicate()]).to_local()
+        return DTensor.from_local(out, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()]).to_local()
 
     block.register_forward_pre_hook(pre)
     block.register_forward_hook(post)

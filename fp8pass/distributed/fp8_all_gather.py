@@ -186,7 +186,8 @@ def fp8_all_gather_weights(report, config: Config) -> list[str]:
 def enable_fp8_all_gather(model: torch.nn.Module, config: Config, weights) -> list[str]:
     """Wrap ``weights`` (FQNs or globs) of ``model`` so FSDP2 all-gathers them as FP8.
 
-    Call it before ``fully_shard`` and :func:`link_fp8_all_gather` after it. ``weights`` usually is
+    Call it before ``fully_shard`` (after ``parallelize_module`` under tensor parallel: a TP-sharded
+    weight's local shard is wrapped) and :func:`link_fp8_all_gather` after it. ``weights`` usually is
     ``fp8_all_gather_weights(fp8pass.explain(model, *example_inputs, config=config), config)``.
     Returns the FQNs wrapped.
     """
