@@ -241,9 +241,10 @@ class Backend:
 
     def _compile(self, gm, inputs, mode, options):
         if _has_dtensor(inputs):  # tensor parallel: DTensor dispatch needs the ops' sharding rules
-            from .distributed.tensor_parallel import register_sharding_rules
+            from .distributed.tensor_parallel import check_reduction_group, register_sharding_rules
 
             register_sharding_rules()
+            check_reduction_group(self.config.amax_reduction, inputs)
         return self._compile_graph(gm, inputs, mode, options)
 
     def _compile_graph(self, gm, inputs, mode, options):

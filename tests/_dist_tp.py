@@ -255,5 +255,14 @@ def op_rules_worker(rank: int, world: int, init_file: str, out_dir: str):
                 res["d" + k] = (dt[k].grad.full_tensor(), plain[k].grad)
             out[f"{fmt} {case}"] = {k: tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in v)
                                     for k, v in res.items()}
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    # a reduction group that leaves out a TP rank is refused; the world passes
+    w = [distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])]
+    rank0_only = dist.new_group([0])
+    tpr.check_reduction_group(dist.group.WORLD, w)
+    try:
+        tpr.check_reduction_group(rank0_only, w)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    torch.save({"rules": out, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -73,9 +73,13 @@ def _check_mesh_run(outs, ref, tp: int, fp8_all_gather: bool = True):
 def test_op_rules_on_two_ranks_equal_the_unsharded_ops(tmp_path):
     """fp8_linear colwise / rowwise and swiglu_down (ffn-sharded) on DTensors over 2 ranks: identity format
     equal to the unsharded op within fp32 rounding (the placements are right, forward and backward);
-    E4M3 (each shard scaled by its own current amax) close to it."""
+    E4M3 (each shard scaled by its own current amax) close to it. And a reduction group without a TP rank
+    is refused."""
     outs = _dist.spawn(_dist_tp.op_rules_worker, 2, tmp_path)
-    for case, res in outs[0].items():
+    # Config(amax_reduction=<group of rank 0>) on a TP mesh of ranks 0 and 1: refused, naming rank 1
+    assert "does not contain ranks [1]" in outs[0]["refused"]
+    assert outs[1]["refused"] is None  # not a member of that group: nothing to check there
+    for case, res in outs[0]["rules"].items():
         fmt, kind = case.split()
         assert res["placements"][0] == ("(Shard(dim=2),)" if kind == "colwise" else "(Partial(sum),)"), case
         assert res["placements"][1] == "(Partial(sum),)", case

@@ -39,7 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["register_sharding_rules", "replicated", "RULES"]
+__all__ = ["register_sharding_rules", "replicated", "check_reduction_group", "RULES"]
 
 R = Replicate()
 KEEP = "keep"  # the input keeps the placement it has (saved codes and scales)
@@ -58,6 +58,28 @@ def replicated(tensors: list, example_inputs: list) -> list:
     mesh = next(v.device_mesh for v in example_inputs if isinstance(v, DTensor))
     placements = [R] * mesh.ndim
     return [DTensor.from_local(t, mesh, placements, run_check=False) for t in tensors]
+
+
+def check_reduction_group(group, example_inputs: list) -> None:
+    """Raise if ``Config(amax_reduction=group)`` leaves out ranks that hold shards of the graph's DTensors.
+
+    The states of a TP-sharded tensor agree only when the reduction spans the ranks of its mesh; a
+    group of one mesh dimension (the data-parallel one) would leave each TP shard its own scale.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        return  # "auto" (the world) spans every mesh; "off": the user reduces
+    covered = set(dist.get_process_group_ranks(group))
+    for v in example_inputs:
+        if isinstance(v, DTensor):
+            outside = sorted(set(v.device_mesh.mesh.flatten().tolist()) - covered)
+            if outside:
+                raise ValueError(
+                    f"fp8pass: Config(amax_reduction=<ProcessGroup>) does not contain ranks {outside[:8]}, which hold "
+                    f"shards of this graph's tensor-parallel DTensors (mesh {v.device_mesh}); their scales would "
+                    f"differ. Use amax_reduction='auto' (the world: every mesh dimension) or a group spanning the "
+                    f"data-parallel and tensor-parallel ranks (docs/distributed.md, Tensor parallel).")
 
 
 def _placement(spec) -> Placement:
