@@ -100,7 +100,8 @@ def _spec(*shape, p=None, mesh_dims=1):
 
     from torch.distributed.tensor import Replicate
 
-    return SimpleNamespace(placements=(p or Replicate(),) * mesh_dims, tensor_meta=SimpleNamespace(shape=shape))
+    return SimpleNamespace(placements=(p or Replicate(),) * mesh_dims, mesh=SimpleNamespace(device_type="cpu"),
+                           tensor_meta=SimpleNamespace(shape=shape, dtype=torch.float32))
 
 
 def _states(n=8):
@@ -216,3 +217,16 @@ def test_row_scales_and_multi_dim_meshes_gather_instead():
     two_d = rule(_spec(2, 8, 32, mesh_dims=2), _spec(64, 32, mesh_dims=2), None, _states(), _states(), _states(),
                  **_knob_kwargs())
     assert two_d == [([R] * 7, [R] * 26)]
+
+
+def test_cast_input_rule_shards_x_alt_with_the_codes():
+    """``fp8_cast_input``'s ``x_alt`` ([rows, in] on the CPU: the codes in the GEMM dtype; on the GPU the
+    column-major codes that backward saves) is sharded like ``x_data``, so a saved ``x_alt`` carries the
+    placement the backward rule reads."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    cases = _rule("fp8_cast_input")(_spec(2, 8, 32), _states(), **_knob_kwargs())
+    (outs, ins), = [c for c in cases if c[1][0] == Shard(2)]
+    assert outs == [Shard(1), Replicate(), Replicate(), Shard(1)]
+    (outs, _), = [c for c in cases if c[1][0] == Shard(0)]
+    assert outs[0] == outs[3] == Shard(0)

@@ -124,12 +124,30 @@ def _fp8_linear(a, kw):
     return _linear_cases(a, kw, saved=("amax", "amax", "x", "scale", "w", "scale"))
 
 
+def _x_alt_is_2d(a: dict, named: dict) -> bool:
+    """Whether ``fp8_cast_input``'s ``x_alt`` is ``x``'s cast again ([rows, in]: column-major codes on
+    the GPU, GEMM-dtype values on the CPU) rather than an empty tensor, as the op itself decides."""
+    from dataclasses import fields
+
+    from ..runtime.casting import resolve_format, saved_transposed
+    from ..runtime.linear import compute_dtype
+    from ..runtime.op_schema import LinearKnobs
+    from ..runtime.precast import _up_dtype
+
+    k = LinearKnobs(**{f.name: named[f.name] for f in fields(LinearKnobs)})
+    device = torch.device(a["x"].mesh.device_type)
+    dt = compute_dtype(k, a["x"].tensor_meta.dtype)
+    return saved_transposed(device, resolve_format(k.fwd_format), k.granularity) or \
+        _up_dtype(k, device, dt) is not None
+
+
 def _fp8_cast_input(a, kw):
-    # (x_data, x_scale, x_amax, x_alt): x_alt is empty or x's codes again, local either way: Replicate
+    # (x_data, x_scale, x_amax, x_alt): x_alt sharded like x's codes when it holds them (backward may save it)
     n = _ndim(a["x"])
-    cases = [([R, R, R, R], {"x": R}), ([Shard(1), R, R, R], {"x": Shard(n - 1)})]
+    alt = _x_alt_is_2d(a, kw)
+    cases = [([R, R, R, R], {"x": R}), ([Shard(1), R, R, Shard(1) if alt else R], {"x": Shard(n - 1)})]
     if n >= 2:
-        cases.append(([Shard(0), R, R, R], {"x": Shard(0)}))
+        cases.append(([Shard(0), R, R, Shard(0) if alt else R], {"x": Shard(0)}))
     return cases
 
 
