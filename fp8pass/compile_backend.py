@@ -21,6 +21,7 @@ Per graph Dynamo hands us (torch level: one ``F.linear`` per linear, no autograd
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -258,6 +259,14 @@ class Backend:
         return new_gm, GraphRecord(report, extra)
 
     def _compile(self, gm, inputs, mode, options):
+        if _has_dtensor(inputs):  # tensor parallel: DTensor dispatch needs the ops' sharding rules
+            from .distributed.tensor_parallel import check_reduction_group, register_sharding_rules
+
+            register_sharding_rules()
+            check_reduction_group(self.config.amax_reduction, inputs)
+        return self._compile_graph(gm, inputs, mode, options)
+
+    def _compile_graph(self, gm, inputs, mode, options):
         which = self.config.compiler
         if which == "eager":
             if mode or options:
@@ -327,6 +336,12 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"fp8pass.backend({self.config})"
+
+
+def _has_dtensor(values) -> bool:
+    """Whether a graph's inputs hold a DTensor (only possible once torch.distributed.tensor is loaded)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and any(isinstance(v, mod.DTensor) for v in values)
 
 
 def oversubscription_hint(threads: int, cores: int, load_average: float) -> str | None:
@@ -458,6 +473,10 @@ def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config,
         if reducer is not None:
             reducer.add(role)
         out.append(role.op_tensors()[s.field])
+    if _has_dtensor(example_inputs):  # tensor parallel: the state enters the ops' DTensor rules as Replicate
+        from .distributed.tensor_parallel import replicated
+
+        out = replicated(out, example_inputs)
     return out
 
 

@@ -288,8 +288,8 @@ class Config:
             (default): when ``torch.distributed`` is initialised with more than one rank, the amaxes
             recorded in a step are max-reduced over the world in one collective at the end of each
             backward, so every rank casts with the same scales (a single process: nothing happens);
-            a ``torch.distributed.ProcessGroup``: the same over that group (the data-parallel group
-            of a 2-D mesh); "off": each rank keeps its own state (reduce it yourself with
+            a ``torch.distributed.ProcessGroup``: the same over that group (every rank holding a piece
+            or a replica of the same tensors: under tensor parallel, the dp and tp ranks both); "off": each rank keeps its own state (reduce it yourself with
             ``fp8pass.distributed.AmaxSync``).
         keep_first_layers, keep_last_layers: the first / last this many numbered blocks (``layers.0``,
             ``h.11``: an FQN's prefix up to its first numeric component) of each compiled graph keep

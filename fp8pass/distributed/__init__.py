@@ -8,6 +8,9 @@
 * :func:`save_checkpoint` / :func:`load_checkpoint`: DCP of model + FP8 optimizer + scaling state,
   resharding from N ranks to M.
 * :func:`enable_fp8_all_gather`: FSDP2 all-gathers FP8 weights as FP8 codes (half the bytes of bf16).
+* Tensor parallel: DTensor sharding rules for every fp8pass op (``tensor_parallel``, registered by the
+  backend when a graph has DTensor inputs); the amax reduction over the world covers both dims of an
+  FSDP2 x TP mesh.
 
 See docs/distributed.md for the recipe and a torchrun example.
 """

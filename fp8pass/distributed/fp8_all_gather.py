@@ -23,6 +23,7 @@ columns are rescaled before the cast). :func:`enable_fp8_all_gather` picks exact
 from __future__ import annotations
 
 import fnmatch
+import sys
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,8 @@ class FP8ShardWeight(torch.Tensor):
         with torch.no_grad():
             value = (decode(codes.view(fmt.torch_dtype), fmt, torch.float32) / scale).to(param_dtype)
             if out is not None:
+                if _is_dtensor(out):  # tensor parallel: FSDP2's unsharded parameter is this rank's TP shard
+                    out = out._local_tensor
                 out.copy_(value.view(out.shape) if value.numel() == out.numel() else value)
                 return None
         return value, (value,)
@@ -153,6 +156,11 @@ class FP8ShardWeight(torch.Tensor):
         up = getattr(fp, "_unsharded_param", None) if fp is not None else None
         st = _REGISTRY.get(up) if up is not None else None
         return st.weight if st is not None else None
+
+
+def _is_dtensor(t) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _shard_group(mesh):
@@ -178,7 +186,8 @@ def fp8_all_gather_weights(report, config: Config) -> list[str]:
 def enable_fp8_all_gather(model: torch.nn.Module, config: Config, weights) -> list[str]:
     """Wrap ``weights`` (FQNs or globs) of ``model`` so FSDP2 all-gathers them as FP8.
 
-    Call it before ``fully_shard`` and :func:`link_fp8_all_gather` after it. ``weights`` usually is
+    Call it before ``fully_shard`` (after ``parallelize_module`` under tensor parallel: a TP-sharded
+    weight's local shard is wrapped) and :func:`link_fp8_all_gather` after it. ``weights`` usually is
     ``fp8_all_gather_weights(fp8pass.explain(model, *example_inputs, config=config), config)``.
     Returns the FQNs wrapped.
     """
@@ -193,11 +202,20 @@ def enable_fp8_all_gather(model: torch.nn.Module, config: Config, weights) -> li
             fqn = f"{mod_name}.{pname}" if mod_name else pname
             if not any(fnmatch.fnmatchcase(fqn, pat) for pat in patterns):
                 continue
-            if isinstance(p, FP8ShardWeight) or isinstance(getattr(p, "data", None), FP8ShardWeight):
+            if isinstance(p, FP8ShardWeight) or isinstance(getattr(p, "data", None), FP8ShardWeight) or \
+                    isinstance(getattr(p, "_local_tensor", None), FP8ShardWeight):
                 continue
             if p.dim() != 2:
                 raise ValueError(f"{fqn}: FP8 all-gather wraps 2-D linear weights, got shape {tuple(p.shape)}")
-            wrapped = torch.nn.Parameter(FP8ShardWeight(p.detach(), _Ctx(fqn, config)), requires_grad=p.requires_grad)
+            if _is_dtensor(p):  # tensor parallel: wrap this rank's TP shard, FSDP2 shards it further
+                from torch.distributed.tensor import DTensor
+
+                local = FP8ShardWeight(p.to_local().detach(), _Ctx(fqn, config))
+                data = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
+            else:
+                data = FP8ShardWeight(p.detach(), _Ctx(fqn, config))
+            wrapped = torch.nn.Parameter(data, requires_grad=p.requires_grad)
             setattr(mod, pname, wrapped)
             done.append(fqn)
     missing = [pat for pat in patterns if not any(fnmatch.fnmatchcase(f, pat) for f in done)]
