@@ -12,8 +12,9 @@ on CPU.
 Grouped (MoE) GEMMs: all three (forward, dgrad, wgrad) are one ``torch._scaled_grouped_mm`` each
 where the GPU takes it (sm90+, E4M3 operands, dims multiples of 16; the gradient is cast to E4M3 for
 them, :func:`fp8pass.runtime.grouped_casting.grad_format`), else one :func:`grouped_mm_emulated` with
-the same arguments; neither reads the group offsets on the host. The per-row casts are eager torch
-math here (no Triton kernel yet).
+the same arguments; neither reads the group offsets on the host. Their operands are cast by
+:func:`cast_grouped` (Triton, two launches for any number of experts; round to nearest), a
+stochastically rounded gradient by the eager torch ``cast_rows``.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ from __future__ import annotations
 import torch
 
 from ..numerics.formats import Format
-from . import triton_family, triton_operand_casts, triton_scaling
+from . import triton_family, triton_grouped_casts, triton_operand_casts, triton_scaling
 from .interface import Offers
 
 __all__ = ["OFFERS", "cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
-           "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
+           "transpose_cast", "row_amax", "cast_rows", "cast_grouped", "grouped_gemm",
            "grouped_gemm_wgrad", "grouped_mm_emulated", "GROUP_ALIGN"]
 
 # Scales picked on the device inside the casts' launches, both layouts from one read; the GEMMs
 # (``_scaled_mm``) take the FP8 codes themselves.
-OFFERS = Offers(scale_on_device=True, transpose_cast=True, values_without_codes=False, upcast_gemm_operands=False)
+OFFERS = Offers(scale_on_device=True, transpose_cast=True, values_without_codes=False, upcast_gemm_operands=False,
+                grouped_casts=True)
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -46,6 +48,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
 
 
 transpose_cast = triton_operand_casts.transpose_cast
+cast_grouped = triton_grouped_casts.cast_grouped
 
 
 def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin: float, power_of_two: bool,
@@ -232,14 +235,19 @@ def _repeated_inverse(scale, times):
     return torch.reciprocal(scale.float()[:, None].expand(scale.shape[0], times))
 
 
-def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False):
+def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False, a_row_inv=None, b_row_inv=None):
     """Per group ``(a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``: a [S, K], b [E, N, K] (any strides);
     rows past offs[-1] = 0. One grouped GEMM (2d x 3d), no host sync; ``fast_accum``: the forward's
-    ``use_fast_accum`` (``Config.fast_accum``)."""
+    ``use_fast_accum`` (``Config.fast_accum``). ``a_row_inv`` [S] / ``b_row_inv`` [E * N]: the decode
+    scales of a's and b's rows as :func:`cast_grouped` wrote them (the GEMM's scale vectors, so no
+    launches make them here); None: made here from the [E] scales."""
     experts = b.shape[0]
     ids = _expert_of_rows(offs, a.shape[0])
-    scale_a = torch.reciprocal(a_scale.float())[ids.clamp(max=experts - 1)]
-    scale_b = _repeated_inverse(b_scale, b.shape[1])
+    if a_row_inv is not None:
+        scale_a = a_row_inv
+    else:
+        scale_a = torch.reciprocal(a_scale.float())[ids.clamp(max=experts - 1)]
+    scale_b = b_row_inv.view(experts, -1) if b_row_inv is not None else _repeated_inverse(b_scale, b.shape[1])
     # [E, K, N] column-major: b [E, N, K] row-major (a copy only for a transposed view: dgrad, w_transposed)
     b = b if b.is_contiguous() else b.clone(memory_format=torch.contiguous_format)
     out = _grouped_mm(a.contiguous(), b.transpose(1, 2), scale_a, scale_b, offs, out_dtype, fast_accum)
