@@ -262,8 +262,12 @@ def _aligned_groups(offs, rows):
     gaps = torch.cumsum((-sizes) & (GROUP_ALIGN - 1), 0, dtype=offs.dtype)  # zeros added up to each group's end
     shift = torch.cat([gaps.new_zeros(1), gaps])  # of each group's rows (rows past offs[-1]: the total)
     where = torch.arange(rows, device=offs.device) + shift[_expert_of_rows(offs, rows)]
-    width = -(-(rows + (GROUP_ALIGN - 1) * offs.numel()) // GROUP_ALIGN) * GROUP_ALIGN
-    return offs + gaps, where, width, sizes
+    return offs + gaps, where, _aligned_width(rows, offs.numel()), sizes
+
+
+def _aligned_width(rows, experts):
+    """Columns of the aligned token layout: room for every row and each group's padding (a static bound)."""
+    return -(-(rows + (GROUP_ALIGN - 1) * experts) // GROUP_ALIGN) * GROUP_ALIGN
 
 
 def _scattered_transpose(x, where, width):
@@ -277,11 +281,18 @@ def _scattered_transpose(x, where, width):
 def grouped_gemm_wgrad(a, a_scale, b, b_scale, offs, out_dtype):
     """Per expert ``(a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N] (rows
     past offs[-1] left out). One grouped GEMM (2d x 2d, groups along the contraction), no host sync."""
-    ends, where, width, sizes = _aligned_groups(offs, a.shape[0])
-    mat_a = _scattered_transpose(a, where, width)  # [M, T] row-major
-    mat_b = _scattered_transpose(b, where, width).t()  # [T, N] column-major
-    scale_a = _repeated_inverse(a_scale, a.shape[1]).view(-1)
-    scale_b = _repeated_inverse(b_scale, b.shape[1]).view(-1)
-    out = _grouped_mm(mat_a, mat_b, scale_a, scale_b, ends, out_dtype)
+    width = _aligned_width(a.shape[0], offs.numel())
+    if a.numel() and b.numel() and a.element_size() == b.element_size() == 1:
+        # both operands in the aligned layout, the padded group ends and decode scales: two launches
+        mat_a, ends, empty, scale_a = triton_grouped_casts.aligned_transpose(a, a_scale, offs, width)
+        mat_b, _, _, scale_b = triton_grouped_casts.aligned_transpose(b, b_scale, offs, width)
+    else:  # the torch layout (the reference of the kernel above; other dtypes, empty operands)
+        ends, where, width, sizes = _aligned_groups(offs, a.shape[0])
+        mat_a, mat_b = _scattered_transpose(a, where, width), _scattered_transpose(b, where, width)
+        scale_a = _repeated_inverse(a_scale, a.shape[1]).view(-1)
+        scale_b = _repeated_inverse(b_scale, b.shape[1]).view(-1)
+        empty = sizes == 0
+    # mat_a [M, T] row-major, mat_b^T [T, N] column-major
+    out = _grouped_mm(mat_a, mat_b.t(), scale_a, scale_b, ends, out_dtype)
     # an expert without tokens gets 0, not whatever the kernel leaves for an empty contraction
-    return out.masked_fill((sizes == 0)[:, None, None], 0)
+    return out.masked_fill(empty[:, None, None], 0)

@@ -41,11 +41,12 @@ from .triton_operand_casts import _fmt_kw  # the format's constexprs, cached (ma
 from .triton_helpers import INTERPRETED, INTERPRETING, cast_codes, check_interpretable, hardware_cast, max_propagating_nan
 from .triton_scaling import max_of_uncached, scale_epilogue
 
-__all__ = ["cast_grouped", "reference"]
+__all__ = ["cast_grouped", "reference", "aligned_transpose"]
 
 # rows x columns of a program. The interpreter runs each program as numpy calls: large tiles.
-_AMAX_TILE = (64, 256) if INTERPRETING else (16, 256)
+_AMAX_TILE = (64, 256) if INTERPRETING else (32, 128)
 _CAST_TILE = (64, 256) if INTERPRETING else (32, 128)
+_TRANSPOSE_TILE = (32, 256)  # destination columns x code columns
 _RBLOCK = 1024  # the last program reduces an expert's row maxima this many at a time
 
 
@@ -54,7 +55,7 @@ def _expert_of(rows, offs_ptr, E, group_rows, UNIFORM: tl.constexpr, EP: tl.cons
     """The expert of each row: ``row // group_rows`` (UNIFORM), else the number of group ends <= row
     (E for padding rows past ``offs[-1]``)."""
     if UNIFORM:
-        return rows // group_rows
+        return (rows // group_rows).to(tl.int32)
     e = tl.arange(0, EP)
     ends = tl.load(offs_ptr + e, mask=e < E, other=2147483647).to(tl.int64)
     return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
@@ -123,6 +124,66 @@ def _grouped_cast_kernel(x_ptr, out_ptr, R, C, offs_ptr, E, group_rows, scale_pt
     if ROW_INV:
         if pid_c == 0:
             tl.store(row_inv_ptr + rows, tl.load(inv_ptr + tl.minimum(expert, E - 1)), mask=rows < R)
+
+
+@triton.jit
+def _aligned_transpose_kernel(codes_ptr, out_ptr, S, C, W, offs_ptr, E, scale_ptr, ends_out, empty_out, rep_inv_out,
+                              EP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """``out`` [C, W]: column t holds row ``t - shift(t)`` of ``codes`` [S, C] where t is in its group's
+    rows, zero codes in the gaps that start every group at a multiple of 16 (``cuda._aligned_groups``'s
+    layout: group e padded by ``(-size_e) mod 16`` columns; rows past ``offs[-1]`` after the last group).
+    Program (0, 0) writes the padded group ends ``ends_out`` [E] and ``empty_out`` [E] (size 0); the
+    programs of the first column block write ``rep_inv_out[e * C + c] = 1 / scale[e]``."""
+    pid_t, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    e = tl.arange(0, EP)
+    ends = tl.load(offs_ptr + e, mask=e < E, other=0).to(tl.int64)
+    starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0).to(tl.int64)
+    sizes = ends - starts
+    gaps = (-sizes) & 15
+    shift_after = tl.cumsum(gaps, 0)  # zero columns inserted up to the end of each group
+    dest_ends = tl.where(e < E, ends + shift_after, 9223372036854775807)
+    t = pid_t * BT + tl.arange(0, BT)
+    before = dest_ends[None, :] <= t[:, None]  # [BT, EP]: the groups that end at or before column t
+    shift = tl.max(tl.where(before, shift_after[None, :], 0), axis=1)
+    limit = tl.min(tl.where(before | (e >= E)[None, :], 9223372036854775807, ends[None, :]), axis=1)
+    src = t - shift
+    valid = (src < tl.minimum(limit, S)) & (t < W)
+    cols = pid_c * BC + tl.arange(0, BC)
+    v = tl.load(codes_ptr + src[:, None] * C + cols[None, :], mask=valid[:, None] & (cols[None, :] < C), other=0)
+    tl.store(out_ptr + cols[:, None] * W + t[None, :], tl.trans(v), mask=(cols[:, None] < C) & (t[None, :] < W))
+    if pid_t == 0:
+        for j in range(E):  # a row of the [E, C] decode scales at a time: no [EP, BC] block in registers
+            inv = tl.math.div_rn(tl.full([BC], 1.0, tl.float32), tl.load(scale_ptr + j))
+            tl.store(rep_inv_out + j * C + cols, inv, mask=cols < C)
+        if pid_c == 0:
+            tl.store(ends_out + e, dest_ends.to(tl.int32), mask=e < E)
+            tl.store(empty_out + e, (sizes == 0).to(tl.uint8), mask=e < E)
+
+
+def aligned_transpose(codes: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, width: int):
+    """The 2d x 2d grouped GEMM's operand from one launch (see ``_aligned_transpose_kernel``).
+
+    Args:
+        codes: [S, C] FP8 codes, rows grouped by ``offs`` (int32 [E] cumulative group ends).
+        scale: fp32 [E] encode scales of the groups.
+        width: the layout's columns, a static bound (``cuda._aligned_groups``'s).
+
+    Returns:
+        (codes [C, width] in ``codes``'s dtype, int32 [E] padded group ends, bool [E] empty groups,
+        fp32 [E * C] each group's decode scale repeated per column).
+    """
+    s, c = codes.shape
+    experts = offs.numel()
+    check_interpretable(codes.device)
+    out = torch.empty(c, width, dtype=codes.dtype, device=codes.device)
+    ends = torch.empty(experts, dtype=torch.int32, device=codes.device)
+    empty = torch.empty(experts, dtype=torch.uint8, device=codes.device)
+    rep_inv = torch.empty(experts * c, dtype=torch.float32, device=codes.device)
+    bt, bc = _TRANSPOSE_TILE
+    _aligned_transpose_kernel[(max(triton.cdiv(width, bt), 1), max(triton.cdiv(c, bc), 1))](
+        codes.contiguous().view(torch.uint8), out.view(torch.uint8), s, c, width, offs, experts,
+        scale.to(torch.float32).contiguous(), ends, empty, rep_inv, EP=triton.next_power_of_2(experts), BT=bt, BC=bc)
+    return out, ends, empty.view(torch.bool), rep_inv
 
 
 def cast_grouped(x2d: torch.Tensor, fmt: Format, offs: torch.Tensor | None = None, group_rows: int = 0,
