@@ -119,10 +119,14 @@ def cases():
             # ahead-of-time compile does not fill in defaulted constexprs)
             c.update(DELAYED=delayed, N_INVERT=2 if delayed else 0, TARGET=448.0, FMT_MAX=448.0,
                      MAX_SCALE_C=MAX_SCALE, HUGE=2.0**64, POW2=False, NAN_SCALE=False, RBLOCK=1024,
-                     DIVIDE=divide is not None)
+                     DIVIDE=divide is not None, ROW_MAJOR=True)
             out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional}"
                         + (" delayed" if delayed else "") + (f" divide {divide}" if divide else "")
                         + f" {cfg.kwargs}", tk._transpose_cast_kernel, sig, c, cfg))
+            if transpose and not (stochastic or conditional or delayed or divide):
+                # the transposed codes alone (the precast backward's weight recast)
+                out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional} T-only {cfg.kwargs}",
+                            tk._transpose_cast_kernel, sig, dict(c, ROW_MAJOR=False), cfg))
     for mode, inputs, transpose in ((0, False, False), (1, False, False), (2, False, False), (1, True, False),
                                     (1, True, True)):
         sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "c_ptr": "*fp32", "r_ptr": "*fp32", "scale_ptr": "*fp32",

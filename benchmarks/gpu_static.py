@@ -156,7 +156,7 @@ def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
     if name == "_quantize_tiles_kernel":
         return size["x_ptr"] + (0 if c["MODE"] == 2 else code)
     if name == "_transpose_cast_kernel":
-        return size["x_ptr"] + code * (2 if c["TRANSPOSE"] else 1)
+        return size["x_ptr"] + code * ((1 if c.get("ROW_MAJOR", True) else 0) + (1 if c["TRANSPOSE"] else 0))
     if name == "_swiglu_cast_kernel":  # INPUTS: the codes of gate and up written too; TRANSPOSE: A^T too
         writes = 1 + (2 if c.get("INPUTS") else 0) + (1 if c.get("TRANSPOSE") else 0)
         return size["g_ptr"] + size["u_ptr"] + (code * writes if c["STORE"] else 0)
