@@ -184,7 +184,8 @@ def _grouped_cases():
     for fmt in (E4M3, E5M2):
         for uniform, experts in ((False, 8), (False, 128), (True, 8)):
             sig = {"x_ptr": "*bf16", "out_ptr": "*u8", "R": "i32", "C": "i32", "offs_ptr": "*i32", "E": "i32",
-                   "group_rows": "i32", "scale_ptr": "*fp32", "inv_ptr": "*fp32", "row_inv_ptr": "*fp32"}
+                   "group_rows": "i32", "scale_ptr": "*fp32", "inv_ptr": "*fp32", "row_inv_ptr": "*fp32",
+                   "pad_ptr": "*u8"}
             c = dict(UNIFORM=uniform, EP=experts, ROW_INV=True, **tk._fmt_kw(fmt), HW=_hw(fmt),
                      BR=tgc._CAST_TILE[0], BC=tgc._CAST_TILE[1])
             out.append((f"grouped_cast {fmt.name} uniform={uniform} experts={experts}", tgc._grouped_cast_kernel,

@@ -235,14 +235,16 @@ def _repeated_inverse(scale, times):
     return torch.reciprocal(scale.float()[:, None].expand(scale.shape[0], times))
 
 
-def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False, a_row_inv=None, b_row_inv=None):
+def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False, a_row_inv=None, b_row_inv=None,
+                 a_row_pad=None):
     """Per group ``(a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``: a [S, K], b [E, N, K] (any strides);
     rows past offs[-1] = 0. One grouped GEMM (2d x 3d), no host sync; ``fast_accum``: the forward's
     ``use_fast_accum`` (``Config.fast_accum``). ``a_row_inv`` [S] / ``b_row_inv`` [E * N]: the decode
     scales of a's and b's rows as :func:`cast_grouped` wrote them (the GEMM's scale vectors, so no
-    launches make them here); None: made here from the [E] scales."""
+    launches make them here), ``a_row_pad`` [S] a's padding rows (the rows the output zeroes); None:
+    made here from the [E] scales and ``offs``."""
     experts = b.shape[0]
-    ids = _expert_of_rows(offs, a.shape[0])
+    ids = _expert_of_rows(offs, a.shape[0]) if a_row_inv is None or a_row_pad is None else None
     if a_row_inv is not None:
         scale_a = a_row_inv
     else:
@@ -251,7 +253,7 @@ def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False, a_ro
     # [E, K, N] column-major: b [E, N, K] row-major (a copy only for a transposed view: dgrad, w_transposed)
     b = b if b.is_contiguous() else b.clone(memory_format=torch.contiguous_format)
     out = _grouped_mm(a.contiguous(), b.transpose(1, 2), scale_a, scale_b, offs, out_dtype, fast_accum)
-    return out.masked_fill((ids == experts)[:, None], 0)
+    return out.masked_fill((ids == experts if a_row_pad is None else a_row_pad)[:, None], 0)
 
 
 def _aligned_groups(offs, rows):

@@ -38,7 +38,8 @@ from ..numerics.formats import Format
 from ..numerics.scaling import scale_from_amax, scale_to_cast
 from . import triton_scaling
 from .triton_operand_casts import _fmt_kw  # the format's constexprs, cached (max_code is computed)
-from .triton_helpers import INTERPRETED, INTERPRETING, cast_codes, check_interpretable, hardware_cast, max_propagating_nan
+from .triton_helpers import (INTERPRETED, INTERPRETING, cast_codes, check_interpretable, hardware_cast,
+                             max_propagating_nan)
 from .triton_scaling import max_of_uncached, scale_epilogue
 
 __all__ = ["cast_grouped", "reference", "aligned_transpose"]
@@ -106,12 +107,13 @@ def _grouped_amax_scale_kernel(x_ptr, R, C, offs_ptr, E, group_rows, row_max_ptr
 
 
 @triton.jit
-def _grouped_cast_kernel(x_ptr, out_ptr, R, C, offs_ptr, E, group_rows, scale_ptr, inv_ptr, row_inv_ptr,
+def _grouped_cast_kernel(x_ptr, out_ptr, R, C, offs_ptr, E, group_rows, scale_ptr, inv_ptr, row_inv_ptr, pad_ptr,
                          UNIFORM: tl.constexpr, EP: tl.constexpr, ROW_INV: tl.constexpr, MBITS: tl.constexpr,
                          BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr, HW: tl.constexpr,
                          BR: tl.constexpr, BC: tl.constexpr):
     """Codes of ``x[r, c] * scale[expert(r)]`` (``cast_codes``; padding rows scale 1), and with ROW_INV
-    the rows' decode scales ``inv[min(expert(r), E - 1)]`` (stored by the first column of programs)."""
+    the rows' decode scales ``inv[min(expert(r), E - 1)]`` and padding flags ``expert(r) == E`` (stored
+    by the first column of programs)."""
     pid_r, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pid_r * BR + tl.arange(0, BR)
     cols = pid_c * BC + tl.arange(0, BC)
@@ -124,6 +126,7 @@ def _grouped_cast_kernel(x_ptr, out_ptr, R, C, offs_ptr, E, group_rows, scale_pt
     if ROW_INV:
         if pid_c == 0:
             tl.store(row_inv_ptr + rows, tl.load(inv_ptr + tl.minimum(expert, E - 1)), mask=rows < R)
+            tl.store(pad_ptr + rows, (expert >= E).to(tl.uint8), mask=rows < R)
 
 
 @triton.jit
@@ -198,10 +201,11 @@ def cast_grouped(x2d: torch.Tensor, fmt: Format, offs: torch.Tensor | None = Non
             ``group_rows``: groups of ``group_rows`` rows each (E = R / group_rows; stacked weights).
         state: [] / None (current scaling) or the per-expert delayed-scaling op list (``[E]`` scales).
         margin, power_of_two: the recipe's scale options.
-        row_inv: also return each row's decode scale (fp32 [R]).
+        row_inv: also return each row's decode scale (fp32 [R]) and which rows are padding (bool [R]).
 
     Returns:
-        (codes [R, C] in ``fmt``'s dtype, scale [E], amax [E], decode scale [E], row decode scales [R] or None).
+        (codes [R, C] in ``fmt``'s dtype, scale [E], amax [E], decode scale [E], row decode scales [R] or
+        None, padding rows [R] or None).
     """
     r, c = x2d.shape
     if not (r and c):
@@ -226,18 +230,19 @@ def cast_grouped(x2d: torch.Tensor, fmt: Format, offs: torch.Tensor | None = Non
         skipped, guard, amax, scale, inv, recast, UNIFORM=offs is None, **consts, BR=br, BC=bc, RBLOCK=_RBLOCK)
     codes = torch.empty(r, c, dtype=fmt.torch_dtype, device=device)
     rows_inv = torch.empty(r, **f32) if row_inv else inv
+    pad = torch.empty(r, dtype=torch.uint8, device=device) if row_inv else recast
     br, bc = _CAST_TILE
     _grouped_cast_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
-        x, codes.view(torch.uint8), r, c, offs_arg, experts, max(group_rows, 1), scale, inv, rows_inv,
+        x, codes.view(torch.uint8), r, c, offs_arg, experts, max(group_rows, 1), scale, inv, rows_inv, pad,
         UNIFORM=offs is None, EP=triton.next_power_of_2(experts), ROW_INV=row_inv, **_fmt_kw(fmt),
         HW=hardware_cast(device, fmt), BR=br, BC=bc)
-    return codes, scale, amax, inv, (rows_inv if row_inv else None)
+    return codes, scale, amax, inv, (rows_inv if row_inv else None), (pad.view(torch.bool) if row_inv else None)
 
 
 def reference(x2d: torch.Tensor, fmt: Format, offs: torch.Tensor | None = None, group_rows: int = 0,
               state: list[torch.Tensor] | None = None, margin: float = 0.0, power_of_two: bool = False):
     """:func:`cast_grouped` in torch ops (what the grouped ops ran on CUDA before it): the same tuple,
-    row decode scales always included."""
+    row decode scales and padding rows always included."""
     r = x2d.shape[0]
     if offs is None:
         offs = torch.arange(group_rows, r + 1, group_rows, dtype=torch.int32, device=x2d.device)
@@ -253,4 +258,4 @@ def reference(x2d: torch.Tensor, fmt: Format, offs: torch.Tensor | None = None, 
     row_scale = torch.cat([scale, scale.new_ones(1)])[ids]
     codes = (x2d.float() * row_scale[:, None]).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
     inv = torch.reciprocal(scale)
-    return codes, scale, amax, inv, inv[ids.clamp(max=experts - 1)]
+    return codes, scale, amax, inv, inv[ids.clamp(max=experts - 1)], ids == experts

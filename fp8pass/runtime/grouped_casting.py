@@ -69,6 +69,7 @@ class GroupedOperand:
     amax: torch.Tensor  # fp32 [E]
     values: torch.Tensor | None = None  # CPU: the codes' values in the GEMM dtype, made by the cast's own loop
     row_inv: torch.Tensor | None = None  # fp32 [rows]: each row's decode scale, where the cast made them (CUDA)
+    row_pad: torch.Tensor | None = None  # bool [rows]: rows past offs[-1], made with row_inv
 
     def gemm_input(self, kern, out_dtype):
         """The codes as the device's GEMM takes them. CPU: the values the cast wrote beside the codes,
@@ -148,9 +149,9 @@ def cast_grouped_rows(x2d, offs, fmt, state, margin, power_of_two, rounding="nea
     """
     experts = offs.numel()
     if _triton_grouped(x2d, fmt, rounding):
-        codes, scale, amax, _, row_inv = kernels.for_device(x2d.device).cast_grouped(
+        codes, scale, amax, _, row_inv, row_pad = kernels.for_device(x2d.device).cast_grouped(
             x2d, fmt, offs=offs, state=state, margin=margin, power_of_two=power_of_two, row_inv=True)
-        return GroupedOperand(codes, scale, amax, row_inv=row_inv)
+        return GroupedOperand(codes, scale, amax, row_inv=row_inv, row_pad=row_pad)
     ids = group_ids(offs, x2d.shape[0]) if ids is None else ids
     kern = kernels.for_device(x2d.device)
     up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
@@ -171,7 +172,7 @@ def cast_experts(w, fmt, state, margin, power_of_two, gemm_out=None) -> GroupedO
     """Cast stacked expert weights [E, ...] with one scale per expert (``gemm_out``: as :func:`cast_grouped_rows`)."""
     if w.dim() == 3 and _triton_grouped(w, fmt, "nearest"):  # the rows of every expert's matrix
         rows = w.reshape(w.shape[0] * w.shape[1], w.shape[2])
-        codes, scale, amax, _, row_inv = kernels.for_device(w.device).cast_grouped(
+        codes, scale, amax, _, row_inv, _ = kernels.for_device(w.device).cast_grouped(
             rows, fmt, group_rows=w.shape[1], state=state, margin=margin, power_of_two=power_of_two, row_inv=True)
         return GroupedOperand(codes.view(w.shape), scale, amax, row_inv=row_inv)
     kern = kernels.for_device(w.device)

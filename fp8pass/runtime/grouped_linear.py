@@ -130,7 +130,7 @@ def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_sta
     wo = cast_experts(weight, fmt, w_state, k.margin, k.power_of_two, gemm_out=dt)
     # the weight's row decode scales are the GEMM's column scales where its rows are the GEMM's N
     y = kern.grouped_gemm(xo.gemm_input(kern, dt), xo.scale, fwd_b(wo.gemm_input(kern, dt), w_transposed),
-                          wo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=xo.row_inv,
+                          wo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=xo.row_inv, a_row_pad=xo.row_pad,
                           b_row_inv=None if w_transposed else wo.row_inv)
     return y, xo.amax, wo.amax, as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone()
 
@@ -168,7 +168,7 @@ def fp8_grouped_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, offs, g
                            keep_codes=False)
     g_in = go.gemm_input(kern, dt)
     dx = kern.grouped_gemm(g_in, go.scale, dgrad_b(w_data, w_transposed), w_scale, offs, dt,
-                           a_row_inv=go.row_inv).to(x_dtype)
+                           a_row_inv=go.row_inv, a_row_pad=go.row_pad).to(x_dtype)
     dw = wgrad(kern, x_data, x_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)
     return dx, dw, go.amax
 

@@ -134,7 +134,7 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
     else:
         bo = cast_experts(w_down, fmt, b_state, k.margin, k.power_of_two, gemm_out=dt)
     y = kern.grouped_gemm(ao.gemm_input(kern, dt), ao.scale, fwd_b(bo.gemm_input(kern, dt), w_transposed),
-                          bo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=ao.row_inv,
+                          bo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=ao.row_inv, a_row_pad=ao.row_pad,
                           b_row_inv=None if w_transposed else bo.row_inv)
     if k.smooth == "token":
         y = (y.float() * s).to(dt)
@@ -185,7 +185,7 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
                            keep_codes=False, ids=ids)
     g_in = go.gemm_input(kern, dt)
     da = kern.grouped_gemm(g_in, go.scale, dgrad_b(b_data, w_transposed), b_scale, offs, dt,
-                           a_row_inv=go.row_inv)  # dA [S, F]
+                           a_row_inv=go.row_inv, a_row_pad=go.row_pad)  # dA [S, F]
     # B = W / c => dW = dB / c (exact: powers of two); on CPU the 1/c scales A's columns as its codes
     # are upcast for the GEMM (the same bits: every step scales exactly by a power of two), not dB after it
     fast = cpu_fast(gate)
