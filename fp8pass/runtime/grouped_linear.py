@@ -34,7 +34,7 @@ import torch
 
 from ..numerics import DelayedScalingState
 from .. import kernels
-from .casting import as_bytes, from_bytes, resolve_format
+from .casting import as_bytes, from_bytes, resolve_format, unaliased
 from .grouped_casting import cast_experts, cast_grouped_rows, grad_format
 from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax
 from .op_schema import GroupedLinearKnobs, knob_op
@@ -132,7 +132,9 @@ def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_sta
     y = kern.grouped_gemm(xo.gemm_input(kern, dt), xo.scale, fwd_b(wo.gemm_input(kern, dt), w_transposed),
                           wo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=xo.row_inv, a_row_pad=xo.row_pad,
                           b_row_inv=None if w_transposed else wo.row_inv)
-    return y, xo.amax, wo.amax, as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone()
+    states = (x_state, w_state)  # a scale is a fresh tensor unless taken from a state: copied only then
+    return (y, xo.amax, wo.amax, as_bytes(xo.data), unaliased(xo.scale, states), as_bytes(wo.data),
+            unaliased(wo.scale, states))
 
 
 @fp8_grouped_linear_op.register_fake

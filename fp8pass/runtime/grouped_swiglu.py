@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .casting import as_bytes, from_bytes, resolve_format
+from .casting import as_bytes, from_bytes, resolve_format, unaliased
 from .grouped_casting import cast_experts, cast_grouped_rows, grad_format, group_ids, with_ones
 from .grouped_glu_cpu import (cpu_fast, fused_glu_operand, fused_smoothed_weight_operand, glu_backward_rows,
                               glu_backward_rows_joined, scaled_values, times)
@@ -138,8 +138,9 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
                           b_row_inv=None if w_transposed else bo.row_inv)
     if k.smooth == "token":
         y = (y.float() * s).to(dt)
-    return (y, ao.amax, bo.amax, as_bytes(ao.data), ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(),
-            s.clone())
+    states = (a_state, b_state)  # a scale is a fresh tensor unless taken from a state: copied only then
+    return (y, ao.amax, bo.amax, as_bytes(ao.data), unaliased(ao.scale, states), as_bytes(bo.data),
+            unaliased(bo.scale, states), s.clone())
 
 
 @fp8_grouped_swiglu_down_op.register_fake
