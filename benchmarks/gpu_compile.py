@@ -119,10 +119,14 @@ def cases():
             # ahead-of-time compile does not fill in defaulted constexprs)
             c.update(DELAYED=delayed, N_INVERT=2 if delayed else 0, TARGET=448.0, FMT_MAX=448.0,
                      MAX_SCALE_C=MAX_SCALE, HUGE=2.0**64, POW2=False, NAN_SCALE=False, RBLOCK=1024,
-                     DIVIDE=divide is not None)
+                     DIVIDE=divide is not None, ROW_MAJOR=True)
             out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional}"
                         + (" delayed" if delayed else "") + (f" divide {divide}" if divide else "")
                         + f" {cfg.kwargs}", tk._transpose_cast_kernel, sig, c, cfg))
+            if transpose and not (stochastic or conditional or delayed or divide):
+                # the transposed codes alone (the precast backward's weight recast)
+                out.append((f"transpose_cast T={transpose} sr={stochastic} if={conditional} T-only {cfg.kwargs}",
+                            tk._transpose_cast_kernel, sig, dict(c, ROW_MAJOR=False), cfg))
     for mode, inputs, transpose in ((0, False, False), (1, False, False), (2, False, False), (1, True, False),
                                     (1, True, True)):
         sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "c_ptr": "*fp32", "r_ptr": "*fp32", "scale_ptr": "*fp32",
@@ -136,6 +140,7 @@ def cases():
                     {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*fp32", "gu_ptr": "*fp32", "T": "i32",
                      "F": "i32"}, dict(BT=32, BF=64, INPUT_MAX=input_max), None))
     out.extend(_scaling_cases())
+    out.extend(_grouped_cases())
     for mf, vf, block in (("e4m3", "e5m2", 128), ("e5m2", "e4m3", 128), ("bf16", "fp32", 128),
                           ("e4m3", "e5m2", 8192)):
         ms, vs = MomentSpec("exp_avg", mf, block), MomentSpec("exp_avg_sq", vf, block, sqrt=True)
@@ -156,6 +161,40 @@ def cases():
                 out.append((f"adam split {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel,
                             _adam_signature(ms, vs, split=True), c,
                             triton.Config({}, num_warps=tsplit._NUM_WARPS)))
+    return out
+
+
+def _grouped_cases():
+    """The MoE operand casts (kernels/triton_grouped_casts.py): rows grouped by ``offs`` or uniform groups
+    (stacked weights), current or delayed scales, each format."""
+    from fp8pass.kernels import triton_grouped_casts as tgc
+
+    out = []
+    fmt_c = dict(TARGET=448.0, FMT_MAX=448.0, MAX_SCALE_C=MAX_SCALE, HUGE=2.0**64, POW2=False, NAN_SCALE=False)
+    for uniform in (False, True):
+        for delayed in (False, True):
+            sig = {"x_ptr": "*bf16", "R": "i32", "C": "i32", "offs_ptr": "*i32", "E": "i32", "group_rows": "i32",
+                   "row_max_ptr": "*fp32", "counter_ptr": "*i32",
+                   **{k: _EPILOGUE_SIG[k] for k in ("held_ptr", "steps_ptr", "skipped_ptr", "guard_ptr", "amax_out",
+                                                    "scale_out", "inv_out", "recast_out")}}
+            c = dict(UNIFORM=uniform, DELAYED=delayed, **fmt_c, BR=tgc._AMAX_TILE[0], BC=tgc._AMAX_TILE[1],
+                     RBLOCK=tgc._RBLOCK)
+            out.append((f"grouped_amax_scale uniform={uniform} delayed={delayed}", tgc._grouped_amax_scale_kernel,
+                        sig, c, None))
+    for fmt in (E4M3, E5M2):
+        for uniform, experts in ((False, 8), (False, 128), (True, 8)):
+            sig = {"x_ptr": "*bf16", "out_ptr": "*u8", "R": "i32", "C": "i32", "offs_ptr": "*i32", "E": "i32",
+                   "group_rows": "i32", "scale_ptr": "*fp32", "inv_ptr": "*fp32", "row_inv_ptr": "*fp32",
+                   "pad_ptr": "*u8"}
+            c = dict(UNIFORM=uniform, EP=experts, ROW_INV=True, **tk._fmt_kw(fmt), HW=_hw(fmt),
+                     BR=tgc._CAST_TILE[0], BC=tgc._CAST_TILE[1])
+            out.append((f"grouped_cast {fmt.name} uniform={uniform} experts={experts}", tgc._grouped_cast_kernel,
+                        sig, c, None))
+    for experts in (8, 128):
+        sig = {"codes_ptr": "*u8", "out_ptr": "*u8", "S": "i32", "C": "i32", "W": "i32", "offs_ptr": "*i32",
+               "E": "i32", "scale_ptr": "*fp32", "ends_out": "*i32", "empty_out": "*u8", "rep_inv_out": "*fp32"}
+        out.append((f"grouped_aligned_transpose experts={experts}", tgc._aligned_transpose_kernel, sig,
+                    dict(EP=experts, BT=tgc._TRANSPOSE_TILE[0], BC=tgc._TRANSPOSE_TILE[1]), None))
     return out
 
 

@@ -99,6 +99,11 @@ DEFAULT_LAUNCHES = {
 DERIVED_LAUNCHES = {
     "swiglu_mlp channel delayed": (("swiglu_mlp channel", "fp8_linear delayed", "fp8_linear current"),
                                    lambda mlp, delayed, current: mlp + 3 * (delayed - current)),
+    # the MoE block: one grouped linear (gate_up) and one grouped SwiGLU down, as benchmarks/moe.py runs them
+    "fp8 grouped moe current": (("grouped_linear current", "grouped_swiglu channel"), lambda lin, glu: lin + glu),
+    "fp8 grouped moe delayed": (("grouped_linear current", "grouped_swiglu channel", "fp8_linear delayed",
+                                 "fp8_linear current"),
+                                lambda lin, glu, delayed, current: lin + glu + 2 * (delayed - current)),
 }
 
 # role -> (kernel, what its variant must contain): the variant gpu_bench's cases run (aligned tensors,

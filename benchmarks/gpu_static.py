@@ -135,6 +135,10 @@ def _elements(name: str, consts: dict) -> tuple[int, int] | None:
         e = c.get("NB", 1) * c["SPAN"]  # the split kernel: one span per program
     elif name == "_swiglu_backward_kernel":
         e = c["BT"] * c["BF"]
+    elif name in ("_grouped_amax_scale_kernel", "_grouped_cast_kernel"):
+        e = c["BR"] * c["BC"]  # the amax kernel: per column block of its loop
+    elif name == "_aligned_transpose_kernel":
+        e = c["BT"] * c["BC"]
     else:
         return None  # a one-program scalar kernel (scales, records): no per-element cost
     return e, e
@@ -152,7 +156,7 @@ def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
     if name == "_quantize_tiles_kernel":
         return size["x_ptr"] + (0 if c["MODE"] == 2 else code)
     if name == "_transpose_cast_kernel":
-        return size["x_ptr"] + code * (2 if c["TRANSPOSE"] else 1)
+        return size["x_ptr"] + code * ((1 if c.get("ROW_MAJOR", True) else 0) + (1 if c["TRANSPOSE"] else 0))
     if name == "_swiglu_cast_kernel":  # INPUTS: the codes of gate and up written too; TRANSPOSE: A^T too
         writes = 1 + (2 if c.get("INPUTS") else 0) + (1 if c.get("TRANSPOSE") else 0)
         return size["g_ptr"] + size["u_ptr"] + (code * writes if c["STORE"] else 0)
@@ -160,6 +164,12 @@ def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
         return size["g_ptr"] + size["u_ptr"]
     if name == "_swiglu_backward_kernel":  # dA, FP8 gate and up in; dgate, dup out
         return size["da_ptr"] + size["g_ptr"] + size["u_ptr"] + size["dg_ptr"] + size["du_ptr"]
+    if name == "_grouped_amax_scale_kernel":
+        return size["x_ptr"]
+    if name == "_grouped_cast_kernel":
+        return size["x_ptr"] + code
+    if name == "_aligned_transpose_kernel":  # codes in, codes out
+        return 2.0
     if name in ("_adam_kernel", "_split_kernel"):
         state = size["p_ptr"] + size["m_ptr"] + size["v_ptr"]  # p, m, v read (and written back)
         writes = c.get("WRITE", True)
@@ -178,6 +188,8 @@ def goal(name: str, variant: str, consts: dict) -> float | None:
         return None if consts.get("DELAYED") else (60 if sr else 40)
     if name in ("_adam_kernel", "_split_kernel"):
         return 150
+    if name == "_grouped_cast_kernel":
+        return 25  # an RNE cast, its expert lookup and row decode scales included
     return None
 
 

@@ -44,6 +44,21 @@ def test_transpose_cast_bit_exact(fmt, shape):
     assert amax == x.abs().max()
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_transposed_only_cast_writes_the_same_transposed_codes_and_no_row_major_codes(rounding):
+    x = _hard_values(37 * 50, 3).reshape(37, 50)
+    scale = torch.tensor(0.75)
+    torch.manual_seed(5)  # the stochastic seed is drawn from the default generator: the same bits twice
+    _, both_t, _ = tk.transpose_cast(x, scale, E4M3, rounding=rounding)
+    torch.manual_seed(5)
+    codes, only_t, amax = tk.transpose_cast(x, scale, E4M3, rounding=rounding, row_major=False)
+    assert codes is None and torch.equal(only_t.view(torch.uint8), both_t.view(torch.uint8))
+    assert amax == x.abs().max()
+    assert tk.transpose_cast(x[:0], scale, E4M3, row_major=False)[0] is None  # empty: the same contract
+    with pytest.raises(ValueError, match="transposed codes alone"):
+        tk.transpose_cast(x, scale, E4M3, transpose=False, row_major=False)
+
+
 @pytest.mark.parametrize("mode", ["none", "channel", "token"])
 def test_swiglu_cast_matches_torch_reference(mode):
     g = torch.Generator().manual_seed(1)
@@ -241,6 +256,10 @@ def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
     for fn in ("gemm_tensor_scaled", "cast_delayed"):
         real = getattr(cuda, fn)
         monkeypatch.setattr(cuda, fn, lambda *a, _real=real, _fn=fn, **kw: calls.append(_fn) or _real(*a, **kw))
+    row_major_writes = []  # the weight recast of the precast backward writes W^T alone (issue 28)
+    real_tc = cuda.transpose_cast
+    monkeypatch.setattr(cuda, "transpose_cast",
+                        lambda *a, **kw: row_major_writes.append(kw.get("row_major", True)) or real_tc(*a, **kw))
     g = torch.Generator().manual_seed(12)
     x = torch.randn(2, 24, 64, generator=g)
     w = torch.randn(40, 64, generator=g) / 8
@@ -273,3 +292,5 @@ def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
             assert torch.equal(a, b), delayed
         assert "gemm_tensor_scaled" in calls and ("cast_delayed" in calls) == delayed  # the CUDA module ran
         calls.clear()
+        assert row_major_writes == [False]  # one recast (precast backward), no row-major codes written
+        row_major_writes.clear()

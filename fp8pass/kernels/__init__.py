@@ -11,6 +11,7 @@
 :mod:`.cuda`               device module, CUDA: ``torch._scaled_mm`` GEMMs and the Triton kernels below
 :mod:`.triton_operand_casts`  GEMM operands: transpose-cast (both layouts in one read), SwiGLU operand casts
 :mod:`.triton_scaling`     scales from amaxes, delayed-scaling records, channel scales (one launch each)
+:mod:`.triton_grouped_casts`  MoE operands: per-expert amax, scale and cast, the wgrad's aligned token layout
 :mod:`.triton_glu`         SwiGLU backward from saved FP8 codes
 :mod:`.adam_layout`        the FP8 AdamW state layout and step scalars, shared by the torch path and the kernels
 :mod:`.triton_adam`        the FP8 AdamW step, fused, many tensors per launch

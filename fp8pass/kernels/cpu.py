@@ -667,7 +667,8 @@ def _alphas(a_scale: torch.Tensor, b_scale: torch.Tensor) -> list[float]:
 
 
 def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                 offs: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+                 offs: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False, a_row_inv=None,
+                 b_row_inv=None, a_row_pad=None) -> torch.Tensor:
     """Per group ``out[g] = (a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``; rows past ``offs[-1]`` are 0.
 
     Args:
@@ -676,6 +677,9 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
         b: [E, N, K] codes (any strides; a transposed view is upcast through its base).
         offs: int32 [E] cumulative group ends.
         out_dtype: dtype of the [S, N] result.
+        a_row_inv, b_row_inv, a_row_pad: the rows' decode scales and a's padding rows where a cast made
+            them (the CUDA module's); the CPU casts make none, and the GEMMs here scale by
+            ``a_scale``/``b_scale`` alone and find the groups from ``offs``.
 
     ``a`` is upcast to :func:`gemm_dtype` once, each expert's ``b[e]`` just before its GEMM (experts
     without rows never are: a whole-stack upcast is one large fresh buffer, whose first-touch page

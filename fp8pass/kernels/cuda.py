@@ -12,8 +12,9 @@ on CPU.
 Grouped (MoE) GEMMs: all three (forward, dgrad, wgrad) are one ``torch._scaled_grouped_mm`` each
 where the GPU takes it (sm90+, E4M3 operands, dims multiples of 16; the gradient is cast to E4M3 for
 them, :func:`fp8pass.runtime.grouped_casting.grad_format`), else one :func:`grouped_mm_emulated` with
-the same arguments; neither reads the group offsets on the host. The per-row casts are eager torch
-math here (no Triton kernel yet).
+the same arguments; neither reads the group offsets on the host. Their operands are cast by
+:func:`cast_grouped` (Triton, two launches for any number of experts; round to nearest), a
+stochastically rounded gradient by the eager torch ``cast_rows``.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ from __future__ import annotations
 import torch
 
 from ..numerics.formats import Format
-from . import triton_family, triton_operand_casts, triton_scaling
+from . import triton_family, triton_grouped_casts, triton_operand_casts, triton_scaling
 from .interface import Offers
 
 __all__ = ["OFFERS", "cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
-           "transpose_cast", "row_amax", "cast_rows", "grouped_gemm",
+           "transpose_cast", "row_amax", "cast_rows", "cast_grouped", "grouped_gemm",
            "grouped_gemm_wgrad", "grouped_mm_emulated", "GROUP_ALIGN"]
 
 # Scales picked on the device inside the casts' launches, both layouts from one read; the GEMMs
 # (``_scaled_mm``) take the FP8 codes themselves.
-OFFERS = Offers(scale_on_device=True, transpose_cast=True, values_without_codes=False, upcast_gemm_operands=False)
+OFFERS = Offers(scale_on_device=True, transpose_cast=True, values_without_codes=False, upcast_gemm_operands=False,
+                grouped_casts=True)
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -46,6 +48,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | No
 
 
 transpose_cast = triton_operand_casts.transpose_cast
+cast_grouped = triton_grouped_casts.cast_grouped
 
 
 def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin: float, power_of_two: bool,
@@ -232,18 +235,25 @@ def _repeated_inverse(scale, times):
     return torch.reciprocal(scale.float()[:, None].expand(scale.shape[0], times))
 
 
-def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False):
+def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False, a_row_inv=None, b_row_inv=None,
+                 a_row_pad=None):
     """Per group ``(a[g] / a_scale[e]) @ (b[e] / b_scale[e]).T``: a [S, K], b [E, N, K] (any strides);
     rows past offs[-1] = 0. One grouped GEMM (2d x 3d), no host sync; ``fast_accum``: the forward's
-    ``use_fast_accum`` (``Config.fast_accum``)."""
+    ``use_fast_accum`` (``Config.fast_accum``). ``a_row_inv`` [S] / ``b_row_inv`` [E * N]: the decode
+    scales of a's and b's rows as :func:`cast_grouped` wrote them (the GEMM's scale vectors, so no
+    launches make them here), ``a_row_pad`` [S] a's padding rows (the rows the output zeroes); None:
+    made here from the [E] scales and ``offs``."""
     experts = b.shape[0]
-    ids = _expert_of_rows(offs, a.shape[0])
-    scale_a = torch.reciprocal(a_scale.float())[ids.clamp(max=experts - 1)]
-    scale_b = _repeated_inverse(b_scale, b.shape[1])
+    ids = _expert_of_rows(offs, a.shape[0]) if a_row_inv is None or a_row_pad is None else None
+    if a_row_inv is not None:
+        scale_a = a_row_inv
+    else:
+        scale_a = torch.reciprocal(a_scale.float())[ids.clamp(max=experts - 1)]
+    scale_b = b_row_inv.view(experts, -1) if b_row_inv is not None else _repeated_inverse(b_scale, b.shape[1])
     # [E, K, N] column-major: b [E, N, K] row-major (a copy only for a transposed view: dgrad, w_transposed)
     b = b if b.is_contiguous() else b.clone(memory_format=torch.contiguous_format)
     out = _grouped_mm(a.contiguous(), b.transpose(1, 2), scale_a, scale_b, offs, out_dtype, fast_accum)
-    return out.masked_fill((ids == experts)[:, None], 0)
+    return out.masked_fill((ids == experts if a_row_pad is None else a_row_pad)[:, None], 0)
 
 
 def _aligned_groups(offs, rows):
@@ -254,8 +264,12 @@ def _aligned_groups(offs, rows):
     gaps = torch.cumsum((-sizes) & (GROUP_ALIGN - 1), 0, dtype=offs.dtype)  # zeros added up to each group's end
     shift = torch.cat([gaps.new_zeros(1), gaps])  # of each group's rows (rows past offs[-1]: the total)
     where = torch.arange(rows, device=offs.device) + shift[_expert_of_rows(offs, rows)]
-    width = -(-(rows + (GROUP_ALIGN - 1) * offs.numel()) // GROUP_ALIGN) * GROUP_ALIGN
-    return offs + gaps, where, width, sizes
+    return offs + gaps, where, _aligned_width(rows, offs.numel()), sizes
+
+
+def _aligned_width(rows, experts):
+    """Columns of the aligned token layout: room for every row and each group's padding (a static bound)."""
+    return -(-(rows + (GROUP_ALIGN - 1) * experts) // GROUP_ALIGN) * GROUP_ALIGN
 
 
 def _scattered_transpose(x, where, width):
@@ -269,11 +283,18 @@ def _scattered_transpose(x, where, width):
 def grouped_gemm_wgrad(a, a_scale, b, b_scale, offs, out_dtype):
     """Per expert ``(a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N] (rows
     past offs[-1] left out). One grouped GEMM (2d x 2d, groups along the contraction), no host sync."""
-    ends, where, width, sizes = _aligned_groups(offs, a.shape[0])
-    mat_a = _scattered_transpose(a, where, width)  # [M, T] row-major
-    mat_b = _scattered_transpose(b, where, width).t()  # [T, N] column-major
-    scale_a = _repeated_inverse(a_scale, a.shape[1]).view(-1)
-    scale_b = _repeated_inverse(b_scale, b.shape[1]).view(-1)
-    out = _grouped_mm(mat_a, mat_b, scale_a, scale_b, ends, out_dtype)
+    width = _aligned_width(a.shape[0], offs.numel())
+    if a.numel() and b.numel() and a.element_size() == b.element_size() == 1:
+        # both operands in the aligned layout, the padded group ends and decode scales: two launches
+        mat_a, ends, empty, scale_a = triton_grouped_casts.aligned_transpose(a, a_scale, offs, width)
+        mat_b, _, _, scale_b = triton_grouped_casts.aligned_transpose(b, b_scale, offs, width)
+    else:  # the torch layout (the reference of the kernel above; other dtypes, empty operands)
+        ends, where, width, sizes = _aligned_groups(offs, a.shape[0])
+        mat_a, mat_b = _scattered_transpose(a, where, width), _scattered_transpose(b, where, width)
+        scale_a = _repeated_inverse(a_scale, a.shape[1]).view(-1)
+        scale_b = _repeated_inverse(b_scale, b.shape[1]).view(-1)
+        empty = sizes == 0
+    # mat_a [M, T] row-major, mat_b^T [T, N] column-major
+    out = _grouped_mm(mat_a, mat_b.t(), scale_a, scale_b, ends, out_dtype)
     # an expert without tokens gets 0, not whatever the kernel leaves for an empty contraction
-    return out.masked_fill((sizes == 0)[:, None, None], 0)
+    return out.masked_fill(empty[:, None, None], 0)

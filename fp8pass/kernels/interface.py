@@ -33,12 +33,16 @@ class Offers:
         upcast_gemm_operands: ``gemm_dtype`` / ``fused_enabled``: the GEMMs take FP8 codes upcast to a
             wider dtype (``gemm_dtype``), which the casts can write beside the codes; without it the
             GEMMs take the codes themselves.
+        grouped_casts: ``cast_grouped``: rows grouped by expert (or stacked expert weights) cast with
+            per-expert scales picked on the device, in a number of launches that does not depend on the
+            number of experts, with the per-row decode scales the grouped GEMM takes.
     """
 
     scale_on_device: bool
     transpose_cast: bool
     values_without_codes: bool
     upcast_gemm_operands: bool
+    grouped_casts: bool = False
 
 
 OFFER_FUNCTIONS = {
@@ -46,6 +50,7 @@ OFFER_FUNCTIONS = {
     "transpose_cast": ("transpose_cast",),
     "values_without_codes": ("cast_values",),
     "upcast_gemm_operands": ("gemm_dtype", "fused_enabled"),
+    "grouped_casts": ("cast_grouped",),
 }
 
 

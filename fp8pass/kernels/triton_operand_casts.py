@@ -162,7 +162,8 @@ def _max_programs(r: int, c: int) -> int:
     return max(triton.cdiv(r, k.kwargs["BR"]) * triton.cdiv(c, k.kwargs["BC"]) for k in _TILE_CONFIGS + [_TILE_INTERPRET])
 
 
-@autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE", "STOCHASTIC", "CONDITIONAL", "DELAYED", "DIVIDE"],
+@autotune(_TILE_CONFIGS, key=["r_class", "c_class", "TRANSPOSE", "STOCHASTIC", "CONDITIONAL", "DELAYED", "DIVIDE",
+                              "ROW_MAJOR"],
           interpret=_TILE_INTERPRET, prune_configs_by={"early_config_prune": _prune_tile_configs})
 @triton.jit
 def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_ptr, flag_ptr, div_ptr, R, C, r_class,
@@ -174,8 +175,9 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
                            DELAYED: tl.constexpr = False, N_INVERT: tl.constexpr = 0, TARGET: tl.constexpr = 1.0,
                            FMT_MAX: tl.constexpr = 1.0, MAX_SCALE_C: tl.constexpr = 1.0, HUGE: tl.constexpr = 1.0,
                            POW2: tl.constexpr = False, NAN_SCALE: tl.constexpr = False, RBLOCK: tl.constexpr = 1024,
-                           DIVIDE: tl.constexpr = False):
+                           DIVIDE: tl.constexpr = False, ROW_MAJOR: tl.constexpr = True):
     """codes of x * s stored as [R, C] (and, if TRANSPOSE, as [C, R]), and max |x| of the tile.
+    Without ROW_MAJOR (with TRANSPOSE) only the [C, R] copy is stored (a recast whose GEMM reads it alone).
 
     ``code = cast(x * s)`` (``cast_codes``; HW: the hardware RNE conversion), reference
     ``saturating_cast(x * s)``; ``amax[tile] = max |x|`` over the tile, NaN-propagating. STOCHASTIC:
@@ -225,7 +227,8 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
             lane = flat & 3
         rbits = philox_pick(tl.load(seed_ptr), quad, lane)
     v = cast_codes(x * tl.load(scale_ptr), rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, 7, STOCHASTIC, HW).to(tl.uint8)
-    tl.store(out_ptr + rows[:, None] * C + cols[None, :], v, mask=mask)
+    if ROW_MAJOR:
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], v, mask=mask)
     if TRANSPOSE:
         # [BC, BR] in registers: consecutive lanes write consecutive bytes of a row of the [C, R] copy.
         tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], tl.trans(v), mask=mask_t)
@@ -364,7 +367,8 @@ def _unread(device: torch.device) -> torch.Tensor:
 
 def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpose: bool = True,
                    rounding: str = "nearest", only_if: torch.Tensor | None = None, out=None,
-                   partials: bool = False, delayed: tuple | None = None, divisor: torch.Tensor | None = None):
+                   partials: bool = False, delayed: tuple | None = None, divisor: torch.Tensor | None = None,
+                   row_major: bool = True):
     """``(codes [R, C], codes [C, R] or None, max |x|)`` of ``saturating_cast(x * scale)``, one read of x.
 
     Args:
@@ -380,8 +384,14 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
         divisor: fp32 [C] powers of two: cast (and take the amax of) ``x / divisor`` (columns divided, in
             x's dtype as torch divides; x fp32 or bf16) instead of ``x``: ``W_down / c`` without writing it
             out. (Another divisor gets ``x * (1 / divisor)``, not the quotient.)
+        row_major: False (with ``transpose``, without ``out``): the ``[C, R]`` codes alone, the ``[R, C]``
+            codes neither written nor allocated (returned as None): a recast whose GEMM reads only the
+            transposed copy saves ``R * C`` bytes of writes.
     """
     r, c = x2d.shape
+    if not row_major and (not transpose or out is not None):
+        raise ValueError("transpose_cast: row_major=False writes the transposed codes alone: it needs "
+                         "transpose=True and no out")
     x = x2d.contiguous()
     if divisor is not None and (x.dtype not in (torch.float32, torch.bfloat16) or divisor.numel() != c):
         raise ValueError(f"transpose_cast: a divisor needs an fp32 or bf16 x and one value per column, got "
@@ -390,14 +400,16 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
         out, out_t = out
         out_t = out_t if out_t is not None else torch.empty(0, r, dtype=fmt.torch_dtype, device=x.device)
     else:
-        out = torch.empty(r, c, dtype=fmt.torch_dtype, device=x.device)
         out_t = torch.empty(c if transpose else 0, r, dtype=fmt.torch_dtype, device=x.device)
+        # without row_major the kernel's row-major pointer is the transposed buffer's, never written
+        out = torch.empty(r, c, dtype=fmt.torch_dtype, device=x.device) if row_major else out_t
     if not (r and c):
         zero = torch.zeros(1 if partials or delayed else (), dtype=torch.float32, device=x.device)
+        codes = out if row_major else None
         if delayed:  # the scale of an empty tensor: from its zero amax, as for any other
-            return out, (out_t if transpose else None), triton_scaling.operand_scale(zero, fmt, delayed[1], delayed[2],
-                                                                                     delayed[0], delayed[3])
-        return out, (out_t if transpose else None), zero
+            return codes, (out_t if transpose else None), triton_scaling.operand_scale(zero, fmt, delayed[1],
+                                                                                       delayed[2], delayed[0], delayed[3])
+        return codes, (out_t if transpose else None), zero
     check_interpretable(x.device)
     # room for the partial amaxes of the smallest tiles; the tuned config decides how many are written
     part = torch.empty(_max_programs(r, c) if only_if is None else 1, dtype=torch.float32, device=x.device)
@@ -415,7 +427,9 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
         s if divisor is None else divisor.to(torch.float32).reshape(-1).contiguous(), r, c, size_class(r),
         size_class(c), counter, *epi, TRANSPOSE=transpose, STOCHASTIC=rounding == "stochastic",
         CONDITIONAL=only_if is not None, **_fmt_kw(fmt), HW=hardware_cast(x.device, fmt), SR4=c % 4 == 0,
-        **epi_consts, RBLOCK=triton.next_power_of_2(min(_max_programs(r, c), 1024)), DIVIDE=divisor is not None)
+        **epi_consts, RBLOCK=triton.next_power_of_2(min(_max_programs(r, c), 1024)), DIVIDE=divisor is not None,
+        ROW_MAJOR=row_major)
+    out = out if row_major else None
     if only_if is not None:
         return out, (out_t if transpose else None), None
     if sc is not None:

@@ -44,7 +44,7 @@ from ..numerics.scaling import HUGE_AMAX, MAX_SCALE, NO_PENDING, OVERFLOW_FACTOR
 from .triton_helpers import INTERPRETING, abs_max_2d, check_interpretable, max_propagating_nan, tile_scale
 
 __all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "SmoothScales",
-           "smooth_scales", "rounded_to", "reciprocal_rn", "divided_in", "epilogue_args", "scale_epilogue",
+           "smooth_scales", "rounded_to", "reciprocal_rn", "divided_in", "epilogue_args", "epilogue_consts", "scale_epilogue",
            "max_of_uncached", "counter"]
 
 _PARTIALS_BLOCK = 1024
@@ -183,10 +183,15 @@ def epilogue_args(fmt: Format, margin: float, power_of_two: bool, state: list[to
     held, steps, skipped, guard = (state[1], state[2], state[3], state[5]) if state else (scale,) * 4
     args = [held, steps, skipped, guard, ins[0], ins[1], amax, scale, inv, scale if recast is None else recast,
             outs[0], outs[1]]
-    consts = dict(N_INVERT=len(invert), DELAYED=bool(state), TARGET=_fp32(fmt.max / (2.0**margin) if margin else fmt.max),
-                  FMT_MAX=float(fmt.max), MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=bool(power_of_two),
-                  NAN_SCALE=fmt.nan_code is None)
+    consts = dict(N_INVERT=len(invert), **epilogue_consts(fmt, margin, power_of_two, bool(state)))
     return OperandScale(amax, scale, inv, recast, inverted), args, consts
+
+
+def epilogue_consts(fmt: Format, margin: float, power_of_two: bool, delayed: bool) -> dict:
+    """The format and recipe constexprs of :func:`scale_epilogue` (all but ``N_INVERT``)."""
+    return dict(DELAYED=delayed, TARGET=_fp32(fmt.max / (2.0**margin) if margin else fmt.max),
+                FMT_MAX=float(fmt.max), MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=bool(power_of_two),
+                NAN_SCALE=fmt.nan_code is None)
 
 
 def operand_scale(partials: torch.Tensor, fmt: Format, margin: float = 0.0, power_of_two: bool = False,

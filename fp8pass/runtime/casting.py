@@ -173,7 +173,7 @@ def column_major_like(rows, cols, dtype, device) -> torch.Tensor:
 
 
 def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dtype | None = None,
-                    keep_codes: bool = True, transpose: bool = False) -> Operand:
+                    keep_codes: bool = True, transpose: bool = False, transposed_only: bool = False) -> Operand:
     """Per-tensor RNE cast of ``x2d`` with a given fp32 scalar ``scale`` (e.g. a weight recast in
     backward with its forward's scale: the same codes again). Its ``amax`` is None: nobody reads a
     recast's amax, and the GPU then launches no reduction for it.
@@ -185,20 +185,24 @@ def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: tor
             ``up`` are then both those values (bit-identical to upcasting the codes; GEMMs read
             ``up``). Where the GEMM takes codes (Triton/CUDA, ``up`` None) the codes are made as usual.
         transpose: also the transposed codes in the same pass where the device can (``data_t``).
+        transposed_only: with ``transpose``, where the device writes ``data_t``: that copy alone, no
+            row-major codes (``data`` None): for a recast whose GEMM reads only the transposed copy.
     """
     op = _cast_tensor(kernels.for_device(x2d.device), x2d, scale, fmt, "nearest", up, transpose, keep_codes=keep_codes,
-                      want_amax=False)
+                      want_amax=False, transposed_only=transposed_only)
     op.amax = None
     return op
 
 
-def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_codes=True, want_amax=True) -> Operand:
+def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_codes=True, want_amax=True,
+                 transposed_only=False) -> Operand:
     if not keep_codes and up is not None and rounding == "nearest" and kern.OFFERS.values_without_codes:
         values, amax = kern.cast_values(x2d, scale, fmt, up)  # no codes: one loop, one write
         return Operand(values, scale, amax, values)
     if transpose and kern.OFFERS.transpose_cast:  # Triton: both layouts in one read, RNE or stochastic
         # without want_amax the per-tile maxima stay unreduced (no reduction launches for an unread amax)
-        data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding, partials=not want_amax)
+        data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding, partials=not want_amax,
+                                                 row_major=not transposed_only)
         return Operand(data, scale, amax if want_amax else None, None, data_t)
     if rounding == "nearest":
         data, amax, upc = kern.cast(x2d, scale, fmt, up, want_amax)

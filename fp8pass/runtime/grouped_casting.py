@@ -68,6 +68,8 @@ class GroupedOperand:
     scale: torch.Tensor  # fp32 [E] encode scales
     amax: torch.Tensor  # fp32 [E]
     values: torch.Tensor | None = None  # CPU: the codes' values in the GEMM dtype, made by the cast's own loop
+    row_inv: torch.Tensor | None = None  # fp32 [rows]: each row's decode scale, where the cast made them (CUDA)
+    row_pad: torch.Tensor | None = None  # bool [rows]: rows past offs[-1], made with row_inv
 
     def gemm_input(self, kern, out_dtype):
         """The codes as the device's GEMM takes them. CPU: the values the cast wrote beside the codes,
@@ -117,6 +119,13 @@ def held_scales(state: list[torch.Tensor]) -> torch.Tensor | None:
     return state[1].to(torch.float32).clone()
 
 
+def _triton_grouped(x, fmt, rounding) -> bool:
+    """Whether the device's grouped cast kernels (``OFFERS.grouped_casts``) cast ``x``: FP8 codes, round to
+    nearest, a non-empty input (the torch ops below do the rest: identity, stochastic, empty)."""
+    return (fmt is not None and rounding == "nearest" and x.numel() > 0
+            and kernels.for_device(x.device).OFFERS.grouped_casts)
+
+
 def _fused_rows(kern, x2d, rounding, up) -> bool:
     """Whether ``cpu.cast_rows_with_amax`` applies: the CPU torch kernels writing GEMM values, nearest
     rounding, a non-empty fp16/bf16/fp32 2-D input."""
@@ -124,19 +133,26 @@ def _fused_rows(kern, x2d, rounding, up) -> bool:
             and x2d.dtype != torch.float64)
 
 
-def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, rounding="nearest", gemm_out=None,
-                      keep_codes=True) -> GroupedOperand:
+def cast_grouped_rows(x2d, offs, fmt, state, margin, power_of_two, rounding="nearest", gemm_out=None,
+                      keep_codes=True, ids=None) -> GroupedOperand:
     """Cast rows grouped by expert, each group with its expert's scale (padding rows get scale 1).
 
     Args:
-        x2d: [S, K] rows; ids: :func:`group_ids` of the rows; experts: E.
+        x2d: [S, K] rows; offs: int32 [E] cumulative group ends.
         fmt: FP8 Format, or None (identity format: the values themselves, scales 1).
         state: [] (current scaling) or the per-expert delayed state (the op list, ``DelayedScalingState.OP_FIELDS``).
         margin, power_of_two, rounding: cast options.
         gemm_out: the dtype of the GEMM this operand feeds: on CPU the cast loop then also writes the
             GEMM operand (``values``), so it is not upcast in a second pass; None: codes only.
         keep_codes: False for an operand only the GEMMs read (a gradient): ``data`` is then None.
+        ids: :func:`group_ids` of the rows where the caller has them (computed here when needed).
     """
+    experts = offs.numel()
+    if _triton_grouped(x2d, fmt, rounding):
+        codes, scale, amax, _, row_inv, row_pad = kernels.for_device(x2d.device).cast_grouped(
+            x2d, fmt, offs=offs, state=state, margin=margin, power_of_two=power_of_two, row_inv=True)
+        return GroupedOperand(codes, scale, amax, row_inv=row_inv, row_pad=row_pad)
+    ids = group_ids(offs, x2d.shape[0]) if ids is None else ids
     kern = kernels.for_device(x2d.device)
     up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
     if state and fmt is not None and _fused_rows(kern, x2d, rounding, up):
@@ -154,6 +170,11 @@ def cast_grouped_rows(x2d, ids, experts, fmt, state, margin, power_of_two, round
 
 def cast_experts(w, fmt, state, margin, power_of_two, gemm_out=None) -> GroupedOperand:
     """Cast stacked expert weights [E, ...] with one scale per expert (``gemm_out``: as :func:`cast_grouped_rows`)."""
+    if w.dim() == 3 and _triton_grouped(w, fmt, "nearest"):  # the rows of every expert's matrix
+        rows = w.reshape(w.shape[0] * w.shape[1], w.shape[2])
+        codes, scale, amax, _, row_inv, _ = kernels.for_device(w.device).cast_grouped(
+            rows, fmt, group_rows=w.shape[1], state=state, margin=margin, power_of_two=power_of_two, row_inv=True)
+        return GroupedOperand(codes.view(w.shape), scale, amax, row_inv=row_inv)
     kern = kernels.for_device(w.device)
     up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
     if state and fmt is not None and w.dim() == 3 and _fused_rows(kern, w, "nearest", up):

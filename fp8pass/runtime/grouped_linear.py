@@ -34,8 +34,8 @@ import torch
 
 from ..numerics import DelayedScalingState
 from .. import kernels
-from .casting import as_bytes, from_bytes, resolve_format
-from .grouped_casting import cast_experts, cast_grouped_rows, grad_format, group_ids
+from .casting import as_bytes, from_bytes, resolve_format, unaliased
+from .grouped_casting import cast_experts, cast_grouped_rows, grad_format
 from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax
 from .op_schema import GroupedLinearKnobs, knob_op
 
@@ -125,14 +125,16 @@ def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_sta
     dt = compute_dtype(k, x.dtype)
     if fmt is None:  # identity: the values themselves, in the dtype the replaced node computed in
         x, weight = x.to(dt), weight.to(dt)
-    experts = weight.shape[0]
     kern = kernels.for_device(x.device)
-    xo = cast_grouped_rows(x, group_ids(offs, x.shape[0]), experts, fmt, x_state, k.margin, k.power_of_two,
-                           gemm_out=dt)
+    xo = cast_grouped_rows(x, offs, fmt, x_state, k.margin, k.power_of_two, gemm_out=dt)
     wo = cast_experts(weight, fmt, w_state, k.margin, k.power_of_two, gemm_out=dt)
+    # the weight's row decode scales are the GEMM's column scales where its rows are the GEMM's N
     y = kern.grouped_gemm(xo.gemm_input(kern, dt), xo.scale, fwd_b(wo.gemm_input(kern, dt), w_transposed),
-                          wo.scale, offs, dt, fast_accum=k.fast_accum)
-    return y, xo.amax, wo.amax, as_bytes(xo.data), xo.scale.clone(), as_bytes(wo.data), wo.scale.clone()
+                          wo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=xo.row_inv, a_row_pad=xo.row_pad,
+                          b_row_inv=None if w_transposed else wo.row_inv)
+    states = (x_state, w_state)  # a scale is a fresh tensor unless taken from a state: copied only then
+    return (y, xo.amax, wo.amax, as_bytes(xo.data), unaliased(xo.scale, states), as_bytes(wo.data),
+            unaliased(wo.scale, states))
 
 
 @fp8_grouped_linear_op.register_fake
@@ -164,10 +166,11 @@ def fp8_grouped_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, offs, g
     w_data = from_bytes(w_data, resolve_format(k.fwd_format))
     dt = compute_dtype(k, x_dtype)
     kern = kernels.for_device(dy.device)
-    go = cast_grouped_rows(dy, group_ids(offs, dy.shape[0]), w_data.shape[0], fmt, g_state, k.margin, k.power_of_two,
-                           k.grad_rounding, gemm_out=dt, keep_codes=False)
+    go = cast_grouped_rows(dy, offs, fmt, g_state, k.margin, k.power_of_two, k.grad_rounding, gemm_out=dt,
+                           keep_codes=False)
     g_in = go.gemm_input(kern, dt)
-    dx = kern.grouped_gemm(g_in, go.scale, dgrad_b(w_data, w_transposed), w_scale, offs, dt).to(x_dtype)
+    dx = kern.grouped_gemm(g_in, go.scale, dgrad_b(w_data, w_transposed), w_scale, offs, dt,
+                           a_row_inv=go.row_inv, a_row_pad=go.row_pad).to(x_dtype)
     dw = wgrad(kern, x_data, x_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)
     return dx, dw, go.amax
 

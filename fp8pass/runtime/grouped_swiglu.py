@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .casting import as_bytes, from_bytes, resolve_format
+from .casting import as_bytes, from_bytes, resolve_format, unaliased
 from .grouped_casting import cast_experts, cast_grouped_rows, grad_format, group_ids, with_ones
 from .grouped_glu_cpu import (cpu_fast, fused_glu_operand, fused_smoothed_weight_operand, glu_backward_rows,
                               glu_backward_rows_joined, scaled_values, times)
@@ -123,7 +123,7 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
                                   k.power_of_two, dt)
     else:
         a, s = _grouped_operand(gate, up, ids, experts, k.smooth, k.activation)
-        ao = cast_grouped_rows(a, ids, experts, fmt, a_state, k.margin, k.power_of_two, gemm_out=dt)
+        ao = cast_grouped_rows(a, offs, fmt, a_state, k.margin, k.power_of_two, gemm_out=dt, ids=ids)
     if fast and k.smooth == "channel":  # B = W_down / c without materialising it
         bo = fused_smoothed_weight_operand(w_down, _per_channel(1 / s, w_transposed), fmt, k.margin,
                                            k.power_of_two, dt)
@@ -134,11 +134,13 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
     else:
         bo = cast_experts(w_down, fmt, b_state, k.margin, k.power_of_two, gemm_out=dt)
     y = kern.grouped_gemm(ao.gemm_input(kern, dt), ao.scale, fwd_b(bo.gemm_input(kern, dt), w_transposed),
-                          bo.scale, offs, dt, fast_accum=k.fast_accum)
+                          bo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=ao.row_inv, a_row_pad=ao.row_pad,
+                          b_row_inv=None if w_transposed else bo.row_inv)
     if k.smooth == "token":
         y = (y.float() * s).to(dt)
-    return (y, ao.amax, bo.amax, as_bytes(ao.data), ao.scale.clone(), as_bytes(bo.data), bo.scale.clone(),
-            s.clone())
+    states = (a_state, b_state)  # a scale is a fresh tensor unless taken from a state: copied only then
+    return (y, ao.amax, bo.amax, as_bytes(ao.data), unaliased(ao.scale, states), as_bytes(bo.data),
+            unaliased(bo.scale, states), s.clone())
 
 
 @fp8_grouped_swiglu_down_op.register_fake
@@ -180,10 +182,11 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     ids = group_ids(offs, dy.shape[0])
     s = smooth_scales
     g = dy.float() * s if k.smooth == "token" else dy
-    go = cast_grouped_rows(g, ids, experts, fmt, g_state, k.margin, k.power_of_two, k.grad_rounding, gemm_out=dt,
-                           keep_codes=False)
+    go = cast_grouped_rows(g, offs, fmt, g_state, k.margin, k.power_of_two, k.grad_rounding, gemm_out=dt,
+                           keep_codes=False, ids=ids)
     g_in = go.gemm_input(kern, dt)
-    da = kern.grouped_gemm(g_in, go.scale, dgrad_b(b_data, w_transposed), b_scale, offs, dt)  # dA [S, F]
+    da = kern.grouped_gemm(g_in, go.scale, dgrad_b(b_data, w_transposed), b_scale, offs, dt,
+                           a_row_inv=go.row_inv, a_row_pad=go.row_pad)  # dA [S, F]
     # B = W / c => dW = dB / c (exact: powers of two); on CPU the 1/c scales A's columns as its codes
     # are upcast for the GEMM (the same bits: every step scales exactly by a power of two), not dB after it
     fast = cpu_fast(gate)

@@ -127,7 +127,7 @@ def _cast_weight(w, k: LinearKnobs, w_state, up, scale=None, invert=(), transpos
     if scale is None or fmt is None or k.granularity != "tensor":
         return cast_operand(w, fmt, k.granularity, wt, w_state if scale is None else None, k.margin,
                             k.power_of_two, up=up, keep_codes=False, invert=invert)
-    return cast_with_scale(w, scale, fmt, up, keep_codes=False, transpose=transpose)
+    return cast_with_scale(w, scale, fmt, up, keep_codes=False, transpose=transpose, transposed_only=transpose)
 
 
 def _up_dtype(k: LinearKnobs, device, dt) -> torch.dtype | None:
@@ -190,7 +190,7 @@ def fp8_linear_precast_backward_op(dy, x_data, x_scale, weight, w_scale, g_state
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, x_dtype)
     w = weight.to(dt) if fmt is None else weight
-    # on the GPU the recast writes W^T too (one read): the dgrad's _scaled_mm takes it as it is
+    # on the GPU the recast writes W^T alone (one read, no row-major codes): the dgrad's _scaled_mm takes it
     wo = _cast_weight(w, k, [], _up_dtype(k, dy.device, dt), scale=w_scale,
                       transpose=saved_transposed(dy.device, fmt, k.granularity))
     w_data = column_major(wo) if wo.data_t is not None else wo.data

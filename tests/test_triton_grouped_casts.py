@@ -1,0 +1,102 @@
+"""The grouped (MoE) operand casts (kernels/triton_grouped_casts.py) against their torch reference, bit
+for bit, in Triton's interpreter: codes, per-expert amaxes, scales and decode scales, and the rows'
+decode scales, for grouped rows (empty groups, padding rows, NaN and Inf) and stacked expert weights,
+current and delayed scaling."""
+
+import pytest
+import torch
+
+from fp8pass.config import DelayedScaling
+from fp8pass.kernels import triton_grouped_casts as tgc
+from fp8pass.numerics import E4M3, E5M2, DelayedScalingState
+
+
+def _bits(t):
+    if t.dtype == torch.bool:
+        return t
+    return t.view(torch.uint8) if t.element_size() == 1 else t.float().view(torch.int32)
+
+
+def _assert_same(out, ref):
+    names = ("codes", "scale", "amax", "inv", "row_inv", "padding rows")
+    for name, a, b in zip(names, out, ref):
+        assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), (name, a, b)
+
+
+def _rows(rows, cols, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * 10.0 ** torch.randint(-3, 4, (rows, 1), generator=gen)
+    return x.to(dtype)
+
+
+OFFS = [[7, 7, 20, 33], [0, 0, 40, 40], [40], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]  # empty groups, padding rows
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("offs", OFFS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_rows_current_scaling_are_the_torch_references_bits(fmt, offs, dtype):
+    x = _rows(40, 48, dtype, seed=len(offs))
+    offs = torch.tensor(offs, dtype=torch.int32)
+    _assert_same(tgc.cast_grouped(x, fmt, offs, row_inv=True), tgc.reference(x, fmt, offs))
+
+
+@pytest.mark.parametrize("margin,p2", [(0.0, False), (1.0, True)])
+def test_nan_inf_and_zero_groups_scale_as_the_reference(margin, p2):
+    x = _rows(40, 300, torch.bfloat16, seed=1)  # 300 columns: more than one column block of the amax kernel
+    x[5, 3] = float("nan")
+    x[25, 299] = float("inf")
+    x[33:] = 0.0  # the last group all zeros: amax 0, scale 1
+    offs = torch.tensor([7, 20, 33, 40], dtype=torch.int32)
+    out = tgc.cast_grouped(x, E4M3, offs, margin=margin, power_of_two=p2, row_inv=True)
+    _assert_same(out, tgc.reference(x, E4M3, offs, margin=margin, power_of_two=p2))
+    # a NaN row, an Inf and an all-zero group: amax NaN / Inf / 0, the reference's scales
+    assert out[2][0].isnan() and out[2][2].isinf() and out[2][3] == 0 and out[1][3] == 1
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_stacked_expert_weights_are_the_torch_references_bits(fmt):
+    w = _rows(4 * 24, 40, torch.bfloat16, seed=2)  # [E * N, K] rows of 4 experts' [24, 40] weights
+    _assert_same(tgc.cast_grouped(w, fmt, group_rows=24, row_inv=True), tgc.reference(w, fmt, group_rows=24))
+
+
+def test_delayed_scaling_per_expert_held_bootstrap_and_guard():
+    """Expert 0: empty history (the current scale); 1: held; 2: held but outgrown, guard on (current);
+    3: no rows (held). As ``scale_to_cast`` decides per expert."""
+    state = DelayedScalingState(DelayedScaling(history_len=4, on_overflow="current"), E4M3, experts=4)
+    state.scale.copy_(torch.tensor([2.0, 4.0, 1.0e5, 8.0]))
+    state.steps.copy_(torch.tensor([0, 3, 3, 3]))
+    x = (torch.randn(30, 32, generator=torch.Generator().manual_seed(3)) / 10).bfloat16()  # |x| < 1: 4 x 1 fits
+    offs = torch.tensor([10, 20, 30, 30], dtype=torch.int32)
+    ops = state.op_tensors()
+    out = tgc.cast_grouped(x, E4M3, offs, state=ops, row_inv=True)
+    _assert_same(out, tgc.reference(x, E4M3, offs, state=ops))
+    assert out[1][1] == 4.0 and out[1][3] == 8.0 and out[1][0] != 2.0 and out[1][2] != 1.0e5
+
+
+def test_bad_arguments_raise_clear_errors():
+    x = torch.ones(8, 4)
+    with pytest.raises(ValueError, match="non-empty"):
+        tgc.cast_grouped(x[:0], E4M3, torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="group_rows that divides"):
+        tgc.cast_grouped(x, E4M3, group_rows=3)
+    with pytest.raises(ValueError, match="give offs or"):
+        tgc.cast_grouped(x, E4M3, torch.tensor([8], dtype=torch.int32), group_rows=4)
+
+
+@pytest.mark.parametrize("offs,rows", [([7, 7, 20, 33], 40), ([0, 0, 40, 40], 40), ([16, 32], 32), ([40], 40),
+                                       (list(range(1, 11)), 41), ([0], 5)])
+def test_aligned_transpose_is_the_torch_layout(offs, rows):
+    """The wgrad operand layout (groups at multiples of 16, zeros between, padding rows last), its group
+    ends, empty groups and repeated decode scales: those of ``cuda._aligned_groups`` and friends."""
+    from fp8pass.kernels import cuda
+
+    offs = torch.tensor(offs, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(rows)
+    codes = torch.randint(0, 255, (rows, 24), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    scale = torch.rand(offs.numel(), generator=gen) * 100
+    ends, where, width, sizes = cuda._aligned_groups(offs, rows)
+    out, ends_k, empty, rep_inv = tgc.aligned_transpose(codes, scale, offs, width)
+    assert torch.equal(out.view(torch.uint8), cuda._scattered_transpose(codes, where, width).view(torch.uint8))
+    assert torch.equal(ends_k, ends) and torch.equal(empty, sizes == 0)
+    assert torch.equal(_bits(rep_inv), _bits(cuda._repeated_inverse(scale, 24).view(-1)))
