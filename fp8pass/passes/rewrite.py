@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..config import Config, NVFP4Scaling
+from ..config import Config
 from .plan import Plan
 from .rewrite_base import StateInput, copy_graph_module, finish
 from .rewrite_expert_loop import ExpertLoopRewriter
@@ -29,8 +29,8 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, cfg: Config) -> tuple[fx.GraphMod
         (gm, extra inputs the backend appends on every call, FQNs of weights made FP8 / NVFP4,
         extra (where, reason) entries for ops the rewrite kept in high precision).
     """
-    kinds = ([NVFP4Rewriter] if isinstance(cfg.recipe, NVFP4Scaling)
-             else [FP8Rewriter, GroupedRewriter, ExpertLoopRewriter])
+    # each rewriter takes the sites of its kind (a site's recipe: Config.recipe or a rule's)
+    kinds = [FP8Rewriter, GroupedRewriter, ExpertLoopRewriter, NVFP4Rewriter]
     done: list[str] = []
     kept: list[tuple[str, str]] = []
     extra: list[StateInput] = []
