@@ -271,3 +271,45 @@ def test_backward_high_op_is_the_dequantized_gradient():
     torch.testing.assert_close(w.grad, dy.t() @ xq, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="unknown backward 'bf16'; valid: fp8, high"):
         fp8pass.ops.fp8_linear(x, w, backward="bf16")
+
+
+def test_each_rule_keeps_its_own_scaling_state():
+    """A ``"delayed"`` rule (Transformer Engine's 1024-entry histories) beside ``DelayedScaling()`` (16) in
+    one graph: each weight's state is made with its site's recipe, and both record every step."""
+    model = tiny_titan_llama()
+    cfg = Config(compiler="aot_eager", rules=[Rule("layers.0.*", "delayed")])
+    cm = torch.compile(model, backend=fp8pass.backend(cfg))
+    for _ in range(2):
+        cm(TOKENS).float().pow(2).sum().backward()
+    sd = fp8pass.scaling_state_dict(model)
+    hist = {k.split(".input.")[0]: v for k, v in sd.items() if k.endswith(".input.amax_history")}
+    assert {k: tuple(v.shape) for k, v in hist.items() if k.endswith("attention.wq.weight")} == {
+        "layers.0.attention.wq.weight": (1024,), "layers.1.attention.wq.weight": (16,)}
+    for name, h in hist.items():  # two forward records each, newest first
+        assert int((h != 0).sum()) == 2, name
+
+
+def test_train_precision_config_flag(tmp_path, capsys):
+    import argparse
+
+    from fp8pass.cli import main
+    from fp8pass.train.cli import _config_from_args, add_train_parser
+    from fp8pass.train.loop import TrainConfig
+    from fp8pass.train.recipes import fp8_config, get_recipe
+
+    path = tmp_path / "precision.toml"
+    path.write_text(TOML)
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--recipe", "paper", "--precision-config", str(path)])
+    cfg = _config_from_args(args, "paper", tmp_path / "run")
+    assert fp8_config(get_recipe("paper"), rules=cfg.fp8_rules()).rules == tuple(_file_rules())
+    # the run's saved config carries the rules themselves: a resume needs no file
+    path.unlink()
+    assert TrainConfig.from_dict(cfg.to_dict()).fp8_rules() == tuple(_file_rules())
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rules": [{"pattern": "*", "recipe": "fp9"}]}')
+    assert main(["train", "--recipe", "paper", "--precision-config", str(bad), "--out", str(tmp_path)]) == 2
+    assert f"error: {bad}: rules[0]: Rule('*'): unknown recipe 'fp9'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="precision rules apply to the fp8 recipes; recipe 'bf16'"):
+        TrainConfig(recipe="bf16", precision_rules=[{"pattern": "*", "recipe": "paper"}])
