@@ -313,3 +313,19 @@ def test_train_precision_config_flag(tmp_path, capsys):
     assert f"error: {bad}: rules[0]: Rule('*'): unknown recipe 'fp9'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="precision rules apply to the fp8 recipes; recipe 'bf16'"):
         TrainConfig(recipe="bf16", precision_rules=[{"pattern": "*", "recipe": "paper"}])
+
+
+def test_rule_state_round_trips_through_state_dict():
+    """``scaling_state.attach(model, cfg)`` with rules makes each module's state with its rule's recipe,
+    so a state dict holding 1024- and 16-entry histories loads into a fresh model (a resume)."""
+    from fp8pass.scaling_state import attach
+
+    cfg = Config(compiler="aot_eager", rules=[Rule("layers.0.*", "delayed")])
+    model = tiny_titan_llama()
+    torch.compile(model, backend=fp8pass.backend(cfg))(TOKENS).float().pow(2).sum().backward()
+    saved = model.state_dict()
+    fresh = attach(tiny_titan_llama(), cfg)
+    fresh.load_state_dict(saved)
+    a, b = fp8pass.scaling_state_dict(model), fp8pass.scaling_state_dict(fresh)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert tuple(b["layers.0.attention.wq.weight.input.amax_history"].shape) == (1024,)
