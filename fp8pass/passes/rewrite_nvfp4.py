@@ -17,13 +17,12 @@ those whose recipe (``Config.recipe`` or a rule's) is NVFP4; each NVFP4 recipe p
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 from torch import fx
 
-from dataclasses import replace
-
-from ..config import Config, CurrentScaling
+from ..config import CurrentScaling
 from .nvfp4_policy import protected_linears
 from .plan import Plan
 from .policy import SiteRecipe
@@ -36,9 +35,6 @@ HCP_KIND = "hcp"
 
 class NVFP4Rewriter(GraphRewriter):
     """Linears (GLU projections included) into ``nvfp4_linear``; protected ones as FP8 or kept."""
-
-    def __init__(self, gm: fx.GraphModule, cfg: Config):
-        super().__init__(gm, cfg)
 
     def hcp_state(self, w: fx.Node) -> list[fx.Node]:
         """``[err, hot, step]`` placeholders of the weight's HCPState; [] without HCP."""
