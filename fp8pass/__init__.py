@@ -7,7 +7,7 @@ which a ``backend="fp8"`` compile never needs.
 
 import importlib
 
-from .config import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling
+from .config import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling, Rule
 from .numerics import (
     E2M1,
     E4M3,
@@ -28,6 +28,7 @@ from .compile_backend import backend, explain  # noqa: E402
 from .scaling_state import accumulate_scaling, commit_scaling, load_scaling_state_dict, scaling_state_dict  # noqa: E402
 from .checkpoint import checkpoint_state, load_checkpoint_state  # noqa: E402
 from . import recipes  # noqa: E402  (named recipes: fills Config.from_recipe's table)
+from .precision_file import load_rules  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -40,7 +41,7 @@ __all__ = [
     "monitor", "train", "distributed",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
-    "NVFP4Scaling", "HotChannelPatching", "recipes",
+    "NVFP4Scaling", "HotChannelPatching", "recipes", "Rule", "load_rules",
 ]
 
 

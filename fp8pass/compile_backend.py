@@ -38,6 +38,7 @@ from .passes.explain import (
 )
 from .passes.names import FrameNames, frame_names, frame_root, names_for, top_module
 from .passes.plan import plan_graph
+from .passes.policy import unmatched_rules
 from .passes.uncompiled import compile_backend_of, inplace_compile_suspended, original_callable
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
@@ -136,7 +137,8 @@ class Backend:
         delayed-scaling state, not with ``import fp8pass``.
         """
         reduction = self.config.amax_reduction
-        if not isinstance(self.config.recipe, DelayedScaling) or reduction in ("off", None):
+        delayed = [self.config.recipe] + [r.scaling for r in self.config.rules]
+        if not any(isinstance(r, DelayedScaling) for r in delayed) or reduction in ("off", None):
             return None
         if self._amax_reducer is None:
             from .distributed.auto_reduce import shared_reducer
@@ -229,6 +231,8 @@ class Backend:
             names: the frame's names, when known otherwise (a reused frame, see ``__call__``).
         """
         cfg = self.config
+        if root is not None and cfg.rules:
+            self._warn_unmatched_rules(top_module(root))
         new_gm = copy_graph_module(gm)
         names = names if names is not None else frame_names(root, example_inputs or [])
         annotate(new_gm.graph, names, example_inputs)
@@ -255,6 +259,7 @@ class Backend:
             new_gm, extra, fp8, kept = apply_plan(new_gm, plan, cfg)
             report.linears = fp8
             report.skipped += kept
+            report.decided_by = _decided_by(plan, set(fp8))
         report.graph_after = _code(new_gm)
         return new_gm, GraphRecord(report, extra)
 
@@ -317,6 +322,17 @@ class Backend:
             return compiled(*args)
 
         return watched
+
+    def _warn_unmatched_rules(self, model: torch.nn.Module) -> None:
+        """Once per model: a warning naming each ``Config.rules`` pattern that matches nothing in it."""
+        key = f"rules:{id(model)}"
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        for pattern in unmatched_rules(self.config, model):
+            warnings.warn(f"fp8pass: Config.rules pattern {pattern!r} matches no module or parameter of "
+                          f"{type(model).__name__} (its FQNs look like {_sample_fqn(model)!r}); the rule decides "
+                          f"nothing", UserWarning, stacklevel=3)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -407,11 +423,30 @@ def merge_reports(reports: list[Report], config=None) -> Report:
         out.swiglus += [SwiGLUEntry(s.gate, s.up, s.down, s.variant, i) for s in r.swiglus]
         out.experts += [ExpertsEntry(e.module, e.weights, e.variant, i) for e in r.experts]
         out.linears += [f for f in r.linears if f not in out.linears]
+        out.decided_by.update(r.decided_by)
         out.skipped += r.skipped
         out.graph_breaks += r.graph_breaks
     out.graph_before = "\n".join(f"# graph {i}\n{r.graph_before}" for i, r in enumerate(reports))
     out.graph_after = "\n".join(f"# graph {i}\n{r.graph_after}" for i, r in enumerate(reports))
     return out
+
+
+def _sample_fqn(model: torch.nn.Module) -> str:
+    """A linear's module FQN in ``model`` (the form the rules' globs match), for messages."""
+    return next((n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)), "") or \
+        next((n for n, _ in model.named_parameters()), "")
+
+
+def _decided_by(plan, done: set[str]) -> dict[str, str]:
+    """Weight FQN -> its site's recipe and the rule that chose it, for the weights made FP8/NVFP4."""
+    out: dict[str, str] = {}
+    for p in plan.walk():  # higher-order op bodies too
+        for site in p.glus + p.expert_glus + p.loop_glus:
+            for f in (site.gate, site.up, site.down):
+                out[f] = site.recipe.describe(glu=True)
+        for site in p.linears + p.expert_linears + p.loop_linears:
+            out[site.fqn] = site.recipe.describe()
+    return {f: d for f, d in out.items() if f in done}
 
 
 def _owner(weight_fqn: str) -> str:
@@ -455,20 +490,26 @@ def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config,
     """
     if not extra:
         return []
-    # the weights' modules carry their scaling state in model.state_dict() from now on
-    attach_weights([example_inputs[s.weight_pos] for s in extra], cfg)
-    out = []
-    fwd = cfg.fwd_format if cfg.fwd_format != "identity" else "e4m3"
-    bwd = cfg.bwd_format if cfg.bwd_format != "identity" else "e5m2"
+    # the weights' modules carry their scaling state in model.state_dict() from now on, each under the
+    # Config of its site (Config.rules)
+    by_config: dict = {}
     for s in extra:
+        by_config.setdefault(s.config or cfg, []).append(example_inputs[s.weight_pos])
+    for site_cfg, weights in by_config.items():
+        attach_weights(weights, site_cfg)
+    out = []
+    for s in extra:
+        c = s.config or cfg
         weight = example_inputs[s.weight_pos]
         if s.kind == "hcp":  # NVFP4 hot-channel patching (passes/rewrite_nvfp4.py)
-            out.append(hcp_state_for(weight, cfg.recipe.hcp).op_args()[s.field])
+            out.append(hcp_state_for(weight, c.recipe.hcp).op_args()[s.field])
             continue
+        fwd = c.fwd_format if c.fwd_format != "identity" else "e4m3"
+        bwd = c.bwd_format if c.bwd_format != "identity" else "e5m2"
         if s.kind == "experts":  # one scale per expert of a 3-D expert weight (passes/rewrite_grouped.py)
-            st = grouped_state_for(weight, cfg.recipe, fwd, bwd)
+            st = grouped_state_for(weight, c.recipe, fwd, bwd)
         else:
-            st = state_for(weight, cfg.recipe, fwd, bwd)
+            st = state_for(weight, c.recipe, fwd, bwd)
         role = st.roles()[s.role]
         if reducer is not None:
             reducer.add(role)

@@ -6,17 +6,19 @@ numerics core, the runtime ops and the optimizer share.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import numbers
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "GRANULARITIES",
-           "ALGOS"]
+__all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "Rule", "GRANULARITIES",
+           "ALGOS", "BACKWARDS"]
 
 GRANULARITIES = ("tensor", "row", "block", "mx")
 ALGOS = ("max", "most_recent")
 ON_OVERFLOW = ("saturate", "current")
+BACKWARDS = ("fp8", "high")  # Rule.backward: dgrad and wgrad GEMMs in FP8, or in high precision
 
 
 # One validation style for every public argument: the error names the argument, the value and what
@@ -247,6 +249,84 @@ DEFAULT_KEEP_HIGH_PRECISION = ("lm_head", "output", "*embed*", "*wte*", "*wpe*")
 NAMED_RECIPES: dict = {}
 
 
+HIGH = "high"  # Rule.recipe that keeps the linears it matches in high precision
+# the Config fields a recipe object (a Config, or a named recipe's) carries into the linears its rule matches
+RECIPE_FIELDS = ("recipe", "smooth_swiglu", "fwd_format", "bwd_format", "grad_stochastic_rounding", "fast_accum")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One per-module precision rule of ``Config.rules`` (docs/precision.md).
+
+    Args:
+        pattern: fnmatch glob, matched like ``Config.keep_high_precision``: against the linear's
+            module FQN (``model.layers.3.self_attn.o_proj``), its weight's FQN (``...o_proj.weight``)
+            and the FQN of the module that calls it.
+        recipe: what the matched linears run in: ``"high"`` (kept in the model's dtype); a named
+            recipe (``"paper"``, ``"reference"``, ``"delayed"``, ``"blockwise"``, ``"mxfp8"``,
+            ``"nvfp4"``, ``"nvfp4-hcp"``: its scaling, formats, Smooth-SwiGLU mode and stochastic
+            rounding); a :class:`Config` (its ``recipe``, ``smooth_swiglu``, ``fwd_format``,
+            ``bwd_format``, ``grad_stochastic_rounding`` and ``fast_accum``); or a scaling object
+            (``DelayedScaling(...)``, ``CurrentScaling(granularity=...)``, ``NVFP4Scaling(...)``: only
+            the scaling; formats and the rest from the enclosing Config).
+        backward: "fp8" (default) or "high": the forward runs in the rule's FP8 recipe and the dgrad
+            and wgrad GEMMs in high precision (the saved operands dequantized, ``dy`` not cast).
+            FP8 recipes only (the NVFP4 op has no such backward; a rule asking for it is an error),
+            and MoE expert stacks on grouped GEMMs stay in high precision under it (explain says so).
+    """
+
+    pattern: str
+    recipe: object
+    backward: str = "fp8"
+
+    def __post_init__(self):
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise ValueError(f"Rule.pattern must be a non-empty FQN glob string, got {self.pattern!r}")
+        r = self.recipe
+        if isinstance(r, str):
+            if r != HIGH and r not in NAMED_RECIPES:
+                raise ValueError(f"Rule({self.pattern!r}): unknown recipe {r!r}; valid: {HIGH!r} or a named recipe "
+                                 f"({', '.join(NAMED_RECIPES)}), a Config or a scaling object")
+        elif isinstance(r, Config):
+            if r.rules:
+                raise ValueError(f"Rule({self.pattern!r}): the recipe Config has rules of its own; a rule's Config "
+                                 f"gives one recipe (its rules would never be read)")
+        elif not isinstance(r, (CurrentScaling, DelayedScaling, NVFP4Scaling)):
+            raise TypeError(f"Rule({self.pattern!r}): recipe must be {HIGH!r}, a named recipe name, an fp8pass.Config "
+                            f"or DelayedScaling/CurrentScaling/NVFP4Scaling, got {type(r).__name__}")
+        _check_choice(f"Rule({self.pattern!r}).backward", self.backward, BACKWARDS)
+        if self.backward == "high" and isinstance(self.scaling, NVFP4Scaling):
+            raise ValueError(f"Rule({self.pattern!r}): backward='high' is for FP8 recipes; the NVFP4 linear has no "
+                             f"high-precision backward (use an FP8 recipe for these linears, or backward='fp8')")
+
+    @property
+    def scaling(self):
+        """The scaling object the rule's linears use (None for ``"high"``)."""
+        r = self.recipe
+        if r == HIGH:
+            return None
+        if isinstance(r, str):
+            return NAMED_RECIPES[r].build().recipe
+        return r.recipe if isinstance(r, Config) else r
+
+    def site_config(self, cfg: "Config") -> "Config":
+        """``cfg`` with this rule's recipe fields: the Config the matched linears are rewritten with."""
+        r = self.recipe
+        if isinstance(r, str):
+            r = NAMED_RECIPES[r].build()
+        if isinstance(r, Config):  # a named recipe leaves fast_accum (a speed knob) to the enclosing Config
+            named = r is not self.recipe
+            return replace(cfg, rules=(), **{f: getattr(r, f) for f in RECIPE_FIELDS if not (named and f == "fast_accum")})
+        return replace(cfg, rules=(), recipe=r)
+
+    def describe(self) -> str:
+        """``'*.o_proj' -> delayed`` (with ``, backward high``): how explain names the rule."""
+        r = self.recipe
+        what = r if isinstance(r, str) else (
+            f"Config({type(r.recipe).__name__}, {r.fwd_format}/{r.bwd_format})" if isinstance(r, Config) else repr(r))
+        return f"{self.pattern!r} -> {what}" + (", backward high" if self.backward == "high" else "")
+
+
 @dataclass(frozen=True)
 class Config:
     """What the ``fp8`` torch.compile backend does to a model (``fp8pass.backend(cfg)``).
@@ -295,6 +375,11 @@ class Config:
             ``h.11``: an FQN's prefix up to its first numeric component) of each compiled graph keep
             their linears in high precision, counted over the blocks whose parameters the graph holds
             (a model compiled whole holds them all). 0 (default) keeps none; see docs/train.md, FP8 ramp-up.
+        rules: per-module recipes, an ordered sequence of :class:`Rule` (the first whose pattern matches a
+            linear decides its recipe; a linear no rule matches takes this Config's). Applied after
+            ``keep_high_precision`` and ``keep_first_layers``/``keep_last_layers``, which keep their
+            linears high whatever a rule says; a rule's ``"high"`` keeps more (docs/precision.md).
+            ``fp8pass.load_rules(path)`` reads them from a TOML or JSON file.
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -311,6 +396,7 @@ class Config:
     amax_reduction: object = "auto"
     keep_first_layers: int = 0
     keep_last_layers: int = 0
+    rules: tuple[Rule, ...] = ()
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -370,3 +456,17 @@ class Config:
             _check_int(name, getattr(self, name), 0, " (a number of blocks)")
         for name in ("min_dim", "dim_multiple"):
             _check_int(f"Config.{name}", getattr(self, name), 1)
+        rules = self.rules
+        if isinstance(rules, Rule) or not isinstance(rules, (tuple, list)):
+            raise TypeError(f"Config.rules must be a list of fp8pass.Rule, got {rules!r}")
+        for i, r in enumerate(rules):
+            if not isinstance(r, Rule):
+                raise TypeError(f"Config.rules[{i}] must be an fp8pass.Rule(pattern, recipe, backward=...), got {r!r}")
+        object.__setattr__(self, "rules", tuple(rules))
+
+    def rule_for(self, names) -> tuple[int, Rule] | None:
+        """``(index, rule)`` of the first rule whose pattern matches one of ``names`` (FQNs), or None."""
+        for i, rule in enumerate(self.rules):
+            if any(name and fnmatch.fnmatchcase(name, rule.pattern) for name in names):
+                return i, rule
+        return None

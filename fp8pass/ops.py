@@ -76,6 +76,7 @@ def fp8_linear(
     fwd_format: Format | str = E4M3,
     bwd_format: Format | str = E5M2,
     grad_rounding: str = "nearest",
+    backward: str = "fp8",
 ) -> torch.Tensor:
     """FP8 ``F.linear``: forward E4M3 x E4M3, backward E5M2 grads (dgrad E5M2 x E4M3, wgrad E4M3 x E5M2).
 
@@ -88,6 +89,8 @@ def fp8_linear(
         fwd_format, bwd_format: formats of x/W and of grad_output ("identity" turns quantization off:
             a testing hook).
         grad_rounding: "nearest" or "stochastic" for grad_output.
+        backward: "fp8" or "high" (dgrad and wgrad GEMMs in high precision on the dequantized saved
+            operands, ``dy`` not cast; ``fp8pass.Rule(backward=)``, docs/precision.md).
 
     Returns:
         ``y`` [..., out] in ``x``'s dtype (under autocast: the autocast dtype, as ``F.linear``). Under
@@ -96,7 +99,7 @@ def fp8_linear(
     """
     fwd, bwd = _fmt_name(fwd_format), _fmt_name(bwd_format)
     xs, ws, gs, knobs, st = _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, _autocast_dtype(x))
-    out = torch.ops.fp8pass.fp8_linear(x, weight, bias, xs, ws, gs, *knobs.args())
+    out = torch.ops.fp8pass.fp8_linear(x, weight, bias, xs, ws, gs, *knobs.replace(backward=backward).args())
     if st is not None:
         st.record_forward(out[1], out[2])
     return out[0]

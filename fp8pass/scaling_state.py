@@ -176,15 +176,26 @@ def attach(model: torch.nn.Module, config: Config | None = None) -> torch.nn.Mod
 
     The backend does this itself on the first compiled step; call it before loading a checkpoint
     into a model that has not run a compiled step yet. ``config`` (default ``Config()``) is the
-    recipe the loaded state is created with; pass the Config you compile with. Idempotent.
+    recipe the loaded state is created with; pass the Config you compile with. Idempotent. With
+    ``config.rules``, a module that a rule matches (by its FQN or its parameters') gets that rule's
+    recipe, as the backend gives its linears.
 
     Returns:
         ``model``.
     """
-    for module in _unwrap(model).modules():
+    for name, module in _unwrap(model).named_modules():
         if module._parameters:
-            _hook_module(module, config)
+            _hook_module(module, _module_config(config, name, module))
     return model
+
+
+def _module_config(config: Config | None, name: str, module: torch.nn.Module) -> Config | None:
+    """``config``, or the Config of the first of its rules matching the module (a "high" rule: ``config``)."""
+    found = config.rule_for([name, *(f"{name}.{p}" if name else p for p in module._parameters)]) \
+        if config is not None and config.rules else None
+    if found is None or found[1].scaling is None:
+        return config
+    return found[1].site_config(config)
 
 
 _ATTACHED = WeakTensorKeyDictionary()  # weights whose owners got the hooks (so a recompile costs nothing)

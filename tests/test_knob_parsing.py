@@ -9,7 +9,7 @@ from fp8pass.runtime import op_schema
 from fp8pass.runtime.linear import knobs_of
 from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
 
-GOOD = ("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16, True)
+GOOD = ("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16, True, "fp8")
 
 
 def test_of_builds_once_per_tuple():
@@ -18,19 +18,19 @@ def test_of_builds_once_per_tuple():
     assert knobs_of(tuple(GOOD)) is k  # an equal tuple: the same instance, no rebuild
     assert LinearKnobs.take((torch.zeros(1), None, *GOOD)) is k
     assert k.args() == GOOD
-    other = knobs_of(GOOD[:-2] + (torch.float32, True))
+    other = knobs_of(GOOD[:-3] + (torch.float32, True, "fp8"))
     assert other is not k and other.out_dtype == torch.float32
     # another Knobs class with a prefix of equal values is never confused with a LinearKnobs
     glu = GLUKnobs.of(GOOD + ("silu", "channel", True))
     assert type(glu) is GLUKnobs and glu.args() == GOOD + ("silu", "channel", True)
-    assert LinearKnobs.count() == 11 and GLUKnobs.count() == 14
-    assert GLUKnobs.no_grads() == (None,) * 14
+    assert LinearKnobs.count() == 12 and GLUKnobs.count() == 15
+    assert GLUKnobs.no_grads() == (None,) * 15
     assert GLUKnobs(*GOOD, "silu", "channel").recast_weight is False  # the default: W_down's codes kept
 
 
 @pytest.mark.parametrize("field, value, error", [(2, "bogus", ValueError), (3, 0, ValueError),
                                                  (5, "sometimes", ValueError), (8, "median", ValueError),
-                                                 (0, "e9m9", ValueError)])
+                                                 (0, "e9m9", ValueError), (11, "bf16", ValueError)])
 def test_bad_knobs_raise_on_every_call(field, value, error):
     bad = GOOD[:field] + (value,) + GOOD[field + 1:]
     before = len(op_schema._MADE)

@@ -76,7 +76,7 @@ def test_fp32_results_equal_the_dequantized_reference():
     _assert_gemm(dx, gd, wd.T)
     _assert_gemm(dw, gd.T, xd.T)
     out = torch.ops.fp8pass.fp8_linear(x, w, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False, "nearest",
-                                       0.0, 1, "max", None, True)
+                                       0.0, 1, "max", None, True, "fp8")
     assert torch.equal(out[3].view(-1), qx.data.view(torch.uint8).view(-1))
     assert torch.equal(out[5], qw.data.view(torch.uint8))
 
@@ -157,7 +157,7 @@ def test_delayed_scaling_bootstrap_history_and_grad_record():
     # step 2 with a 4x larger input: delayed scale (from step 1) saturates the large values
     y2, _, _ = _grads(lambda a, b: ops.fp8_linear(a, b, recipe=recipe, state=st), 4 * x, w, dy)
     out = torch.ops.fp8pass.fp8_linear(4 * x, w, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False,
-                                       "nearest", 0.0, 1, "max", None, True)
+                                       "nearest", 0.0, 1, "max", None, True, "fp8")
     qx = quantize(4 * x, E4M3, scale=E4M3.max / x.abs().max())
     assert qx.data.float().abs().max() == E4M3.max  # saturated codes, as delayed scaling implies
     assert not torch.allclose(y2, out[0])
@@ -461,7 +461,7 @@ def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
     from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
 
     lk = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True).args()
-    gk = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "silu", "channel").args()
+    gk = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "fp8", "silu", "channel").args()
     x, w, dy = _data(31, t=64, k=96, n=48)
 
     def linear(xi, wi):

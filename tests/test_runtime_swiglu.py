@@ -67,7 +67,7 @@ def test_activation_derivatives_match_autograd_in_float64(activation):
 
 
 def _knobs(activation, smooth):
-    return GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, activation, smooth)
+    return GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "fp8", activation, smooth)
 
 
 def test_unknown_activation_is_a_clear_error():

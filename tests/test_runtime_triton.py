@@ -124,7 +124,7 @@ def test_gpu_code_path_on_cpu_matches_torch_path(monkeypatch):
         y = ops.swiglu_mlp(*leaves, smooth=smooth, activation=activation)
         y.backward(dy)
         lin = torch.ops.fp8pass.fp8_linear(x, wg, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False,
-                                           "nearest", 0.0, 1, "max", None, True)
+                                           "nearest", 0.0, 1, "max", None, True, "fp8")
         return [y.detach()] + [t.grad for t in leaves], lin
 
     for smooth in ("channel", "token", None):

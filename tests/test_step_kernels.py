@@ -247,7 +247,7 @@ def test_saved_gate_and_up_from_the_operand_loops_amax_equal_casting_them_alone(
         up = torch.randn(rows, 96, generator=g).to(dtype)
         up[1, 2] = -7e4  # the largest |up| is negative
         w = torch.randn(40, 96, generator=g) * 0.1
-        knobs = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "silu", smooth).args()
+        knobs = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "fp8", "silu", smooth).args()
         out = torch.ops.fp8pass.swiglu_down(gate, up, w, [], [], [], *knobs)
         fmt = get_format("e4m3")
         for t, codes, scale in ((gate, out[8], out[9]), (up, out[10], out[11])):

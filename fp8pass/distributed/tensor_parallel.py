@@ -134,7 +134,8 @@ def _x_alt_is_2d(a: dict, named: dict) -> bool:
     from ..runtime.op_schema import LinearKnobs
     from ..runtime.precast import _up_dtype
 
-    k = LinearKnobs(**{f.name: named[f.name] for f in fields(LinearKnobs)})
+    # the knobs the op takes (knobs it does not take, e.g. ``backward``, keep their defaults)
+    k = LinearKnobs(**{f.name: named[f.name] for f in fields(LinearKnobs) if f.name in named})
     device = torch.device(a["x"].mesh.device_type)
     dt = compute_dtype(k, a["x"].tensor_meta.dtype)
     return saved_transposed(device, resolve_format(k.fwd_format), k.granularity) or \

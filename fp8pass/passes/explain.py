@@ -205,6 +205,9 @@ class Report:
         swiglus: one :class:`SwiGLUEntry` per matched dense GLU MLP (SwiGLU, GeGLU, ReGLU).
         experts: one :class:`ExpertsEntry` per MoE expert stack made FP8 (grouped, per-expert scales).
         linears: FQNs of the weights whose linear became FP8 (GLU projections included).
+        decided_by: weight FQN -> the recipe it runs in and what decided it (a ``Config.rules`` rule, or
+            ``Config.recipe``), for every weight in ``linears`` and the expert stacks; printed as a
+            column when the Config has rules.
         skipped: ``(where, reason)`` for linear ops left in high precision.
         graph_breaks: Dynamo's graph-break reasons and GLUs split by a break.
         graph_before / graph_after: the torch-level graphs' code before and after the rewrite.
@@ -225,6 +228,7 @@ class Report:
     config: object = None
     notes: list[str] = field(default_factory=list)
     matmul_weights: list[str] = field(default_factory=list)
+    decided_by: dict[str, str] = field(default_factory=dict)
 
     @property
     def outside_graphs(self) -> list[str]:
@@ -257,7 +261,8 @@ class Report:
             lines.append(f"config: {self.config}")
         if self.swiglus:
             smooth = getattr(self.config, "smooth_swiglu", "channel")
-            treatment = ("NVFP4 linears" if kind == "NVFP4" else
+            treatment = ("recipe per rule, below" if getattr(self.config, "rules", ()) else
+                         "NVFP4 linears" if kind == "NVFP4" else
                          f"Smooth-SwiGLU, per {smooth}" if smooth else "FP8, no smoothing")
             lines += ["", f"GLU MLPs ({treatment}):"]
             lines += _table(["variant", "gate", "up", "down"],
@@ -268,7 +273,11 @@ class Report:
                             [[e.variant, e.module, ", ".join(w.rsplit(".", 1)[-1] for w in e.weights)]
                              for e in self.experts])
             lines.append(expert_grads_line(getattr(self.config, "bwd_format", "e5m2")))
-        if self.linears:
+        if self.linears and getattr(self.config, "rules", ()):
+            lines += ["", "FP8 / NVFP4 linears, by rule (Config.rules, first match wins):"]
+            lines += _table(["weight", "recipe (decided by)"],
+                            [[f, self.decided_by.get(f, "")] for f in self.linears])
+        elif self.linears:
             lines += ["", f"{kind} linears (weight FQN):"]
             lines += ["  " + f for f in self.linears]
         if self.skipped:

@@ -30,7 +30,7 @@ from .patterns import (
     GLU_PRODUCT_LOOSE, GROUPED_LINEAR, LINEAR, MATMUL_LIKE, activation, expert_slices, find_expert_glus,
     find_glu_mlps, grouped_mm_targets, linear, variant_name,
 )
-from .policy import Decision, decide_linear
+from .policy import Decision, SiteRecipe, decide_linear
 
 __all__ = ["GLUSite", "LinearSite", "ExpertGLUSite", "ExpertLinearSite", "BodyPlan", "Plan", "plan_graph"]
 
@@ -47,6 +47,7 @@ class GLUSite:
     down: str
     gate_rows: slice | None = None   # rows of the fused weight that are the gate / the up projection
     up_rows: slice | None = None
+    recipe: SiteRecipe | None = None  # the recipe every projection of it runs in (policy.SiteRecipe)
 
     @property
     def fused(self) -> bool:
@@ -68,6 +69,7 @@ class LinearSite:
     nodes: list[fx.Node] = field(default_factory=list)   # the match's nodes (erasable once dead)
     w_t: bool = False
     expert: tuple[fx.Node, int] | None = None
+    recipe: SiteRecipe | None = None
 
 
 @dataclass
@@ -86,6 +88,7 @@ class ExpertLinearSite:
     layout: str
     fqn: str
     nodes: list[fx.Node] = field(default_factory=list)
+    recipe: SiteRecipe | None = None
 
 
 @dataclass
@@ -159,11 +162,16 @@ def _glu_decision(cfg: Config, m: Match, experts: bool = False) -> Decision:
                                        f"(min_dim={cfg.min_dim}, dim_multiple={cfg.dim_multiple})")
     else:
         parts += [(p, m[p], m["x"], m[f"{p}_w"], m.get(f"{p}_b")) for p in ("gate", "up")]
+    sites = []
     for role, call, x, w, b in parts:
         d = decide_linear(cfg, call, x, w, b, experts=experts, w_operand=m.get(f"{role}_w_operand"))
         if not d.fp8:
             return Decision(False, f"{role} projection {_weight_name(w)}: {d.reason}")
-    return Decision(True)
+        sites.append((role, d.site))
+    if any(site != sites[0][1] for _, site in sites):  # one fused op runs one recipe
+        return Decision(False, "its projections fall under different recipes (" + "; ".join(
+            f"{role}: {site.rule or 'Config.recipe'}" for role, site in sites) + "); each linear is decided alone")
+    return Decision(True, site=sites[0][1])
 
 
 def _glu_site(m: Match, cls=GLUSite) -> GLUSite:
@@ -281,13 +289,26 @@ def _stacked_form_ok(m: Match, projections) -> str | None:
     return None
 
 
+_NO_GROUPED_NVFP4 = "the NVFP4 recipe has no grouped expert op: experts stay in high precision"
+_NO_GROUPED_HIGH_BACKWARD = ("backward='high' ({rule}) has no grouped expert op: the expert GEMMs stay in high "
+                             "precision")
+
+
+def _grouped_ok(d: Decision) -> Decision:
+    """An FP8 decision for grouped expert GEMMs, unless its recipe has no grouped op."""
+    if d.fp8 and isinstance(d.site.cfg.recipe, NVFP4Scaling):
+        return Decision(False, _NO_GROUPED_NVFP4)
+    if d.fp8 and d.site.backward == "high":
+        return Decision(False, _NO_GROUPED_HIGH_BACKWARD.format(rule=d.site.rule))
+    return d
+
+
 def _glu_kind_decision(cfg: Config, m: Match, experts: bool) -> Decision:
-    if experts and isinstance(cfg.recipe, NVFP4Scaling):
-        return Decision(False, "the NVFP4 recipe has no grouped expert op: experts stay in high precision")
     if experts:
         why = _stacked_form_ok(m, ["gate_up", "down"] if m.get("proj") == "fused" else ["gate", "up", "down"])
         if why:
             return Decision(False, why)
+        return _grouped_ok(_glu_decision(cfg, m, experts))
     return _glu_decision(cfg, m, experts)
 
 
@@ -314,8 +335,9 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
         for m in matches:
             d = _glu_kind_decision(cfg, m, experts)
             site = _glu_site(m, cls)
+            site.recipe = d.site
             loop = not experts and bool(expert_slices(m))
-            if d.fp8 and loop and isinstance(cfg.recipe, NVFP4Scaling):
+            if d.fp8 and loop and isinstance(d.site.cfg.recipe, NVFP4Scaling):
                 d = Decision(False, _NO_LOOP_NVFP4)
             if d.fp8:
                 (plan.loop_glus if loop else sites).append(site)
@@ -342,11 +364,11 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
             else:
                 d = decide_linear(cfg, node, m["lin_x"], w, m.get("lin_b"), w_operand=m.get("lin_w_operand"))
             expert = expert_slices(m).get(w)
-            if d.fp8 and expert is not None and isinstance(cfg.recipe, NVFP4Scaling):
+            if d.fp8 and expert is not None and isinstance(d.site.cfg.recipe, NVFP4Scaling):
                 d = Decision(False, _NO_LOOP_NVFP4)
             if d.fp8:
                 site = LinearSite(node, m["lin_x"], w, m.get("lin_b"), weight_fqn(w) or where,
-                                  list(dict.fromkeys(m.nodes)), m.get("lin_layout") == "in_out", expert)
+                                  list(dict.fromkeys(m.nodes)), m.get("lin_layout") == "in_out", expert, d.site)
                 (plan.loop_linears if expert is not None else plan.linears).append(site)
             else:
                 plan.skipped.append((where, d.reason))
@@ -360,18 +382,17 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                 why = _stacked_form_ok(m, ["lin"])
                 if d.fp8 and why:
                     d = Decision(False, why)
-                if d.fp8 and isinstance(cfg.recipe, NVFP4Scaling):
-                    d = Decision(False, "the NVFP4 recipe has no grouped expert op: experts stay in high precision")
+                d = _grouped_ok(d)
                 if d.fp8:
                     plan.expert_linears.append(ExpertLinearSite(node, m["lin_x"], w, m.get("offs"), m["lin_layout"],
-                                                                where, list(dict.fromkeys(m.nodes))))
+                                                                where, list(dict.fromkeys(m.nodes)), d.site))
                 else:
                     plan.skipped.append((where, d.reason))
                 break
     plan.skipped += _unplanned_matmuls(graph, decided)
     for b in hops.bodies(graph):
         sub = plan_graph(b.gm.graph, cfg, body=True)
-        why = _why_body_kept(b, cfg)
+        why = _why_body_kept(b, sub)
         if why is None:
             plan.bodies.append(BodyPlan(b, sub))
         else:
@@ -380,17 +401,24 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
     return plan
 
 
-def _why_body_kept(b: hops.Body, cfg: Config) -> str | None:
+def _why_body_kept(b: hops.Body, sub: Plan) -> str | None:
     """Why a higher-order op body's planned matmuls stay high precision (None: it is rewritten)."""
     if not b.rewritten:
         return (f"inside {b.kind} (a higher-order op body): kept in high precision (the delayed-scaling records would have to "
                 "leave every branch / iteration alike; fp8pass rewrites activation-checkpointed and wrap bodies only)")
-    if isinstance(cfg.recipe, NVFP4Scaling):
+    if _has_nvfp4_site(sub):
         return (f"inside {b.kind} (a higher-order op body): the NVFP4 recipe is not applied there (its hot-channel update runs in "
                 "forward and would run again in the recomputation); kept in high precision")
     if not hops.returns_tuple(b.gm):
         return f"inside {b.kind} (a higher-order op body returning no tuple ; no room for its amax outputs): kept in high precision"
     return None
+
+
+def _has_nvfp4_site(plan: Plan) -> bool:
+    """Whether any site of ``plan`` (bodies included) has the NVFP4 recipe (Config.recipe or a rule's)."""
+    return any(site.recipe is not None and isinstance(site.recipe.cfg.recipe, NVFP4Scaling)
+               for p in plan.walk()
+               for site in p.glus + p.linears + p.expert_glus + p.expert_linears + p.loop_glus + p.loop_linears)
 
 
 _TOPK = (torch.topk, "topk")

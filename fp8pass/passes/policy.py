@@ -14,30 +14,80 @@ The rules, in order (the first that applies decides):
    precision: an unsmoothed FP8 cast of a GLU output is exactly the outlier case Smooth-SwiGLU exists for.
 
 Between 1 and 2: ``Config.keep_first_layers`` / ``keep_last_layers`` keep the linears of the first /
-last N numbered blocks (:func:`block_of`) of the graph, by count.
+last N numbered blocks (:func:`block_of`) of the graph, by count. Then ``Config.rules``: the first rule
+whose glob matches one of the same three FQNs decides the linear's recipe (``"high"``: kept); the
+decision carries it as a :class:`SiteRecipe`, the one Config the rewriter emits the linear's ops with.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
 
-from ..config import Config
+from ..config import HIGH, Config, DelayedScaling, NVFP4Scaling
 from .matcher import caller_fqn, example_value, param_fqn, weight_fqn
 
-__all__ = ["Decision", "decide_linear", "module_fqn", "FP8_DTYPES", "block_of", "graph_blocks"]
+__all__ = ["Decision", "SiteRecipe", "site_recipe", "unmatched_rules", "decide_linear", "module_fqn", "FP8_DTYPES", "block_of", "graph_blocks"]
 
 FP8_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class SiteRecipe:
+    """How one FP8 site is rewritten: its Config (the rule's recipe fields over ``Config``'s), the
+    backward override and the rule that decided it (``""``: no rule matched, ``Config.recipe``)."""
+
+    cfg: Config
+    backward: str = "fp8"
+    rule: str = ""
+
+    def describe(self, glu: bool = False) -> str:
+        """``FP8 delayed e4m3/e5m2, backward high (rules[1] '*.o_proj' -> delayed, backward high)``: the
+        recipe that ran and what decided it (explain's per-linear attribution); ``glu``: a projection
+        of a fused GLU (its Smooth-SwiGLU mode is named too)."""
+        r = self.cfg.recipe
+        if isinstance(r, NVFP4Scaling):
+            what = "NVFP4" + (" + HCP" if r.hcp is not None else "")
+        else:
+            kind = "delayed" if isinstance(r, DelayedScaling) else f"current per {r.granularity}"
+            what = f"FP8 {kind} {self.cfg.fwd_format}/{self.cfg.bwd_format}"
+            if glu and r.granularity != "mx":  # MX GLUs are three plain linears
+                what += f", Smooth-SwiGLU {self.cfg.smooth_swiglu or 'off'}"
+        if self.backward == "high":
+            what += ", backward high"
+        return f"{what} ({self.rule or 'Config.recipe'})"
 
 
 @dataclass(frozen=True)
 class Decision:
     fp8: bool
     reason: str = ""
+    site: SiteRecipe | None = None   # for fp8 decisions
+
+
+def unmatched_rules(cfg: Config, model: torch.nn.Module) -> list[str]:
+    """The patterns of ``cfg.rules`` that match no module or parameter FQN of ``model`` (a typo, or
+    a rule written for another model): such a rule decides nothing."""
+    if not cfg.rules:
+        return []
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    return [r.pattern for r in cfg.rules if not any(fnmatch.fnmatchcase(n, r.pattern) for n in names if n)]
+
+
+def site_recipe(cfg: Config, names: list[str]) -> SiteRecipe | str:
+    """The site recipe for a linear known by ``names`` (FQNs), or the reason a ``"high"`` rule keeps it."""
+    found = cfg.rule_for(names)
+    if found is None:
+        return SiteRecipe(replace(cfg, rules=()) if cfg.rules else cfg)
+    i, rule = found
+    label = f"rules[{i}] {rule.describe()}"
+    if rule.recipe == HIGH:
+        return f"kept in high precision by {label}"
+    return SiteRecipe(rule.site_config(cfg), rule.backward, label)
 
 
 def module_fqn(weight_fqn: str) -> str:
@@ -107,6 +157,9 @@ def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bo
     why = _kept_by_layer_count(cfg, call, wf)
     if why is not None:
         return Decision(False, why)
+    site = site_recipe(cfg, names)
+    if isinstance(site, str):
+        return Decision(False, site)
     wv, xv = example_value(w), example_value(x)
     cast = example_value(w_operand) if w_operand is not None and w_operand is not w else None
     if isinstance(cast, torch.Tensor) and cast.dtype not in FP8_DTYPES:
@@ -134,4 +187,4 @@ def decide_linear(cfg: Config, call: fx.Node, x, w: fx.Node, b=None, experts: bo
             return Decision(False, f"weight {tuple(dims)} has a dim not divisible by dim_multiple={cfg.dim_multiple}")
     if isinstance(xv, torch.Tensor) and xv.dim() < 1:
         return Decision(False, "scalar input")
-    return Decision(True)
+    return Decision(True, site=site)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..config import Config, NVFP4Scaling
+from ..config import Config
 from .plan import Plan
 from .rewrite_base import StateInput, copy_graph_module, finish, return_records
 from .rewrite_expert_loop import ExpertLoopRewriter
@@ -39,8 +39,8 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, cfg: Config) -> tuple[fx.GraphMod
 def _rewrite(gm: fx.GraphModule, plan: Plan, cfg: Config, body: bool):
     """(weights made FP8, kept, state inputs, returned records) of one graph or body (``body``: its
     records are returned as outputs, :func:`.rewrite_base.return_records`, not recorded in it)."""
-    kinds = ([NVFP4Rewriter] if isinstance(cfg.recipe, NVFP4Scaling)
-             else [FP8Rewriter, GroupedRewriter, ExpertLoopRewriter])
+    # each rewriter takes the sites of its kind (a site's recipe: Config.recipe or a rule's)
+    kinds = [FP8Rewriter, GroupedRewriter, ExpertLoopRewriter, NVFP4Rewriter]
     done: list[str] = []
     kept: list[tuple[str, str]] = []
     extra: list[StateInput] = []

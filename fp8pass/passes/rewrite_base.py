@@ -15,18 +15,19 @@ passes the live tensors on every call.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from ..config import Config, DelayedScaling
+from ..config import Config, DelayedScaling, NVFP4Scaling
 from ..numerics import DelayedScalingState
 from .annotate import facts, value_dtype
 
-__all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "recipe_kwargs", "keep_meta", "finish", "ROLES",
-           "STATE_FIELDS"]
+__all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "recipe_kwargs", "record_params", "is_nvfp4",
+           "keep_meta", "finish", "ROLES", "STATE_FIELDS"]
 
 ROLES = ("input", "weight", "grad_output")
 STATE_FIELDS = len(DelayedScalingState.OP_FIELDS)  # the op list of one delayed-scaling state
@@ -49,12 +50,14 @@ class StateInput:
 
     ``kind`` says whose state: "linear" (``runtime.state_for``), "experts" (per-expert state of a
     3-D expert weight, ``runtime.grouped_state_for``) or "hcp" (NVFP4 hot-channel patching).
+    ``config``: the site's Config (its recipe and formats make the state; ``Config.rules``).
     """
 
     weight_pos: int
     role: str
     field: int
     kind: str = "linear"
+    config: Config | None = None
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -79,8 +82,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
-def recipe_kwargs(cfg: Config) -> dict:
-    """The recipe as the runtime ops' scalar arguments."""
+def recipe_kwargs(cfg: Config, backward: str = "fp8") -> dict:
+    """The recipe as the runtime ops' scalar arguments (``backward``: the site's ``Rule.backward``)."""
     r = cfg.recipe
     delayed = isinstance(r, DelayedScaling)
     return dict(
@@ -92,7 +95,18 @@ def recipe_kwargs(cfg: Config) -> dict:
         interval=int(getattr(r, "interval", 1)) if delayed else 1,
         algo=getattr(r, "algo", "max") if delayed else "max",
         fast_accum=cfg.fast_accum,
+        backward=backward,
     )
+
+
+def is_nvfp4(site) -> bool:
+    """Whether a plan site's recipe is NVFP4 (the NVFP4 rewriter's) rather than FP8."""
+    return isinstance(site.recipe.cfg.recipe, NVFP4Scaling)
+
+
+def record_params(kw: dict) -> tuple:
+    """The recipe fields a delayed-scaling record takes (states recorded together must share them)."""
+    return kw["margin"], kw["interval"], kw["algo"], kw["power_of_two"]
 
 
 class GraphRewriter:
@@ -100,7 +114,7 @@ class GraphRewriter:
 
     Args:
         gm: the copy of Dynamo's GraphModule to edit in place (annotated by :func:`.annotate.annotate`).
-        cfg: the backend's Config.
+        cfg: the backend's Config; each site is emitted with its own (:meth:`at`).
 
     Attributes:
         share_input_casts: linears go through one shared input cast per input node
@@ -123,11 +137,24 @@ class GraphRewriter:
         # runtime -> backend); the backend imports it, which registers them
         self.ops = torch.ops.fp8pass
         self.replaced: dict[fx.Node, fx.Node] = {}  # planned nodes replaced earlier in this rewrite
-        # forward records of this graph, per state: (state placeholders, fmt, [amax nodes]); emitted
-        # as one batched op at the end of the forward (see :func:`emit_records`)
-        self.records: dict[tuple[int, ...], tuple[list[fx.Node], str, list[fx.Node]]] = {}
+        # forward records of this graph, per state: (state placeholders, fmt, [amax nodes], record_params);
+        # emitted as one batched op per record_params at the end of the forward (see :func:`emit_records`)
+        self.records: dict[tuple[int, ...], tuple[list[fx.Node], str, list[fx.Node], tuple]] = {}
         self.covered: set[fx.Node] = set()          # nodes of the matches rewritten: the only erasable ones
         self._input_casts: dict[tuple, list[tuple]] = {}  # (x, dtype) -> nodes of its casts (detach, cast, outputs)
+
+    @contextlib.contextmanager
+    def at(self, recipe):
+        """Emit the ops of one site with its ``policy.SiteRecipe`` (the plan site's ``recipe``): the
+        Config and backward of the rule that decided it (``Config.rules``), or the backend's Config."""
+        saved = self.cfg, self.kw, self.delayed
+        self.cfg = recipe.cfg
+        self.kw = recipe_kwargs(self.cfg, recipe.backward)
+        self.delayed = isinstance(self.cfg.recipe, DelayedScaling)
+        try:
+            yield
+        finally:
+            self.cfg, self.kw, self.delayed = saved
 
     def r(self, value):
         """``value`` as it is now: the plan's nodes may have been replaced by an earlier site."""
@@ -166,7 +193,7 @@ class GraphRewriter:
                 ph.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
                 self.last_ph = ph
                 nodes.append(ph)
-                self.extra.append(StateInput(self.pos[w], role, f, kind))
+                self.extra.append(StateInput(self.pos[w], role, f, kind, self.cfg))
             self._state_nodes[key] = nodes
         return self._state_nodes[key]
 
@@ -176,16 +203,17 @@ class GraphRewriter:
             return []
         return self.state_placeholders(w, role, kind, STATE_FIELDS)
 
-    def record(self, state: list[fx.Node], amax: fx.Node, fmt: str) -> None:
+    def record(self, state: list[fx.Node], amax: fx.Node, fmt: str, params: tuple | None = None) -> None:
         """Note a forward record of ``amax`` into ``state`` (nothing under current scaling).
 
         The records of a graph are emitted together by :func:`emit_records`; a state used more than
-        once in the graph (a weight applied twice) records the max of its amaxes, once.
+        once in the graph (a weight applied twice) records the max of its amaxes, once. ``params``:
+        :func:`record_params` of the state's recipe (default: the site being emitted).
         """
         if not state or fmt == "identity":
             return
         key = tuple(id(n) for n in state)
-        self.records.setdefault(key, (state, fmt, []))[2].append(amax)
+        self.records.setdefault(key, (state, fmt, [], params or record_params(self.kw)))[2].append(amax)
 
     def fp8_linear(self, x, w: fx.Node, b, before: fx.Node, w_t: bool = False) -> fx.Node:
         """Emit an FP8 linear ``x @ w.T + b`` (with its records) before ``before``; returns ``y``.
@@ -215,7 +243,7 @@ class GraphRewriter:
         (and its ``xs`` is not read: the first consumer's state scales the shared cast) unless a
         node with side effects (an in-place write, possibly into ``x``) lies between the two, in
         which case this linear gets its own cast."""
-        casts = self._input_casts.setdefault((x, out_dtype), [])
+        casts = self._input_casts.setdefault((x, out_dtype, tuple(self.kw.items())), [])
         for nodes in casts:
             head = nodes[0]
             after = _clear_between(head, before)  # before comes later: nothing may write in between
@@ -304,36 +332,28 @@ def keep_meta(new: fx.Node, old: fx.Node) -> None:
 def emit_records(graph: fx.Graph, rewriters: list[GraphRewriter]) -> None:
     """One ``fp8pass::delayed_record_many_`` before the output for every forward record of the graph.
 
-    All states of a graph share the recipe; each state appears once, with the ``maximum`` of its
-    amaxes when the graph used it more than once (NaN-propagating, like the record itself).
+    One op per recipe (:func:`record_params`: rules may give linears different delayed recipes); each
+    state appears once, with the ``maximum`` of its amaxes when the graph used it more than once
+    (NaN-propagating, like the record itself).
     """
-    records, kw = _merged_records(rewriters)
-    if not records:
-        return
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    fields = DelayedScalingState.OP_FIELDS
-    col = {f: i for i, f in enumerate(fields)}
-    with graph.inserting_before(output):
-        amaxes = [_max_of(graph, nodes) for _, _, nodes in records.values()]
-        lists = [[state[col[f]] for state, _, _ in records.values()]
-                 for f in ("amax_history", "scale", "steps", "skipped", "overflows", "pending", "accumulate")]
-        fmts = [fmt for _, fmt, _ in records.values()]
-        graph.call_function(torch.ops.fp8pass.delayed_record_many_.default,
-                            (*lists, amaxes, fmts, kw["margin"], kw["interval"], kw["algo"], kw["power_of_two"]))
+    groups: dict[tuple, dict] = {}
+    for key, (state, fmt, amaxes, params) in _merged_records(rewriters).items():
+        groups.setdefault(params, {})[key] = (state, fmt, amaxes)
+    for params, group in groups.items():
+        _emit_record_group(graph, group, params)
 
 
-def _merged_records(rewriters: list[GraphRewriter]) -> tuple[dict, dict | None]:
-    """The forward records of all ``rewriters`` of one graph, one per state: (records, recipe knobs)."""
+def _merged_records(rewriters: list[GraphRewriter]) -> dict:
+    """The forward records of all ``rewriters`` of one graph, one per state:
+    key -> (state, fmt, [amax nodes], record_params)."""
     records: dict = {}
-    kw = None
     for rw in rewriters:
-        for key, (state, fmt, amaxes) in rw.records.items():
+        for key, (state, fmt, amaxes, params) in rw.records.items():
             if key in records:
                 records[key][2].extend(amaxes)
             else:
-                records[key] = (state, fmt, list(amaxes))
-            kw = rw.kw
-    return records, kw
+                records[key] = (state, fmt, list(amaxes), params)
+    return records
 
 
 def _max_of(graph: fx.Graph, amaxes: list[fx.Node]) -> fx.Node:
@@ -343,19 +363,32 @@ def _max_of(graph: fx.Graph, amaxes: list[fx.Node]) -> fx.Node:
     return amax
 
 
-def return_records(graph: fx.Graph, rewriters: list[GraphRewriter]) -> list[tuple[list[fx.Node], str]]:
+def _emit_record_group(graph: fx.Graph, records: dict, params: tuple) -> None:
+    margin, interval, algo, power_of_two = params
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    col = {f: i for i, f in enumerate(DelayedScalingState.OP_FIELDS)}
+    with graph.inserting_before(output):
+        amaxes = [_max_of(graph, nodes) for _, _, nodes in records.values()]
+        lists = [[state[col[f]] for state, _, _ in records.values()]
+                 for f in ("amax_history", "scale", "steps", "skipped", "overflows", "pending", "accumulate")]
+        fmts = [fmt for _, fmt, _ in records.values()]
+        graph.call_function(torch.ops.fp8pass.delayed_record_many_.default,
+                            (*lists, amaxes, fmts, margin, interval, algo, power_of_two))
+
+
+def return_records(graph: fx.Graph, rewriters: list[GraphRewriter]) -> list[tuple[list[fx.Node], str, tuple]]:
     """A higher-order op body's forward records as extra outputs, appended to the tuple it returns;
-    returns (state placeholders of the body, format) per appended output, in order.
+    returns (state placeholders of the body, format, record_params) per appended output, in order.
 
     The enclosing graph records them once (:class:`.rewrite_hop.BodyRewriter`): a body recorded
     into its state itself would record again when activation checkpointing recomputes it.
     """
-    records, _ = _merged_records(rewriters)
+    records = _merged_records(rewriters)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     with graph.inserting_before(output):
-        amaxes = [_max_of(graph, nodes) for _, _, nodes in records.values()]
+        amaxes = [_max_of(graph, nodes) for _, _, nodes, _ in records.values()]
     output.args = ((*output.args[0], *amaxes),)
-    return [(state, fmt) for state, fmt, _ in records.values()]
+    return [(state, fmt, params) for state, fmt, _, params in records.values()]
 
 
 def finish(gm: fx.GraphModule, rewriters: list[GraphRewriter], emit: bool = True) -> None:

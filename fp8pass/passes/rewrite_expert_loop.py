@@ -24,7 +24,7 @@ from ..numerics import DelayedScalingState
 from .matcher import example_value
 from .patterns import expert_slices
 from .plan import Plan
-from .rewrite_base import STATE_FIELDS
+from .rewrite_base import STATE_FIELDS, record_params
 from .rewrite_fp8 import FP8Rewriter
 from .rewrite_grouped import EXPERTS_KIND
 
@@ -45,8 +45,9 @@ class ExpertLoopRewriter(FP8Rewriter):
         self.slices: dict[fx.Node, tuple[fx.Node, int]] = {}   # W[e] node -> (W placeholder, e)
         self._rows: dict[tuple, list[fx.Node]] = {}           # (W, role, e) -> row views of the state
         self._row_of: dict[tuple[int, ...], tuple[list[fx.Node], fx.Node, int]] = {}  # row key -> (stack state, W, e)
-        # stack state key -> (stack state, W, fmt, {e: [amax nodes]})
-        self._loop_records: dict[tuple[int, ...], tuple[list[fx.Node], fx.Node, str, dict[int, list[fx.Node]]]] = {}
+        # stack state key -> (stack state, W, fmt, {e: [amax nodes]}, record_params of its site's recipe)
+        self._loop_records: dict[tuple[int, ...], tuple[list[fx.Node], fx.Node, str, dict[int, list[fx.Node]],
+                                                        tuple]] = {}
 
     def state(self, w: fx.Node, role: str, kind: str = "linear") -> list[fx.Node]:
         """Row ``e`` of ``W``'s per-expert state for ``w = W[e]``; a plain weight's own state otherwise."""
@@ -66,15 +67,16 @@ class ExpertLoopRewriter(FP8Rewriter):
             self._row_of[tuple(id(n) for n in rows)] = (full, stack, e)
         return self._rows[key]
 
-    def record(self, state: list[fx.Node], amax: fx.Node, fmt: str) -> None:
+    def record(self, state: list[fx.Node], amax: fx.Node, fmt: str, params: tuple | None = None) -> None:
         """A row's forward amax waits for its expert stack's [E] record (:meth:`_record_stacks`)."""
         row = self._row_of.get(tuple(id(n) for n in state)) if state else None
         if row is None:
-            return super().record(state, amax, fmt)
+            return super().record(state, amax, fmt, params)
         if fmt == "identity":
             return
         full, stack, e = row
-        entry = self._loop_records.setdefault(tuple(id(n) for n in full), (full, stack, fmt, {}))
+        entry = self._loop_records.setdefault(tuple(id(n) for n in full),
+                                              (full, stack, fmt, {}, params or record_params(self.kw)))
         entry[3].setdefault(e, []).append(amax)
 
     def _record_stacks(self) -> None:
@@ -83,7 +85,7 @@ class ExpertLoopRewriter(FP8Rewriter):
             return
         output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
         with self.graph.inserting_before(output):
-            for full, stack, fmt, per_expert in self._loop_records.values():
+            for full, stack, fmt, per_expert, params in self._loop_records.values():
                 experts = int(example_value(stack).shape[0])
                 any_amax = next(iter(per_expert.values()))[0]
                 zero = None
@@ -102,7 +104,7 @@ class ExpertLoopRewriter(FP8Rewriter):
                 # detached: an op's amax outputs carry autograd history under the eager compiler, and
                 # the record's in-place copies must not put the state tensors on the autograd graph
                 vector = self.graph.call_method("detach", (self.graph.call_function(torch.stack, (column,)),))
-                super().record(full, vector, fmt)
+                super().record(full, vector, fmt, params)
 
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
         """Rewrite the plan's per-expert loop GLUs and linears; returns (expert weights made FP8, [])."""

@@ -37,13 +37,13 @@ import torch
 from .annotate import value_dtype
 from .plan import GLUSite, LinearSite, Plan
 from . import rewrite_base
-from .rewrite_base import ROLES, GraphRewriter, keep_meta
+from .rewrite_base import ROLES, GraphRewriter, is_nvfp4, keep_meta
 
 __all__ = ["FP8Rewriter"]
 
 
 class FP8Rewriter(GraphRewriter):
-    """Dense linears and GLU MLPs in FP8 (``Config.recipe`` = DelayedScaling or CurrentScaling)."""
+    """Dense linears and GLU MLPs in FP8 (sites whose recipe is DelayedScaling or CurrentScaling)."""
 
     share_input_casts = True  # q/k/v, gate/up: one cast of their input, its codes saved once
 
@@ -107,15 +107,19 @@ class FP8Rewriter(GraphRewriter):
         return ([site.gate] if site.fused else [site.gate, site.up]) + [site.down]
 
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
-        """Rewrite the plan's GLUs and linears; returns (weights made FP8, (where, reason) kept)."""
-        return self.replace_sites(plan.glus, plan.linears), []
+        """Rewrite the plan's FP8 GLUs and linears (NVFP4 ones are NVFP4Rewriter's); returns (weights made
+        FP8, (where, reason) kept)."""
+        return self.replace_sites([s for s in plan.glus if not is_nvfp4(s)],
+                                  [s for s in plan.linears if not is_nvfp4(s)]), []
 
     def replace_sites(self, glus, linears) -> list[str]:
-        """Rewrite these GLU and linear sites; returns the FQNs of the weights made FP8."""
+        """Rewrite these GLU and linear sites, each with its recipe; returns the FQNs of the weights made FP8."""
         fp8: list[str] = []
         for site in glus:
-            fp8 += self.replace_glu(site)
+            with self.at(site.recipe):
+                fp8 += self.replace_glu(site)
         for site in linears:
-            self.replace_linear(site)
+            with self.at(site.recipe):
+                self.replace_linear(site)
             fp8.append(site.fqn)
         return fp8

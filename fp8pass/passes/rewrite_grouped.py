@@ -132,8 +132,10 @@ class GroupedRewriter(GraphRewriter):
         """Rewrite the plan's expert GLUs and expert linears; returns (weights made FP8, [])."""
         done: list[str] = []
         for site in plan.expert_glus:
-            done += self.replace_expert_glu(site)
+            with self.at(site.recipe):
+                done += self.replace_expert_glu(site)
         for lin in plan.expert_linears:
-            self.replace(lin.node, self.grouped_linear(lin.x, lin.w, lin.offs, lin.layout, lin.node), lin.nodes)
+            with self.at(lin.recipe):
+                self.replace(lin.node, self.grouped_linear(lin.x, lin.w, lin.offs, lin.layout, lin.node), lin.nodes)
             done.append(lin.fqn)
         return done, []

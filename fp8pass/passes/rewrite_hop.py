@@ -49,7 +49,7 @@ class BodyRewriter(GraphRewriter):
             self._state_nodes.update(rw._state_nodes)
 
     def thread(self, site: BodyPlan, body_extra: list[StateInput],
-               returned: list[tuple[list[fx.Node], str]]) -> None:
+               returned: list[tuple[list[fx.Node], str, tuple]]) -> None:
         """Bind a rewritten body's state placeholders and record its returned amaxes.
 
         Args:
@@ -57,7 +57,7 @@ class BodyRewriter(GraphRewriter):
             body_extra: the body's state placeholders (its last ``len(body_extra)``), as StateInputs
                 whose ``weight_pos`` is the weight's placeholder position in the body.
             returned: per amax output appended to the body's tuple (in order): the body's state
-                placeholders it records into, and the format.
+                placeholders it records into, the format and the record's recipe parameters.
         """
         call = site.body.node
         body_phs = [n for n in site.body.gm.graph.nodes if n.op == "placeholder"]
@@ -86,6 +86,6 @@ class BodyRewriter(GraphRewriter):
         out = next(n for n in reversed(site.body.gm.graph.nodes) if n.op == "output")
         first = len(out.args[0]) - len(returned)
         with self.graph.inserting_after(call):
-            for i, (state, fmt) in reversed(list(enumerate(returned))):
+            for i, (state, fmt, params) in reversed(list(enumerate(returned))):
                 amax = self.graph.call_function(operator.getitem, (call, first + i))
-                self.record([live[n] for n in state], amax, fmt)
+                self.record([live[n] for n in state], amax, fmt, params)

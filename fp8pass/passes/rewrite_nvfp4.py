@@ -10,20 +10,23 @@ projection is a plain NVFP4 linear of the GLU product) becomes::
 
 ``hcp_state`` = ``[err, hot, step]`` of the weight's HCPState, appended as extra graph inputs like the
 delayed-scaling state. Linears that ``nvfp4_policy`` protects stay as they are
-(``protected_precision="high"``) or become FP8 linears with current scaling ("fp8").
+(``protected_precision="high"``) or become FP8 linears with current scaling ("fp8"). The sites are
+those whose recipe (``Config.recipe`` or a rule's) is NVFP4; each NVFP4 recipe protects among its own.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 from torch import fx
 
-from ..config import Config
+from ..config import CurrentScaling
 from .nvfp4_policy import protected_linears
 from .plan import Plan
-from .rewrite_base import GraphRewriter, keep_meta
+from .policy import SiteRecipe
+from .rewrite_base import GraphRewriter, is_nvfp4, keep_meta
 
 __all__ = ["NVFP4Rewriter", "HCP_KIND"]
 
@@ -33,24 +36,14 @@ HCP_KIND = "hcp"
 class NVFP4Rewriter(GraphRewriter):
     """Linears (GLU projections included) into ``nvfp4_linear``; protected ones as FP8 or kept."""
 
-    def __init__(self, gm: fx.GraphModule, cfg: Config):
-        super().__init__(gm, cfg)
-        self.recipe = cfg.recipe
-        self.delayed = False
-        # protected linears in FP8: per-tensor current scaling, no state
-        self.kw = dict(fwd_format=cfg.fwd_format, bwd_format=cfg.bwd_format, granularity="tensor", block=128,
-                       power_of_two=False,
-                       grad_rounding="stochastic" if cfg.grad_stochastic_rounding else "nearest",
-                       margin=0.0, interval=1, algo="max", fast_accum=cfg.fast_accum)
-
     def hcp_state(self, w: fx.Node) -> list[fx.Node]:
         """``[err, hot, step]`` placeholders of the weight's HCPState; [] without HCP."""
-        if self.recipe.hcp is None:
+        if self.cfg.recipe.hcp is None:
             return []
         return self.state_placeholders(w, HCP_KIND, HCP_KIND, 3)
 
     def nvfp4_linear(self, x, w: fx.Node, b, before: fx.Node, w_t: bool = False) -> fx.Node:
-        r, hcp = self.recipe, self.recipe.hcp
+        r, hcp = self.cfg.recipe, self.cfg.recipe.hcp
         hs = self.hcp_state(w)
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
@@ -68,30 +61,49 @@ class NVFP4Rewriter(GraphRewriter):
         return y
 
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
-        """Rewrite every planned linear; returns (NVFP4 weights, (where, reason) of protected ones)."""
-        sites = []  # (fqn, x, w, b, call node, its match's nodes, weight stored [in, out])
+        """Rewrite every planned NVFP4 linear; returns (NVFP4 weights, (where, reason) of protected ones)."""
+        by_recipe: dict[SiteRecipe, list] = {}
         for glu in plan.glus:
-            m = glu.match
-            # the activation and product stay (the NVFP4 down linear reads them): covering the whole
-            # match erases only what died, the replaced projections and their weight transposes
-            parts = ([("gate", glu.gate, m["x"], "gate_up")] if glu.fused else
-                     [("gate", glu.gate, m["x"], "gate"), ("up", glu.up, m["x"], "up")])
-            parts.append(("down", glu.down, m["h"], "down"))
-            for _, fqn, x, p in parts:
-                sites.append((fqn, x, m[f"{p}_w"], m.get(f"{p}_b"), m[p], m.nodes, m.get(f"{p}_layout") == "in_out"))
-        sites += [(s.fqn, s.x, s.w, s.b, s.node, s.nodes, s.w_t) for s in plan.linears]
-        protected = protected_linears([s[0] for s in sites], self.recipe)
-        as_fp8 = self.recipe.protected_precision == "fp8"
+            if is_nvfp4(glu):
+                by_recipe.setdefault(glu.recipe, []).extend(self._glu_parts(glu))
+        for s in plan.linears:
+            if is_nvfp4(s):
+                by_recipe.setdefault(s.recipe, []).append((s.fqn, s.x, s.w, s.b, s.node, s.nodes, s.w_t))
         nvfp4: list[str] = []
         kept: list[tuple[str, str]] = []
+        for recipe, sites in by_recipe.items():
+            self._apply_recipe(recipe, sites, nvfp4, kept)
+        return list(dict.fromkeys(nvfp4)), list(dict.fromkeys(kept))
+
+    @staticmethod
+    def _glu_parts(glu) -> list[tuple]:
+        """A GLU's projections as linear sites: (fqn, x, w, b, call node, its match's nodes, weight stored
+        [in, out])."""
+        m = glu.match
+        # the activation and product stay (the NVFP4 down linear reads them): covering the whole
+        # match erases only what died, the replaced projections and their weight transposes
+        parts = ([(glu.gate, m["x"], "gate_up")] if glu.fused else
+                 [(glu.gate, m["x"], "gate"), (glu.up, m["x"], "up")])
+        parts.append((glu.down, m["h"], "down"))
+        return [(fqn, x, m[f"{p}_w"], m.get(f"{p}_b"), m[p], m.nodes, m.get(f"{p}_layout") == "in_out")
+                for fqn, x, p in parts]
+
+    def _apply_recipe(self, site: SiteRecipe, sites: list[tuple], nvfp4: list[str], kept: list) -> None:
+        """The linears of one NVFP4 recipe: its protected ones kept or FP8 (per-tensor current
+        scaling, no state), the others NVFP4."""
+        recipe = site.cfg.recipe
+        protected = protected_linears([s[0] for s in sites], recipe)
+        as_fp8 = SiteRecipe(replace(site.cfg, recipe=CurrentScaling()), site.backward, site.rule)
+        by = f" ({site.rule})" if site.rule else ""
         for fqn, x, w, b, node, nodes, w_t in sites:
             if fqn in protected:
-                if as_fp8:
-                    self.replace(node, self.fp8_linear(x, w, b, node, w_t), nodes)
-                    kept.append((fqn, protected[fqn] + ": FP8 linear (current scaling)"))
+                if recipe.protected_precision == "fp8":
+                    with self.at(as_fp8):
+                        self.replace(node, self.fp8_linear(x, w, b, node, w_t), nodes)
+                    kept.append((fqn, protected[fqn] + ": FP8 linear (current scaling)" + by))
                 else:
-                    kept.append((fqn, protected[fqn] + ": kept in high precision"))
+                    kept.append((fqn, protected[fqn] + ": kept in high precision" + by))
                 continue
-            self.replace(node, self.nvfp4_linear(x, w, b, node, w_t), nodes)
+            with self.at(site):
+                self.replace(node, self.nvfp4_linear(x, w, b, node, w_t), nodes)
             nvfp4.append(fqn)
-        return list(dict.fromkeys(nvfp4)), list(dict.fromkeys(kept))

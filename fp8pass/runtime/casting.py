@@ -22,7 +22,7 @@ from ..numerics.scaling import outgrew, scale_to_cast
 from ..kernels import torch_family
 from .. import kernels
 
-__all__ = ["IDENTITY", "Operand", "unaliased", "resolve_format", "cast_operand", "cast_with_scale", "state_scale", "tile_for", "dequantize",
+__all__ = ["IDENTITY", "Operand", "unaliased", "resolve_format", "cast_operand", "cast_with_scale", "state_scale", "tile_for", "dequantize", "dequantized",
            "gemm", "as_bytes", "from_bytes", "MX_ROWS", "MX_COLS"]
 
 IDENTITY = "identity"
@@ -232,6 +232,13 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | 
     if tile is None or scale.dim() == 0:
         return vals / scale
     return vals / torch_family.expand_groups(scale.reshape(-1, scale.shape[-1]), tile, vals.shape)
+
+
+def dequantized(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | None, dtype: torch.dtype) -> Operand:
+    """A saved operand's values in ``dtype`` as an identity-format operand (scale 1): what a backward
+    in high precision (``backward="high"``) multiplies instead of the codes."""
+    one = torch.ones((), dtype=torch.float32, device=data.device)
+    return Operand(dequantize(data, scale, tile).to(dtype), one, one)
 
 
 def gemm(a: Operand, a_tile, b: Operand, b_tile, out_dtype: torch.dtype, bias: torch.Tensor | None = None,

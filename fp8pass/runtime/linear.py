@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 
 from ..numerics import ROUNDINGS
-from ..config import GRANULARITIES, ALGOS
-from .casting import (MX_COLS, Operand, as_bytes, cast_operand, column_major, column_major_like, from_bytes, gemm,
-                      resolve_format, saved_transposed, tile_for,
-                      unaliased)
+from ..config import GRANULARITIES, ALGOS, BACKWARDS
+from .casting import (MX_COLS, Operand, as_bytes, cast_operand, column_major, column_major_like, dequantized,
+                      from_bytes, gemm, resolve_format, saved_transposed, tile_for, unaliased)
 from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
 from .op_schema import LinearKnobs, knob_op
@@ -81,6 +80,8 @@ def check_recipe_knobs(k) -> None:
         raise TypeError(f"out_dtype must be None or float16/bfloat16/float32/float64, got {k.out_dtype}")
     if not isinstance(k.fast_accum, bool):
         raise TypeError(f"fast_accum must be True or False, got {k.fast_accum!r}")
+    if getattr(k, "backward", "fp8") not in BACKWARDS:  # the grouped ops' knobs have no backward override
+        raise ValueError(f"unknown backward {k.backward!r}; valid: {', '.join(BACKWARDS)}")
 
 
 def knobs_of(args: tuple) -> LinearKnobs:
@@ -205,10 +206,22 @@ def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtyp
 def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad,
                     k: LinearKnobs, w_up: torch.Tensor | None = None):
     """The backward GEMMs of :func:`fp8_linear_backward_op` from the saved operands as codes (FP8
-    dtypes, not bytes); ``w_up``: ``w_data`` already in the GEMM dtype (same values), if at hand."""
+    dtypes, not bytes); ``w_up``: ``w_data`` already in the GEMM dtype (same values), if at hand.
+
+    ``k.backward == "high"``: the saved operands are dequantized and the GEMMs take them and ``dy``
+    as the identity format's do (Transformer Engine's ``backward_override="dequantized"``): the
+    gradients of the forward that ran, without the E5M2 cast of ``dy`` or FP8 GEMMs."""
+    dt = compute_dtype(k, x_dtype)
+    if k.backward == "high":
+        saved = MX_COLS if k.granularity == "mx" and resolve_format(k.fwd_format) is not None else None
+        xt = saved or tile_for(k.granularity, k.block, x_data.shape, weight=False)
+        wt = saved or tile_for(k.granularity, k.block, w_data.shape, weight=True)
+        xo, wo = dequantized(x_data, x_scale, xt, dt), dequantized(w_data, w_scale, wt, dt)
+        k = k.replace(fwd_format="identity", bwd_format="identity", granularity="tensor", backward="fp8")
+        return linear_backward(dy, xo.data, xo.scale, wo.data, wo.scale, g_state, x_dtype, w_dtype,
+                               want_bias_grad, k)
     fmt = resolve_format(k.bwd_format)
     fwd_fmt = resolve_format(k.fwd_format)
-    dt = compute_dtype(k, x_dtype)
     dy2d = dy.reshape(-1, dy.shape[-1])
     up = _up(dy.device, dt)
     gt = tile_for(k.granularity, k.block, dy2d.shape, weight=False)

@@ -101,6 +101,8 @@ class LinearKnobs(Knobs):
             produced (under autocast, the autocast dtype); None means the input's dtype.
         fast_accum: the forward GEMM accumulates fast (``_scaled_mm(use_fast_accum=True)`` on CUDA;
             ``Config.fast_accum``); backward GEMMs always accumulate precisely.
+        backward: "fp8" (dgrad and wgrad GEMMs in FP8: ``dy`` cast to ``bwd_format``) or "high" (both
+            in high precision: ``dy`` as it is, the saved forward operands dequantized; ``Rule(backward=)``).
     """
 
     fwd_format: str
@@ -114,6 +116,7 @@ class LinearKnobs(Knobs):
     algo: str
     out_dtype: typing.Optional[torch.dtype]
     fast_accum: bool
+    backward: str = "fp8"
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,8 @@ class GLUKnobs(LinearKnobs):
             weight may be rebuilt between forward and backward (FSDP2 re-gathers it).
     """
 
-    activation: str
-    smooth: str
+    activation: str = "silu"
+    smooth: str = "channel"
     recast_weight: bool = False
 
 

@@ -44,8 +44,8 @@ import torch
 from ..numerics import scale_from_amax
 from ..numerics.scaling import power_of_two_floor
 from ..kernels import torch_family
-from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, column_major, column_major_like, from_bytes,
-                      gemm, resolve_format, tile_for, unaliased)
+from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, column_major, column_major_like, dequantized,
+                      from_bytes, gemm, resolve_format, tile_for, unaliased)
 from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
 from .linear import (_scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad,
@@ -408,8 +408,11 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     if k.smooth == "token":
         dy2 = dy2.float() * s
     up_dtype = _up(dy.device, dt)
-    gt = tile_for(k.granularity, k.block, dy2.shape, weight=False)
-    saved_scales = (a_scale, b_scale) if a_scale.dim() == 0 and b_scale.dim() == 0 else ()
+    high = k.backward == "high"  # GEMMs on the dequantized operands and dy as it is (LinearKnobs.backward)
+    if high:
+        fmt = None
+    gt = None if high else tile_for(k.granularity, k.block, dy2.shape, weight=False)
+    saved_scales = (a_scale, b_scale) if a_scale.dim() == 0 and b_scale.dim() == 0 and not high else ()
     # never kept: on CPU the GEMM values only; on CUDA also dy's transposed codes from the same read (the
     # wgrad GEMM's row-major G^T: no copy)
     go = cast_operand(dy2, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up_dtype,
@@ -420,6 +423,8 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     ao = Operand(a_data, a_scale, a_scale, inv_scale=a_inv)
     bo = _recast_weight(b_data, s, b_scale, k, up_dtype) if recasts_weight(k) else Operand(b_data, b_scale, b_scale)
     bo.inv_scale = b_inv
+    if high:
+        ao, bo, at, bt = dequantized(ao.data, ao.scale, at, dt), dequantized(bo.data, bo.scale, bt, dt), None, None
     da = gemm(go, gt, bo, bt, gate_dtype, b_t=True, compute_dtype=dt)           # dA = G @ B      [T, F]
     fwd_fmt = resolve_format(k.fwd_format)
     triton_glu_kernel = k.activation == "silu" and fwd_fmt is not None and uses_triton(dy.device)

@@ -25,6 +25,7 @@ import torch
 from ..checkpoint import check_weights, load_file, save_file, set_torch_rng_state, torch_rng_state
 from ..config import DelayedScaling, NVFP4Scaling
 from ..integrity import CheckpointError
+from ..precision_file import rules_from_data
 from ..optim.state_check import check_optimizer_state
 from ..scaling_checks import HCP_KEY, SCALING_KEY, check_model_state_dict, check_scaling_state_dict
 from .model import ModelConfig, TinyLlama
@@ -158,7 +159,9 @@ def validate_checkpoint(ckpt) -> None:
             model = TinyLlama(ModelConfig(**config["model"]))
         recipe = get_recipe(config.get("recipe", "bf16"))
         fp8 = fp8_config(recipe, config.get("scaling", "delayed"), config.get("smooth", "channel"),
-                         config.get("compiler", "inductor")) if recipe.fp8 else None
+                         config.get("compiler", "inductor"),
+                         rules_from_data(config.get("precision_rules", []), "config.precision_rules")
+                         ) if recipe.fp8 else None
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"config: cannot build the run's model ({e})") from None
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -13,6 +13,7 @@ import torch
 
 from ..integrity import CheckpointError, atomic_write
 from ..monitor.telemetry import scaling_telemetry, warn_once
+from ..precision_file import rules_from_data
 from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
@@ -81,6 +82,9 @@ class TrainConfig:
         fp8_start_step: FP8 ramp-up: an fp8 recipe trains its first ``fp8_start_step`` steps in high
             precision (the bf16 recipe's path) and compiles with the FP8 backend from that step on; the
             FP8 scales start from the first FP8 step's amaxes. 0 (default): FP8 from the start.
+        precision_rules: per-module precision rules (``fp8pass.Config.rules``) as plain data, the
+            ``rules`` list of a precision config file (``--precision-config FILE``; docs/precision.md):
+            kept in the run's config, so a resume runs the same rules. fp8 recipes only.
         max_data_bytes: cap each split (None = all).
         progress: show the progress bar.
     """
@@ -119,6 +123,7 @@ class TrainConfig:
     grad_accum: int = 1
     fp8_start_step: int = 0
     loss_scale: str | float | None = None
+    precision_rules: list = field(default_factory=list)
     max_data_bytes: int | None = None
     progress: bool = True
 
@@ -155,10 +160,17 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision_rules and not recipe.fp8:
+            raise ValueError(f"precision rules apply to the fp8 recipes; recipe {self.recipe!r} has no FP8 linears")
+        self.fp8_rules()  # a bad rule fails here, naming it
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup >= 0):
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, warmup >= 0")
+
+    def fp8_rules(self) -> tuple:
+        """``precision_rules`` as ``fp8pass.Rule`` objects (validated)."""
+        return tuple(rules_from_data(list(self.precision_rules), "precision_rules"))
 
     def resolved(self) -> "TrainConfig":
         """This configuration with ``precision="auto"`` resolved for this machine (what a run saves)."""
@@ -214,7 +226,8 @@ def _scaling_state(model):
 
 def _load_scaling_state(model, sd, cfg: TrainConfig):
     from .. import load_scaling_state_dict
-    load_scaling_state_dict(model, sd, config=fp8_config(get_recipe(cfg.recipe), cfg.scaling, cfg.smooth, cfg.compiler))
+    load_scaling_state_dict(model, sd, config=fp8_config(get_recipe(cfg.recipe), cfg.scaling, cfg.smooth, cfg.compiler,
+                                                         cfg.fp8_rules()))
 
 
 @torch.no_grad()
@@ -293,13 +306,13 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
     if ckpt is not None:
         start = ckpt["step"]
         if recipe.fp8 and start >= cfg.fp8_start_step:  # the saved model state carries the scaling state
-            attach_scaling_state(model, fp8_config(recipe, cfg.scaling, cfg.smooth, cfg.compiler))
+            attach_scaling_state(model, fp8_config(recipe, cfg.scaling, cfg.smooth, cfg.compiler, cfg.fp8_rules()))
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
 
     def fp8_forward():
         return prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth,
-                             compile_bf16=cfg.compile_bf16, compiler=cfg.compiler)
+                             compile_bf16=cfg.compile_bf16, compiler=cfg.compiler, rules=cfg.fp8_rules())
 
     fp8_on = recipe.fp8 and start >= cfg.fp8_start_step
     fwd = fp8_forward() if fp8_on or not recipe.fp8 else prepare_model(

@@ -6,7 +6,7 @@ import torch
 from fp8pass import ops
 
 pytestmark = pytest.mark.gpu
-ARGS = ("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True)  # ..., out_dtype, fast_accum
+ARGS = ("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "fp8")  # ..., fast_accum, backward
 
 
 def _both(fn, *tensors):

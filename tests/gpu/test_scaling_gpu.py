@@ -156,7 +156,7 @@ def test_fused_channel_swiglu_equals_the_launch_plan_it_replaced_on_cuda(w_dtype
 
     values = dict(fwd_format="e4m3", bwd_format="e5m2", granularity="tensor", block=128, power_of_two=False,
                   grad_rounding="nearest", margin=0.0, interval=1, algo="max", out_dtype=None, fast_accum=True,
-                  activation="silu", smooth="channel", recast_weight=True)
+                  backward="fp8", activation="silu", smooth="channel", recast_weight=True)
     knobs = GLUKnobs(**{k.name: values[k.name] for k in dataclasses.fields(GLUKnobs)})
 
     def replaced_plan(g2, u2, w_down, fmt, a_state, margin, power_of_two):

@@ -1,0 +1,128 @@
+"""Per-module precision rules from a TOML or JSON file (``fp8pass.load_rules``; ``fp8pass train
+--precision-config FILE``). The file is data: nothing in it is executed or imported.
+
+Format (docs/precision.md): a list ``rules`` of tables, first match wins::
+
+    [[rules]]
+    pattern = "lm_head"
+    recipe = "high"
+
+    [[rules]]
+    pattern = "*.self_attn.o_proj"
+    recipe = "delayed"
+    backward = "high"
+
+    [[rules]]
+    pattern = "*"
+    recipe = { name = "paper", smooth_swiglu = "token" }
+
+``recipe`` is ``"high"``, a named recipe, or a table with ``name`` (a named recipe) and overrides of
+its fields ``fwd_format``, ``bwd_format``, ``smooth_swiglu`` (``"none"`` or JSON ``null`` for off),
+``grad_stochastic_rounding`` and ``fast_accum``. JSON: ``{"rules": [{"pattern": ..., "recipe": ...}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: JSON files only
+    tomllib = None
+
+from .config import HIGH, Config, Rule
+
+__all__ = ["load_rules", "read_rules_data", "rules_from_data", "RULE_KEYS", "RECIPE_OVERRIDES"]
+
+RULE_KEYS = ("pattern", "recipe", "backward")
+RECIPE_OVERRIDES = ("fwd_format", "bwd_format", "smooth_swiglu", "grad_stochastic_rounding", "fast_accum")
+
+
+def load_rules(path) -> list[Rule]:
+    """The rules of a ``.toml`` or ``.json`` file, validated; ValueError naming the file, the rule
+    (index, and line for TOML) and the field otherwise."""
+    data, lines = _read(Path(path))
+    return rules_from_data(data, str(path), lines)
+
+
+def read_rules_data(path) -> list:
+    """The file's ``rules`` list as plain data, validated (what the trainer keeps in its config)."""
+    data, lines = _read(Path(path))
+    rules_from_data(data, str(path), lines)
+    return data
+
+
+def _read(path: Path) -> tuple[list, list[int]]:
+    """``(rules list, line of each [[rules]] header (TOML; [] for JSON))`` of a precision config file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"precision config {path}: cannot read it ({e.strerror or e})") from None
+    suffix = path.suffix.lower()
+    if suffix == ".toml":
+        if tomllib is None:
+            raise ValueError(f"precision config {path}: TOML needs Python 3.11+ (tomllib); use a .json file")
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"precision config {path}: not valid TOML: {e}") from None
+        lines = [i + 1 for i, line in enumerate(text.splitlines()) if line.strip().startswith("[[rules]]")]
+    elif suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"precision config {path}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+                             ) from None
+        lines = []
+    else:
+        raise ValueError(f"precision config {path}: unknown file type {path.suffix!r}; use .toml or .json")
+    if not isinstance(data, dict) or set(data) != {"rules"}:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"precision config {path}: the file holds one key, 'rules' (a list of rule tables); got {got}")
+    return data["rules"], lines
+
+
+def rules_from_data(rules, source: str = "rules", lines: list[int] | None = None) -> list[Rule]:
+    """Rules from their plain-data form (a list of dicts, as a file holds them; the trainer keeps its
+    rules so in its config); ``source`` and ``lines`` (each rule's line) name where a bad one is."""
+    if not isinstance(rules, list):
+        raise ValueError(f"{source}: 'rules' must be a list of rule tables, got {type(rules).__name__}")
+    out = []
+    for i, item in enumerate(rules):
+        where = f"{source}: rules[{i}]" + (f" (line {lines[i]})" if lines and i < len(lines) else "")
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: a rule is a table with {', '.join(RULE_KEYS)}, got {type(item).__name__}")
+        unknown = sorted(set(item) - set(RULE_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; a rule has {', '.join(RULE_KEYS)}")
+        for key in ("pattern", "recipe"):
+            if key not in item:
+                raise ValueError(f"{where}: missing field {key!r}")
+        try:
+            out.append(Rule(item["pattern"], _recipe(item["recipe"]), item.get("backward", "fp8")))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    return out
+
+
+def _recipe(value):
+    """A rule's ``recipe`` field: a name (checked by Rule) or a table of a named recipe with overrides."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"recipe must be a name or a table {{name = ..., <override> = ...}}, got {value!r}")
+    if "name" not in value:
+        raise ValueError("a recipe table needs 'name' (a named recipe)")
+    name = value["name"]
+    unknown = sorted(set(value) - {"name", *RECIPE_OVERRIDES})
+    if unknown:
+        raise ValueError(f"recipe table: unknown field(s) {', '.join(unknown)}; valid: name, {', '.join(RECIPE_OVERRIDES)}")
+    if name == HIGH:
+        if len(value) > 1:
+            raise ValueError("recipe 'high' takes no overrides")
+        return HIGH
+    overrides = {k: v for k, v in value.items() if k != "name"}
+    if overrides.get("smooth_swiglu", "") == "none":
+        overrides["smooth_swiglu"] = None
+    return Config.from_recipe(name, **overrides)  # ValueError naming a bad name or value
