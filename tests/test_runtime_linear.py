@@ -399,7 +399,10 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
     gm, inputs = dynamo_graph_under_autocast(model, tokens)
     cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), fwd_format=fmt, bwd_format=fmt, compiler="eager")
     new_gm, record = fp8pass.backend(cfg).transform(gm, list(inputs))
-    assert record.extra_inputs == []
+    # current scaling keeps no scaling state; each FP8 weight's stochastic-rounding stream (runtime/sr.py)
+    # is the graph's only extra input (none under the identity format)
+    assert [s.kind for s in record.extra_inputs] == ([] if fmt == "identity" else ["sr"] * 14)
+    streams = [torch.zeros(2, dtype=torch.int64) for _ in record.extra_inputs]
     # 12 linears of 6 distinct inputs (per layer: q/k/v's, o's, w1/w3's)
     assert new_gm.code.count("fp8pass.fp8_linear_precast.default(") == 12 and new_gm.code.count("swiglu_down.default(") == 2
     assert new_gm.code.count("fp8pass.fp8_cast_input.default(") == 6
@@ -420,7 +423,7 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
             return out
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = Recorder(new_gm).run(*inputs)
+        out = Recorder(new_gm).run(*inputs, *streams)
     kept = [name for name in got if name in before]
     assert len(kept) > 20
     assert {name: got[name] for name in kept} == {name: before[name] for name in kept}
