@@ -42,6 +42,7 @@ from .passes.policy import unmatched_rules
 from .passes.uncompiled import compile_backend_of, inplace_compile_suspended, original_callable
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
+from .runtime.sr import stream_for, stream_key
 from .runtime.state import grouped_state_for, state_for
 from .scaling_state import attach_weights
 from .passes.rewrite import StateInput, apply_plan, copy_graph_module
@@ -128,6 +129,11 @@ class Backend:
         self._records_without_fp8: dict = {}
         self.__name__ = "fp8"
         self._amax_reducer = None
+        # stochastic-rounding streams (runtime/sr.py): the seed, drawn once if the config has none, and
+        # per model (None: compiled functions) how many streams its graphs have made
+        self._sr_seed = self.config.sr_seed
+        self._sr_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._sr_made_unowned = 0
 
     @property
     def _reducer(self):
@@ -145,6 +151,21 @@ class Backend:
 
             self._amax_reducer = shared_reducer(reduction)
         return self._amax_reducer
+
+    def _sr_keys(self, model: torch.nn.Module | None) -> Callable[[], int]:
+        """The key of ``model``'s next stochastic-rounding stream: ``stream_key(seed, i)`` for its i-th,
+        so a model's streams do not depend on what else the process compiles."""
+        def next_key() -> int:
+            if self._sr_seed is None:  # CPU generator: no device sync
+                self._sr_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+            if model is None:
+                i, self._sr_made_unowned = self._sr_made_unowned, self._sr_made_unowned + 1
+            else:
+                i = self._sr_made.get(model, 0)
+                self._sr_made[model] = i + 1
+            return stream_key(self._sr_seed, i)
+
+        return next_key
 
     # torch.compile calls backend(gm, example_inputs, **{"mode": .., "options": ..})
     def __call__(self, gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
@@ -166,7 +187,8 @@ class Backend:
         record.pass_seconds = time.perf_counter() - t0
         self.records.append(record)
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
-        extras = _resolve_state(record.extra_inputs, example_inputs, self.config, self._reducer)
+        sr_keys = self._sr_keys(top_module(root) if root is not None else None)
+        extras = _resolve_state(record.extra_inputs, example_inputs, self.config, self._reducer, sr_keys)
         compiled = self._compile(new_gm, list(example_inputs) + _static_fakes(extras), mode, options)
         compiled = self._watch_for_fp8(compiled, new_gm, record, root)
         relative = relative_param_names(gm.graph, example_inputs)
@@ -192,7 +214,7 @@ class Backend:
         def run(*args):
             hit = variants.get(key_of(args))
             if hit is None or any(r() is not args[i] for r, i in zip(hit[0], params)):
-                hit = self._variant(gm, list(args), record, new_gm, compiled, relative, mode, options)
+                hit = self._variant(gm, list(args), record, new_gm, compiled, relative, mode, options, sr_keys)
                 if len(variants) > _MAX_RECORDS:
                     variants.clear()
                 variants[key_of(args)] = hit
@@ -205,16 +227,16 @@ class Backend:
 
         return run
 
-    def _variant(self, gm, args, record, new_gm, compiled, relative, mode, options):
+    def _variant(self, gm, args, record, new_gm, compiled, relative, mode, options, sr_keys=None):
         """(weight refs, compiled fn, state tensors) for a compiled frame called with other weights."""
         names = names_for(args, relative)
         refs = [weakref.ref(args[i]) for i in sorted(relative)]
         if names is None:  # weights of a module never seen: the graph as planned, their own state
-            return refs, compiled, _resolve_state(record.extra_inputs, args, self.config, self._reducer)
+            return refs, compiled, _resolve_state(record.extra_inputs, args, self.config, self._reducer, sr_keys)
         gm2, rec2 = self.transform(gm, args, names=names)
         self.records.append(rec2)
         del self.records[:-_MAX_RECORDS]
-        extras = _resolve_state(rec2.extra_inputs, args, self.config, self._reducer)
+        extras = _resolve_state(rec2.extra_inputs, args, self.config, self._reducer, sr_keys)
         if gm2.code == new_gm.code:  # the same rewrite: reuse the compiled graph
             return refs, compiled, extras
         return refs, self._compile(gm2, list(args) + extras, mode, options), extras
@@ -483,10 +505,11 @@ def _static_fakes(extras: list) -> list:
 
 
 def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config,
-                   reducer=None) -> list[torch.Tensor]:
+                   reducer=None, sr_keys: Callable[[], int] | None = None) -> list[torch.Tensor]:
     """The live state tensors for the extra inputs (created on the weight's first use).
 
-    The delayed-scaling states are handed to ``reducer`` (the automatic cross-rank reduction).
+    The delayed-scaling states are handed to ``reducer`` (the automatic cross-rank reduction); a new
+    stochastic-rounding stream takes its key from ``sr_keys`` (``Backend._sr_keys``).
     """
     if not extra:
         return []
@@ -501,6 +524,9 @@ def _resolve_state(extra: list[StateInput], example_inputs: list, cfg: Config,
     for s in extra:
         c = s.config or cfg
         weight = example_inputs[s.weight_pos]
+        if s.kind == "sr":  # the weight's stochastic-rounding stream (runtime/sr.py)
+            out.append(stream_for(weight, sr_keys).stream)
+            continue
         if s.kind == "hcp":  # NVFP4 hot-channel patching (passes/rewrite_nvfp4.py)
             out.append(hcp_state_for(weight, c.recipe.hcp).op_args()[s.field])
             continue

@@ -349,6 +349,13 @@ class Config:
         dim_multiple: FP8 GEMMs need both feature dims divisible by this (16 for ``_scaled_mm``);
             other linears stay high precision. 1 disables the check.
         grad_stochastic_rounding: round gradients (E5M2) stochastically instead of to nearest even.
+        sr_seed: seed of the model's stochastic-rounding streams (an int in [0, 2**63)): each FP8 weight
+            whose gradient is cast per tensor draws its rounding bits from a stream of its own, kept
+            in the scaling state (``model.state_dict()``, checkpoints), keyed by this seed and the order
+            in which the model's graphs first use the weight; a model with the same seed and config
+            rounds the same way whatever else the process trains (docs/backend.md, Stochastic
+            rounding streams). None (default): the seed is drawn from torch's global generator once, when
+            the backend first needs one (after ``torch.manual_seed(s)`` the same each run).
         fast_accum: on CUDA, the forward GEMMs accumulate with ``torch._scaled_mm(use_fast_accum=True)``
             (Hopper's FP8 tensor cores then promote partial sums to fp32 less often: faster, a little less
             precise), as Transformer Engine and torchao do; the dgrad and wgrad GEMMs always accumulate
@@ -397,6 +404,7 @@ class Config:
     keep_first_layers: int = 0
     keep_last_layers: int = 0
     rules: tuple[Rule, ...] = ()
+    sr_seed: int | None = None
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -432,6 +440,10 @@ class Config:
                 raise ValueError(f"Config.amax_reduction must be 'auto', 'off' or a torch.distributed.ProcessGroup, "
                                  f"got {self.amax_reduction!r}")
         _check_bool("Config.grad_stochastic_rounding", self.grad_stochastic_rounding)
+        if self.sr_seed is not None:
+            _check_int("Config.sr_seed", self.sr_seed, 0, " (the stochastic-rounding seed) or None")
+            if self.sr_seed >= 2**63:
+                raise ValueError(f"Config.sr_seed must be an int in [0, 2**63) or None, got {self.sr_seed!r}")
         _check_bool("Config.fast_accum", self.fast_accum)
         keep = self.keep_high_precision
         if isinstance(keep, str):  # a lone glob would otherwise be iterated character by character

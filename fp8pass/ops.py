@@ -99,7 +99,7 @@ def fp8_linear(
     """
     fwd, bwd = _fmt_name(fwd_format), _fmt_name(bwd_format)
     xs, ws, gs, knobs, st = _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, _autocast_dtype(x))
-    out = torch.ops.fp8pass.fp8_linear(x, weight, bias, xs, ws, gs, *knobs.replace(backward=backward).args())
+    out = torch.ops.fp8pass.fp8_linear(x, weight, bias, xs, ws, gs, None, *knobs.replace(backward=backward).args())
     if st is not None:
         st.record_forward(out[1], out[2])
     return out[0]
@@ -120,7 +120,7 @@ def _shared_input_linears(x, weights, biases, recipe, states, fwd, bwd, grad_rou
     x_data, x_scale, x_amax, x_alt = torch.ops.fp8pass.fp8_cast_input(x.detach(), xs, *knobs.args())
     outs = []
     for w, b, (_, ws, gs, _, st) in zip(weights, biases, args):
-        y, w_amax, _ = torch.ops.fp8pass.fp8_linear_precast(x, x_data, x_scale, x_alt, w, b, ws, gs, *knobs.args())
+        y, w_amax, _ = torch.ops.fp8pass.fp8_linear_precast(x, x_data, x_scale, x_alt, w, b, ws, gs, None, *knobs.args())
         if st is not None:
             st.record_forward(x_amax, w_amax)
         outs.append(y)
@@ -177,7 +177,7 @@ def _swiglu_down(gate, up, w_down, activation, smooth, recipe, state, fwd, bwd, 
     xs, ws, gs, knobs, st = _recipe_args(recipe, w_down, state, fwd, bwd, grad_rounding, _autocast_dtype(gate))
     # W_down recast in backward (not its codes kept) unless FSDP2 may rebuild it in between
     knobs = GLUKnobs(*knobs.args(), activation, smooth, not weights_may_be_regathered())
-    out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, *knobs.args())
+    out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, None, *knobs.args())
     if st is not None:
         st.record_forward(out[1], out[2])
     return out[0]

@@ -9,7 +9,9 @@ and raise :class:`~fp8pass.integrity.CheckpointError` naming the key:
   ``amax_history`` finite and >= 0 with the recipe's length, ``steps`` / ``skipped`` integers with
   ``0 <= skipped <= steps <= MAX_COUNTER``, shapes the weight's (``[]`` / ``[H]``, or ``[E]`` /
   ``[E, H]`` for a stack of E experts);
-* hot-channel patching: ``err`` >= 0, ``hot`` indices inside the input features, ``step`` in range.
+* hot-channel patching: ``err`` >= 0, ``hot`` indices inside the input features, ``step`` in range;
+* stochastic-rounding streams (``runtime.sr``): int64 ``[key, draws]`` with ``0 <= key < 2**31`` and
+  ``0 <= draws < 2**62``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import torch
 
 from .integrity import CheckpointError
 from .runtime.hcp import HCP_FIELDS
+from .runtime.sr import KEY_LIMIT
 from .runtime.state import ROLES
 
-__all__ = ["check_delayed_state", "check_hcp_state", "check_model_state_dict", "check_scaling_state_dict",
-           "SCALING_KEY", "HCP_KEY", "MAX_COUNTER"]
+__all__ = ["check_delayed_state", "check_hcp_state", "check_sr_stream", "check_model_state_dict",
+           "check_scaling_state_dict", "SCALING_KEY", "HCP_KEY", "SR_KEY", "MAX_COUNTER"]
 
 _FIELDS = ("amax_history", "scale", "steps", "skipped")
 SCALING_KEY = "fp8_scaling"  # "<param FQN>.fp8_scaling.<role>.<field>"
 HCP_KEY = "fp8_hcp"  # "<param FQN>.fp8_hcp.<field>"
+SR_KEY = "fp8_sr"  # "<param FQN>.fp8_sr.stream"
+MAX_DRAWS = 2**62  # a stream's draw count: below it the seed hash's int64 products cannot overflow
 # Largest step / skipped count a checkpoint may hold: 2**31 - 1 casts of one tensor (a 1 ms step for 24
 # days); larger values are corruption or a foreign producer, and reject sign flips of the int64 counters.
 MAX_COUNTER = 2**31 - 1
@@ -140,6 +145,11 @@ def check_model_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Mappi
     """
     groups: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, v in state_dict.items():
+        if f".{SR_KEY}." in key:
+            if not key.endswith(f".{SR_KEY}.stream"):
+                raise CheckpointError(f"{key}: a stochastic-rounding entry must be '<param>.{SR_KEY}.stream'")
+            check_sr_stream(v, key)
+            continue
         for marker, kind in ((f".{SCALING_KEY}.", SCALING_KEY), (f".{HCP_KEY}.", HCP_KEY)):
             if marker in key:
                 param, rest = key.split(marker, 1)
@@ -168,6 +178,16 @@ def _group_flat(state_dict: Mapping[str, torch.Tensor], params) -> tuple[dict[st
             continue
         grouped.setdefault(parts[0], {})[f"{parts[1]}.{parts[2]}"] = v
     return grouped, unknown
+
+
+def check_sr_stream(t, key: str) -> None:
+    """Check a stochastic-rounding stream ``[key, draws]`` (int64) before it is loaded; raises
+    CheckpointError naming ``key``."""
+    _check_tensor(key, t, (2,), "int")
+    if t.dtype != torch.int64:
+        raise CheckpointError(f"{key}: expected an int64 tensor [key, draws], got {t.dtype}")
+    _require(key, t[:1], (t[:1] >= 0) & (t[:1] < KEY_LIMIT), f"a stream key in [0, {KEY_LIMIT})")
+    _require(key, t[1:], (t[1:] >= 0) & (t[1:] < MAX_DRAWS), f"a draw count in [0, {MAX_DRAWS})")
 
 
 def check_scaling_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]],

@@ -7,7 +7,8 @@ travels two ways:
   state-dict hooks on the modules that own weights with state add
   ``"<param FQN>.fp8_scaling.<role>.<field>"`` (delayed scaling; role ``input`` / ``weight`` /
   ``grad_output``, field ``amax_history`` / ``scale`` / ``steps`` / ``skipped``) and
-  ``"<param FQN>.fp8_hcp.<field>"`` (NVFP4 hot-channel patching; ``err`` / ``hot`` / ``step``),
+  ``"<param FQN>.fp8_hcp.<field>"`` (NVFP4 hot-channel patching; ``err`` / ``hot`` / ``step``) and
+  ``"<param FQN>.fp8_sr.stream"`` (the weight's stochastic-rounding stream, :mod:`fp8pass.runtime.sr`),
   e.g. ``"model.layers.0.mlp.down_proj.weight.fp8_scaling.grad_output.scale"``. The
   values are the live state tensors (like the weights in a state dict). The backend registers the
   hooks when it first compiles a weight; :func:`attach` registers them on a model that has not been
@@ -48,8 +49,10 @@ from .integrity import CheckpointError
 from .numerics import get_format
 from .runtime import state as _linear_state
 from .runtime.hcp import _REGISTRY as _HCP_REGISTRY, HCP_FIELDS, hcp_state_for
+from .runtime.sr import _REGISTRY as _SR_REGISTRY, SRStream
 from .runtime.state import _ACCUMULATING, ROLES, _REGISTRY, commit_states, state_for
-from .scaling_checks import _FIELDS, HCP_KEY, SCALING_KEY, _group_flat, check_delayed_state, check_hcp_state
+from .scaling_checks import (_FIELDS, HCP_KEY, SCALING_KEY, SR_KEY, _group_flat, check_delayed_state, check_hcp_state,
+                             check_sr_stream)
 
 __all__ = ["scaling_state_dict", "load_scaling_state_dict", "attach", "attach_weights", "without_scaling_state",
            "accumulate_scaling", "commit_scaling", "SCALING_KEY", "HCP_KEY"]
@@ -96,6 +99,10 @@ def _save_hook(module, state_dict, prefix, local_metadata) -> None:
             setattr(p, HCP_KEY, hcp)
             for field in HCP_FIELDS:
                 state_dict[f"{prefix}{name}.{HCP_KEY}.{field}"] = getattr(hcp, field)
+        sr = _SR_REGISTRY.get(p)
+        if sr is not None:
+            setattr(p, SR_KEY, sr)
+            state_dict[f"{prefix}{name}.{SR_KEY}.stream"] = sr.stream
 
 
 def _load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -119,6 +126,23 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
                 _load_hcp_one(p, found, cfg, base[:-1])
             except (KeyError, ValueError) as e:
                 error_msgs.append(str(e.args[0]) if e.args else repr(e))
+        key = f"{prefix}{name}.{SR_KEY}.stream"
+        if key in state_dict:
+            try:
+                _load_sr_one(p, state_dict.pop(key), key)
+            except ValueError as e:
+                error_msgs.append(str(e.args[0]) if e.args else repr(e))
+
+
+def _load_sr_one(p: torch.Tensor, t: torch.Tensor, key: str) -> None:
+    """Validate and load one weight's stochastic-rounding stream (made with the saved key if the
+    weight has none yet: its graphs then continue the saved stream)."""
+    check_sr_stream(t, key)
+    st = _SR_REGISTRY.get(p)
+    if st is None:
+        _SR_REGISTRY[p] = SRStream(t.detach().to(device=p.device, dtype=torch.int64, copy=True))
+        return
+    st.load_state_dict({"sr.stream": t})
 
 
 def _load_delayed(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config, name: str) -> None:
@@ -268,7 +292,7 @@ def _adopt_recipe(weight: torch.Tensor, cfg: Config) -> None:
 
 def without_scaling_state(state_dict: dict) -> dict:
     """``state_dict`` less the scaling-state keys (for a model that will not train in FP8)."""
-    markers = (f".{SCALING_KEY}.", f".{HCP_KEY}.")
+    markers = (f".{SCALING_KEY}.", f".{HCP_KEY}.", f".{SR_KEY}.")
     return type(state_dict)((k, v) for k, v in state_dict.items() if not any(m in k for m in markers))
 
 

@@ -209,7 +209,7 @@ def test_mx_identity_hook_is_the_plain_linear():
 
 def test_mx_linear_opcheck():
     x, w, _, _ = _linear_data(t=40, k=64, n=32)
-    args = (x.requires_grad_(), w.requires_grad_(), None, [], [], [], "e4m3", "e4m3", "mx", 128, False, "nearest",
+    args = (x.requires_grad_(), w.requires_grad_(), None, [], [], [], None, "e4m3", "e4m3", "mx", 128, False, "nearest",
             0.0, 1, "max", None, True, "fp8")
     torch.library.opcheck(torch.ops.fp8pass.fp8_linear, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -97,7 +97,7 @@ def _knobs(granularity="tensor", fmts=("e4m3", "e5m2"), out_dtype=None):
 
 
 def _op_args(x, w, b, states=([], [], []), granularity="tensor", fmts=("e4m3", "e5m2"), out_dtype=None):
-    return (x, w, b, *states, *_knobs(granularity, fmts, out_dtype).args())
+    return (x, w, b, *states, None, *_knobs(granularity, fmts, out_dtype).args())
 
 
 @pytest.mark.parametrize("granularity,fmts", [("tensor", ("e4m3", "e5m2")), ("block", ("e4m3", "e5m2")),
@@ -114,7 +114,7 @@ def test_opcheck_swiglu_down_and_record(activation):
     gate, up = torch.randn(2, 8, 24, generator=g), torch.randn(2, 8, 24, generator=g)
     wd = torch.randn(16, 24, generator=g)
     torch.library.opcheck(torch.ops.fp8pass.swiglu_down.default,
-                          (gate.requires_grad_(), up.requires_grad_(), wd.requires_grad_(), [], [], [],
+                          (gate.requires_grad_(), up.requires_grad_(), wd.requires_grad_(), [], [], [], None,
                            *GLUKnobs(*_knobs().args(), activation, "channel").args()))
     st = LinearScalingState(fp8pass.DelayedScaling(history_len=3))
     torch.library.opcheck(torch.ops.fp8pass.delayed_record_.default,
@@ -125,14 +125,15 @@ def test_opcheck_backward_ops():
     x, w, _, dy = _inputs(dtype=torch.float32)
     out = torch.ops.fp8pass.fp8_linear(x, w, None, *_op_args(x, w, None)[3:])
     torch.library.opcheck(torch.ops.fp8pass.fp8_linear_backward.default,
-                          (dy, out[3], out[4], out[5], out[6], [], torch.float32, torch.float32, True, *_knobs().args()))
+                          (dy, out[3], out[4], out[5], out[6], [], None, torch.float32, torch.float32, True,
+                           *_knobs().args()))
     g = torch.Generator().manual_seed(3)
     gate, up = torch.randn(8, 24, generator=g), torch.randn(8, 24, generator=g)
     wd = torch.randn(16, 24, generator=g)
     knobs = GLUKnobs(*_knobs().args(), "gelu", "token").args()
-    o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *knobs)
+    o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], None, *knobs)
     torch.library.opcheck(torch.ops.fp8pass.swiglu_down_backward.default,
-                          (torch.randn(8, 16, generator=g), *o[3:], [], torch.float32, torch.float32, *knobs))
+                          (torch.randn(8, 16, generator=g), *o[3:], [], None, torch.float32, torch.float32, *knobs))
 
 
 def test_inductor_skips_the_autograd_cache_for_rewritten_graphs(monkeypatch):

@@ -75,7 +75,7 @@ def test_fp32_results_equal_the_dequantized_reference():
     _assert_gemm(y, xd, wd)
     _assert_gemm(dx, gd, wd.T)
     _assert_gemm(dw, gd.T, xd.T)
-    out = torch.ops.fp8pass.fp8_linear(x, w, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False, "nearest",
+    out = torch.ops.fp8pass.fp8_linear(x, w, None, [], [], [], None, "e4m3", "e5m2", "tensor", 128, False, "nearest",
                                        0.0, 1, "max", None, True, "fp8")
     assert torch.equal(out[3].view(-1), qx.data.view(torch.uint8).view(-1))
     assert torch.equal(out[5], qw.data.view(torch.uint8))
@@ -156,7 +156,7 @@ def test_delayed_scaling_bootstrap_history_and_grad_record():
     assert st.input.amax_history[0] == x.abs().max() and st.grad_output.amax_history[0] == dy.abs().max()
     # step 2 with a 4x larger input: delayed scale (from step 1) saturates the large values
     y2, _, _ = _grads(lambda a, b: ops.fp8_linear(a, b, recipe=recipe, state=st), 4 * x, w, dy)
-    out = torch.ops.fp8pass.fp8_linear(4 * x, w, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False,
+    out = torch.ops.fp8pass.fp8_linear(4 * x, w, None, [], [], [], None, "e4m3", "e5m2", "tensor", 128, False,
                                        "nearest", 0.0, 1, "max", None, True, "fp8")
     qx = quantize(4 * x, E4M3, scale=E4M3.max / x.abs().max())
     assert qx.data.float().abs().max() == E4M3.max  # saturated codes, as delayed scaling implies
@@ -399,7 +399,10 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
     gm, inputs = dynamo_graph_under_autocast(model, tokens)
     cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), fwd_format=fmt, bwd_format=fmt, compiler="eager")
     new_gm, record = fp8pass.backend(cfg).transform(gm, list(inputs))
-    assert record.extra_inputs == []
+    # current scaling keeps no scaling state; each FP8 weight's stochastic-rounding stream (runtime/sr.py)
+    # is the graph's only extra input (none under the identity format)
+    assert [s.kind for s in record.extra_inputs] == ([] if fmt == "identity" else ["sr"] * 14)
+    streams = [torch.zeros(2, dtype=torch.int64) for _ in record.extra_inputs]
     # 12 linears of 6 distinct inputs (per layer: q/k/v's, o's, w1/w3's)
     assert new_gm.code.count("fp8pass.fp8_linear_precast.default(") == 12 and new_gm.code.count("swiglu_down.default(") == 2
     assert new_gm.code.count("fp8pass.fp8_cast_input.default(") == 6
@@ -420,7 +423,7 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
             return out
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = Recorder(new_gm).run(*inputs)
+        out = Recorder(new_gm).run(*inputs, *streams)
     kept = [name for name in got if name in before]
     assert len(kept) > 20
     assert {name: got[name] for name in kept} == {name: before[name] for name in kept}
@@ -465,14 +468,14 @@ def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
     x, w, dy = _data(31, t=64, k=96, n=48)
 
     def linear(xi, wi):
-        return torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], *lk)
+        return torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], None, *lk)
 
     def precast(xi, wi):
         xd, xs, _, xu = torch.ops.fp8pass.fp8_cast_input(xi.detach(), [], *lk)
-        return torch.ops.fp8pass.fp8_linear_precast(xi, xd, xs, xu, wi, None, [], [], *lk)
+        return torch.ops.fp8pass.fp8_linear_precast(xi, xd, xs, xu, wi, None, [], [], None, *lk)
 
     def glu(xi, wi):  # gate = up = x [64, 96], W_down [48, 96]
-        return torch.ops.fp8pass.swiglu_down(xi, xi * 0.5, wi, [], [], [], *gk)
+        return torch.ops.fp8pass.swiglu_down(xi, xi * 0.5, wi, [], [], [], None, *gk)
 
     big = {tuple(x.shape), tuple(w.shape)}
     for op in (linear, precast, glu):

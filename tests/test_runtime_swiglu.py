@@ -75,7 +75,7 @@ def test_unknown_activation_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown GLU activation 'swish'.*'gelu_tanh'"):
         ops.swiglu_mlp(x, wg, wu, wd, activation="swish")
     with pytest.raises(ValueError, match="unknown GLU activation"):
-        torch.ops.fp8pass.swiglu_down(F.linear(x, wg), F.linear(x, wu), wd, [], [], [],
+        torch.ops.fp8pass.swiglu_down(F.linear(x, wg), F.linear(x, wu), wd, [], [], [], None,
                                       *_knobs("gelu_new", "channel").args())
 
 
@@ -86,7 +86,7 @@ def test_fp8_modes_compute_their_documented_operands(smooth, activation):
     x, wg, wu, wd, _ = _weights(1)
     gate, up = F.linear(x, wg), F.linear(x, wu)
     mode = "none" if smooth is None else smooth
-    out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *_knobs(activation, mode).args())
+    out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], None, *_knobs(activation, mode).args())
     act = ACTS[activation]
     h = act(gate) * up
     h2 = h.reshape(-1, h.shape[-1])
@@ -210,7 +210,7 @@ def test_recast_weight_gives_the_same_bits_and_saves_no_weight_codes(family, siz
                     g, u, w = (t.clone().requires_grad_() for t in (gate, up, wd.to(w_dtype)))
                     saved = []
                     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                        out = torch.ops.fp8pass.swiglu_down(g, u, w, *states, *k.args())
+                        out = torch.ops.fp8pass.swiglu_down(g, u, w, *states, None, *k.args())
                     out[0].backward(dy.to(out[0].dtype))
                     codes_of_w = [t for t in saved if t.shape == w.shape and t.dtype == torch.uint8]
                     assert len(codes_of_w) == (0 if recast else 1), (mode, delayed, recast)

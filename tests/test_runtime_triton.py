@@ -123,7 +123,7 @@ def test_gpu_code_path_on_cpu_matches_torch_path(monkeypatch):
         leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
         y = ops.swiglu_mlp(*leaves, smooth=smooth, activation=activation)
         y.backward(dy)
-        lin = torch.ops.fp8pass.fp8_linear(x, wg, None, [], [], [], "e4m3", "e5m2", "tensor", 128, False,
+        lin = torch.ops.fp8pass.fp8_linear(x, wg, None, [], [], [], None, "e4m3", "e5m2", "tensor", 128, False,
                                            "nearest", 0.0, 1, "max", None, True, "fp8")
         return [y.detach()] + [t.grad for t in leaves], lin
 
@@ -283,9 +283,9 @@ def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
                 xd, xsc, _, xa = torch.ops.fp8pass.fp8_cast_input(xi.detach(), xs, *knobs)
                 # the GEMM takes the codes on this path; x_alt holds them column-major (what backward keeps)
                 assert xa.dtype == torch.uint8 and xa.stride() == (1, xd.shape[0]) and torch.equal(xa, xd)
-                y = torch.ops.fp8pass.fp8_linear_precast(xi, xd, xsc, xa, wi, None, ws, gs, *knobs)[0]
+                y = torch.ops.fp8pass.fp8_linear_precast(xi, xd, xsc, xa, wi, None, ws, gs, None, *knobs)[0]
             else:
-                y = torch.ops.fp8pass.fp8_linear(xi, wi, None, xs, ws, gs, *knobs)[0]
+                y = torch.ops.fp8pass.fp8_linear(xi, wi, None, xs, ws, gs, None, *knobs)[0]
             y.backward(dy)
             results.append((y.detach(), xi.grad, wi.grad))
         for a, b in zip(*results):

@@ -278,10 +278,10 @@ def test_shared_cast_ops_opcheck():
         torch.library.opcheck(torch.ops.fp8pass.fp8_cast_input.default, cast_args)
         data, scale, _, up = torch.ops.fp8pass.fp8_cast_input(*cast_args)
         assert data.dtype == torch.uint8 and data.shape == (T, D)
-        args = (x, data, scale, up, w, b, [], [], *k.args())
+        args = (x, data, scale, up, w, b, [], [], None, *k.args())
         torch.library.opcheck(torch.ops.fp8pass.fp8_linear_precast.default, args)
         y = torch.ops.fp8pass.fp8_linear_precast(*args)[0]
-        ref = torch.ops.fp8pass.fp8_linear(x, w, b, [], [], [], *k.args())[0]
+        ref = torch.ops.fp8pass.fp8_linear(x, w, b, [], [], [], None, *k.args())[0]
         assert torch.equal(y, ref)
 
 
@@ -292,7 +292,7 @@ def test_shared_cast_ops_clear_errors():
     x = torch.randn(4, 16, D)
     data, scale, _, up = torch.ops.fp8pass.fp8_cast_input(x, [], *k.args())
     with pytest.raises(ValueError, match="is not the cast of x"):
-        torch.ops.fp8pass.fp8_linear_precast(x[:2], data, scale, up, torch.randn(8, D), None, [], [], *k.args())
+        torch.ops.fp8pass.fp8_linear_precast(x[:2], data, scale, up, torch.randn(8, D), None, [], [], None, *k.args())
     with pytest.raises(ValueError, match="MX granularity"):
         torch.ops.fp8pass.fp8_cast_input(x, [], *k.replace(granularity="mx").args())
 

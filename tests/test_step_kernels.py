@@ -179,10 +179,10 @@ def test_weight_casts_of_the_precast_linear_write_no_codes_on_cpu(monkeypatch):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         if precast:
             xd, xs, _, xu = torch.ops.fp8pass.fp8_cast_input(xi.detach(), [], *knobs)
-            y = torch.ops.fp8pass.fp8_linear_precast(xi, xd, xs, xu, wi, None, [], [], *knobs)[0]
+            y = torch.ops.fp8pass.fp8_linear_precast(xi, xd, xs, xu, wi, None, [], [], None, *knobs)[0]
             weight_casts = [s for s in seen if s == tuple(w.shape)]
         else:
-            y = torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], *knobs)[0]
+            y = torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], None, *knobs)[0]
         y.backward(dy)
         if precast:
             weight_casts += [s for s in seen if s == tuple(w.shape)]
@@ -207,7 +207,7 @@ def test_gradient_casts_write_no_codes_on_cpu(monkeypatch):
 
     def grads():
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], *knobs)[0]
+        y = torch.ops.fp8pass.fp8_linear(xi, wi, None, [], [], [], None, *knobs)[0]
         y.backward(dy)
         return xi.grad, wi.grad
 
@@ -248,12 +248,12 @@ def test_saved_gate_and_up_from_the_operand_loops_amax_equal_casting_them_alone(
         up[1, 2] = -7e4  # the largest |up| is negative
         w = torch.randn(40, 96, generator=g) * 0.1
         knobs = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "fp8", "silu", smooth).args()
-        out = torch.ops.fp8pass.swiglu_down(gate, up, w, [], [], [], *knobs)
+        out = torch.ops.fp8pass.swiglu_down(gate, up, w, [], [], [], None, *knobs)
         fmt = get_format("e4m3")
         for t, codes, scale in ((gate, out[8], out[9]), (up, out[10], out[11])):
             ref = cast_operand(t, fmt)
             assert torch.equal(codes, ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale)
-        empty = torch.ops.fp8pass.swiglu_down(gate[:0], up[:0], w, [], [], [], *knobs)  # no tokens
+        empty = torch.ops.fp8pass.swiglu_down(gate[:0], up[:0], w, [], [], [], None, *knobs)  # no tokens
         assert empty[0].shape == (0, 40) and torch.equal(empty[9], torch.ones(()))  # amax 0: scale 1
         gate[0, 0], up[3, 3] = float("nan"), float("inf")
         _, _, g_amax, u_amax = sw.operand_and_input_amax(gate, up, smooth, "silu")

@@ -178,7 +178,7 @@ def test_the_fused_op_saves_a_column_major_as_its_fake_declares(monkeypatch):
     g = torch.Generator().manual_seed(12)
     gate, up = (torch.randn(40, 24, generator=g).to(torch.bfloat16) for _ in range(2))
     wd = torch.randn(16, 24, generator=g)
-    args = ([], [], [], *_knobs().args())
+    args = ([], [], [], None, *_knobs().args())
     real = torch.ops.fp8pass.swiglu_down(gate, up, wd, *args)[3]
     with FakeTensorMode() as mode:
         fake = torch.ops.fp8pass.swiglu_down(*(mode.from_tensor(x) for x in (gate, up, wd)), *args)[3]
@@ -274,7 +274,7 @@ def test_fused_channel_path_equals_the_launch_plan_it_replaces(w_dtype, monkeypa
                 states[0] = list(st.op_tensors())
             k = _knobs(recast_weight=bool(recast), **over)
             gi, ui, wi = (x.clone().requires_grad_() for x in (gate, up, wd))
-            out = torch.ops.fp8pass.swiglu_down(gi, ui, wi, *states, *k.args())
+            out = torch.ops.fp8pass.swiglu_down(gi, ui, wi, *states, None, *k.args())
             out[0].backward(dy)
             results.append([o.detach() for o in out] + [gi.grad, ui.grad, wi.grad])
             monkeypatch.undo()
@@ -300,7 +300,7 @@ def test_the_fused_plan_takes_the_launches_the_budget_counts(monkeypatch):
         for step in range(2):
             gate.grad = up.grad = wd.grad = None
             with gl.LaunchCounter() as c:
-                out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *k.args())
+                out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], None, *k.args())
                 out[0].backward(dy)
     assert c.syncs == {}
     assert dict(c.triton) == {"_swiglu_colamax_kernel": 1, "_channel_scales_kernel": 1, "_swiglu_cast_kernel": 1,
@@ -315,7 +315,7 @@ def test_no_tokens_take_the_former_plan_with_unit_channel_scales(monkeypatch):
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")
     gate, up = (torch.zeros(0, 16, requires_grad=True) for _ in range(2))
     wd = torch.randn(8, 16, requires_grad=True)
-    out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], *_knobs(recast_weight=True).args())
+    out = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], None, *_knobs(recast_weight=True).args())
     out[0].sum().backward()
     assert out[0].shape == (0, 8) and torch.equal(out[7], torch.ones(16))
     assert torch.equal(wd.grad, torch.zeros(8, 16))

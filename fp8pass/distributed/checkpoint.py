@@ -54,8 +54,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ..config import Config, DelayedScaling
 from ..integrity import CheckpointError, verify_files, write_failed, write_manifest
 from ..optim.state_check import check_optimizer_state
-from ..scaling_checks import _FIELDS, check_delayed_state, check_model_state_dict
-from ..scaling_state import _load_delayed
+from ..scaling_checks import _FIELDS, SR_KEY, check_delayed_state, check_model_state_dict
+from ..scaling_state import _load_delayed, _load_sr_one
 from ..runtime.state import ROLES
 from .amax_sync import _module_params, scaling_states
 
@@ -299,6 +299,24 @@ def _fp8_templates(meta: Metadata, model: torch.nn.Module, cfg: Config) -> dict[
     return out
 
 
+def _stream_templates(meta: Metadata, model: torch.nn.Module, msd: dict) -> dict[str, tuple]:
+    """``{model state-dict key: (parameter, empty int64 [2])}`` for the saved stochastic-rounding streams
+    (``runtime.sr``) of parameters that have none yet (a model not compiled before the load: its state
+    dict lacks them, so DCP would skip them), after checking each declared shape."""
+    suffix = f".{SR_KEY}.stream"
+    params = {_clean(name): p for name, p in _module_params(model)}
+    out = {}
+    for key, m in meta.state_dict_metadata.items():
+        if not (key.startswith("model.") and key.endswith(suffix)) or key[len("model."):] in msd:
+            continue
+        name = key[len("model."):-len(suffix)]
+        if name not in params:
+            raise CheckpointError(f"{key}: names no parameter of this model")
+        _check_saved_tensor(key, m, (2,))
+        out[key[len("model."):]] = (params[name], torch.empty(2, dtype=torch.int64))
+    return out
+
+
 def _dcp_failure(path: Path, action: str, e: BaseException) -> CheckpointError:
     """A one-line CheckpointError for a failed DCP ``action`` ("save" / "load") of ``path``."""
     inner = _unwrap_dcp_error(e) if isinstance(e, CheckpointException) else e
@@ -442,11 +460,12 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     cfg = config or Config()
     try:
         fp8 = _fp8_templates(meta, model, cfg)
+        streams = _stream_templates(meta, model, msd)
     except CheckpointError as e:
         raise CheckpointError(f"{path / _METADATA}: {e}") from None
     # DCP loads in place: the scaling state, steps and moment scales go into copies, validated before
     # set_state_dict applies them (the model's state-dict values are its live state tensors)
-    sd = {"model": _copy_state_entries(_plain(msd)), "fp8": fp8}
+    sd = {"model": dict(_copy_state_entries(_plain(msd)), **{k: t for k, (_, t) in streams.items()}), "fp8": fp8}
     if optimizer is not None:
         sd["optim"] = _copy_state_entries(_plain(osd))
     if extra:
@@ -468,7 +487,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             raise CheckpointError(f"{path}: {e.args[0] if e.args else e}") from None
 
     _agree(validate)
+    new_streams = {k: sd["model"].pop(k) for k in streams}  # the model has no such key: loaded below
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=sd["model"],
                    optim_state_dict=sd.get("optim", {}))
+    for key, t in new_streams.items():
+        _load_sr_one(streams[key][0], t, key)
     for p, name, d in scaling:
         _load_delayed(p, d, cfg, name)

@@ -300,12 +300,14 @@ def _compiled_cast_stochastic(fmax: float, mbits: int, emin: int, dtype: torch.d
     return compile_variant(cast_stochastic_kernel, _tag("sr", fmax, dtype, src))
 
 
-def cast_stochastic(x: torch.Tensor, scale: torch.Tensor, fmt: Format, generator: torch.Generator | None = None):
+def cast_stochastic(x: torch.Tensor, scale: torch.Tensor, fmt: Format, generator: torch.Generator | None = None,
+                    seed: torch.Tensor | None = None):
     """Codes of ``x * scale`` stochastically rounded onto ``fmt`` (saturating), with ``max |x|``.
 
     One compiled loop (eager below ``MIN_COMPILED`` elements, same bits). The random bits come from
     :func:`uniform_bits` seeded by one draw from ``generator`` (torch's default generator when None),
-    so ``torch.manual_seed`` and checkpointed RNG states reproduce them.
+    so ``torch.manual_seed`` and checkpointed RNG states reproduce them; or from ``seed`` (an int64
+    [1] tensor, a model's stream draw, ``fp8pass.runtime.sr``) without a draw.
 
     Returns:
         (codes shaped like ``x``, amax fp32 scalar).
@@ -315,7 +317,10 @@ def cast_stochastic(x: torch.Tensor, scale: torch.Tensor, fmt: Format, generator
         codes, amax = torch_family.cast_scaled(x, scale, fmt, "stochastic", generator, want_amax=True)
         return codes, (amax if amax is not None else torch.zeros((), device=x.device)).float()
     scale = scale.to(torch.float32).reshape(())
-    seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x.device)
+    if seed is None:
+        seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x.device)
+    else:
+        seed = seed.reshape(()).to(torch.int32)  # < 2**31: exact
     args = (fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype)
     eager = lambda a, s, sd: _stochastic_cast_math(a, s, sd, *args)  # noqa: E731
     if x.numel() < MIN_COMPILED:

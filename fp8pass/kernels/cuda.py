@@ -52,7 +52,8 @@ cast_grouped = triton_grouped_casts.cast_grouped
 
 
 def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin: float, power_of_two: bool,
-                 rounding: str = "nearest", transpose: bool = False, invert: tuple[torch.Tensor, ...] = ()):
+                 rounding: str = "nearest", transpose: bool = False, invert: tuple[torch.Tensor, ...] = (),
+                 seed: torch.Tensor | None = None):
     """A delayed-scaled cast in one read of ``x2d`` and two launches (no host read).
 
     Casts with the held scale, taking the per-tile maxima of ``|x|`` from the same read; the kernel's
@@ -62,36 +63,41 @@ def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, marg
     it differs (otherwise it reads and writes nothing). So the codes, scale and amax are those of
     the two-read reference; a second read happens only on the first step and when the guard fires.
     ``invert``: scales whose decode scales the scale launch computes too (:func:`cast_current`).
+    ``seed``: stochastic rounding's seed (int64 [1], a stream's draw; both launches use it), or None
+    (one drawn from the device's generator).
 
     Returns:
         (codes [R, C], codes [C, R] or None, :class:`~.triton_scaling.OperandScale`).
     """
     data, data_t, sc = triton_operand_casts.transpose_cast(x2d, state[1], fmt, transpose, rounding,
-                                                     delayed=(state, margin, power_of_two, invert))
-    triton_operand_casts.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, only_if=sc.recast, out=(data, data_t))
+                                                     delayed=(state, margin, power_of_two, invert), seed=seed)
+    triton_operand_casts.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, only_if=sc.recast, out=(data, data_t),
+                                        seed=seed)
     return data, data_t, sc
 
 
 def cast_current(x2d: torch.Tensor, fmt: Format, margin: float, power_of_two: bool, rounding: str = "nearest",
-                 transpose: bool = False, invert: tuple[torch.Tensor, ...] = ()):
+                 transpose: bool = False, invert: tuple[torch.Tensor, ...] = (), seed: torch.Tensor | None = None):
     """A current-scaled per-tensor cast in two reads of ``x2d`` and two launches (no host read): the amax
     and, from the kernel's last program, the scale (:func:`~fp8pass.numerics.scale_from_amax`), its
     decode scale and ``1 / s`` of each ``invert`` scale (:func:`.triton_scaling.amax_and_scale`); the
-    cast (both layouts with ``transpose``).
+    cast (both layouts with ``transpose``); ``seed`` as in :func:`cast_delayed`.
 
     Returns:
         (codes [R, C], codes [C, R] or None, :class:`~.triton_scaling.OperandScale`).
     """
     sc = triton_scaling.amax_and_scale(x2d, fmt, margin, power_of_two, invert=invert)
-    data, data_t, _ = triton_operand_casts.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, partials=True)
+    data, data_t, _ = triton_operand_casts.transpose_cast(x2d, sc.scale, fmt, transpose, rounding, partials=True,
+                                                          seed=seed)
     return data, data_t, sc
 
 
-def cast_stochastic(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format):
+def cast_stochastic(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, seed: torch.Tensor | None = None):
     """Stochastically rounded codes of ``x2d * scale`` and ``max |x2d|`` in one read: the Triton
     cast kernel (random bits from a seed drawn on the device; no host sync), instead of the torch
-    integer emulation (~30 elementwise kernels and a full-size ``randint``)."""
-    return triton_family.cast_scaled(x2d, scale, fmt, "stochastic", None, want_amax=True)
+    integer emulation (~30 elementwise kernels and a full-size ``randint``). ``seed``: int64 [1] (a
+    stream's draw), or None (drawn)."""
+    return triton_family.cast_scaled(x2d, scale, fmt, "stochastic", None, want_amax=True, seed=seed)
 
 
 def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

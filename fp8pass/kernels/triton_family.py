@@ -231,9 +231,12 @@ def _fmt_args(fmt: Format) -> dict:
     )
 
 
-def _seed_arg(rounding: str, generator, device, unused: torch.Tensor) -> torch.Tensor:
-    """The kernels' seed pointer: a drawn seed for stochastic rounding; otherwise any tensor (unread)."""
-    return random_seed(generator, device) if rounding == "stochastic" else unused
+def _seed_arg(rounding: str, generator, device, unused: torch.Tensor, seed: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' seed pointer: for stochastic rounding ``seed`` (int64 [1]) or a drawn one; otherwise
+    any tensor (unread)."""
+    if rounding != "stochastic":
+        return unused
+    return seed if seed is not None else random_seed(generator, device)
 
 
 def _storage(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -269,7 +272,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def cast_flat(flat: torch.Tensor, scale: torch.Tensor, fmt: Format, rounding="nearest", generator=None,
-              want_amax=False):
+              want_amax=False, seed=None):
     """Codes of a contiguous 1-D ``flat * scale``: uint8 [n] or, for E2M1, [ceil(n / 2)] packed bytes
     (an odd n leaves the last byte's high nibble 0); and the amax of ``flat`` if ``want_amax``."""
     check_interpretable(flat.device)
@@ -280,7 +283,7 @@ def cast_flat(flat: torch.Tensor, scale: torch.Tensor, fmt: Format, rounding="ne
                           device=flat.device)
     s = scale.to(device=flat.device, dtype=torch.float32).reshape(1)
     _cast_tensor_kernel[lambda meta: (triton.cdiv(nout, meta["BLOCK"]),)](
-        flat, out, s, partial, _seed_arg(rounding, generator, flat.device, s), n, size_class(n),
+        flat, out, s, partial, _seed_arg(rounding, generator, flat.device, s, seed), n, size_class(n),
         STOCHASTIC=rounding == "stochastic", PACKED=fmt.packed, WANT_AMAX=want_amax, **_fmt_args(fmt),
         HW=0 if fmt.packed else hardware_cast(flat.device, fmt),
     )
@@ -288,12 +291,13 @@ def cast_flat(flat: torch.Tensor, scale: torch.Tensor, fmt: Format, rounding="ne
     return out, amax
 
 
-def cast_scaled(x, scale, fmt: Format, rounding="nearest", generator=None, want_amax=False):
-    """Codes of ``x * scale`` (one scale); with ``want_amax``, the amax of x from the same read."""
+def cast_scaled(x, scale, fmt: Format, rounding="nearest", generator=None, want_amax=False, seed=None):
+    """Codes of ``x * scale`` (one scale); with ``want_amax``, the amax of x from the same read.
+    ``seed``: stochastic rounding's seed (int64 [1] on x's device) instead of a draw from ``generator``."""
     if not _supported(x):
         return torch_family.cast_scaled(x, scale, fmt, rounding, generator, want_amax)
     _check_even(x, fmt)
-    out, amax = cast_flat(x.contiguous().view(-1), scale, fmt, rounding, generator, want_amax)
+    out, amax = cast_flat(x.contiguous().view(-1), scale, fmt, rounding, generator, want_amax, seed)
     shape = (*x.shape[:-1], x.shape[-1] // 2) if fmt.packed else x.shape
     return _storage(out, fmt).view(shape), amax
 

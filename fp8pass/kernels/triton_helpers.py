@@ -13,6 +13,7 @@
 ``INTERPRETING``           whether kernels run in Triton's interpreter (``INTERPRETED``: the same as a constexpr)
 ``hardware_cast``          the cast kernels' HW constexpr for a device and format
 ``random_seed``            a Philox seed drawn on the device (no host synchronisation)
+``stream_seed``            a seed from a model's stochastic-rounding stream, advanced on the device (runtime.sr)
 =========================  ====================================================================================
 """
 
@@ -32,7 +33,7 @@ from ..numerics.scaling import HUGE_AMAX
 __all__ = ["INTERPRETING", "INTERPRETED", "HW_FORMATS", "autotune", "size_class", "check_interpretable", "encode",
            "max_propagating_nan", "abs_max", "abs_max_2d", "stochastic_grid", "on_grid_codes", "cast_codes",
            "random_bits", "philox4", "random_bits4", "philox_pick", "philox_at", "random_bits_at", "tile_scale",
-           "hardware_cast", "hardware_rne", "random_seed"]
+           "hardware_cast", "hardware_rne", "random_seed", "stream_seed"]
 
 
 def _interpreting() -> bool:
@@ -349,3 +350,25 @@ def random_seed(generator: torch.Generator | None, device: torch.device) -> torc
     where = generator.device if generator is not None else device
     seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=where, dtype=torch.int64)
     return seed if where == device else seed.to(device, non_blocking=True)
+
+
+@triton.jit
+def _stream_seed_kernel(stream_ptr, seed_ptr):
+    """``runtime.sr.mix_seed`` of ``[key, draws]`` into ``seed_ptr``, then ``draws += 1``."""
+    key = tl.load(stream_ptr)
+    draws = tl.load(stream_ptr + 1)
+    m = tl.full([], 0xFFFFFFFF, tl.int64)
+    h = (key * 0x27D4EB2D + (draws & m) * 0x165667B1 + 0x3C6EF372) & m
+    h = (((h >> 16) ^ h) * 0x45D9F3B) & m
+    h = (((h >> 16) ^ h) * 0x45D9F3B) & m
+    tl.store(seed_ptr, ((h >> 16) ^ h) & 0x7FFFFFFF)
+    tl.store(stream_ptr + 1, draws + 1)
+
+
+def stream_seed(stream: torch.Tensor) -> torch.Tensor:
+    """The seed (int64 [1], on the stream's device) of a stochastic-rounding stream's next draw, and the
+    stream advanced: one launch, no host synchronisation (``fp8pass.runtime.sr``)."""
+    check_interpretable(stream.device)
+    seed = torch.empty(1, dtype=torch.int64, device=stream.device)
+    _stream_seed_kernel[(1,)](stream, seed)
+    return seed

@@ -368,11 +368,13 @@ def _unread(device: torch.device) -> torch.Tensor:
 def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpose: bool = True,
                    rounding: str = "nearest", only_if: torch.Tensor | None = None, out=None,
                    partials: bool = False, delayed: tuple | None = None, divisor: torch.Tensor | None = None,
-                   row_major: bool = True):
+                   row_major: bool = True, seed: torch.Tensor | None = None):
     """``(codes [R, C], codes [C, R] or None, max |x|)`` of ``saturating_cast(x * scale)``, one read of x.
 
     Args:
         rounding: "nearest" or "stochastic" (a seed drawn on the device; no host sync).
+        seed: stochastic rounding's seed, int64 [1] on x's device (a stream's draw, ``runtime.sr``),
+            instead of a draw from the device's generator.
         only_if: a bool or int32 tensor on the device: cast only if it is nonzero, into ``out`` =
             ``(codes, codes_t)`` from an earlier call (a recast with another scale; when zero the
             launch reads and writes nothing). Returns ``out`` and amax None.
@@ -414,7 +416,10 @@ def transpose_cast(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, transpos
     # room for the partial amaxes of the smallest tiles; the tuned config decides how many are written
     part = torch.empty(_max_programs(r, c) if only_if is None else 1, dtype=torch.float32, device=x.device)
     s = scale.to(torch.float32).reshape(1).contiguous()
-    seed = random_seed(None, x.device) if rounding == "stochastic" else s
+    if rounding != "stochastic":
+        seed = s  # unread
+    elif seed is None:
+        seed = random_seed(None, x.device)
     flag = s if only_if is None else only_if.reshape(1).to(torch.int32)
     if delayed is not None:
         state, margin, power_of_two, invert = delayed

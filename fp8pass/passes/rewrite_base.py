@@ -49,7 +49,8 @@ class StateInput:
     """An extra graph input: field ``field`` of role ``role`` of the state of placeholder ``weight_pos``.
 
     ``kind`` says whose state: "linear" (``runtime.state_for``), "experts" (per-expert state of a
-    3-D expert weight, ``runtime.grouped_state_for``) or "hcp" (NVFP4 hot-channel patching).
+    3-D expert weight, ``runtime.grouped_state_for``), "hcp" (NVFP4 hot-channel patching) or "sr" (the
+    weight's stochastic-rounding stream, ``runtime.sr.stream_for``).
     ``config``: the site's Config (its recipe and formats make the state; ``Config.rules``).
     """
 
@@ -203,6 +204,15 @@ class GraphRewriter:
             return []
         return self.state_placeholders(w, role, kind, STATE_FIELDS)
 
+    def sr_stream(self, w: fx.Node) -> fx.Node | None:
+        """The placeholder of ``w``'s stochastic-rounding stream (``runtime.sr``), or None where the
+        gradient cast rounds to nearest, is the identity, or is not per tensor (row / block / MX casts
+        draw from torch's generator)."""
+        if (self.kw["grad_rounding"] != "stochastic" or self.kw["granularity"] != "tensor"
+                or self.cfg.bwd_format == "identity" or w not in self.pos):
+            return None
+        return self.state_placeholders(w, "grad_output", "sr", 1)[0]
+
     def record(self, state: list[fx.Node], amax: fx.Node, fmt: str, params: tuple | None = None) -> None:
         """Note a forward record of ``amax`` into ``state`` (nothing under current scaling).
 
@@ -227,7 +237,8 @@ class GraphRewriter:
         xs, ws, gs = (self.state(w, r) for r in ROLES)
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
-            out = self.graph.call_function(self.ops.fp8_linear.default, (self.r(x), weight, b, xs, ws, gs),
+            out = self.graph.call_function(self.ops.fp8_linear.default,
+                                           (self.r(x), weight, b, xs, ws, gs, self.sr_stream(w)),
                                            dict(self.kw, out_dtype=value_dtype(before)))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
@@ -273,12 +284,14 @@ class GraphRewriter:
 
     def _fp8_linear_precast(self, x, w: fx.Node, b, before: fx.Node, w_t: bool) -> fx.Node:
         xs, ws, gs = (self.state(w, r) for r in ROLES)
+        sr = self.sr_stream(w)
         x = self.r(x)
         dt = value_dtype(before)
         data, scale, amax, up = self.input_cast(x, xs, dt, before)
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
-            out = self.graph.call_function(self.ops.fp8_linear_precast.default, (x, data, scale, up, weight, b, ws, gs),
+            out = self.graph.call_function(self.ops.fp8_linear_precast.default,
+                                           (x, data, scale, up, weight, b, ws, gs, sr),
                                            dict(self.kw, out_dtype=dt))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:  # every consumer's input state records the shared cast's amax

@@ -67,6 +67,10 @@ class ExpertLoopRewriter(FP8Rewriter):
             self._row_of[tuple(id(n) for n in rows)] = (full, stack, e)
         return self._rows[key]
 
+    def sr_stream(self, w: fx.Node) -> fx.Node | None:
+        """The expert stack's one stream for ``w = W[e]`` (each expert's backward draws from it in turn)."""
+        return super().sr_stream(self.slices[w][0] if w in self.slices else w)
+
     def record(self, state: list[fx.Node], amax: fx.Node, fmt: str, params: tuple | None = None) -> None:
         """A row's forward amax waits for its expert stack's [E] record (:meth:`_record_stacks`)."""
         row = self._row_of.get(tuple(id(n) for n in state)) if state else None

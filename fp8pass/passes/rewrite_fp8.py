@@ -73,12 +73,13 @@ class FP8Rewriter(GraphRewriter):
             done = [site.gate, site.up]
         down, w = m["down"], m["down_w"]
         a_s, b_s, g_s = (self.state(w, r) for r in ROLES)
+        sr = self.sr_stream(w)
         k = self.kw
         smooth = self.cfg.smooth_swiglu or "none"
         with self.graph.inserting_before(down):
             w_down = self.graph.call_function(torch.t, (w,)) if m.get("down_layout") == "in_out" else w
             out = self.graph.call_function(
-                self.ops.swiglu_down.default, (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s),
+                self.ops.swiglu_down.default, (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s, sr),
                 dict(k, out_dtype=value_dtype(down), activation=site.act, smooth=smooth,
                      recast_weight=not rewrite_base.weights_may_be_regathered()))
             y = self.graph.call_function(operator.getitem, (out, 0))

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import hops
 from .plan import BodyPlan
-from .rewrite_base import STATE_FIELDS, GraphRewriter, StateInput
+from .rewrite_base import GraphRewriter, StateInput
 
 __all__ = ["BodyRewriter"]
 
@@ -47,6 +47,19 @@ class BodyRewriter(GraphRewriter):
         super().__init__(gm, cfg)
         for rw in siblings:
             self._state_nodes.update(rw._state_nodes)
+
+    def _outer_state(self, weight: fx.Node, s: StateInput, body_extra: list[StateInput]) -> fx.Node:
+        """The enclosing graph's placeholder for the body's state input ``s`` (of weight ``weight``),
+        made with the body site's Config (a rule's recipe makes its own state) and as many fields as
+        the body has of that state (a stochastic-rounding stream has one, a scaling state all)."""
+        fields = 1 + max(o.field for o in body_extra
+                         if (o.weight_pos, o.role, o.kind) == (s.weight_pos, s.role, s.kind))
+        saved = self.cfg
+        self.cfg = s.config if s.config is not None else self.cfg
+        try:
+            return self.state_placeholders(weight, s.role, s.kind, fields)[s.field]
+        finally:
+            self.cfg = saved
 
     def thread(self, site: BodyPlan, body_extra: list[StateInput],
                returned: list[tuple[list[fx.Node], str, tuple]]) -> None:
@@ -69,7 +82,7 @@ class BodyRewriter(GraphRewriter):
             if not (isinstance(weight, fx.Node) and weight.op == "placeholder" and weight in self.pos):
                 raise RuntimeError(f"fp8pass: a rewritten {site.body.kind} body's weight {weight} is not an input "
                                    f"of the enclosing graph (please report this graph)")
-            live[ph] = self.state_placeholders(weight, s.role, s.kind, STATE_FIELDS)[s.field]
+            live[ph] = self._outer_state(weight, s, body_extra)
         copied = [i for i, s in enumerate(body_extra) if s.role not in _LIVE_ROLES]
         values = [live[ph] for ph in state_phs]
         if copied:

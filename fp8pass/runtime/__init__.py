@@ -8,23 +8,26 @@ equal to their defaults, which would change the backward's input structure), so 
 
 Op-level API (``torch.ops.fp8pass.*``)
 -------------------------------------
-``fp8_linear(x, weight, bias, x_state, w_state, g_state, *LinearKnobs) -> (y, x_amax, w_amax, x_data,
-x_scale, w_data, w_scale)``
+``fp8_linear(x, weight, bias, x_state, w_state, g_state, sr_stream, *LinearKnobs) -> (y, x_amax, w_amax,
+x_data, x_scale, w_data, w_scale)``
     ``y = x W^T + b``; FP8 forward (``fwd_format``, "e4m3"), backward with ``dy`` in ``bwd_format``
     ("e5m2") rounded by ``grad_rounding`` ("nearest" | "stochastic"). ``x`` [..., in], ``weight``
     [out, in], ``bias`` [out] or None. ``y`` has ``out_dtype`` (None: ``x``'s dtype); the GEMMs round
     to it, the gradients come back in each input's own dtype. ``x_amax``/``w_amax``: fp32 scalars
     ``max|x|``, ``max|W|`` of this call (what delayed scaling records). The last four outputs are the
     saved operands for backward (codes as uint8, 1 byte/element, and their fp32 scales): ignore them.
+    ``sr_stream``: the weight's stochastic-rounding stream (int64 ``[key, draws]``, :mod:`fp8pass.runtime.sr`),
+    from which a stochastic per-tensor gradient cast draws its seed (``sr_draw_``, mutating it); None: torch's
+    generator. ``fp8_linear_precast`` and ``swiglu_down`` take it at the same place.
 ``fp8_cast_input(x, x_state, *LinearKnobs) -> (x_data, x_scale, x_amax, x_alt)`` and
-``fp8_linear_precast(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, *LinearKnobs) -> (y, w_amax,
-w_scale)``
+``fp8_linear_precast(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, sr_stream, *LinearKnobs) ->
+(y, w_amax, w_scale)``
     ``fp8_linear`` split in two (:mod:`fp8pass.runtime.precast`): one forward-only cast of ``x`` shared by
     every linear that reads it (its codes saved once for backward), then each linear from the cast
     (``x`` passed too, for its gradient; not read). The backward recasts ``W`` with ``w_scale`` instead of
     keeping its codes. What the compile backend emits (not under MX granularity). Same results as
     ``fp8_linear`` under current scaling, bit for bit.
-``swiglu_down(gate, up, w_down, a_state, b_state, g_state, *GLUKnobs) -> (y, a_amax, b_amax, a_data,
+``swiglu_down(gate, up, w_down, a_state, b_state, g_state, sr_stream, *GLUKnobs) -> (y, a_amax, b_amax, a_data,
 a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scale)``
     ``y = (act(gate) * up) W_down^T`` with ``activation`` = "silu" (SwiGLU) | "gelu" | "gelu_tanh"
     (GeGLU) | "relu" (ReGLU) and Smooth-SwiGLU ``smooth`` = "channel" | "token" | "none"
@@ -62,7 +65,8 @@ interval, algo, power_of_two) -> None``
     ``fp8pass.accumulate_scaling`` it only raises ``pending``.
 ``delayed_record_many_(lists of the state fields, amaxes, fmts, margin, interval, algo, power_of_two) -> None``
     Every forward record of a compiled graph in one op at the graph's end (states stacked per shape,
-    updated together, written back with ``_foreach_copy_``). These two are the only ops that mutate state.
+    updated together, written back with ``_foreach_copy_``). These two (and ``sr_draw_(stream) -> seed``,
+    the backward's draw from a stochastic-rounding stream) are the only ops that mutate state.
 ``state_snapshot(Tensor[] state) -> Tensor[]``
     Copies of state tensors (no autograd, opaque to Inductor): an activation-checkpointed region reads
     its input and weight states through them, so its recomputation in backward casts with the scales

@@ -102,6 +102,7 @@ def cast_operand(
     transpose: bool = False,
     keep_codes: bool = True,
     invert: tuple[torch.Tensor, ...] = (),
+    seed: torch.Tensor | None = None,
 ) -> Operand:
     """Cast a 2-D tensor for a GEMM.
 
@@ -123,6 +124,8 @@ def cast_operand(
         invert: up to two scalar encode scales of other GEMM operands (a backward's saved ones) whose
             decode scales the Triton kernels compute in the same launch as this operand's scale
             (``Operand.inverted``); elsewhere ignored (empty ``inverted``).
+        seed: stochastic rounding's seed, int64 [1] on x's device (a model's stream, ``runtime.sr``), for
+            per-tensor granularity; None (and for "row"/"block"/"mx") draws from torch's generator.
     """
     kern = kernels.for_device(x2d.device)
     if fmt is None:
@@ -135,19 +138,19 @@ def cast_operand(
             raise ValueError(f"delayed scaling is per tensor; got granularity {granularity!r}")
         if kern.OFFERS.scale_on_device and fmt.torch_dtype is not None:  # Triton: one read, no host read
             data, data_t, sc = kern.cast_delayed(x2d, state, fmt, margin, power_of_two, rounding, transpose,
-                                                 invert)
+                                                 invert, seed)
             return Operand(data, sc.scale, sc.amax, None if up is None else kern.upcast(data, up), data_t,
                            sc.inv_scale, sc.inverted)
         amax_now = torch_family.tensor_amax(x2d) if needs_current_amax(state) else None
         scale = state_scale(state, amax_now, fmt, margin, power_of_two)
-        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes)
+        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes, seed=seed)
     if granularity == "tensor" and kern.OFFERS.scale_on_device and fmt.torch_dtype is not None:
-        data, data_t, sc = kern.cast_current(x2d, fmt, margin, power_of_two, rounding, transpose, invert)  # Triton
+        data, data_t, sc = kern.cast_current(x2d, fmt, margin, power_of_two, rounding, transpose, invert, seed)  # Triton
         return Operand(data, sc.scale, sc.amax, None if up is None else kern.upcast(data, up), data_t, sc.inv_scale,
                        sc.inverted)
     if granularity == "tensor":
         scale = scale_from_amax(torch_family.tensor_amax(x2d), fmt, margin, power_of_two)
-        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes)
+        return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes, seed=seed)
     q = quantize(x2d, fmt, granularity="mx" if granularity == "mx" else "block", block=tile, rounding=rounding,
                  power_of_two=power_of_two)
     return Operand(q.data, q.scale, torch_family.tensor_amax(x2d))
@@ -195,19 +198,19 @@ def cast_with_scale(x2d: torch.Tensor, scale: torch.Tensor, fmt: Format, up: tor
 
 
 def _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose=False, keep_codes=True, want_amax=True,
-                 transposed_only=False) -> Operand:
+                 transposed_only=False, seed=None) -> Operand:
     if not keep_codes and up is not None and rounding == "nearest" and kern.OFFERS.values_without_codes:
         values, amax = kern.cast_values(x2d, scale, fmt, up)  # no codes: one loop, one write
         return Operand(values, scale, amax, values)
     if transpose and kern.OFFERS.transpose_cast:  # Triton: both layouts in one read, RNE or stochastic
         # without want_amax the per-tile maxima stay unreduced (no reduction launches for an unread amax)
         data, data_t, amax = kern.transpose_cast(x2d, scale, fmt, rounding=rounding, partials=not want_amax,
-                                                 row_major=not transposed_only)
+                                                 row_major=not transposed_only, seed=seed)
         return Operand(data, scale, amax if want_amax else None, None, data_t)
     if rounding == "nearest":
         data, amax, upc = kern.cast(x2d, scale, fmt, up, want_amax)
         return Operand(data, scale, amax, upc)
-    data, amax = kern.cast_stochastic(x2d, scale, fmt)
+    data, amax = kern.cast_stochastic(x2d, scale, fmt, seed=seed)
     return Operand(data, scale, amax.float(), None if up is None else kern.upcast(data, up))
 
 

@@ -29,7 +29,8 @@ from .casting import (MX_COLS, Operand, as_bytes, cast_operand, column_major, co
                       from_bytes, gemm, resolve_format, saved_transposed, tile_for, unaliased)
 from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
-from .op_schema import LinearKnobs, knob_op
+from .op_schema import SR_SEED, SR_STREAM, LinearKnobs, knob_op
+from .sr import draw_seed
 
 __all__ = ["fp8_linear_op", "check_linear_args", "check_linear_tensors", "check_knobs", "knobs_of", "compute_dtype",
            "record_grad_amax", "linear_backward"]
@@ -124,9 +125,9 @@ def _scale_shape(granularity, block, rows, cols, weight):
 
 
 @knob_op("fp8pass::fp8_linear",
-         "Tensor x, Tensor weight, Tensor? bias, Tensor[] x_state, Tensor[] w_state, Tensor[] g_state", LinearKnobs,
-         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, *knobs):
+         f"Tensor x, Tensor weight, Tensor? bias, Tensor[] x_state, Tensor[] w_state, Tensor[] g_state, {SR_STREAM}",
+         LinearKnobs, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, sr_stream, *knobs):
     """Returns ``(y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``; see the module doc."""
     k = knobs_of(knobs)
     check_linear_tensors(x, weight, bias)
@@ -154,7 +155,7 @@ def fp8_linear_op(x, weight, bias, x_state, w_state, g_state, *knobs):
 
 
 @fp8_linear_op.register_fake
-def _(x, weight, bias, x_state, w_state, g_state, *knobs):
+def _(x, weight, bias, x_state, w_state, g_state, sr_stream, *knobs):
     k = knobs_of(knobs)
     check_linear_tensors(x, weight, bias)
     fmt = resolve_format(k.fwd_format)
@@ -187,10 +188,11 @@ def _(x, weight, bias, x_state, w_state, g_state, *knobs):
 
 
 @knob_op("fp8pass::fp8_linear_backward",
-         "Tensor dy, Tensor x_data, Tensor x_scale, Tensor w_data, Tensor w_scale, Tensor[] g_state, "
+         f"Tensor dy, Tensor x_data, Tensor x_scale, Tensor w_data, Tensor w_scale, Tensor[] g_state, {SR_SEED}, "
          "ScalarType x_dtype, ScalarType w_dtype, bool want_bias_grad", LinearKnobs,
          "(Tensor, Tensor, Tensor, Tensor)")
-def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad, *knobs):
+def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, sr_seed, x_dtype, w_dtype, want_bias_grad,
+                           *knobs):
     """``(dx2d, dW, db_fp32, dy_amax)`` from ``dy`` and the saved FP8 operands (no state mutation); ``db_fp32``
     is empty without ``want_bias_grad``.
 
@@ -200,13 +202,14 @@ def fp8_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtyp
     k = knobs_of(knobs)
     fwd_fmt = resolve_format(k.fwd_format)
     return linear_backward(dy, from_bytes(x_data, fwd_fmt), x_scale, from_bytes(w_data, fwd_fmt), w_scale, g_state,
-                           x_dtype, w_dtype, want_bias_grad, k)
+                           x_dtype, w_dtype, want_bias_grad, k, sr_seed=sr_seed)
 
 
 def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad,
-                    k: LinearKnobs, w_up: torch.Tensor | None = None):
+                    k: LinearKnobs, w_up: torch.Tensor | None = None, sr_seed: torch.Tensor | None = None):
     """The backward GEMMs of :func:`fp8_linear_backward_op` from the saved operands as codes (FP8
-    dtypes, not bytes); ``w_up``: ``w_data`` already in the GEMM dtype (same values), if at hand.
+    dtypes, not bytes); ``w_up``: ``w_data`` already in the GEMM dtype (same values), if at hand;
+    ``sr_seed``: the stochastic gradient cast's seed (``runtime.sr``), or None (torch's generator).
 
     ``k.backward == "high"``: the saved operands are dequantized and the GEMMs take them and ``dy``
     as the identity format's do (Transformer Engine's ``backward_override="dequantized"``): the
@@ -228,7 +231,7 @@ def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dt
     # dy's codes are never kept: where GEMMs read values (CPU) none are written (keep_codes=False)
     saved_scales = (x_scale, w_scale) if x_scale.dim() == 0 and w_scale.dim() == 0 else ()
     go = cast_operand(dy2d, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up,
-                      transpose=up is None, keep_codes=False, invert=saved_scales)
+                      transpose=up is None, keep_codes=False, invert=saved_scales, seed=sr_seed)
     xt = tile_for(k.granularity, k.block, x_data.shape, weight=False)
     wt = tile_for(k.granularity, k.block, w_data.shape, weight=True)
     x_inv, w_inv = go.inverted if go.inverted else (None, None)  # the decode scales, from dy's scale launch
@@ -257,7 +260,7 @@ def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dt
 
 
 @fp8_linear_backward_op.register_fake
-def _(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dtype, want_bias_grad, *knobs):
+def _(dy, x_data, x_scale, w_data, w_scale, g_state, sr_seed, x_dtype, w_dtype, want_bias_grad, *knobs):
     rows, kk = x_data.shape
     n = w_data.shape[0]
     return (dy.new_empty(rows, kk, dtype=x_dtype), dy.new_empty(n, kk, dtype=w_dtype),
@@ -286,6 +289,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
     keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)
+    ctx.sr_stream = inputs[6]
     ctx.n_states = (len(x_state), len(w_state), len(g_state))
     ctx.x_shape = x.shape
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -303,12 +307,13 @@ def record_grad_amax(g_state, g_amax, k: LinearKnobs) -> None:
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_backward(
-        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None,
-        *k.args())
+        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, draw_seed(ctx.sr_stream, k.grad_rounding, k.bwd_format),
+        ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
     nx, nw, ng = ctx.n_states
-    return (dx.reshape(ctx.x_shape), dw, dbias, [None] * nx, [None] * nw, [None] * ng) + LinearKnobs.no_grads()
+    return ((dx.reshape(ctx.x_shape), dw, dbias, [None] * nx, [None] * nw, [None] * ng, None)
+            + LinearKnobs.no_grads())
 
 
 fp8_linear_op.register_autograd(_backward, setup_context=_setup_context)

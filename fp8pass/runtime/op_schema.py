@@ -18,7 +18,14 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "knob_op"]
+__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "knob_op", "SR_STREAM",
+           "SR_SEED"]
+
+# The stochastic-rounding stream of the op's weight (``fp8pass.runtime.sr``): the last tensor argument of
+# ``fp8_linear``, ``fp8_linear_precast`` and ``swiglu_down`` (None: gradient casts draw from torch's
+# generator); their backward ops take the seed drawn from it (None: the same).
+SR_STREAM = "Tensor? sr_stream"
+SR_SEED = "Tensor? sr_seed"
 
 # Python annotation (as written in the dataclass) -> schema type
 _SCHEMA_TYPES = {str: "str", int: "int", float: "float", bool: "bool", torch.dtype: "ScalarType",

@@ -41,7 +41,8 @@ from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, column_m
                       gemm, resolve_format, saved_transposed, tile_for, unaliased)
 from .linear import (_scale_shape, _up, check_linear_tensors, compute_dtype, keep_output_grad_only, knobs_of,
                      linear_backward, output_grad, record_grad_amax)
-from .op_schema import LinearKnobs, knob_op
+from .op_schema import SR_SEED, SR_STREAM, LinearKnobs, knob_op
+from .sr import draw_seed
 
 __all__ = ["fp8_cast_input_op", "fp8_linear_precast_op", "shares_input_cast"]
 
@@ -149,8 +150,8 @@ def _check_precast(x, x_data, x_scale, x_alt, weight, bias):
 
 @knob_op("fp8pass::fp8_linear_precast",
          "Tensor x, Tensor x_data, Tensor x_scale, Tensor x_alt, Tensor weight, Tensor? bias, Tensor[] w_state, "
-         "Tensor[] g_state", LinearKnobs, "(Tensor, Tensor, Tensor)")
-def fp8_linear_precast_op(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, *knobs):
+         f"Tensor[] g_state, {SR_STREAM}", LinearKnobs, "(Tensor, Tensor, Tensor)")
+def fp8_linear_precast_op(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, sr_stream, *knobs):
     """``(y, w_amax, w_scale)``: ``y = x W^T (+ b)`` from ``fp8_cast_input(x)``'s outputs (``x``'s
     values are not read); see the module doc."""
     k = knobs_of(knobs)
@@ -169,7 +170,7 @@ def fp8_linear_precast_op(x, x_data, x_scale, x_alt, weight, bias, w_state, g_st
 
 
 @fp8_linear_precast_op.register_fake
-def _(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, *knobs):
+def _(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, sr_stream, *knobs):
     k = knobs_of(knobs)
     _check_precast(x, x_data, x_scale, x_alt, weight, bias)
     fmt = resolve_format(k.fwd_format)
@@ -181,9 +182,10 @@ def _(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, *knobs):
 
 
 @knob_op("fp8pass::fp8_linear_precast_backward",
-         "Tensor dy, Tensor x_data, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor[] g_state, "
+         f"Tensor dy, Tensor x_data, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor[] g_state, {SR_SEED}, "
          "ScalarType x_dtype, bool want_bias_grad", LinearKnobs, "(Tensor, Tensor, Tensor, Tensor)")
-def fp8_linear_precast_backward_op(dy, x_data, x_scale, weight, w_scale, g_state, x_dtype, want_bias_grad, *knobs):
+def fp8_linear_precast_backward_op(dy, x_data, x_scale, weight, w_scale, g_state, sr_seed, x_dtype, want_bias_grad,
+                                   *knobs):
     """``(dx2d, dW, db_fp32, dy_amax)``: ``W`` recast with the forward's scale, then the GEMMs of
     ``fp8_linear_backward`` (no state mutation)."""
     k = knobs_of(knobs)
@@ -195,11 +197,11 @@ def fp8_linear_precast_backward_op(dy, x_data, x_scale, weight, w_scale, g_state
                       transpose=saved_transposed(dy.device, fmt, k.granularity))
     w_data = column_major(wo) if wo.data_t is not None else wo.data
     return linear_backward(dy, from_bytes(x_data, fmt), x_scale, w_data, wo.scale, g_state, x_dtype, weight.dtype,
-                           want_bias_grad, k, w_up=wo.up)
+                           want_bias_grad, k, w_up=wo.up, sr_seed=sr_seed)
 
 
 @fp8_linear_precast_backward_op.register_fake
-def _(dy, x_data, x_scale, weight, w_scale, g_state, x_dtype, want_bias_grad, *knobs):
+def _(dy, x_data, x_scale, weight, w_scale, g_state, sr_seed, x_dtype, want_bias_grad, *knobs):
     rows, kk = x_data.shape
     n = weight.shape[0]
     return (dy.new_empty(rows, kk, dtype=x_dtype), dy.new_empty(n, kk, dtype=weight.dtype),
@@ -214,6 +216,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(saved_x, x_scale, weight, output[2])
     keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)
+    ctx.sr_stream = inputs[8]
     ctx.n_states = (len(w_state), len(g_state))
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
@@ -223,11 +226,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_precast_backward(
-        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, ctx.x_dtype, ctx.b_dtype is not None, *k.args())
+        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, draw_seed(ctx.sr_stream, k.grad_rounding, k.bwd_format),
+        ctx.x_dtype, ctx.b_dtype is not None, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
     nw, ng = ctx.n_states
-    return (dx.reshape(ctx.x_shape), None, None, None, dw, dbias, [None] * nw, [None] * ng) + LinearKnobs.no_grads()
+    return ((dx.reshape(ctx.x_shape), None, None, None, dw, dbias, [None] * nw, [None] * ng, None)
+            + LinearKnobs.no_grads())
 
 
 fp8_linear_precast_op.register_autograd(_backward, setup_context=_setup_context)

@@ -50,7 +50,8 @@ from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
 from .linear import (_scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad,
                      record_grad_amax)
-from .op_schema import GLUKnobs, knob_op
+from .op_schema import SR_SEED, SR_STREAM, GLUKnobs, knob_op
+from .sr import draw_seed
 
 __all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad",
            "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
@@ -287,9 +288,9 @@ def _check(gate, up, w_down, k: GLUKnobs):
 
 
 @knob_op("fp8pass::swiglu_down",
-         "Tensor gate, Tensor up, Tensor w_down, Tensor[] a_state, Tensor[] b_state, Tensor[] g_state", GLUKnobs,
-         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, *knobs):
+         f"Tensor gate, Tensor up, Tensor w_down, Tensor[] a_state, Tensor[] b_state, Tensor[] g_state, {SR_STREAM}",
+         GLUKnobs, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def swiglu_down_op(gate, up, w_down, a_state, b_state, g_state, sr_stream, *knobs):
     """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale,
     up_data, up_scale)``; outputs 3-11 are what backward keeps (see :func:`saved_glu_input`)."""
     k = GLUKnobs(*knobs)
@@ -359,7 +360,7 @@ def saved_glu_input(t2d: torch.Tensor, fmt, amax: torch.Tensor | None = None) ->
 
 
 @swiglu_down_op.register_fake
-def _(gate, up, w_down, a_state, b_state, g_state, *knobs):
+def _(gate, up, w_down, a_state, b_state, g_state, sr_stream, *knobs):
     k = GLUKnobs(*knobs)
     _check(gate, up, w_down, k)
     fmt = resolve_format(k.fwd_format)
@@ -392,10 +393,10 @@ def _(gate, up, w_down, a_state, b_state, g_state, *knobs):
 
 @knob_op("fp8pass::swiglu_down_backward",
          "Tensor dy, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, Tensor smooth_scales, "
-         "Tensor gate_data, Tensor gate_scale, Tensor up_data, Tensor up_scale, Tensor[] g_state, "
+         f"Tensor gate_data, Tensor gate_scale, Tensor up_data, Tensor up_scale, Tensor[] g_state, {SR_SEED}, "
          "ScalarType gate_dtype, ScalarType w_dtype", GLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
 def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data,
-                            up_scale, g_state, gate_dtype, w_dtype, *knobs):
+                            up_scale, g_state, sr_seed, gate_dtype, w_dtype, *knobs):
     """``(dgate, dup, dW_down, dy_amax)`` (no state mutation). With :func:`recasts_weight`, ``b_data``
     is ``W_down`` itself, cast again here with ``b_scale``."""
     k = GLUKnobs(*knobs)
@@ -416,7 +417,7 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     # never kept: on CPU the GEMM values only; on CUDA also dy's transposed codes from the same read (the
     # wgrad GEMM's row-major G^T: no copy)
     go = cast_operand(dy2, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up_dtype,
-                      keep_codes=False, invert=saved_scales, transpose=True)
+                      keep_codes=False, invert=saved_scales, transpose=True, seed=sr_seed)
     at = tile_for(k.granularity, k.block, a_data.shape, weight=False)
     bt = tile_for(k.granularity, k.block, b_data.shape, weight=True)
     a_inv, b_inv = go.inverted if go.inverted else (None, None)  # the decode scales, from dy's scale launch
@@ -500,7 +501,7 @@ def _on_cpu(fn, *args):
 
 @swiglu_down_backward_op.register_fake
 def _(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scale, g_state,
-      gate_dtype, w_dtype, *knobs):
+      sr_seed, gate_dtype, w_dtype, *knobs):
     rows, f = a_data.shape
     return (dy.new_empty(rows, f, dtype=gate_dtype), dy.new_empty(rows, f, dtype=gate_dtype),
             dy.new_empty(b_data.shape, dtype=w_dtype),
@@ -538,6 +539,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*saved)
     keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)
+    ctx.sr_stream = inputs[6]
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.shape, ctx.gate_dtype, ctx.w_dtype = gate.shape, gate.dtype, w_down.dtype
 
@@ -545,10 +547,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dgate, dup, dw, g_amax = torch.ops.fp8pass.swiglu_down_backward(
-        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, ctx.gate_dtype, ctx.w_dtype, *k.args())
+        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, draw_seed(ctx.sr_stream, k.grad_rounding, k.bwd_format),
+        ctx.gate_dtype, ctx.w_dtype, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     na, nb, ng = ctx.n_states
-    return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng) + \
+    return (dgate.reshape(ctx.shape), dup.reshape(ctx.shape), dw, [None] * na, [None] * nb, [None] * ng, None) + \
         GLUKnobs.no_grads()
 
 

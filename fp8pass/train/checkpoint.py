@@ -27,7 +27,7 @@ from ..config import DelayedScaling, NVFP4Scaling
 from ..integrity import CheckpointError
 from ..precision_file import rules_from_data
 from ..optim.state_check import check_optimizer_state
-from ..scaling_checks import HCP_KEY, SCALING_KEY, check_model_state_dict, check_scaling_state_dict
+from ..scaling_checks import HCP_KEY, SCALING_KEY, SR_KEY, check_model_state_dict, check_scaling_state_dict
 from .model import ModelConfig, TinyLlama
 from .recipes import fp8_config, get_recipe, param_groups
 
@@ -170,7 +170,7 @@ def validate_checkpoint(ckpt) -> None:
     if not isinstance(msd, dict):
         raise CheckpointError("model: expected a state dict")
     marker = f".{SCALING_KEY}."
-    state_keys = [k for k in msd if marker in k or f".{HCP_KEY}." in k]
+    state_keys = [k for k in msd if marker in k or f".{HCP_KEY}." in k or f".{SR_KEY}." in k]
     weights = {k: v for k, v in msd.items() if k not in set(state_keys)}
     extra, absent = sorted(set(weights) - set(want)), sorted(set(want) - set(weights))
     if extra or absent:

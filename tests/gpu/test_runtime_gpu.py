@@ -21,8 +21,8 @@ def test_linear_cuda_matches_cpu(shape):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(t, k, generator=g, dtype=torch.bfloat16)
     w = (torch.randn(n, k, generator=g) / 8).to(torch.bfloat16)
-    c = torch.ops.fp8pass.fp8_linear(x, w, None, [], [], [], *ARGS)
-    d = torch.ops.fp8pass.fp8_linear(x.cuda(), w.cuda(), None, [], [], [], *ARGS)
+    c = torch.ops.fp8pass.fp8_linear(x, w, None, [], [], [], None, *ARGS)
+    d = torch.ops.fp8pass.fp8_linear(x.cuda(), w.cuda(), None, [], [], [], None, *ARGS)
     assert torch.equal(c[3], d[3].cpu()) and torch.equal(c[5], d[5].cpu())  # identical codes
     torch.testing.assert_close(d[0].cpu().float(), c[0].float(), rtol=2**-7, atol=1e-2)
     dy = torch.randn(t, n, generator=g, dtype=torch.bfloat16)

@@ -174,7 +174,7 @@ def test_fused_channel_swiglu_equals_the_launch_plan_it_replaced_on_cuda(w_dtype
             monkeypatch.setattr(swiglu, "_fused_channel_operands", replaced_plan)
             monkeypatch.setattr(swiglu, "_DIVIDED_IN_KERNEL", ())
         gi, ui, wi = (x.clone().requires_grad_() for x in (gate, up, wd))
-        out = torch.ops.fp8pass.swiglu_down(gi, ui, wi, [], [], [], *knobs.args())
+        out = torch.ops.fp8pass.swiglu_down(gi, ui, wi, [], [], [], None, *knobs.args())
         out[0].backward(dy)
         results.append([o.detach() for o in out] + [gi.grad, ui.grad, wi.grad])
     for i, (a, b) in enumerate(zip(*results)):
