@@ -61,12 +61,13 @@ def _steps(model) -> dict[str, int]:
     return {k: int(v) for k, v in fp8pass.scaling_state_dict(model).items() if k.endswith(".steps")}
 
 
-def _train(mode: str, compiler: str, steps: int = 3):
+def _train(mode: str, compiler: str, steps: int = 3, **config):
     """(per-step gradients of a.weight / b.weight, model, backend) of ``steps`` compiled steps; the input's
-    magnitude grows each step, so a recomputation with the updated (delayed) scale would cast differently."""
+    magnitude grows each step, so a recomputation with the updated (delayed) scale would cast differently.
+    ``config``: Config fields (default: gradients rounded to nearest)."""
     torch.manual_seed(0)
     model = _Block(mode)
-    be = fp8pass.backend(Config(compiler=compiler, grad_stochastic_rounding=False))
+    be = fp8pass.backend(Config(**{"compiler": compiler, "grad_stochastic_rounding": False, **config}))
     cm = torch.compile(model, backend=be)
     grads = []
     for step in range(steps):
@@ -95,6 +96,39 @@ def test_checkpointed_block_is_fp8_and_records_once(mode):
     assert fp8pass.scaling_state_dict(model).keys() == fp8pass.scaling_state_dict(ref_model).keys()
     for k, v in fp8pass.scaling_state_dict(ref_model).items():
         torch.testing.assert_close(fp8pass.scaling_state_dict(model)[k], v, rtol=0, atol=0)
+
+
+def test_checkpointed_stochastic_rounding_draws_the_plain_blocks_bits():
+    """Stochastic gradient rounding inside a checkpointed body draws from each weight's own stream
+    (Config.sr_seed), threaded into the body like the scaling state: the gradients equal the plain
+    block's bit for bit, and each stream advanced once per step."""
+    cfg = dict(grad_stochastic_rounding=True, sr_seed=7)
+    grads, model, _ = _train("non_reentrant", "aot_eager", **cfg)
+    ref, ref_model, _ = _train("none", "aot_eager", **cfg)
+    for got, want in zip(grads, ref):
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+    streams = {k: v for k, v in model.state_dict().items() if k.endswith("fp8_sr.stream")}
+    assert sorted(streams) == ["a.weight.fp8_sr.stream", "b.weight.fp8_sr.stream"]
+    for k, v in streams.items():
+        assert torch.equal(v, ref_model.state_dict()[k]) and int(v[1]) >= 3, (k, v)
+
+
+def test_a_rules_recipe_inside_a_checkpointed_body_makes_and_records_its_own_state():
+    """Config.rules inside a checkpointed body: b's rule ("delayed", 1024-entry histories) makes b's
+    state, a keeps the Config's (16 entries); both record once per step, as the plain block's."""
+    rules = [fp8pass.Rule("b", "delayed")]
+    grads, model, _ = _train("non_reentrant", "aot_eager", rules=rules)
+    ref, ref_model, _ = _train("none", "aot_eager", rules=rules)
+    sd = fp8pass.scaling_state_dict(model)
+    assert tuple(sd["a.weight.input.amax_history"].shape) == (16,)
+    assert tuple(sd["b.weight.input.amax_history"].shape) == (1024,)
+    assert set(_steps(model).values()) == {3}
+    for got, want in zip(grads, ref):
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+    for k, v in fp8pass.scaling_state_dict(ref_model).items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=0)
 
 
 class _Shared(nn.Module):
