@@ -24,7 +24,7 @@ from .runtime import (
     fold_channel_scales,
     state_for,
 )
-from .passes.rewrite_base import weights_may_be_regathered
+from .passes.annotate import weight_may_be_regathered
 from .runtime.op_schema import GLUKnobs, LinearKnobs
 from .runtime.precast import shares_input_cast
 
@@ -111,11 +111,12 @@ def _shared_input_linears(x, weights, biases, recipe, states, fwd, bwd, grad_rou
     recast in backward. Bit-identical to one :func:`fp8_linear` per weight under current scaling;
     under delayed scaling the cast takes the first linear's input state and its amax is recorded into
     every linear's (they all see the same tensor). Returns None where the per-linear ops are used
-    instead (MX granularity; several ranks, where FSDP2 rebuilds weights between forward and backward)."""
+    instead (MX granularity; a weight FSDP2 rebuilds between forward and backward, see
+    :func:`~fp8pass.passes.annotate.weight_may_be_regathered`)."""
     dtype = _autocast_dtype(x)
     args = [_recipe_args(recipe, w, st, fwd, bwd, grad_rounding, dtype) for w, st in zip(weights, states)]
     xs, knobs = args[0][0], args[0][3]
-    if not shares_input_cast(knobs) or weights_may_be_regathered():
+    if not shares_input_cast(knobs) or any(weight_may_be_regathered(w) for w in weights):
         return None
     x_data, x_scale, x_amax, x_alt = torch.ops.fp8pass.fp8_cast_input(x.detach(), xs, *knobs.args())
     outs = []
@@ -144,7 +145,7 @@ def fp8_linears(
     scaling, but ``x`` is cast once and its codes are saved for backward once, not once per linear
     (what the compile backend does for linears that share an input node). Under delayed scaling the
     cast uses the first linear's input scale and records ``x``'s amax into every linear's state. With
-    MX granularity, or with several ranks (FSDP2 may rebuild the weights between forward and
+    MX granularity, or with FSDP2-managed weights (FSDP2 may rebuild them between forward and
     backward), it is the per-linear calls.
 
     Args:
@@ -176,7 +177,7 @@ def fp8_linears(
 def _swiglu_down(gate, up, w_down, activation, smooth, recipe, state, fwd, bwd, grad_rounding):
     xs, ws, gs, knobs, st = _recipe_args(recipe, w_down, state, fwd, bwd, grad_rounding, _autocast_dtype(gate))
     # W_down recast in backward (not its codes kept) unless FSDP2 may rebuild it in between
-    knobs = GLUKnobs(*knobs.args(), activation, smooth, not weights_may_be_regathered())
+    knobs = GLUKnobs(*knobs.args(), activation, smooth, not weight_may_be_regathered(w_down))
     out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, None, *knobs.args())
     if st is not None:
         st.record_forward(out[1], out[2])

@@ -119,3 +119,19 @@ def test_fsdp2_current_scaling_one_all_reduce_for_all_weight_amaxes(tmp_path, mo
         # the precompute (12 amaxes) plus the loss average of the test itself
         assert reduces == [12, 1], reduces
     torch.testing.assert_close(torch.tensor(outs[0]["loss"]), torch.tensor(ref["loss"]), rtol=LOSS_RTOL, atol=0)
+
+
+def test_fsdp2_fp8_all_gather_on_one_rank_matches_single_process(tmp_path):
+    """FSDP2 with FP8 all-gather on ONE rank: the re-gather before backward writes the weight in place on
+    one rank too, so the backend keeps the weights' forward codes (per-linear ``fp8_linear``) instead of
+    recasting them in backward (autograd's version check failed there). Same global batch as the
+    single-process run: losses within the FP8 bound, the weights' true amaxes recorded."""
+    steps = 3
+    outs = _dist.spawn(_dist.fsdp_worker, 1, tmp_path, steps, "adamw", True)
+    ref = _dist.single_process_blocks(steps, "adamw")
+    assert len([k for k in outs[0]["local_dtypes"].values() if k == "FP8ShardWeight"]) == 2 * 6
+    assert outs[0]["fp8_bytes_in"] > 0
+    torch.testing.assert_close(torch.tensor(outs[0]["loss"]), torch.tensor(ref["loss"]), rtol=LOSS_RTOL, atol=0)
+    assert len(outs[0]["weight_amax"]) == 2 * 6
+    for name, (recorded, true) in outs[0]["weight_amax"].items():
+        assert recorded == true, name

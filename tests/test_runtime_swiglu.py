@@ -230,7 +230,7 @@ def test_eager_swiglu_mlp_shares_the_input_cast_bit_for_bit(recipe, monkeypatch)
     def run(shared):
         if not shared:
             monkeypatch.setattr(ops, "_shared_input_linears", lambda *a, **k: None)
-            monkeypatch.setattr(ops, "weights_may_be_regathered", lambda: True)  # recast_weight off too
+            monkeypatch.setattr(ops, "weight_may_be_regathered", lambda w: True)  # recast_weight off too
         _, wg, wu, wd, _ = _weights(11)
         rec = DelayedScaling() if recipe == "delayed" else None
         states = None

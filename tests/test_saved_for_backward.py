@@ -297,21 +297,21 @@ def test_shared_cast_ops_clear_errors():
         torch.ops.fp8pass.fp8_cast_input(x, [], *k.replace(granularity="mx").args())
 
 
-def test_several_ranks_keep_the_weight_codes_of_the_per_linear_op(monkeypatch):
-    """With torch.distributed on more than one rank (FSDP2 rebuilds weights between forward and
-    backward), the rewrite emits ``fp8_linear`` (weight codes saved), never the precast pair that
-    recasts the weight in backward, and ``swiglu_down`` keeps W_down's codes; one rank keeps the
+def test_regathered_weights_keep_the_weight_codes_of_the_per_linear_op(monkeypatch):
+    """For weights FSDP2 manages (it rebuilds them between forward and backward, on any number of
+    ranks), the rewrite emits ``fp8_linear`` (weight codes saved), never the precast pair that
+    recasts the weight in backward, and ``swiglu_down`` keeps W_down's codes; other weights keep the
     shared cast and the recasts."""
     model_cls = LinearBeforeGLU
     torch._dynamo.reset()
     single = fp8pass.explain(model_cls(), torch.randn(2, 8, D)).graph_after
     assert "fp8pass.fp8_cast_input.default(" in single and "fp8pass.fp8_linear.default(" not in single
     assert "recast_weight = True" in single  # swiglu_down recasts W_down in backward on one rank
-    from fp8pass.passes import rewrite_base
+    from fp8pass.passes import annotate
 
-    assert not rewrite_base.weights_may_be_regathered()  # no process group here
-    # (the 2-rank FSDP2 runs of tests/test_distributed.py, -m slow, take this path for real)
-    monkeypatch.setattr(rewrite_base, "weights_may_be_regathered", lambda: True)
+    assert not annotate.weight_may_be_regathered(model_cls().p.weight)  # no FSDP2 here
+    # (the FSDP2 runs of tests/test_distributed.py and tests/test_tensor_parallel.py take this path for real)
+    monkeypatch.setattr(annotate, "weight_may_be_regathered", lambda w: isinstance(w, torch.nn.Parameter))
     torch._dynamo.reset()
     ranks = fp8pass.explain(model_cls(), torch.randn(2, 8, D)).graph_after
     assert "fp8_cast_input" not in ranks and "fp8_linear_precast" not in ranks, ranks

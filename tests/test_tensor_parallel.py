@@ -35,16 +35,16 @@ def test_fsdp2_x_tensor_parallel_2x2_matches_single_process(tmp_path, sequence_p
 
 
 def test_single_process_twin_1x1_mesh(tmp_path):
-    """The same program on a 1 x 1 mesh (every fp8pass op dispatched through DTensor, FSDP2 on one rank):
-    the single-process twin of the 2 x 2 test, with the same checks. Without FP8 all-gather: on one rank
-    the backend takes weights as never re-gathered (``weights_may_be_regathered``) and recasts them in
-    backward, which FSDP2's re-gather into the same parameter breaks (autograd's version check)."""
-    outs = _dist.spawn(_dist_tp.mesh_worker, 1, tmp_path, 1, 1, False, False)
+    """The same program on a 1 x 1 mesh (every fp8pass op dispatched through DTensor, FSDP2 with FP8
+    all-gather on one rank): the single-process twin of the 2 x 2 test, with the same checks. FSDP2
+    re-gathers the weights in place for backward on one rank too, so the backend keeps their forward
+    codes (``weight_may_be_regathered``) instead of recasting them (autograd's version check failed)."""
+    outs = _dist.spawn(_dist_tp.mesh_worker, 1, tmp_path, 1, 1, False, True)
     ref = _dist_tp.single_process()
-    _check_mesh_run(outs, ref, tp=1, fp8_all_gather=False)
+    _check_mesh_run(outs, ref, tp=1)
 
 
-def _check_mesh_run(outs, ref, tp: int, fp8_all_gather: bool = True):
+def _check_mesh_run(outs, ref, tp: int):
     n_blocks = _dist_tp.LAYERS
     out = outs[0]
     # every linear of every block is FP8 (under TP the GLU's down projection is a plain FP8 linear: the
@@ -62,8 +62,7 @@ def _check_mesh_run(outs, ref, tp: int, fp8_all_gather: bool = True):
     assert out["reductions"] == (_dist_tp.STEPS if len(outs) > 1 else 0)
     # FSDP2 all-gathers the FP8-eligible weights as FP8 codes, TP-sharded ones included
     gathered = [n for n, t in out["local_types"].items() if t == "FP8ShardWeight"]
-    assert len(gathered) == (6 * n_blocks if fp8_all_gather else 0)
-    assert (out["fp8_gathers"] > 0) == fp8_all_gather
+    assert len(gathered) == 6 * n_blocks and out["fp8_gathers"] > 0
     if tp > 1:
         assert len(out["tp_weights"]) == 7 * n_blocks  # q, k, v, o, gate, up, down hold TP shards
 

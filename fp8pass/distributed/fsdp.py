@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..passes.annotate import fsdp_param_groups
+
 __all__ = ["unsharded_params", "fsdp_params"]
 
 
@@ -21,12 +23,7 @@ def fsdp_params(model: torch.nn.Module):
         get_state = getattr(mod, "_get_fsdp_state", None)
         if get_state is None:
             continue
-        state = get_state()
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: a list
-        if groups is None:  # torch 2.11: one group
-            g = getattr(state, "_fsdp_param_group", None)
-            groups = [g] if g is not None else []
-        for group in groups:
+        for group in fsdp_param_groups(get_state()):
             for fp in group.fsdp_params:
                 name = by_id.get(id(fp.sharded_param))
                 if name is not None:

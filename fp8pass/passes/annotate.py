@@ -1,8 +1,9 @@
 """The first pass over a Dynamo graph: the facts patterns, policy and rewriters read, once per node.
 
 Every node gets a :class:`NodeFacts` in ``node.meta["fp8pass"]``: its example (fake) value, the
-absolute FQN of the parameter a placeholder carries, the absolute FQN of the module whose forward
-made a call, and whether the node has side effects. Later passes only read these facts.
+absolute FQN of the parameter a placeholder carries (and whether FSDP2 may rebuild that parameter
+between forward and backward), the absolute FQN of the module whose forward made a call, and whether
+the node has side effects. Later passes only read these facts.
 
 Side effects decide what a rewrite may touch: a node that mutates a tensor (in-place methods and
 functions, ``out=``, ``setitem``), draws random numbers, or changes autograd / vmap / functorch /
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,8 @@ from torch import fx
 from . import hops
 from .names import FrameNames
 
-__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "relative_param_names", "value_dtype", "META_KEY"]
+__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "relative_param_names", "value_dtype",
+           "weight_may_be_regathered", "fsdp_param_groups", "META_KEY"]
 
 META_KEY = "fp8pass"
 
@@ -37,12 +40,48 @@ class NodeFacts:
         weight_fqn: for a placeholder that is a parameter, its absolute FQN; else None.
         owner: absolute FQN of the innermost module whose forward made this call ('' at the root).
         side_effects: the node mutates state or draws random numbers: keep it, never match it.
+        regathered: for a placeholder, :func:`weight_may_be_regathered` of its real tensor.
     """
 
     value: Any
     weight_fqn: str | None
     owner: str
     side_effects: bool
+    regathered: bool = False
+
+
+def fsdp_param_groups(state) -> list:
+    """The FSDP2 parameter groups of one module's FSDP state."""
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: a list
+    if groups is None:  # torch 2.11: one group or None
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return groups
+
+
+def weight_may_be_regathered(weight) -> bool:
+    """Whether ``weight``'s storage may be rewritten between forward and backward: it is a parameter
+    managed by FSDP2 (``fully_shard``), which frees the unsharded parameter after forward and gathers
+    it again into the same storage for backward, on any number of ranks (one included). With an
+    all-gather extension (the FP8 all-gather) the gathered values come from a fresh cast, possibly with
+    a newer scale, written in place (the version counter moves). An op that recasts the weight in
+    backward (``fp8_linear_precast``, ``swiglu_down`` with ``recast_weight``) needs the forward's
+    values; for such weights the per-linear ``fp8_linear`` (weight codes saved from forward) is used
+    and ``swiglu_down`` keeps ``W_down``'s codes."""
+    if not isinstance(weight, torch.Tensor) or "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if not isinstance(state, FSDPState):
+            continue
+        for group in fsdp_param_groups(state):
+            for fp in group.fsdp_params:
+                if weight is fp.sharded_param or weight is getattr(fp, "_unsharded_param", None):
+                    return True
+    return False
 
 
 _INPLACE_OPERATORS = {
@@ -176,7 +215,7 @@ def _compute(node: fx.Node, names: FrameNames | None, real: Any) -> NodeFacts:
     owner = _relative_owner(node)
     if names is not None:
         owner = names.module(owner)
-    return NodeFacts(value, weight, owner, has_side_effects(node))
+    return NodeFacts(value, weight, owner, has_side_effects(node), weight_may_be_regathered(real))
 
 
 def annotate(graph: fx.Graph, names: FrameNames | None = None, example_inputs: list | None = None) -> None:
@@ -204,7 +243,8 @@ def _annotate_bodies(graph: fx.Graph, names: FrameNames | None) -> None:
         placeholders = [n for n in body.gm.graph.nodes if n.op == "placeholder"]
         for ph, outer in zip(placeholders, hops.operands(body.node)):
             if isinstance(outer, fx.Node) and outer.op == "placeholder" and facts(outer).weight_fqn is not None:
-                ph.meta[META_KEY] = dataclasses.replace(facts(ph), weight_fqn=facts(outer).weight_fqn)
+                ph.meta[META_KEY] = dataclasses.replace(facts(ph), weight_fqn=facts(outer).weight_fqn,
+                                                        regathered=facts(outer).regathered)
         _annotate_bodies(body.gm.graph, names)
 
 

@@ -33,17 +33,6 @@ ROLES = ("input", "weight", "grad_output")
 STATE_FIELDS = len(DelayedScalingState.OP_FIELDS)  # the op list of one delayed-scaling state
 
 
-def weights_may_be_regathered() -> bool:
-    """Whether a weight may be rebuilt between forward and backward: with ``torch.distributed`` on more
-    than one rank, FSDP2 frees unsharded weights after forward and gathers them again for backward
-    (the FP8 all-gather re-quantizes them, possibly with a newer scale, and its in-place fill bumps the
-    version counter). ``fp8_linear_precast`` recasts the weight in backward, which needs the forward's
-    values; there the per-linear ``fp8_linear`` (weight codes saved from forward) is used instead, and
-    ``swiglu_down`` keeps ``W_down``'s codes (``recast_weight=False``)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
-
-
 @dataclass(frozen=True)
 class StateInput:
     """An extra graph input: field ``field`` of role ``role`` of the state of placeholder ``weight_pos``.
@@ -232,7 +221,7 @@ class GraphRewriter:
         With :attr:`share_input_casts` (and not MX granularity), ``x`` is cast once by a shared
         ``fp8_cast_input`` (:meth:`input_cast`) and the linear is an ``fp8_linear_precast``.
         """
-        if self.share_input_casts and self.kw["granularity"] != "mx" and not weights_may_be_regathered():
+        if self.share_input_casts and self.kw["granularity"] != "mx" and not facts(w).regathered:
             return self._fp8_linear_precast(x, w, b, before, w_t)
         xs, ws, gs = (self.state(w, r) for r in ROLES)
         with self.graph.inserting_before(before):

@@ -34,9 +34,8 @@ import operator
 
 import torch
 
-from .annotate import value_dtype
+from .annotate import facts, value_dtype
 from .plan import GLUSite, LinearSite, Plan
-from . import rewrite_base
 from .rewrite_base import ROLES, GraphRewriter, is_nvfp4, keep_meta
 
 __all__ = ["FP8Rewriter"]
@@ -81,7 +80,7 @@ class FP8Rewriter(GraphRewriter):
             out = self.graph.call_function(
                 self.ops.swiglu_down.default, (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s, sr),
                 dict(k, out_dtype=value_dtype(down), activation=site.act, smooth=smooth,
-                     recast_weight=not rewrite_base.weights_may_be_regathered()))
+                     recast_weight=not facts(w).regathered))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
                 self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])

@@ -61,6 +61,11 @@ def _recipe(history: torch.Tensor, margin, interval, algo, power_of_two) -> Dela
                           power_of_two=power_of_two)
 
 
+# Records are state updates, not differentiable: they run without autograd. Otherwise, called eagerly
+# with an amax that requires grad (Config(compiler="eager") runs the rewritten graph as it is), the
+# write-back gives the state tensors a grad_fn, and the next step's casts reading them fail in
+# backward ("derivative for _foreach_copy_ is not implemented").
+@torch.no_grad()
 def delayed_record_(history, scale, steps, skipped, overflows, guard, pending, accumulate, amax, fmt: str,
                     margin: float, interval: int, algo: str, power_of_two: bool) -> None:
     """Record ``amax`` into one delayed-scaling state, in place (the recipe is passed as scalars).
@@ -90,6 +95,7 @@ def delayed_record_(history, scale, steps, skipped, overflows, guard, pending, a
 _LIB.impl("delayed_record_", delayed_record_, "CompositeImplicitAutograd")
 
 
+@torch.no_grad()  # as delayed_record_: a state update, never part of autograd's graph
 def delayed_record_many_(history: list, scale: list, steps: list, skipped: list, overflows: list, pending: list,
                          accumulate: list, amax: list, fmt: list, margin: float, interval: int, algo: str,
                          power_of_two: bool) -> None:
