@@ -75,8 +75,6 @@ def test_flex_attention_model_refuses_a_non_inductor_backend():
                       parallel_dims=ParallelDims(**ONE_PROCESS))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29: activation checkpointing (the blocks' linears sit in "
-                                      "tag_activation_checkpoint bodies, which the passes do not walk yet)")
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_llama3_with_torchtitans_activation_checkpointing_keeps_fp8(ac):
     """torchtitan wraps each block for activation checkpointing before compiling it (its llama3 debug
