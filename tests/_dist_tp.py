@@ -274,9 +274,11 @@ def op_rules_worker(rank: int, world: int, init_file: str, out_dir: str):
 
 
 def explain_worker(rank: int, world: int, init_file: str, out_dir: str):
-    """``fp8pass.explain`` of one block on a 1 x 1 mesh under three TP plans: the usual one, with sequence
-    parallel norms, and one whose gate/up outputs are gathered (Replicate) before the GLU product, a form
-    the fused op does not take. Saves each plan's GLUs, FP8 linears and "not fused" reasons."""
+    """``fp8pass.explain`` of one block on a 1 x 1 mesh under four TP plans: the usual one, with sequence
+    parallel norms, and two whose gate/up outputs are gathered (Replicate) before the GLU product, forms
+    the fused op does not take: the down projection's input then redistributed to Shard(-1) (a form the
+    patterns do not follow) or declared Shard(-1) directly (matched, refused by the layout check).
+    Saves each plan's GLUs, FP8 linears and "not fused" reasons."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -286,8 +288,10 @@ def explain_worker(rank: int, world: int, init_file: str, out_dir: str):
     gathered = {**tp_plan(False), "mlp.gate": ColwiseParallel(output_layouts=Replicate()),
                 "mlp.up": ColwiseParallel(output_layouts=Replicate()),
                 "mlp.down": RowwiseParallel(input_layouts=Replicate())}
+    redistributed = {**gathered, "mlp.down": RowwiseParallel()}
     out = {}
-    for name, plan, sp in (("tp", tp_plan(False), False), ("tp_sp", tp_plan(True), True), ("gathered", gathered, False)):
+    for name, plan, sp in (("tp", tp_plan(False), False), ("tp_sp", tp_plan(True), True), ("gathered", gathered, False),
+                           ("redistributed", redistributed, False)):
         torch.manual_seed(0)
         block = Block()
         parallelize_module(block, mesh["tp"], plan)

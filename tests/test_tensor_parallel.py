@@ -47,7 +47,7 @@ def test_single_process_twin_1x1_mesh(tmp_path):
 def test_glu_fused_through_the_tp_hooks_1x1_mesh(tmp_path):
     """explain on a 1 x 1 mesh: the SwiGLU seen through ColwiseParallel's ``redistribute().to_local()`` and
     RowwiseParallel's ``from_local`` is one fused GLU, with and without sequence parallel (as without TP);
-    a plan that gathers gate/up before the product is listed "not fused" with its reason, never silent."""
+    plans that gather gate/up before the product are listed "not fused" with their reason, never silent."""
     (out,) = _dist.spawn(_dist_tp.explain_worker, 1, tmp_path)
     for plan in ("tp", "tp_sp"):
         assert out[plan]["swiglus"] == ["mlp.down.weight"], (plan, out[plan])
@@ -55,7 +55,10 @@ def test_glu_fused_through_the_tp_hooks_1x1_mesh(tmp_path):
         assert len(out[plan]["linears"]) == 7, (plan, out[plan])  # q, k, v, o, gate, up + the GLU's down
     gathered = out["gathered"]
     assert gathered["swiglus"] == [] and len(gathered["not_fused"]) == 1, gathered
-    assert "mlp" in gathered["not_fused"][0] and "tensor parallel" in gathered["not_fused"][0], gathered
+    assert "mlp" in gathered["not_fused"][0] and "tensor parallel form not recognised" in gathered["not_fused"][0]
+    redistributed = out["redistributed"]
+    assert redistributed["swiglus"] == [] and len(redistributed["not_fused"]) == 1, redistributed
+    assert "tensor parallel: the gate projection's output is redistributed" in redistributed["not_fused"][0]
 
 
 def _check_mesh_run(outs, ref, tp: int, fp8_all_gather: bool = True):
