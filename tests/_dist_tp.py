@@ -182,7 +182,7 @@ def mesh_worker(rank: int, world: int, init_file: str, out_dir: str, dp: int, tp
     out["tp_weights"] = sorted(n for n, p in model.named_parameters()
                                if any(not pl.is_replicate() for pl in p.placements[1:]))
     out["fp8_linears"] = sorted({w for be in _BACKENDS for w in be.report().linears})
-    out["swiglus"] = sorted({s.down for be in _BACKENDS for s in be.report().swiglus})
+    out["swiglus"] = [s.down for be in _BACKENDS for s in be.report().swiglus]  # one per block
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -191,8 +191,9 @@ def single_process() -> dict:
     """The reference: the same model, one process, the whole global batch, per-block compile."""
     torch._dynamo.reset()
     model = make_model()
-    for block in model.layers:
-        block.compile(backend=fp8pass.backend(fp8_config()))
+    backends = [fp8pass.backend(fp8_config()) for _ in model.layers]
+    for block, be in zip(model.layers, backends):
+        block.compile(backend=be)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     out = {"loss": [], "states": []}
     for step in range(STEPS):
@@ -203,6 +204,7 @@ def single_process() -> dict:
         opt.zero_grad(set_to_none=True)
         out["loss"].append(float(loss))
         out["states"].append(states(model))
+    out["swiglus"] = [s.down for be in backends for s in be.report().swiglus]  # one per block
     return out
 
 
@@ -218,12 +220,14 @@ def _knobs(fmt: str, glu: bool = False) -> tuple:
 
 
 def _run_ops(x, w, gate, up, w_down, fmt):
-    """``fp8_linear(x, w)`` and ``swiglu_down(gate, up, w_down)`` with their gradients (current scaling)."""
+    """``fp8_linear(x, w)`` and ``swiglu_down(gate, up, w_down)`` with their gradients (current scaling);
+    returns their outputs and swiglu_down's per-channel smoothing scales."""
     ops = torch.ops.fp8pass
-    y = ops.fp8_linear(x, w, None, [], [], [], *_knobs(fmt))[0]
-    z = ops.swiglu_down(gate, up, w_down, [], [], [], *_knobs(fmt, glu=True))[0]
+    y = ops.fp8_linear(x, w, None, [], [], [], None, *_knobs(fmt))[0]
+    glu = ops.swiglu_down(gate, up, w_down, [], [], [], None, *_knobs(fmt, glu=True))
+    z = glu[0]
     (y.float().pow(2).sum() + z.float().pow(2).sum()).backward()
-    return y, z
+    return y, z, glu[7]
 
 
 def op_rules_worker(rank: int, world: int, init_file: str, out_dir: str):
@@ -244,13 +248,14 @@ def op_rules_worker(rank: int, world: int, init_file: str, out_dir: str):
                 "gate": torch.randn(2, 8, 64, generator=g), "up": torch.randn(2, 8, 64, generator=g),
                 "w_down": torch.randn(32, 64, generator=g)}
         plain = {k: v.clone().requires_grad_() for k, v in full.items()}
-        y_ref, z_ref = _run_ops(*plain.values(), fmt)
+        y_ref, z_ref, c_ref = _run_ops(*plain.values(), fmt)
         for case, (xp, wp) in {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(2), Shard(1))}.items():
             place = {"x": xp, "w": wp, "gate": Shard(2), "up": Shard(2), "w_down": Shard(1)}
             dt = {k: distribute_tensor(v, mesh, [place[k]]).requires_grad_() for k, v in full.items()}
-            y, z = _run_ops(*dt.values(), fmt)
+            y, z, c = _run_ops(*dt.values(), fmt)
             res = {"y": (y.full_tensor(), y_ref), "z": (z.full_tensor(), z_ref),
-                   "placements": (str(y.placements), str(z.placements))}
+                   "placements": (str(y.placements), str(z.placements), str(c.placements)),
+                   "channel_scales": (c.full_tensor(), c_ref)}
             for k in full:
                 res["d" + k] = (dt[k].grad.full_tensor(), plain[k].grad)
             out[f"{fmt} {case}"] = {k: tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in v)
@@ -265,4 +270,35 @@ def op_rules_worker(rank: int, world: int, init_file: str, out_dir: str):
     except ValueError as e:
         refused = str(e)
     torch.save({"rules": out, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def explain_worker(rank: int, world: int, init_file: str, out_dir: str):
+    """``fp8pass.explain`` of one block on a 1 x 1 mesh under four TP plans: the usual one, with sequence
+    parallel norms, and two whose gate/up outputs are gathered (Replicate) before the GLU product, forms
+    the fused op does not take: the down projection's input then redistributed to Shard(-1) (a form the
+    patterns do not follow) or declared Shard(-1) directly (matched, refused by the layout check).
+    Saves each plan's GLUs, FP8 linears and "not fused" reasons."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _dist.init(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    gathered = {**tp_plan(False), "mlp.gate": ColwiseParallel(output_layouts=Replicate()),
+                "mlp.up": ColwiseParallel(output_layouts=Replicate()),
+                "mlp.down": RowwiseParallel(input_layouts=Replicate())}
+    redistributed = {**gathered, "mlp.down": RowwiseParallel()}
+    out = {}
+    for name, plan, sp in (("tp", tp_plan(False), False), ("tp_sp", tp_plan(True), True), ("gathered", gathered, False),
+                           ("redistributed", redistributed, False)):
+        torch.manual_seed(0)
+        block = Block()
+        parallelize_module(block, mesh["tp"], plan)
+        if sp:
+            _shard_sequence(block, mesh["tp"])
+        report = fp8pass.explain(block, torch.randn(2, 16, D), config=fp8_config())
+        out[name] = {"swiglus": [s.down for s in report.swiglus], "linears": sorted(set(report.linears)),
+                     "not_fused": [f"{w}: {r}" for w, r in report.skipped if r.startswith("not fused")]}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -44,12 +44,30 @@ def test_single_process_twin_1x1_mesh(tmp_path):
     _check_mesh_run(outs, ref, tp=1)
 
 
+def test_glu_fused_through_the_tp_hooks_1x1_mesh(tmp_path):
+    """explain on a 1 x 1 mesh: the SwiGLU seen through ColwiseParallel's ``redistribute().to_local()`` and
+    RowwiseParallel's ``from_local`` is one fused GLU, with and without sequence parallel (as without TP);
+    plans that gather gate/up before the product are listed "not fused" with their reason, never silent."""
+    (out,) = _dist.spawn(_dist_tp.explain_worker, 1, tmp_path)
+    for plan in ("tp", "tp_sp"):
+        assert out[plan]["swiglus"] == ["mlp.down.weight"], (plan, out[plan])
+        assert out[plan]["not_fused"] == [], (plan, out[plan])
+        assert len(out[plan]["linears"]) == 7, (plan, out[plan])  # q, k, v, o, gate, up + the GLU's down
+    gathered = out["gathered"]
+    assert gathered["swiglus"] == [] and len(gathered["not_fused"]) == 1, gathered
+    assert "mlp" in gathered["not_fused"][0] and "tensor parallel form not recognised" in gathered["not_fused"][0]
+    redistributed = out["redistributed"]
+    assert redistributed["swiglus"] == [] and len(redistributed["not_fused"]) == 1, redistributed
+    assert "tensor parallel: the gate projection's output is redistributed" in redistributed["not_fused"][0]
+
+
 def _check_mesh_run(outs, ref, tp: int):
     n_blocks = _dist_tp.LAYERS
     out = outs[0]
-    # every linear of every block is FP8 (under TP the GLU's down projection is a plain FP8 linear: the
-    # SwiGLU pattern does not see through the TP hooks' DTensor redistribute / to_local calls)
+    # every linear of every block is FP8, and each block's SwiGLU is fused (swiglu_down, Smooth-SwiGLU)
+    # through the TP hooks' DTensor to_local / from_local calls, as in the one-process run
     assert len(out["fp8_linears"]) == 7 * n_blocks, out["fp8_linears"]
+    assert out["swiglus"] == ref["swiglus"] == [f"layers.{i}.mlp.down.weight" for i in range(n_blocks)], (out["swiglus"], ref["swiglus"])
     torch.testing.assert_close(torch.tensor(out["loss"]), torch.tensor(ref["loss"]), rtol=LOSS_RTOL, atol=0)
     # every rank's state (scale, history, steps) equal: weights sharded over TP and over FSDP agree
     for r, o in enumerate(outs[1:], 1):
@@ -82,9 +100,13 @@ def test_op_rules_on_two_ranks_equal_the_unsharded_ops(tmp_path):
         fmt, kind = case.split()
         assert res["placements"][0] == ("(Shard(dim=2),)" if kind == "colwise" else "(Partial(sum),)"), case
         assert res["placements"][1] == "(Partial(sum),)", case
-        for name, (got, want) in res.items():
-            if name == "placements":
+        # Smooth-SwiGLU's per-channel scales: each rank's are its own channels', the unsharded op's bits
+        assert res["placements"][2] == "(Shard(dim=0),)", case
+        assert torch.equal(*res["channel_scales"]), case
+        for name, pair in res.items():
+            if name in ("placements", "channel_scales"):
                 continue
+            got, want = pair
             if fmt == "identity":
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{case} {name}")
             else:

@@ -107,6 +107,18 @@ _STATEFUL_NAMES = {"_assert", "_assert_async", "_check", "_check_is_size", "_ass
                    "_record_function_exit", "_record_function_enter_new"}
 
 
+def _from_local_targets() -> tuple:
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.tensor import DTensor
+
+    return (DTensor.from_local,)
+
+
+# ``DTensor.from_local``: tensor parallel's module hooks declare a local tensor a DTensor with it
+FROM_LOCAL = _from_local_targets()
+
+
 def _name_of(target) -> str:
     return getattr(target, "__name__", None) or str(target)
 
@@ -144,6 +156,8 @@ def has_side_effects(node: fx.Node) -> bool:
     if name in _RANDOM_NAMES or name in _STATEFUL_NAMES:
         return True
     module = getattr(target, "__module__", None) or ""
+    if target in FROM_LOCAL and not node.kwargs.get("run_check"):
+        return False  # without run_check it wraps a tensor (no collective): a TP hook's form, matchable
     if any(module == m or module.startswith(m + ".") for m in _STATEFUL_MODULES):
         return True
     try:

@@ -20,11 +20,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx
 
-from .annotate import facts
+from .annotate import FROM_LOCAL, facts
 
 __all__ = [
     "Match", "Pattern", "Op", "Bind", "Tag", "OneOf", "Where", "Const", "ANY",
-    "param_fqn", "weight_fqn", "caller_fqn", "is_param_placeholder", "example_value", "CASTS", "is_cast",
+    "param_fqn", "weight_fqn", "caller_fqn", "is_param_placeholder", "example_value", "CASTS", "is_cast", "FROM_LOCAL",
 ]
 
 
@@ -151,12 +151,20 @@ def is_cast(node: Any) -> bool:
 
 
 def _same_cast(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` are the same value: the same node, or the same cast call of the same value."""
+    """``a`` and ``b`` are the same value: the same node, or the same cast call of the same value
+    (or the same ``DTensor.from_local`` call: a TP plan's hook on each projection makes its own)."""
     if a is b:
+        return True
+    if _same_from_local(a, b):
         return True
     return (is_cast(a) and is_cast(b) and a.target == b.target and len(a.args) == len(b.args)
             and _same_cast(a.args[0], b.args[0]) and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs
             and example_value(a).dtype == example_value(b).dtype)
+
+
+def _same_from_local(a: Any, b: Any) -> bool:
+    return (isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "call_function"
+            and a.target in FROM_LOCAL and a.target is b.target and a.args == b.args and a.kwargs == b.kwargs)
 
 
 def _target_ok(node: fx.Node, targets: tuple) -> bool:

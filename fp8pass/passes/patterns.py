@@ -30,7 +30,11 @@ Forms covered (all verified on real Dynamo graphs in tests/test_patterns.py):
   ``ScaledBiasRowwiseLinear``), not only a parameter;
 * a fused gate+up projection followed by ``chunk``, ``split``, last-dim slicing or
   ``view(..., 2, n).unbind(-2)`` (blocked) / ``view(..., n, 2).unbind(-1)`` (interleaved);
-* the down projection of the GLU output (any projection form above).
+* the down projection of the GLU output (any projection form above);
+* tensor parallel (separate gate/up projections): each projection's DTensor output made local by
+  ``.redistribute(...).to_local()`` or ``.to_local()`` (ColwiseParallel's output hook), the product
+  declared a DTensor by ``DTensor.from_local(h, mesh, placements)`` (RowwiseParallel's input hook), and
+  gate and up reading twin ``from_local`` calls of one input.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from .matcher import (
-    ANY, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_call, is_cast,
+    ANY, FROM_LOCAL, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_call, is_cast,
     is_param_placeholder,
 )
 
@@ -379,6 +383,22 @@ class FusedPart(Pattern):
             return
 
 
+# ---- tensor parallel: what the TP plan's module hooks put around a GLU ---------------------------
+
+def made_local(p: str, proj: Pattern) -> Pattern:
+    """``proj``, or its DTensor output made a local tensor by a colwise TP plan's output hook:
+    ``proj.redistribute(...).to_local()`` or ``proj.to_local()``; binds ``p_local`` (the ``to_local``
+    call). Any layouts match here: the plan checks they make the fused op equal (``plan._tp_layout_problem``)."""
+    local = Op("to_local", OneOf(Op("redistribute", proj, varargs=True), proj))
+    return OneOf(proj, Bind(f"{p}_local", local))
+
+
+def from_local(h: Pattern) -> Pattern:
+    """``h``, or it declared a DTensor by a rowwise TP plan's input hook
+    (``DTensor.from_local(h, mesh, placements)``); binds ``h_dt`` (the ``from_local`` call)."""
+    return OneOf(h, Bind("h_dt", Op(FROM_LOCAL, h, varargs=True)))
+
+
 # ---- activations and the GLU -------------------------------------------------------------------
 
 def activation(g: Pattern) -> Pattern:
@@ -395,7 +415,7 @@ def activation(g: Pattern) -> Pattern:
 
 ACTIVATION = activation(Bind("gate"))
 
-_SEPARATE = (linear("gate", x=Bind("x")), linear("up", x=Bind("x")))
+_SEPARATE = (made_local("gate", linear("gate", x=Bind("x"))), made_local("up", linear("up", x=Bind("x"))))
 _FUSED = tuple(FusedPart(p, linear("gate_up", x=Bind("x"))) for p in ("gate", "up"))
 
 # the GLU output h = act(gate) * up, the projections separate or fused
@@ -404,8 +424,8 @@ GLU_CORE = Bind("h", OneOf(
     Tag("proj", "fused", Op(MUL, activation(_FUSED[0]), _FUSED[1], commutative=True)),
 ))
 
-# the whole MLP: down(act(gate(x)) * up(x))
-GLU_MLP = linear("down", x=GLU_CORE)
+# the whole MLP: down(act(gate(x)) * up(x)), also under a colwise gate/up, rowwise down TP plan
+GLU_MLP = linear("down", x=from_local(GLU_CORE))
 
 # a plain linear op (attention projections, GELU MLPs, the LM head, ...)
 LINEAR = linear("lin")

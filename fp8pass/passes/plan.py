@@ -151,7 +151,10 @@ def _glu_decision(cfg: Config, m: Match, experts: bool = False) -> Decision:
     """A GLU becomes FP8 only when each of its projections may (else its linears are decided alone)."""
     if m["gate"] is m.get("up"):  # pragma: no cover - patterns cannot produce this
         return Decision(False, "gate and up are the same value")
-    parts = [("down", m["down"], m["h"], m["down_w"], m.get("down_b"))]
+    why = _tp_layout_problem(m)
+    if why:
+        return Decision(False, f"tensor parallel: {why}")
+    parts = [("down", m["down"], m.get("h_dt", m["h"]), m["down_w"], m.get("down_b"))]
     if m.get("proj") == "fused":
         parts.append(("gate_up", m["gate_up"], m["x"], m["gate_up_w"], m.get("gate_up_b")))
         for p in ("gate", "up"):
@@ -172,6 +175,51 @@ def _glu_decision(cfg: Config, m: Match, experts: bool = False) -> Decision:
         return Decision(False, "its projections fall under different recipes (" + "; ".join(
             f"{role}: {site.rule or 'Config.recipe'}" for role, site in sites) + "); each linear is decided alone")
     return Decision(True, site=sites[0][1])
+
+
+def _layout(value) -> tuple | None:
+    """A DTensor value's (mesh, placements) with shard dims made non-negative; None for a plain tensor."""
+    if not hasattr(value, "placements") or not hasattr(value, "device_mesh"):
+        return None
+    nd = value.dim()
+    places = tuple(type(p)(p.dim % nd) if p.is_shard() and p.dim < 0 else p for p in value.placements)
+    return value.device_mesh, places
+
+
+def _tp_layout_problem(m: Match) -> str | None:
+    """Why a GLU seen through tensor parallel's hooks is not one ``swiglu_down`` on the projections'
+    DTensor outputs (None when it is, or when there is no TP form).
+
+    The hooks compute ``act(gate) * up`` on local tensors and declare the product a DTensor; the fused
+    op computes it on the DTensors themselves. The two agree when the outputs are made local unchanged
+    (a redistribute to the layout they already have), gate's and up's layouts are one, and the product
+    is declared with that layout on that mesh, without partial sums (``act`` of a partial sum is not
+    the sum of ``act``s).
+    """
+    hooks = {"gate": m.get("gate_local"), "up": m.get("up_local"), "down input": m.get("h_dt")}
+    if all(v is None for v in hooks.values()):
+        return None
+    absent = [k for k, v in hooks.items() if v is None]
+    if absent:
+        return f"the {' and '.join(absent)} of this GLU bypass the TP plan's DTensor hooks the others pass"
+    layouts = {}
+    for p in ("gate", "up"):
+        out, local = _layout(example_value(m[p])), _layout(example_value(m[f"{p}_local"].args[0]))
+        if out is None or local is None:
+            return f"the {p} projection's output is not a DTensor"
+        if out != local:
+            return (f"the {p} projection's output is redistributed ({out[1]} -> {local[1]}) before its local use; "
+                    "only a no-op redistribute (ColwiseParallel's Shard(-1) output) is fused")
+        layouts[p] = local
+    h = _layout(example_value(m["h_dt"]))
+    if h is None or layouts["gate"] != layouts["up"] or layouts["gate"] != h:
+        return (f"the GLU product is declared {h[1] if h else '?'} but computed from gate {layouts['gate'][1]} and up "
+                f"{layouts['up'][1]} shards (or on another mesh)")
+    if any(p.is_partial() for p in h[1]):
+        return "the GLU product is declared a partial sum"
+    if tuple(example_value(m["h_dt"]).shape) != tuple(example_value(m["gate_local"].args[0]).shape):
+        return "the GLU product's declared shape differs from the projections' (uneven shards)"
+    return None
 
 
 def _glu_site(m: Match, cls=GLUSite) -> GLUSite:
@@ -267,6 +315,37 @@ def _find_breaks(graph: fx.Graph, covered: set[fx.Node], plan: Plan, split_befor
     return unsafe_linears
 
 
+def _list_unmatched_tp_glus(graph: fx.Graph, matched_h: list, plan: Plan) -> None:
+    """A GLU product of DTensors made local (``to_local``) that no GLU match covers: a tensor parallel
+    form the patterns do not follow (a fused gate_up, a reshape between the hooks and the product). Its
+    down projection would run as a plain FP8 linear, without Smooth-SwiGLU: listed, never silent."""
+    seen = set(matched_h)
+    for node in graph.nodes:
+        if node in seen or node.op not in ("call_function", "call_method"):
+            continue
+        for m in GLU_PRODUCT_LOOSE(node):
+            if m["h"] in seen:
+                break
+            seen.add(m["h"])
+            if any(_made_local_upstream(m[p]) for p in ("gate", "up")):
+                mod = _mlp_module(m["h"])
+                plan.skipped.append((f"GLU {mod or m['h'].name}", "not fused: tensor parallel form not recognised "
+                                     "(the patterns follow separate gate/up projections with ColwiseParallel outputs "
+                                     "and a RowwiseParallel down projection)"))
+            break
+
+
+def _made_local_upstream(node, depth: int = 4) -> bool:
+    """Whether ``node`` is, or is a few calls downstream of, a DTensor's ``to_local()``."""
+    for _ in range(depth):
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+            return False
+        if node.op == "call_method" and node.target == "to_local":
+            return True
+        node = node.args[0] if node.args else None
+    return False
+
+
 def _ensure_annotated(graph: fx.Graph) -> None:
     """Annotate a graph nobody annotated yet (tests and tools that plan captured graphs directly)."""
     first = next(iter(graph.nodes), None)
@@ -346,6 +425,8 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                 plan.skipped.append((f"{what} {_module_of(site.down)}", f"not fused: {d.reason}"))
         for m, reason in rejected:
             plan.skipped.append((f"{what} at {_where(m['down'], m['down_w'])}", f"not fused: {reason}"))
+        if not experts:
+            _list_unmatched_tp_glus(graph, [m["h"] for m in matches] + [m["h"] for m, _ in rejected], plan)
     unsafe = set() if body else _find_breaks(graph, covered, plan, dict(split_before or {}))
     decided: set[fx.Node] = set(covered)
     for node in graph.nodes:
