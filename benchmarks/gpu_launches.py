@@ -365,7 +365,7 @@ def _grouped_case(tokens: int = 64, experts: int = 4, d_in: int = 64, d_out: int
 
     def step():
         x.grad = w.grad = None
-        out = torch.ops.fp8pass.fp8_grouped_linear(x, w, offs, False, [], [], [], *knobs.args())
+        out = torch.ops.fp8pass.fp8_grouped_linear(x, w, offs, False, [], [], [], None, *knobs.args())
         out[0].backward(dy)
 
     return step
@@ -384,7 +384,7 @@ def _grouped_swiglu_case(smooth: str, tokens: int = 64, experts: int = 4, d: int
 
     def step():
         gate_up.grad = wd.grad = None
-        out = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate_up, None, wd, offs, False, [], [], [], *knobs.args())
+        out = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate_up, None, wd, offs, False, [], [], [], None, *knobs.args())
         out[0].backward(dy)
 
     return step

@@ -96,11 +96,11 @@ def cases(tokens, experts, topk, dim, ffn, device, split_glu=False, grad_roundin
         def f():
             s1 = states[0].op_args() if states else ([], [], [])
             s2 = states[1].op_args() if states else ([], [], [])
-            out = torch.ops.fp8pass.fp8_grouped_linear(x, w_gu, offs, False, *s1, *lin_knobs.args())
+            out = torch.ops.fp8pass.fp8_grouped_linear(x, w_gu, offs, False, *s1, None, *lin_knobs.args())
             # gate_up whole (up=None), as the backend passes a chunk(2, -1) split: no cat in backward;
             # split_glu: the chunk's two views instead (autograd cats their gradients)
             gate, up = out[0].chunk(2, dim=-1) if split_glu else (out[0], None)
-            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate, up, w_d, offs, False, *s2, *glu_knobs.args())
+            o2 = torch.ops.fp8pass.fp8_grouped_swiglu_down(gate, up, w_d, offs, False, *s2, None, *glu_knobs.args())
             if states:
                 states[0].record_forward(out[1], out[2])
                 states[1].record_forward(o2[1], o2[2])

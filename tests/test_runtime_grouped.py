@@ -64,7 +64,7 @@ def _q(t, fmt, scale=None):
 @pytest.mark.parametrize("transposed", [False, True])
 def test_forward_codes_and_result_match_per_group_quantize(transposed):
     x, w, offs, _ = _data(0, transposed=transposed)
-    y, x_amax, w_amax, x_data, x_scale, w_data, w_scale = LIN(x, w, offs, transposed, [], [], [], *FP8)
+    y, x_amax, w_amax, x_data, x_scale, w_data, w_scale = LIN(x, w, offs, transposed, [], [], [], None, *FP8)
     x_codes = x_data.view(torch.float8_e4m3fn)
     w_codes = w_data.view(torch.float8_e4m3fn)
     for e, lo, hi in _groups(OFFS):
@@ -87,7 +87,7 @@ def test_forward_codes_and_result_match_per_group_quantize(transposed):
 def test_backward_matches_per_group_reference(transposed):
     x, w, offs, dy = _data(1, transposed=transposed)
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-    LIN(xx, ww, offs, transposed, [], [], [], *FP8)[0].backward(dy)
+    LIN(xx, ww, offs, transposed, [], [], [], None, *FP8)[0].backward(dy)
     for e, lo, hi in _groups(OFFS):
         if hi == lo:
             assert torch.equal(ww.grad[e], torch.zeros_like(ww.grad[e]))
@@ -104,7 +104,7 @@ def test_backward_matches_per_group_reference(transposed):
 def test_identity_format_is_the_exact_grouped_matmul(transposed):
     x, w, offs, dy = _data(2, transposed=transposed)
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = LIN(xx, ww, offs, transposed, [], [], [], *IDENT)[0]
+    y = LIN(xx, ww, offs, transposed, [], [], [], None, *IDENT)[0]
     y.backward(dy)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     ref = torch.cat([xr[lo:hi] @ _w_nk(wr, e, transposed).t() for e, lo, hi in _groups(OFFS)]
@@ -115,7 +115,7 @@ def test_identity_format_is_the_exact_grouped_matmul(transposed):
     torch.testing.assert_close(ww.grad, wr.grad, rtol=2**-22, atol=1e-30)
     # bf16: torch._grouped_mm (fp32 accumulation, one rounding) to one bf16 rounding
     xb, wb = x.bfloat16(), w.bfloat16()
-    yb = LIN(xb, wb, offs, transposed, [], [], [], *IDENT)[0]
+    yb = LIN(xb, wb, offs, transposed, [], [], [], None, *IDENT)[0]
     gm = torch._grouped_mm(xb, wb if transposed else wb.transpose(1, 2), offs=offs)
     n = OFFS[-1]
     torch.testing.assert_close(yb[:n].float(), gm[:n].float(), rtol=2**-8, atol=0)
@@ -135,7 +135,7 @@ def test_delayed_scaling_per_expert_state_evolves_like_separate_states():
     for step, factor in enumerate((torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.tensor([0.5, 1.0, 8.0, 2.0]))):
         ids = torch.searchsorted(offs, torch.arange(x.shape[0], dtype=torch.int32), right=True).clamp(max=3)
         xs = (x * factor[ids, None]).requires_grad_()
-        out = LIN(xs, w, offs, False, *st.op_args(), *FP8)
+        out = LIN(xs, w, offs, False, *st.op_args(), None, *FP8)
         st.record_forward(out[1], out[2])
         out[0].backward(dy)
         codes.append((xs.detach(), out[3].view(torch.float8_e4m3fn)))
@@ -184,17 +184,17 @@ def test_opcheck_both_ops():
     st = LinearScalingState(fp8pass.DelayedScaling(), experts=4)
     for states, fmts in (([[], [], []], FP8), (list(st.op_args()), FP8), ([[], [], []], IDENT)):
         torch.library.opcheck(LIN.default, (x.clone().requires_grad_(), w.clone().requires_grad_(), offs, False,
-                                            *states, *fmts))
+                                            *states, None, *fmts))
     g = torch.Generator().manual_seed(5)
     gate, up = torch.randn(44, 16, generator=g), torch.randn(44, 16, generator=g)
     wd = torch.randn(4, 16, 16, generator=g)
     for smooth in ("channel", "token", "none"):
         torch.library.opcheck(GLU.default, (gate.clone().requires_grad_(), up.clone().requires_grad_(),
-                                            wd.clone().requires_grad_(), offs, True, [], [], [], *FP8, "silu",
+                                            wd.clone().requires_grad_(), offs, True, [], [], [], None, *FP8, "silu",
                                             smooth))
         # the fused gate_up form (up=None)
         torch.library.opcheck(GLU.default, (torch.cat((gate, up), 1).requires_grad_(), None,
-                                            wd.clone().requires_grad_(), offs, True, [], [], [], *FP8, "silu",
+                                            wd.clone().requires_grad_(), offs, True, [], [], [], None, *FP8, "silu",
                                             smooth))
 
 
@@ -205,10 +205,10 @@ def test_compiled_aot_eager_equals_eager_with_state_records():
     wd = (torch.randn(4, 24, 24, generator=g) / 5).bfloat16()
 
     def model(x, w, wd, st, st2):
-        out = LIN(x, w, offs, False, *st.op_args(), *FP8)
+        out = LIN(x, w, offs, False, *st.op_args(), None, *FP8)
         st.record_forward(out[1], out[2])
         gate, up = out[0].chunk(2, dim=-1)
-        o2 = GLU(gate, up, wd, offs, False, *st2.op_args(), *FP8, "silu", "channel")
+        o2 = GLU(gate, up, wd, offs, False, *st2.op_args(), None, *FP8, "silu", "channel")
         st2.record_forward(o2[1], o2[2])
         return o2[0]
 
@@ -249,7 +249,7 @@ def test_swiglu_identity_format_is_the_plain_glu_for_every_smoothing(smooth, tra
     wd = torch.randn(4, 24, 16, generator=g) if transposed else torch.randn(4, 16, 24, generator=g)
     offs = torch.tensor(OFFS, dtype=torch.int32)
     a = [t.clone().requires_grad_() for t in (gate, up, wd)]
-    y = GLU(*a, offs, transposed, [], [], [], *IDENT, "silu", smooth)[0]
+    y = GLU(*a, offs, transposed, [], [], [], None, *IDENT, "silu", smooth)[0]
     y.backward(dy)
     r = [t.clone().requires_grad_() for t in (gate, up, wd)]
     ref = _glu_ref(*r, transposed)
@@ -267,7 +267,7 @@ def test_swiglu_channel_fp8_codes_and_result_match_per_expert_reference(transpos
     gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g) * 3
     wd = torch.randn(4, 24, 16, generator=g) if transposed else torch.randn(4, 16, 24, generator=g)
     offs = torch.tensor(OFFS, dtype=torch.int32)
-    y, _, _, a_data, a_scale, b_data, b_scale, c = GLU(gate, up, wd, offs, transposed, [], [], [], *FP8,
+    y, _, _, a_data, a_scale, b_data, b_scale, c = GLU(gate, up, wd, offs, transposed, [], [], [], None, *FP8,
                                                        "silu", "channel")
     h = torch.nn.functional.silu(gate) * up
     for e, lo, hi in _groups(OFFS):
@@ -289,10 +289,10 @@ def test_channel_outlier_in_one_expert_changes_only_its_scales():
     gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g)
     wd = torch.randn(4, 16, 24, generator=g)
     offs = torch.tensor(OFFS, dtype=torch.int32)
-    base = GLU(gate, up, wd, offs, False, [], [], [], *FP8, "silu", "channel")[7]
+    base = GLU(gate, up, wd, offs, False, [], [], [], None, *FP8, "silu", "channel")[7]
     up2 = up.clone()
     up2[3, 5] = 1000.0  # row 3 belongs to expert 0
-    out = GLU(gate, up2, wd, offs, False, [], [], [], *FP8, "silu", "channel")[7]
+    out = GLU(gate, up2, wd, offs, False, [], [], [], None, *FP8, "silu", "channel")[7]
     assert out[0, 5] < base[0, 5] / 100  # the outlier channel is scaled down in expert 0
     assert torch.equal(out[1:], base[1:])  # the other experts' scales are unchanged
     assert torch.equal(out[0, :5], base[0, :5]) and torch.equal(out[0, 6:], base[0, 6:])
@@ -316,7 +316,7 @@ def test_saves_only_one_byte_codes():
     x, w, offs, _ = _data(11, dtype=torch.bfloat16)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        LIN(x.requires_grad_(), w.requires_grad_(), offs, False, [], [], [], *FP8)
+        LIN(x.requires_grad_(), w.requires_grad_(), offs, False, [], [], [], None, *FP8)
     big = [t for t in saved if t.numel() > 4]
     assert {tuple(t.shape) for t in big} == {tuple(x.shape), tuple(w.shape)}
     assert all(t.element_size() == 1 for t in big)
@@ -332,31 +332,31 @@ def test_gemm_dtype_follows_the_bf16_capability(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert cpu.gemm_dtype(torch.bfloat16, bf, bf) == torch.float32
     x, w, offs, _ = _data(12, dtype=torch.bfloat16)
-    y = LIN(x, w, offs, False, [], [], [], *FP8)[0]  # still correct on the fp32 path
+    y = LIN(x, w, offs, False, [], [], [], None, *FP8)[0]  # still correct on the fp32 path
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
 
 
 def test_bad_arguments_raise_clear_errors():
     x, w, offs, _ = _data(13)
     with pytest.raises(ValueError, match="offs must be int32"):
-        LIN(x, w, offs.long(), False, [], [], [], *FP8)
+        LIN(x, w, offs.long(), False, [], [], [], None, *FP8)
     with pytest.raises(ValueError, match="expects K"):
-        LIN(x, w, offs, True, [], [], [], *FP8)
+        LIN(x, w, offs, True, [], [], [], None, *FP8)
     with pytest.raises(ValueError, match="offs must be non-decreasing"):
-        LIN(x, w, torch.tensor([10, 5, 33, 40], dtype=torch.int32), False, [], [], [], *FP8)
+        LIN(x, w, torch.tensor([10, 5, 33, 40], dtype=torch.int32), False, [], [], [], None, *FP8)
     with pytest.raises(ValueError, match="x_state"):
-        LIN(x, w, offs, False, list(LinearScalingState(fp8pass.DelayedScaling()).op_args()[0]), [], [], *FP8)
+        LIN(x, w, offs, False, list(LinearScalingState(fp8pass.DelayedScaling()).op_args()[0]), [], [], None, *FP8)
     with pytest.raises(ValueError, match="smooth"):
-        GLU(x, x, w, offs, True, [], [], [], *FP8, "silu", "rows")
+        GLU(x, x, w, offs, True, [], [], [], None, *FP8, "silu", "rows")
     with pytest.raises(ValueError, match="GLU activation"):
-        GLU(x, x, w, offs, True, [], [], [], *FP8, "swish", "none")
+        GLU(x, x, w, offs, True, [], [], [], None, *FP8, "swish", "none")
     with pytest.raises(ValueError, match="grad_rounding"):
-        LIN(x, w, offs, False, [], [], [], *FP8[:3], "up", *FP8[4:])
+        LIN(x, w, offs, False, [], [], [], None, *FP8[:3], "up", *FP8[4:])
     with pytest.raises(TypeError, match="out_dtype"):
-        LIN(x, w, offs, False, [], [], [], *FP8[:-2], torch.int32, True)
+        LIN(x, w, offs, False, [], [], [], None, *FP8[:-2], torch.int32, True)
     for _ in range(2):  # a bad knob tuple is not cached as valid (Knobs.of): it raises on every call
         with pytest.raises(ValueError, match="algo"):
-            LIN(x, w, offs, False, [], [], [], *FP8[:6], "median", None, True)
+            LIN(x, w, offs, False, [], [], [], None, *FP8[:6], "median", None, True)
     with pytest.raises(ValueError, match="grouped_state_for"):
         grouped_state_for(w[0], fp8pass.DelayedScaling())
 
@@ -410,10 +410,10 @@ def test_cuda_kernel_module_fallback_agrees_on_cpu(monkeypatch):
     for family, knobs in (("torch", FP8_E4M3_GRADS), ("triton", FP8)):
         monkeypatch.setenv("FP8PASS_KERNELS", family)
         a = [t.clone().requires_grad_() for t in (x, w)]
-        out = LIN(*a, offs, False, [], [], [], *knobs)
+        out = LIN(*a, offs, False, [], [], [], None, *knobs)
         out[0].backward(dy)
         b = [t.clone().requires_grad_() for t in (gate, up, wd)]
-        out2 = GLU(*b, offs, True, [], [], [], *knobs, "silu", "channel")
+        out2 = GLU(*b, offs, True, [], [], [], None, *knobs, "silu", "channel")
         out2[0].backward(dy[:, :16])
         results.append((out, out2, [t.grad for t in a + b]))
     (o1, p1, g1), (o2, p2, g2) = results
@@ -439,7 +439,7 @@ def test_cpu_fused_glu_path_gives_the_generic_paths_bits(monkeypatch, smooth):
     for fast in (True, False):
         monkeypatch.setattr(grouped_swiglu, "cpu_fast", lambda t, fast=fast: fast)
         a = [t.clone().requires_grad_() for t in (gate, up, wd)]
-        out = GLU(*a, offs, False, [], [], [], *FP8, "silu", smooth)
+        out = GLU(*a, offs, False, [], [], [], None, *FP8, "silu", smooth)
         out[0].backward(dy)
         results.append(([o.detach() for o in out], [t.grad for t in a]))
     (o1, g1), (o2, g2) = results
@@ -463,7 +463,7 @@ def test_fused_gate_up_input_gives_the_split_inputs_bits(smooth, rows):
     for joined in (True, False):
         gu, w = gate_up.clone().requires_grad_(), wd.clone().requires_grad_()
         args = (gu, None) if joined else gu.chunk(2, dim=-1)
-        out = GLU(*args, w, offs, False, [], [], [], *FP8, "silu", smooth)
+        out = GLU(*args, w, offs, False, [], [], [], None, *FP8, "silu", smooth)
         out[0].backward(dy)
         results.append(([o.detach() for o in out], [gu.grad, w.grad]))
     (o1, g1), (o2, g2) = results
@@ -475,9 +475,9 @@ def test_fused_gate_up_input_gives_the_split_inputs_bits(smooth, rows):
 def test_fused_gate_up_input_must_have_an_even_width():
     x, w, offs, _ = _data(17)
     with pytest.raises(ValueError, match="fused gate_up output"):
-        GLU(torch.randn(44, 95), None, torch.randn(4, 32, 47), offs, False, [], [], [], *FP8, "silu", "channel")
+        GLU(torch.randn(44, 95), None, torch.randn(4, 32, 47), offs, False, [], [], [], None, *FP8, "silu", "channel")
     with pytest.raises(ValueError, match="channels"):  # halves of 2 x 40 against an F = 47 weight
-        GLU(torch.randn(44, 80), None, torch.randn(4, 32, 47), offs, False, [], [], [], *FP8, "silu", "channel")
+        GLU(torch.randn(44, 80), None, torch.randn(4, 32, 47), offs, False, [], [], [], None, *FP8, "silu", "channel")
 
 
 @pytest.mark.parametrize("fmt", [E5M2, E4M3])
@@ -509,16 +509,16 @@ def test_backward_keeps_no_zero_gradients_of_the_saved_codes():
     g = torch.Generator().manual_seed(16)
     wd = torch.randn(4, 24, 24, generator=g)
     a = [t.clone().requires_grad_() for t in (x, w, wd)]
-    out = LIN(a[0], a[1], offs, False, [], [], [], *FP8)
+    out = LIN(a[0], a[1], offs, False, [], [], [], None, *FP8)
     gate, up = out[0].chunk(2, dim=-1)
-    o2 = GLU(gate, up, a[2], offs, False, [], [], [], *FP8, "silu", "channel")
+    o2 = GLU(gate, up, a[2], offs, False, [], [], [], None, *FP8, "silu", "channel")
     with FillRecorder() as mode:
         o2[0].backward(dy[:, :24])
     big = {tuple(x.shape), tuple(w.shape), tuple(wd.shape), (x.shape[0], 24)}
     assert not big & set(mode.shapes), mode.shapes
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in a)
     b = [t.clone().requires_grad_() for t in (x, w)]
-    out = LIN(*b, offs, False, [], [], [], *FP8)
+    out = LIN(*b, offs, False, [], [], [], None, *FP8)
     (out[1].sum() + out[2].sum()).backward()  # no gradient reaches y: the op sees dy None
     assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in b)
 
@@ -611,9 +611,9 @@ def test_autocast_outputs_and_gemm_dtype_are_the_ops_choice(monkeypatch, gemm):
     knobs = FP8[:-2] + (torch.bfloat16, True)
     with profile(record_shapes=True) as prof:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = LIN(a[0], a[1], offs, False, [], [], [], *knobs)
+            out = LIN(a[0], a[1], offs, False, [], [], [], None, *knobs)
             gate, up = out[0].chunk(2, dim=-1)
-            y = GLU(gate, up, a[2], offs, False, [], [], [], *knobs, "silu", "channel")[0]
+            y = GLU(gate, up, a[2], offs, False, [], [], [], None, *knobs, "silu", "channel")[0]
             (y.float() * dy[:, :32]).sum().backward()
     assert out[0].dtype == y.dtype == torch.bfloat16
     assert all(t.grad.dtype == torch.float32 for t in a)
@@ -648,10 +648,10 @@ def test_delayed_cast_with_amax_in_one_loop_gives_the_two_pass_bits(monkeypatch,
         outs = []
         for step, factor in enumerate((1.0, 4.0, 0.25)):  # the held scale lags the current amax
             a = [t.clone().requires_grad_() for t in (x * factor, w, wd)]
-            out = LIN(a[0], a[1], offs, transposed, *st.op_args(), *FP8)
+            out = LIN(a[0], a[1], offs, transposed, *st.op_args(), None, *FP8)
             st.record_forward(out[1], out[2])
             gate, up = out[0].chunk(2, dim=-1)
-            o2 = GLU(gate, up, a[2], offs, transposed, *st2.op_args(), *FP8, "silu", "none")
+            o2 = GLU(gate, up, a[2], offs, transposed, *st2.op_args(), None, *FP8, "silu", "none")
             st2.record_forward(o2[1], o2[2])
             ((o2[0].float() * dy).sum() + (out[0].float() * gate_up_dy).sum()).backward()
             outs += [o.detach() for o in out + o2] + [t.grad for t in a]
@@ -724,7 +724,7 @@ def test_cuda_path_calls_scaled_grouped_mm_three_times_without_sync_and_is_near_
 
     def run():
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = LIN(xx, ww, offs, False, [], [], [], *FP8)[0]
+        y = LIN(xx, ww, offs, False, [], [], [], None, *FP8)[0]
         y.backward(dy)
         return y, xx.grad, ww.grad
 
@@ -767,7 +767,7 @@ def test_gradient_format_of_the_grouped_ops_per_device(monkeypatch):
     x, w, offs, dy = _data(16)
     w = w.clone().requires_grad_()
     st = grouped_state_for(w, recipe)
-    LIN(x, w, offs, False, *st.op_args(), *FP8)[0].backward(dy)
+    LIN(x, w, offs, False, *st.op_args(), None, *FP8)[0].backward(dy)
     for e, lo, hi in _groups(OFFS):  # the gradient's held scales are E4M3's (448 / amax), not E5M2's
         alone = DelayedScalingState(recipe, E4M3)
         alone.record(dy[lo:hi].abs().max() if hi > lo else torch.zeros(()))
@@ -788,7 +788,7 @@ def test_grouped_forward_gemm_accumulates_fast_and_gradient_gemms_precisely(monk
     x, w, offs, dy = (t.bfloat16() if t.is_floating_point() else t for t in _data(15))
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
     with gl.pretend_cuda_gemms() as gemms:
-        y = LIN(xx, ww, offs, False, [], [], [], *FP8[:-1], fast_accum)[0]
+        y = LIN(xx, ww, offs, False, [], [], [], None, *FP8[:-1], fast_accum)[0]
         forward = list(gemms)
         y.backward(dy)
     assert forward == [("_scaled_grouped_mm", fast_accum)]

@@ -300,6 +300,14 @@ def _compiled_cast_stochastic(fmax: float, mbits: int, emin: int, dtype: torch.d
     return compile_variant(cast_stochastic_kernel, _tag("sr", fmax, dtype, src))
 
 
+def stochastic_seed(seed: torch.Tensor | None, generator: torch.Generator | None, device) -> torch.Tensor:
+    """The int32 scalar seed of a stochastic cast: ``seed`` (int64 [1], < 2**31: exact) or one draw
+    from ``generator`` (torch's default generator when None)."""
+    if seed is None:
+        return torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=device)
+    return seed.reshape(()).to(torch.int32)
+
+
 def cast_stochastic(x: torch.Tensor, scale: torch.Tensor, fmt: Format, generator: torch.Generator | None = None,
                     seed: torch.Tensor | None = None):
     """Codes of ``x * scale`` stochastically rounded onto ``fmt`` (saturating), with ``max |x|``.
@@ -317,10 +325,7 @@ def cast_stochastic(x: torch.Tensor, scale: torch.Tensor, fmt: Format, generator
         codes, amax = torch_family.cast_scaled(x, scale, fmt, "stochastic", generator, want_amax=True)
         return codes, (amax if amax is not None else torch.zeros((), device=x.device)).float()
     scale = scale.to(torch.float32).reshape(())
-    if seed is None:
-        seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x.device)
-    else:
-        seed = seed.reshape(()).to(torch.int32)  # < 2**31: exact
+    seed = stochastic_seed(seed, generator, x.device)
     args = (fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype)
     eager = lambda a, s, sd: _stochastic_cast_math(a, s, sd, *args)  # noqa: E731
     if x.numel() < MIN_COMPILED:
@@ -572,7 +577,8 @@ def _compiled_cast_rows_sr(fmax: float, mbits: int, emin: int, dtype: torch.dtyp
 
 
 def cast_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fmt: Format, rounding: str = "nearest",
-              generator: torch.Generator | None = None, up: torch.dtype | None = None, keep_codes: bool = True):
+              generator: torch.Generator | None = None, up: torch.dtype | None = None, keep_codes: bool = True,
+              seed: torch.Tensor | None = None):
     """Codes ``saturating_cast(x[i] * row_scale[i])`` of a 2-D tensor, one fp32 scale per row.
 
     Bit-identical to :func:`cast` / :func:`cast_stochastic` of each row with its scalar scale (the
@@ -584,6 +590,8 @@ def cast_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fmt: Format, rounding:
             same loop: ``(codes, values)``, or only ``values`` when ``keep_codes`` is False (an operand
             that is used by GEMMs only, never saved). Same values as :func:`upcast` of the codes, one
             pass over memory fewer.
+        seed: stochastic rounding's seed (int64 [1], a stream's draw, ``runtime.sr``) instead of a draw
+            from ``generator``.
     """
     x2d = x2d.contiguous()
     row_scale = row_scale.to(torch.float32).contiguous()
@@ -611,10 +619,10 @@ def cast_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fmt: Format, rounding:
     if x2d.numel() >= 2 ** 31:
         raise ValueError("cast_rows: stochastic rounding supports fewer than 2**31 elements")
     if up is not None and _upcasts_outside_the_loop(fmt.torch_dtype, up) and not eager_only:
-        codes = cast_rows(x2d, row_scale, fmt, rounding, generator)  # the same seed draw, the same bits
+        codes = cast_rows(x2d, row_scale, fmt, rounding, generator, seed=seed)  # the same seed, the same bits
         values = upcast(codes, up)
         return (codes, values) if keep_codes else values
-    seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x2d.device)
+    seed = stochastic_seed(seed, generator, x2d.device)
     args = (fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype)
     if up is None:
         eager = lambda a, s, sd: _cast_rows_sr_math(a, s, sd, *args)  # noqa: E731

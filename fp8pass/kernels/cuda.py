@@ -162,8 +162,9 @@ def row_amax(x2d: torch.Tensor) -> torch.Tensor:
     return x2d.float().abs().amax(dim=1)
 
 
-def cast_rows(x2d, row_scale, fmt: Format, rounding="nearest", generator=None):
-    """Codes of ``x[i] * row_scale[i]`` (same math as the CPU module's ``cast_rows``, eager)."""
+def cast_rows(x2d, row_scale, fmt: Format, rounding="nearest", generator=None, seed=None):
+    """Codes of ``x[i] * row_scale[i]`` (same math as the CPU module's ``cast_rows``, eager; ``seed``:
+    a stream's draw, int64 [1], instead of one from ``generator``)."""
     from . import cpu
 
     if x2d.numel() == 0:
@@ -171,7 +172,7 @@ def cast_rows(x2d, row_scale, fmt: Format, rounding="nearest", generator=None):
     row_scale = row_scale.to(torch.float32)
     if rounding == "nearest":
         return cpu._cast_rows_math(x2d, row_scale, fmt.max, fmt.torch_dtype)
-    seed = torch.randint(0, 2 ** 31 - 1, (), generator=generator, dtype=torch.int32, device=x2d.device)
+    seed = cpu.stochastic_seed(seed, generator, x2d.device)
     return cpu._cast_rows_sr_math(x2d.contiguous(), row_scale, seed, fmt.max, fmt.mbits, fmt.emin, fmt.torch_dtype)
 
 

@@ -3,17 +3,19 @@
 An expert GLU ``down(act(gate) * up)`` over grouped projections (one offsets tensor; or batched
 ``bmm`` over ``x`` [E, C, in], which becomes the same ops with every expert given C rows) becomes::
 
-    out = fp8pass::fp8_grouped_linear(x, W_gate_up, offs, w_transposed, x_state, w_state, g_state, ...,
+    out = fp8pass::fp8_grouped_linear(x, W_gate_up, offs, w_transposed, x_state, w_state, g_state, sr_stream, ...,
                                       out_dtype=<the replaced projection's dtype>)
     gate, up = <the original slicing of out[0]>
     out = fp8pass::fp8_grouped_swiglu_down(gate, up, W_down, offs, w_transposed, a_state, b_state, g_state,
-                                           ..., out_dtype=<down's dtype>, activation=act, smooth=smooth)
+                                           sr_stream, ..., out_dtype=<down's dtype>, activation=act, smooth=smooth)
     fp8pass::delayed_record_(*state, out[1] / out[2], ...)           # per-expert amaxes [E]
 
 and an expert projection on its own becomes one ``fp8_grouped_linear``. ``out_dtype`` is the dtype the
 replaced node produced (under autocast the autocast dtype), so the rewritten graph keeps every dtype.
 The state of a 3-D expert weight holds one scale per expert (``StateInput.kind == "experts"``; the
 backend resolves it with ``runtime.grouped_state_for``); the records take the ops' per-expert amax vectors.
+With stochastic gradient rounding each expert stack has one stochastic-rounding stream (``sr_stream``,
+``runtime.sr``) whatever the recipe's granularity: the grouped ops cast the gradient per expert.
 
 When gate and up are the first and second half of the fused output (``chunk(2, -1)``, as transformers'
 experts split it), the GLU op takes ``out[0]`` itself with ``up=None``: its backward returns d(gate_up)
@@ -61,6 +63,10 @@ class GroupedRewriter(GraphRewriter):
                     grad_rounding=k["grad_rounding"], margin=k["margin"], interval=k["interval"], algo=k["algo"],
                     out_dtype=out_dtype, fast_accum=k["fast_accum"])
 
+    def seeded_grad_cast(self) -> bool:
+        """The grouped ops cast the gradient per expert whatever the recipe's granularity, with a seed."""
+        return True
+
     def rows_and_offsets(self, x: fx.Node, w: fx.Node, offs):
         """``(x2d, offs, shape_back)``: the grouped op's operands for either expert form.
 
@@ -85,7 +91,7 @@ class GroupedRewriter(GraphRewriter):
         with self.graph.inserting_before(before):
             x2d, offs, back = self.rows_and_offsets(self.r(x), w, offs)
             out = self.graph.call_function(self.ops.fp8_grouped_linear.default,
-                                           (x2d, w, offs, layout == "in_out", xs, ws, gs),
+                                           (x2d, w, offs, layout == "in_out", xs, ws, gs, self.sr_stream(w)),
                                            self._kw(value_dtype(before)))
             y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
@@ -118,7 +124,7 @@ class GroupedRewriter(GraphRewriter):
                     "reshape", (self.r(m["up"]), (-1, self.graph.call_method("size", (self.r(m["up"]), -1)))))
             out = self.graph.call_function(
                 self.ops.fp8_grouped_swiglu_down.default,
-                (gate, up, w, offs, m["down_layout"] == "in_out", a_s, b_s, g_s), k)
+                (gate, up, w, offs, m["down_layout"] == "in_out", a_s, b_s, g_s, self.sr_stream(w)), k)
             y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
                 self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])

@@ -38,8 +38,8 @@ a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scal
     ``gate``/``up`` are kept as E4M3 codes, the GLU derivative uses their dequantized values; with the
     ``recast_weight`` knob, which the backend and ``ops.swiglu_mlp`` set on one rank, ``b``'s codes are
     not kept: backward casts ``W_down`` again with ``b_scale``).
-``fp8_grouped_linear(x, weight, offs, w_transposed, x_state, w_state, g_state, *GroupedLinearKnobs) -> (y,
-x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
+``fp8_grouped_linear(x, weight, offs, w_transposed, x_state, w_state, g_state, sr_stream, *GroupedLinearKnobs)
+-> (y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
     MoE experts (:mod:`fp8pass.runtime.grouped_linear`; knobs: ``fwd_format, bwd_format, power_of_two,
     grad_rounding, margin, interval, algo, out_dtype``): ``x`` [S, K] rows sorted by expert, ``offs`` int32
     [E] cumulative group ends as ``torch._grouped_mm`` takes them (rows past ``offs[-1]``: zero output
@@ -49,8 +49,9 @@ x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
     fp32 [E] (amax of each expert's rows / weight; 0 for an empty group), and delayed states are
     stacks of E (history [E, H], scale/steps/skipped [E]; :func:`grouped_state_for`). Always
     per-tensor-per-expert (no granularity/block arguments). Outputs 4-7: saved codes and [E] scales.
-``fp8_grouped_swiglu_down(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *GroupedGLUKnobs) ->
-(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``
+    ``sr_stream``: the expert stack's stochastic-rounding stream (one for all its experts; as ``fp8_linear``'s).
+``fp8_grouped_swiglu_down(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, sr_stream,
+*GroupedGLUKnobs) -> (y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``
     ``swiglu_down`` for grouped rows (:mod:`fp8pass.runtime.grouped_swiglu`; knobs: the grouped linear's,
     then ``activation, smooth``): ``gate``/``up`` [S, F] (or ``up`` None and ``gate`` the fused [S, 2F],
     gate first), ``w_down`` [E, D, F] (or [E, F, D]

@@ -94,11 +94,11 @@ def with_ones(t):
     return torch.cat([t, t.new_ones(1, *t.shape[1:])])
 
 
-def _cast(kern, x2d, row_scale, fmt, rounding, up, keep_codes):
+def _cast(kern, x2d, row_scale, fmt, rounding, up, keep_codes, seed=None):
     """(codes or None, GEMM values or None) of the rows, from one cast loop."""
     if up is None:
-        return kern.cast_rows(x2d, row_scale, fmt, rounding), None
-    out = kern.cast_rows(x2d, row_scale, fmt, rounding, up=up, keep_codes=keep_codes)
+        return kern.cast_rows(x2d, row_scale, fmt, rounding, seed=seed), None
+    out = kern.cast_rows(x2d, row_scale, fmt, rounding, up=up, keep_codes=keep_codes, seed=seed)
     return out if keep_codes else (None, out)
 
 
@@ -134,7 +134,7 @@ def _fused_rows(kern, x2d, rounding, up) -> bool:
 
 
 def cast_grouped_rows(x2d, offs, fmt, state, margin, power_of_two, rounding="nearest", gemm_out=None,
-                      keep_codes=True, ids=None) -> GroupedOperand:
+                      keep_codes=True, ids=None, seed=None) -> GroupedOperand:
     """Cast rows grouped by expert, each group with its expert's scale (padding rows get scale 1).
 
     Args:
@@ -146,6 +146,8 @@ def cast_grouped_rows(x2d, offs, fmt, state, margin, power_of_two, rounding="nea
             GEMM operand (``values``), so it is not upcast in a second pass; None: codes only.
         keep_codes: False for an operand only the GEMMs read (a gradient): ``data`` is then None.
         ids: :func:`group_ids` of the rows where the caller has them (computed here when needed).
+        seed: stochastic rounding's seed (int64 [1], the weight's stream draw, ``runtime.sr``), or None
+            (one drawn from torch's generator).
     """
     experts = offs.numel()
     if _triton_grouped(x2d, fmt, rounding):
@@ -164,7 +166,7 @@ def cast_grouped_rows(x2d, offs, fmt, state, margin, power_of_two, rounding="nea
     if fmt is None:
         return GroupedOperand(x2d.clone(), torch.ones(experts, dtype=torch.float32, device=x2d.device), amax)
     scale = expert_scales(amax, state, fmt, margin, power_of_two)
-    codes, values = _cast(kern, x2d, with_ones(scale)[ids], fmt, rounding, up, keep_codes or up is None)
+    codes, values = _cast(kern, x2d, with_ones(scale)[ids], fmt, rounding, up, keep_codes or up is None, seed)
     return GroupedOperand(codes, scale, amax, values)
 
 

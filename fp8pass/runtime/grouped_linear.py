@@ -37,7 +37,8 @@ from .. import kernels
 from .casting import as_bytes, from_bytes, resolve_format, unaliased
 from .grouped_casting import cast_experts, cast_grouped_rows, grad_format
 from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax
-from .op_schema import GroupedLinearKnobs, knob_op
+from .op_schema import SR_SEED, SR_STREAM, GroupedLinearKnobs, knob_op
+from .sr import draw_seed
 
 __all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "record_grouped_grad_amax", "check_grouped_tensors",
            "check_grouped_linear_args", "out_features", "fwd_b", "dgrad_b", "wgrad"]
@@ -116,8 +117,8 @@ def _knobs(args) -> GroupedLinearKnobs:
 
 @knob_op("fp8pass::fp8_grouped_linear",
          "Tensor x, Tensor weight, Tensor offs, bool w_transposed, Tensor[] x_state, Tensor[] w_state, "
-         "Tensor[] g_state", GroupedLinearKnobs, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_state, *knobs):
+         f"Tensor[] g_state, {SR_STREAM}", GroupedLinearKnobs, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_state, sr_stream, *knobs):
     """Returns ``(y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``; see the module doc."""
     k = _knobs(knobs)
     check_grouped_linear_args(x, weight, offs, w_transposed, (x_state, w_state, g_state))
@@ -138,7 +139,7 @@ def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_sta
 
 
 @fp8_grouped_linear_op.register_fake
-def _(x, weight, offs, w_transposed, x_state, w_state, g_state, *knobs):
+def _(x, weight, offs, w_transposed, x_state, w_state, g_state, sr_stream, *knobs):
     k = _knobs(knobs)
     check_grouped_linear_args(x, weight, offs, w_transposed, (x_state, w_state, g_state))
     fmt = resolve_format(k.fwd_format)
@@ -154,9 +155,10 @@ def _(x, weight, offs, w_transposed, x_state, w_state, g_state, *knobs):
 
 @knob_op("fp8pass::fp8_grouped_linear_backward",
          "Tensor dy, Tensor x_data, Tensor x_scale, Tensor w_data, Tensor w_scale, Tensor offs, Tensor[] g_state, "
-         "bool w_transposed, ScalarType x_dtype, ScalarType w_dtype", GroupedLinearKnobs, "(Tensor, Tensor, Tensor)")
-def fp8_grouped_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, offs, g_state, w_transposed, x_dtype,
-                                   w_dtype, *knobs):
+         f"{SR_SEED}, bool w_transposed, ScalarType x_dtype, ScalarType w_dtype", GroupedLinearKnobs,
+         "(Tensor, Tensor, Tensor)")
+def fp8_grouped_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, offs, g_state, sr_seed, w_transposed,
+                                   x_dtype, w_dtype, *knobs):
     """``(dx, dW, dy_amax [E])`` from ``dy`` and the saved FP8 operands (no state mutation). The GEMMs
     round to the forward's compute dtype, then each gradient takes its input's dtype (as autocast's
     backward does)."""
@@ -167,7 +169,7 @@ def fp8_grouped_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, offs, g
     dt = compute_dtype(k, x_dtype)
     kern = kernels.for_device(dy.device)
     go = cast_grouped_rows(dy, offs, fmt, g_state, k.margin, k.power_of_two, k.grad_rounding, gemm_out=dt,
-                           keep_codes=False)
+                           keep_codes=False, seed=sr_seed)
     g_in = go.gemm_input(kern, dt)
     dx = kern.grouped_gemm(g_in, go.scale, dgrad_b(w_data, w_transposed), w_scale, offs, dt,
                            a_row_inv=go.row_inv, a_row_pad=go.row_pad).to(x_dtype)
@@ -176,7 +178,7 @@ def fp8_grouped_linear_backward_op(dy, x_data, x_scale, w_data, w_scale, offs, g
 
 
 @fp8_grouped_linear_backward_op.register_fake
-def _(dy, x_data, x_scale, w_data, w_scale, offs, g_state, w_transposed, x_dtype, w_dtype, *knobs):
+def _(dy, x_data, x_scale, w_data, w_scale, offs, g_state, sr_seed, w_transposed, x_dtype, w_dtype, *knobs):
     return (dy.new_empty(x_data.shape, dtype=x_dtype), dy.new_empty(w_data.shape, dtype=w_dtype),
             dy.new_empty(w_data.shape[0], dtype=torch.float32))
 
@@ -187,6 +189,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_data, x_scale, w_data, w_scale, offs)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the saved codes (never differentiated)
     ctx.g_state = list(g_state)
+    ctx.sr_stream = inputs[7]
     ctx.n_states = (len(x_state), len(w_state), len(g_state))
     ctx.w_transposed = w_transposed
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -200,10 +203,11 @@ def _backward(ctx, dy, *unused):
         dy = x_data.new_zeros(x_data.shape[0], out_features(w_data, ctx.w_transposed)[1],
                               dtype=compute_dtype(k, ctx.x_dtype))
     dx, dw, g_amax = torch.ops.fp8pass.fp8_grouped_linear_backward(
-        dy, *ctx.saved_tensors, ctx.g_state, ctx.w_transposed, ctx.x_dtype, ctx.w_dtype, *k.args())
+        dy, *ctx.saved_tensors, ctx.g_state, draw_seed(ctx.sr_stream, k.grad_rounding, k.bwd_format),
+        ctx.w_transposed, ctx.x_dtype, ctx.w_dtype, *k.args())
     record_grouped_grad_amax(ctx.g_state, g_amax, k)
     nx, nw, ng = ctx.n_states
-    return (dx, dw, None, None, [None] * nx, [None] * nw, [None] * ng) + GroupedLinearKnobs.no_grads()
+    return (dx, dw, None, None, [None] * nx, [None] * nw, [None] * ng, None) + GroupedLinearKnobs.no_grads()
 
 
 fp8_grouped_linear_op.register_autograd(_backward, setup_context=_setup_context)

@@ -30,7 +30,8 @@ from .grouped_linear import (check_grouped_knobs, check_grouped_tensors, check_s
                              record_grouped_grad_amax, wgrad)
 from ..kernels import cpu
 from .linear import compute_dtype
-from .op_schema import GroupedGLUKnobs, knob_op
+from .op_schema import SR_SEED, SR_STREAM, GroupedGLUKnobs, knob_op
+from .sr import draw_seed
 from .swiglu import (ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math, channel_scales,
                      swiglu_operand)
 
@@ -103,9 +104,9 @@ def _per_channel(c, w_transposed):
 
 @knob_op("fp8pass::fp8_grouped_swiglu_down",
          "Tensor gate, Tensor? up, Tensor w_down, Tensor offs, bool w_transposed, Tensor[] a_state, Tensor[] b_state, "
-         "Tensor[] g_state", GroupedGLUKnobs,
+         f"Tensor[] g_state, {SR_STREAM}", GroupedGLUKnobs,
          "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *knobs):
+def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, sr_stream, *knobs):
     """Returns ``(y, a_amax, b_amax, a_data, a_scale, b_data, b_scale, smooth_scales)``; see the module doc."""
     k = _knobs(knobs)
     check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state))
@@ -144,7 +145,7 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
 
 
 @fp8_grouped_swiglu_down_op.register_fake
-def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *knobs):
+def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, sr_stream, *knobs):
     k = _knobs(knobs)
     check_grouped_swiglu_args(gate, up, w_down, offs, w_transposed, (a_state, b_state, g_state))
     gate, up = halves(gate, up)
@@ -162,10 +163,10 @@ def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, *knobs):
 
 @knob_op("fp8pass::fp8_grouped_swiglu_down_backward",
          "Tensor dy, Tensor gate, Tensor? up, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, "
-         "Tensor smooth_scales, Tensor offs, Tensor[] g_state, bool w_transposed, ScalarType w_dtype",
+         f"Tensor smooth_scales, Tensor offs, Tensor[] g_state, {SR_SEED}, bool w_transposed, ScalarType w_dtype",
          GroupedGLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
 def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state,
-                                        w_transposed, w_dtype, *knobs):
+                                        sr_seed, w_transposed, w_dtype, *knobs):
     """``(dgate, dup, dW_down, dy_amax [E])`` (no state mutation); GEMMs in the forward's compute dtype,
     each gradient in its input's dtype. With ``up`` None (``gate`` the fused gate_up): ``dgate`` is
     d(gate_up) [S, 2F], both halves written by one pass, and ``dup`` is empty."""
@@ -183,7 +184,7 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     s = smooth_scales
     g = dy.float() * s if k.smooth == "token" else dy
     go = cast_grouped_rows(g, offs, fmt, g_state, k.margin, k.power_of_two, k.grad_rounding, gemm_out=dt,
-                           keep_codes=False, ids=ids)
+                           keep_codes=False, ids=ids, seed=sr_seed)
     g_in = go.gemm_input(kern, dt)
     da = kern.grouped_gemm(g_in, go.scale, dgrad_b(b_data, w_transposed), b_scale, offs, dt,
                            a_row_inv=go.row_inv, a_row_pad=go.row_pad)  # dA [S, F]
@@ -214,7 +215,8 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
 
 
 @fp8_grouped_swiglu_down_backward_op.register_fake
-def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state, w_transposed, w_dtype, *knobs):
+def _(dy, gate, up, a_data, a_scale, b_data, b_scale, smooth_scales, offs, g_state, sr_seed, w_transposed, w_dtype,
+      *knobs):
     return (gate.new_empty(gate.shape), gate.new_empty(0) if up is None else up.new_empty(up.shape),
             dy.new_empty(b_data.shape, dtype=w_dtype),
             dy.new_empty(b_data.shape[0], dtype=torch.float32))
@@ -226,6 +228,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(gate, up, a_data, a_scale, b_data, b_scale, s, offs)
     ctx.set_materialize_grads(False)  # as grouped_linear's
     ctx.g_state = list(g_state)
+    ctx.sr_stream = inputs[8]
     ctx.n_states = (len(a_state), len(b_state), len(g_state))
     ctx.w_transposed, ctx.w_dtype = w_transposed, w_down.dtype
     ctx.knobs = GroupedGLUKnobs.take(inputs)  # validated by the forward
@@ -238,10 +241,11 @@ def _backward(ctx, dy, *unused):
         dy = gate.new_zeros(gate.shape[0], out_features(b_data, ctx.w_transposed)[1],
                             dtype=compute_dtype(k, gate.dtype))
     dgate, dup, dw, g_amax = torch.ops.fp8pass.fp8_grouped_swiglu_down_backward(
-        dy, *ctx.saved_tensors, ctx.g_state, ctx.w_transposed, ctx.w_dtype, *k.args())
+        dy, *ctx.saved_tensors, ctx.g_state, draw_seed(ctx.sr_stream, k.grad_rounding, k.bwd_format), ctx.w_transposed,
+        ctx.w_dtype, *k.args())
     record_grouped_grad_amax(ctx.g_state, g_amax, k)
     na, nb, ng = ctx.n_states
-    return (dgate, None if up is None else dup, dw, None, None, [None] * na, [None] * nb, [None] * ng) + \
+    return (dgate, None if up is None else dup, dw, None, None, [None] * na, [None] * nb, [None] * ng, None) + \
         GroupedGLUKnobs.no_grads()
 
 

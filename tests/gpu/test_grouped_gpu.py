@@ -30,7 +30,7 @@ def test_grouped_linear_cuda_matches_cpu(offs, transposed):
     dy = torch.randn(160, 96, generator=g).bfloat16()
     o = torch.tensor(offs, dtype=torch.int32)
     def f(a, b):
-        return LIN(a, b, o.to(a.device), transposed, [], [], [], *(FP8 if a.is_cuda else FP8_E4M3_GRADS))
+        return LIN(a, b, o.to(a.device), transposed, [], [], [], None, *(FP8 if a.is_cuda else FP8_E4M3_GRADS))
 
     (c, cg), (d, dg) = (_run(f, (x, w), dy, dev) for dev in ("cpu", "cuda"))
     assert torch.equal(c[3], d[3]) and torch.equal(c[5], d[5])  # identical codes
@@ -50,7 +50,7 @@ def test_grouped_swiglu_cuda_matches_cpu_and_compiles(smooth):
     o = torch.tensor([32, 64, 128, 160], dtype=torch.int32)
 
     def f(a, b, w):
-        return GLU(a, b, w, o.to(a.device), False, [], [], [], *(FP8 if a.is_cuda else FP8_E4M3_GRADS), "silu",
+        return GLU(a, b, w, o.to(a.device), False, [], [], [], None, *(FP8 if a.is_cuda else FP8_E4M3_GRADS), "silu",
                    smooth)
 
     (c, cg), (d, dg) = (_run(f, (gate, up, wd), dy, dev) for dev in ("cpu", "cuda"))
@@ -74,7 +74,7 @@ def test_grouped_swiglu_fused_gate_up_on_cuda_gives_the_split_bits():
     for joined in (True, False):
         gu, w = gate_up.clone().requires_grad_(), wd.clone().requires_grad_()
         args = (gu, None) if joined else gu.chunk(2, dim=-1)
-        out = GLU(*args, w, o, False, [], [], [], *FP8, "silu", "channel")
+        out = GLU(*args, w, o, False, [], [], [], None, *FP8, "silu", "channel")
         out[0].backward(dy)
         results.append([out[0].detach(), gu.grad, w.grad])
     for a, b in zip(*results):
