@@ -232,3 +232,82 @@ def test_dcp_checkpoint_carries_the_streams(tmp_path, compiled_before_load):
     other.data.set_state(data_state)
     other.step()
     assert _same(run.grads[1], other.grads[-1])
+
+
+E = 4  # experts of the grouped model
+
+
+class GroupedSwiGLU(nn.Module):
+    """torchtitan-style MoE experts (``torch._grouped_mm`` over rows sorted by expert, SwiGLU, bf16
+    compute over fp32 master weights): one ``fp8_grouped_linear`` per projection and one
+    ``fp8_grouped_swiglu_down`` once compiled. Every batch of 16 rows is split 5, 7, 0 (an empty
+    expert) and 4."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w1 = nn.Parameter(torch.randn(E, H, D, generator=g) * D ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(E, H, D, generator=g) * D ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, D, H, generator=g) * H ** -0.5)
+        self.register_buffer("counts", torch.tensor([5, 7, 0, 4]), persistent=False)
+
+    def forward(self, x):
+        offs = torch.cumsum(self.counts, dim=0, dtype=torch.int32)
+        gmm = torch._grouped_mm
+        h = torch.nn.functional.silu(gmm(x.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
+        h = h * gmm(x.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offs)
+        return gmm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+
+def test_grouped_experts_trained_interleaved_each_reproduce_their_solo_run(kernels):
+    """The grouped MoE ops' stochastic gradient casts draw from one stream per expert stack."""
+    def run(init, seed, data_seed):
+        return Run(0, _cfg(seed), data_seed=data_seed, model=GroupedSwiGLU(init))
+
+    torch._dynamo.reset()
+    alone = run(0, 11, 100)
+    for _ in range(2):
+        alone.step()
+    torch._dynamo.reset()
+    torch.manual_seed(1234)
+    a, b = run(0, 11, 100), run(1, 22, 200)
+    for _ in range(2):
+        b.step()
+        a.step()
+        torch.randn(7)
+    assert all(_same(ga, gb) for ga, gb in zip(alone.grads, a.grads))
+    assert _same(alone.weights(), a.weights())
+    streams = {n: sr._REGISTRY[p].stream for n, p in a.model.named_parameters()}
+    assert sorted(streams) == ["w1", "w2", "w3"]
+    assert [int(s[1]) for s in streams.values()] == [2, 2, 2]  # one draw per backward of each stack
+    assert len({int(s[0]) for s in streams.values()}) == 3
+    assert sorted(k for k in a.model.state_dict() if ".fp8_sr." in k) == \
+        ["w1.fp8_sr.stream", "w2.fp8_sr.stream", "w3.fp8_sr.stream"]
+
+
+@pytest.mark.parametrize("name", ["e5m2", "e4m3"])
+def test_row_casts_take_a_streams_seed_on_both_kernel_modules(name):
+    """The grouped ops' stochastic per-expert gradient cast (``cast_rows``) with a stream's seed: the
+    codes of that seed (not of torch's generator) on the CPU module, compiled or eager, with the GEMM
+    values or without, and the same codes on the CUDA module's eager cast."""
+    from fp8pass.kernels import cpu, cuda
+    from fp8pass.numerics import get_format
+
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, cpu.MIN_COMPILED // 32, generator=g) * 20).to(torch.bfloat16)
+    rs = torch.rand(64, generator=g) * 8 + 0.5
+    seed = torch.tensor([123456789])
+    want = cpu._cast_rows_sr_math(x, rs, seed.reshape(()).to(torch.int32), fmt.max, fmt.mbits, fmt.emin,
+                                  fmt.torch_dtype).view(torch.uint8)
+    torch.manual_seed(0)
+    got = cpu.cast_rows(x, rs, fmt, "stochastic", seed=seed)  # compiled loop (>= MIN_COMPILED elements)
+    torch.manual_seed(1)  # the global generator's state does not matter
+    assert torch.equal(cpu.cast_rows(x, rs, fmt, "stochastic", seed=seed).view(torch.uint8), want)
+    assert torch.equal(got.view(torch.uint8), want)
+    assert torch.equal(cpu.cast_rows(x[:4], rs[:4], fmt, "stochastic", seed=seed).view(torch.uint8), want[:4])  # eager
+    values = cpu.cast_rows(x, rs, fmt, "stochastic", up=torch.bfloat16, keep_codes=False, seed=seed)
+    assert torch.equal(values.view(torch.int16), cpu.upcast(got, torch.bfloat16).view(torch.int16))
+    assert torch.equal(cuda.cast_rows(x, rs, fmt, "stochastic", seed=seed).view(torch.uint8), want)
+    other = cpu.cast_rows(x, rs, fmt, "stochastic", seed=seed + 1)
+    assert not torch.equal(other.view(torch.uint8), want)
