@@ -253,13 +253,15 @@ NOT_WHOLE_GRAPH = {"JetMoe"}
 
 @pytest.mark.parametrize("name", FAST)
 def test_zoo_fast_subset_adds_up(name):
-    _zoo_case(name)
+    acc = _zoo_case(name)
+    assert acc.fp8 and acc.expected == acc.fp8 | acc.kept | acc.outside, acc.report
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in Z.zoo() if n not in FAST])
 def test_zoo_whole_adds_up(name):
-    _zoo_case(name)
+    acc = _zoo_case(name)
+    assert acc.fp8 and acc.expected == acc.fp8 | acc.kept | acc.outside, acc.report
 
 
 def test_a_forward_that_fails_eagerly_leaves_a_note_not_a_crash():
