@@ -145,7 +145,7 @@ def cases():
                           ("e4m3", "e5m2", 8192)):
         ms, vs = MomentSpec("exp_avg", mf, block), MomentSpec("exp_avg_sq", vf, block, sqrt=True)
         for stochastic in (False, True):
-            span = min(triton.next_power_of_2(block), ts.MAX_SPAN)
+            span = ts._span(block)
             for cfg in ts._prune_adam_configs(_configs(ts._adam_kernel), {}, SPAN=span, BLOCK=block):
                 c = dict(**_adam_meta(ms, vs, stochastic), BLOCK=block, SPAN=span, SEARCH_STEPS=4, ALIGNED=True,
                          W=ts._W, **cfg.kwargs)

@@ -157,13 +157,19 @@ def test_multi_tensor_one_launch_per_dtype_pair(kw, monkeypatch):
     assert launches == [5, 2] * 2  # per step: the five non-empty fp32 tensors, the two bf16 ones
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["one pass", "walked in spans"])
 @pytest.mark.parametrize("kw", [{}, dict(v_sqrt=False), dict(m_format="e5m2", v_format="e4m3", maximize=True)])
-def test_blocks_wider_than_a_span_two_passes(kw):
-    """A block of 5000 elements (wider than MAX_SPAN = 1024 lanes) is walked in spans, once for its
-    amax and once to write: the same bits as the torch path."""
-    from fp8pass.kernels.triton_adam import MAX_SPAN
+def test_blocks_wider_than_a_span(kw, walk, monkeypatch):
+    """A block of 5000 elements (wider than MAX_SPAN = 1024 lanes) is one program's single pass of 8192
+    lanes, or (``walk``: ONE_PASS_MAX lowered below it) is walked in spans, once for its amax and once
+    to write: the same bits as the torch path either way."""
+    from fp8pass.kernels import triton_adam
 
-    assert 5000 > MAX_SPAN
+    assert triton_adam.MAX_SPAN < 5000 <= triton_adam.ONE_PASS_MAX
+    assert triton_adam._span(5000) == 8192
+    if walk:
+        monkeypatch.setattr(triton_adam, "ONE_PASS_MAX", triton_adam.MAX_SPAN)
+        assert triton_adam._span(5000) == triton_adam.MAX_SPAN
     shapes = [(3, 4000), (4500,)]  # 3 blocks (last partial), one partial block
     a, oa = _run_many("torch", shapes, [torch.float32] * 2, block_size=5000, **kw)
     b, ob = _run_many("triton", shapes, [torch.float32] * 2, block_size=5000, **kw)
@@ -473,20 +479,24 @@ import json, sys
 sys.path.insert(0, "benchmarks")
 import gpu_compile as gc, gpu_static as gs
 rows = [gs.measure(name, kernel, sig, consts, cfg) for name, kernel, sig, consts, cfg in gc.cases()
-        if name.startswith("adam e4m3/e5m2 block=128 sr=True")]
+        if name.startswith(("adam e4m3/e5m2 block=128 sr=True", "adam e4m3/e5m2 block=8192 sr=True",
+                            "adam split e4m3/e5m2 sr=True"))]
 print(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]))
 """
 
 
 def test_sm90_stochastic_adam_meets_the_issue_goal():
-    """Issue 28: the fused Adam kernel with stochastic rounding costs <= 150 SASS instructions per element
-    on sm_90 in every autotuning config of the default 128-element blocks, and spills nothing
+    """Issue 28: the Adam kernels with stochastic rounding cost <= 150 SASS instructions per element on
+    sm_90 and spill nothing: the fused kernel in every autotuning config of the default 128-element
+    blocks and of the widest fused block (8192: one pass), and both phases of the split-block kernel
     (benchmarks/gpu_static.py, built with the installed Triton; docs/results/gpu.md has both versions)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a compiled build
     proc = subprocess.run([sys.executable, "-c", _STATIC], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 3, rows  # NB = 8, 16, 32
+    names = [r["variant"] for r in rows]
+    assert len(rows) == 6, names  # block 128: NB = 8, 16, 32; block 8192: NB = 1; split: amax and write phases
+    assert sum("block=8192" in n for n in names) == 1 and sum("split" in n for n in names) == 2, names
     for r in rows:
         assert r["sass_per_elem"] <= 150 and r["spill_bytes"] == 0, r

@@ -12,8 +12,10 @@ start, and the only per-row values are the scales. It reads the parameter, the g
 codes and block scales, applies exactly the update of ``torch_step`` (same fp32 ops in the same order,
 IEEE ``sqrt_rn`` / ``div_rn``, FMA contraction off; the division of the codes by their row's scale is
 ``_div_by_row``, bit-identical to IEEE division), takes the new block amaxes over the finite values, and
-writes the parameter, the codes and the scales. A block wider than ``MAX_SPAN`` elements is walked in
-spans twice: once for its amaxes, once to write (the same ops, so the same values). Per element that
+writes the parameter, the codes and the scales. A block of up to ``ONE_PASS_MAX`` elements is one
+program's tile, however wide (blocks above ``MAX_SPAN``: one block per program on ``span / 1024`` warps,
+32 lanes per thread), read once; a wider one is walked in spans of ``MAX_SPAN`` twice: once for its
+amaxes, once to write (the same ops, so the same values). Per element that
 is 2 bytes of moments read and written instead of torch AdamW's 16, and no fp32 moment ever reaches
 memory. Blocks wider than ``adam.TRITON_MAX_BLOCK`` (one scale for a large tensor) would be one serial
 program each: the optimizer gives them to ``triton_adam_split``, whose kernels run their spans in parallel
@@ -66,12 +68,17 @@ from .triton_helpers import (  # the exact in-kernel casts and the shared helper
 from ..numerics.scaling import MAX_SCALE
 from .adam_layout import HP_FIELDS, MomentSpec, init_moment
 
-__all__ = ["adam_step_triton", "adam_step_triton_multi", "MAX_SPAN"]
+__all__ = ["adam_step_triton", "adam_step_triton_multi", "MAX_SPAN", "ONE_PASS_MAX"]
 
 _KIND = {"e4m3": 0, "e5m2": 0, "bf16": 1, "fp32": 2}
 # Lanes of one pass over a block: wider blocks are walked in spans of this many elements (8 per thread
 # with 4 warps: the update's live values of a thread then fit its registers).
 MAX_SPAN = 1024
+# Blocks up to this width are one program's single pass (the optimizer's widest: adam.TRITON_MAX_BLOCK).
+# Walking a wide block in spans computes the update twice (once for the amaxes); one pass holds the whole
+# block in registers instead (32 lanes per thread at 8192 on 8 warps: ~206-233 registers on sm_90, no
+# spills; 16 lanes per thread on 16 warps would cap them at 128 and spill).
+ONE_PASS_MAX = 8192
 # Blocks per program of the configs (each has its table column of first tiles: a program's tile never
 # straddles two tensors, so everything but the elements themselves is known once per program).
 _NBS = (1, 2, 4, 8, 16, 32)
@@ -328,20 +335,29 @@ def _hyper_params(hp_ptr, t, host, HP_TABLE: tl.constexpr):
 # 8 blocks of 128 (the default width) on 2 warps: 16 elements per thread, as at NB 16 and 32, which
 # spreads each program's fixed work (table search, row scales, amax trees, division slow paths) over
 # twice the elements of 4 warps (SASS per element on sm_90: docs/optim.md)
+_TILE_SHAPES = ((1, 4), (2, 4), (4, 4), (8, 2), (16, 4), (32, 8))  # (NB, warps) for blocks up to MAX_SPAN
+# one block of 2048 / 4096 / 8192 lanes per program (with (1, 4)): 32 lanes per thread, as few per-program
+# costs per element as registers allow
+_WIDE_SHAPES = ((1, 2), (1, 8))
 _ADAM_CONFIGS = [triton.Config({"NB": nb, "TILE_COL": len(_COLS) + _NBS.index(nb)}, num_warps=w)
-                 for nb, w in ((1, 4), (2, 4), (4, 4), (8, 2), (16, 4), (32, 8))]
+                 for nb, w in _TILE_SHAPES + _WIDE_SHAPES]
 _ADAM_INTERPRET = triton.Config({"NB": 8, "TILE_COL": len(_COLS) + _NBS.index(8)}, num_warps=4)
 
 
 def _prune_adam_configs(configs, named_args, **kwargs):
     """Tiles of 1024-4096 elements per program: three configs for the default 128-element blocks, so a
-    first step compiles few variants; blocks walked in spans (two passes, more live values) take one or
-    two spans per program (four spill on sm_90 with stochastic rounding)."""
+    first step compiles few variants; a block of 2048-8192 lanes: one per program, 32 lanes per thread;
+    blocks walked in spans (two passes, more live values) take one or two spans per program on 4 warps
+    (four spill on sm_90 with stochastic rounding)."""
     span, nbs = kwargs["SPAN"], [c.kwargs["NB"] for c in configs]
+    shape = [(c.kwargs["NB"], c.num_warps) for c in configs]
     if kwargs["BLOCK"] > span:
-        kept = [c for c in configs if c.kwargs["NB"] * span <= 2 * span]
+        kept = [c for c, (nb, w) in zip(configs, shape) if nb <= 2 and w == 4]
+    elif span > 1024:
+        kept = [c for c, (nb, w) in zip(configs, shape) if nb == 1 and w == span // 1024]
     else:
-        kept = [c for c in configs if 1024 <= c.kwargs["NB"] * span <= 4096 or (span >= 1024 and c.kwargs["NB"] == 1)]
+        kept = [c for c, (nb, w) in zip(configs, shape) if (nb, w) in _TILE_SHAPES
+                and (1024 <= nb * span <= 4096 or (span >= 1024 and nb == 1))]
     return kept or [configs[nbs.index(min(nbs))]]
 
 
@@ -398,7 +414,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
     p_t, g_t = p_ptr + p_off + start, g_ptr + g_off + start
     m_t, v_t = m_ptr + m_off + start, v_ptr + v_off + start
     lane = tl.arange(0, SPAN)
-    rand4: tl.constexpr = BLOCK % 4 == 0 and BLOCK >= SPAN
+    rand4: tl.constexpr = BLOCK % 4 == 0  # quads of Philox counters never straddle two blocks
 
     m_old = tl.load(ms, mask=row_ok, other=1.0) if M_KIND == 0 else tl.zeros([NB], dtype=tl.float32) + 1.0
     v_old = tl.load(vs, mask=row_ok, other=1.0) if V_KIND == 0 else tl.zeros([NB], dtype=tl.float32) + 1.0
@@ -566,6 +582,11 @@ def _step_meta(m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, device: torch
                 STOCHASTIC=opts["rounding"] == "stochastic", SFLUSH=opts["stochastic_flush"], SCALE_CAP=MAX_SCALE)
 
 
+def _span(block: int) -> int:
+    """Lanes of one pass over a block of ``block`` elements (the kernel's SPAN)."""
+    return triton.next_power_of_2(block) if block <= ONE_PASS_MAX else MAX_SPAN
+
+
 def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_class: int | None = None) -> None:
     """One kernel launch over ``items``: (param, grad, state, hp) of one device and one pair of dtypes."""
     p0, g0, m0, ms0, v0, vs0, hp0 = _base_args(items, m_spec, v_spec)
@@ -576,7 +597,7 @@ def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_clas
     table = _table(rows, device)
     seed = _launch_seed(opts, device, hp0)
     rows_class = size_class(n_rows) if rows_class is None else rows_class
-    span = min(triton.next_power_of_2(block), MAX_SPAN)
+    span = _span(block)
     meta = dict(**_step_meta(m_spec, v_spec, opts, device), **_hp_args(items), BLOCK=block, SPAN=span,
                 SEARCH_STEPS=max(1, len(items).bit_length()), ALIGNED=aligned and block % 16 == 0, W=_W)
     key = (device, p0.dtype, g0.dtype, m0.dtype, v0.dtype, seed.dtype, rows_class, block, m_spec.fmt, v_spec.fmt,

@@ -81,14 +81,19 @@ def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, 
     t = _program_tensor(table_ptr, pid, n_tensors, 11, W, SEARCH_STEPS)
     p_off, g_off, m_off, v_off, numel = _tensor_offsets(t, ALIGNED)
     block = tl.load(t + 10)
-    spans_per_block = (block + SPAN - 1) // SPAN
-    local = pid - tl.load(t + 11)
-    blk = local // spans_per_block
-    s0 = (local - blk * spans_per_block) * SPAN  # the span's first element in its block
+    # int32 (both below the grid's 2**31 programs): an int64 division would call a ~80-instruction
+    # subroutine (sm_90)
+    spans_per_block = ((block + SPAN - 1) // SPAN).to(tl.int32)
+    local = (pid - tl.load(t + 11)).to(tl.int32)
+    blk32 = local // spans_per_block
+    s0 = (local - blk32 * spans_per_block) * SPAN  # the span's first element in its block
+    blk = blk32.to(tl.int64)
     start = blk * block + s0
     if ALIGNED:  # blocks and spans are multiples of 16 elements
         start = tl.multiple_of(start, 16)
     left = tl.minimum(tl.minimum(block - s0, numel - start), SPAN).to(tl.int32)  # the span's elements (<= 0: none)
+    if ALIGNED:  # so the masks are constant over 16 lanes: vector loads and stores
+        left = tl.multiple_of(left, 16)
     one = tl.arange(0, 1)  # the span as the update's one row
     first_span = (s0 + one) == 0  # [1]; saves (phase 1) and writes (phase 2) its block's scales
     slot = scratch_ptr + (tl.load(t + 8) + blk) * SLOT + one
