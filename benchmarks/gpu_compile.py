@@ -164,6 +164,31 @@ def cases():
     return out
 
 
+def _grouped_glu_cases():
+    """The grouped GLU tail's activation kernels (kernels/triton_grouped_glu.py): the channel maxima, the
+    operand A (channel / none), the backward (channel / none), for silu and relu, 8 and 128 experts."""
+    from fp8pass.kernels import triton_grouped_glu as tgg
+
+    out = []
+    br, bc = tgg._TILE
+    fwd = {"g_ptr": "*bf16", "u_ptr": "*bf16", "ld": "i32", "c_ptr": "*fp32", "amax_ptr": "*i32", "a_ptr": "*fp32",
+           "R": "i32", "F": "i32", "offs_ptr": "*i32", "E": "i32"}
+    bwd = {"da_ptr": "*bf16", "g_ptr": "*bf16", "u_ptr": "*bf16", "ld": "i32", "c_ptr": "*fp32", "dg_ptr": "*bf16",
+           "du_ptr": "*bf16", "out_ld": "i32", "R": "i32", "F": "i32", "offs_ptr": "*i32", "E": "i32"}
+    for act in tgg.ACTIVATIONS:
+        for experts in (8, 128):
+            kw = dict(ACT=tgg.ACTIVATIONS[act], EP=experts, BR=br, BC=bc)
+            out.append((f"grouped_glu amax act={act} experts={experts}", tgg._grouped_glu_kernel, fwd,
+                        dict(AMAX=True, SMOOTH=False, **kw), None))
+            for smooth in (True, False):
+                mode = "channel" if smooth else "none"
+                out.append((f"grouped_glu operand {mode} act={act} experts={experts}", tgg._grouped_glu_kernel, fwd,
+                            dict(AMAX=False, SMOOTH=smooth, **kw), None))
+                out.append((f"grouped_glu backward {mode} act={act} experts={experts}",
+                            tgg._grouped_glu_backward_kernel, bwd, dict(SMOOTH=smooth, **kw), None))
+    return out
+
+
 def _grouped_cases():
     """The MoE operand casts (kernels/triton_grouped_casts.py): rows grouped by ``offs`` or uniform groups
     (stacked weights), current or delayed scales, each format."""
@@ -190,6 +215,7 @@ def _grouped_cases():
                      BR=tgc._CAST_TILE[0], BC=tgc._CAST_TILE[1])
             out.append((f"grouped_cast {fmt.name} uniform={uniform} experts={experts}", tgc._grouped_cast_kernel,
                         sig, c, None))
+    out.extend(_grouped_glu_cases())
     for experts in (8, 128):
         sig = {"codes_ptr": "*u8", "out_ptr": "*u8", "S": "i32", "C": "i32", "W": "i32", "offs_ptr": "*i32",
                "E": "i32", "scale_ptr": "*fp32", "ends_out": "*i32", "empty_out": "*u8", "rep_inv_out": "*fp32"}
@@ -256,7 +282,7 @@ def compile_case(kernel, sig: dict, consts: dict, cfg, arch: int = 90, attrs: di
     fn = _jit(kernel)
     full = dict(sig, **{k: "constexpr" for k in consts})
     opts = {"num_warps": cfg.num_warps} if cfg is not None else {}
-    if kernel in (ts._adam_kernel, tsplit._split_kernel):
+    if kernel in (ts._adam_kernel, tsplit._split_kernel) or fn.__name__.startswith("_grouped_glu"):
         opts["enable_fp_fusion"] = False
     return triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options=opts)

@@ -78,7 +78,8 @@ SMS, SCHEDULERS, LANES, CLOCK = 132, 4, 32, 1.98e9
 ISSUE_RATE = SMS * SCHEDULERS * LANES * CLOCK  # thread instructions / s
 
 UNALIGNED = " [unaligned]"  # the variant-name suffix of a build without the alignment specialisation
-_SIZE_ARGS = {"n", "R", "C", "rows", "cols", "T", "F"}  # multiples of 16 in the shapes models use
+# multiples of 16 in the shapes models use (ld, out_ld: row strides, F or 2F)
+_SIZE_ARGS = {"n", "R", "C", "rows", "cols", "T", "F", "ld", "out_ld"}
 _BYTES = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1, "*i64": 8, "*i32": 4}
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -139,6 +140,8 @@ def _elements(name: str, consts: dict) -> tuple[int, int] | None:
         e = c["BR"] * c["BC"]  # the amax kernel: per column block of its loop
     elif name == "_aligned_transpose_kernel":
         e = c["BT"] * c["BC"]
+    elif name in ("_grouped_glu_kernel", "_grouped_glu_backward_kernel"):
+        e = c["BR"] * c["BC"]  # AMAX: each iteration of its loop over the tile's experts takes the whole tile
     else:
         return None  # a one-program scalar kernel (scales, records): no per-element cost
     return e, e
@@ -170,6 +173,10 @@ def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
         return size["x_ptr"] + code
     if name == "_aligned_transpose_kernel":  # codes in, codes out
         return 2.0
+    if name == "_grouped_glu_kernel":  # gate and up in; A (fp32) out, or only the [E, F] maxima
+        return size["g_ptr"] + size["u_ptr"] + (0 if c["AMAX"] else size["a_ptr"])
+    if name == "_grouped_glu_backward_kernel":  # dA, gate, up in; dgate, dup out
+        return sum(size[k] for k in ("da_ptr", "g_ptr", "u_ptr", "dg_ptr", "du_ptr"))
     if name in ("_adam_kernel", "_split_kernel"):
         state = size["p_ptr"] + size["m_ptr"] + size["v_ptr"]  # p, m, v read (and written back)
         writes = c.get("WRITE", True)

@@ -33,7 +33,10 @@ BUDGETS = {
     # 96 and 2 host syncs before that, 80 for 2 experts, 144 for 8: per-expert backward GEMMs after
     # offs.tolist())
     "grouped_linear current": 16,
-    "grouped_swiglu channel": 63,  # was 143 with eager torch casts, 130 and 2 host syncs before
+    # the GLU activation in Triton (kernels/triton_grouped_glu.py: 4 launches forward, 1 backward, no
+    # searchsorted of the rows' experts); was 63 with it in eager torch, 143 with eager torch casts, 130
+    # and 2 host syncs before
+    "grouped_swiglu channel": 30,
 }
 
 

@@ -36,6 +36,10 @@ class Offers:
         grouped_casts: ``cast_grouped``: rows grouped by expert (or stacked expert weights) cast with
             per-expert scales picked on the device, in a number of launches that does not depend on the
             number of experts, with the per-row decode scales the grouped GEMM takes.
+        grouped_glu: ``grouped_glu_operand`` / ``grouped_glu_backward``: the grouped GLU tail's activation
+            (``act(gate) * up`` with per-expert channel smoothing, and its backward) as kernels, in a
+            number of launches that does not depend on the number of experts (``GLU_ACTIVATIONS``: the
+            activations they take).
     """
 
     scale_on_device: bool
@@ -43,6 +47,7 @@ class Offers:
     values_without_codes: bool
     upcast_gemm_operands: bool
     grouped_casts: bool = False
+    grouped_glu: bool = False
 
 
 OFFER_FUNCTIONS = {
@@ -51,6 +56,7 @@ OFFER_FUNCTIONS = {
     "values_without_codes": ("cast_values",),
     "upcast_gemm_operands": ("gemm_dtype", "fused_enabled"),
     "grouped_casts": ("cast_grouped",),
+    "grouped_glu": ("grouped_glu_operand", "grouped_glu_backward"),
 }
 
 

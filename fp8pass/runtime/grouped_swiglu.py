@@ -15,6 +15,10 @@ activation derivative. The static knobs are :class:`~.op_schema.GroupedGLUKnobs`
 
 CPU, ``channel``/``none``: A's codes, B's codes and the GLU backward run in compiled passes that never
 materialise fp32 [S, F] temporaries (:mod:`.grouped_glu_cpu`; same bits as the generic path, tested).
+Devices that offer ``grouped_glu`` (CUDA), ``channel``/``none`` with a kernel activation (silu, relu):
+``A`` and the channel scales in four launches (two for ``none``) and the GLU backward in one
+(``kernels.triton_grouped_glu``: relu bit for bit; silu's ``exp`` is the GPU's, as in the dense SwiGLU
+kernels); the other cases run the torch ops.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from ..kernels import cpu
 from .linear import compute_dtype
 from .op_schema import SR_SEED, SR_STREAM, GroupedGLUKnobs, knob_op
 from .sr import draw_seed
-from .swiglu import (ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math, channel_scales,
-                     swiglu_operand)
+from .swiglu import (_C_MAX, _C_MIN, ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math,
+                     channel_scales, swiglu_operand)
 
 __all__ = ["fp8_grouped_swiglu_down_op", "check_grouped_glu_knobs", "check_grouped_swiglu_args"]
 
@@ -97,6 +101,12 @@ def _row_scales(c, ids):
     return with_ones(c)[ids]
 
 
+def _glu_kernels(kern, gate, k: GroupedGLUKnobs) -> bool:
+    """Whether the device's grouped GLU kernels (``OFFERS.grouped_glu``) compute the activation."""
+    return (kern.OFFERS.grouped_glu and k.smooth != "token" and k.activation in kern.GLU_ACTIVATIONS
+            and not cpu_fast(gate))
+
+
 def _per_channel(c, w_transposed):
     """``c`` [E, F] shaped to broadcast over the F dim of ``w_down`` ([E, D, F] or [E, F, D])."""
     return c[:, :, None] if w_transposed else c[:, None, :]
@@ -114,16 +124,19 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
     fmt = resolve_format(k.fwd_format)
     dt = compute_dtype(k, gate.dtype)
     experts = w_down.shape[0]
-    ids = group_ids(offs, gate.shape[0])
     kern = kernels.for_device(gate.device)
     if fmt is None:  # identity: the weight's values in the dtype the replaced node computed in
         w_down = w_down.to(dt)
     fast = fmt is not None and cpu_fast(gate)
+    ids = None if _glu_kernels(kern, gate, k) else group_ids(offs, gate.shape[0])
     if fast and k.smooth != "token":
         ao, s = fused_glu_operand(gate, up, offs, ids, experts, k.smooth, k.activation, fmt, a_state, k.margin,
                                   k.power_of_two, dt)
     else:
-        a, s = _grouped_operand(gate, up, ids, experts, k.smooth, k.activation)
+        if ids is None:
+            a, s = kern.grouped_glu_operand(gate, up, offs, k.activation, k.smooth, (_C_MIN, _C_MAX))
+        else:
+            a, s = _grouped_operand(gate, up, ids, experts, k.smooth, k.activation)
         ao = cast_grouped_rows(a, offs, fmt, a_state, k.margin, k.power_of_two, gemm_out=dt, ids=ids)
     if fast and k.smooth == "channel":  # B = W_down / c without materialising it
         bo = fused_smoothed_weight_operand(w_down, _per_channel(1 / s, w_transposed), fmt, k.margin,
@@ -180,7 +193,8 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     b_data = from_bytes(b_data, fwd_fmt)
     kern = kernels.for_device(dy.device)
     experts = b_data.shape[0]
-    ids = group_ids(offs, dy.shape[0])
+    glu_kernels = _glu_kernels(kern, gate, k)
+    ids = None if glu_kernels else group_ids(offs, dy.shape[0])
     s = smooth_scales
     g = dy.float() * s if k.smooth == "token" else dy
     go = cast_grouped_rows(g, offs, fmt, g_state, k.margin, k.power_of_two, k.grad_rounding, gemm_out=dt,
@@ -197,6 +211,10 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     db = wgrad(kern, a_in, a_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)  # dB (dW), w_down's layout
     if k.smooth == "channel" and not fold:
         db = cpu.run_fused(times, (db, _per_channel(1 / s, w_transposed).to(db.dtype)), ())
+    if glu_kernels:
+        dgate, dup = kern.grouped_glu_backward(da, gate, up, offs, k.activation, s if k.smooth == "channel" else None,
+                                               fused)
+        return dgate, dup, db, go.amax
     if k.smooth != "token" and fast:
         col = with_ones(s) if k.smooth == "channel" else gate.new_ones(experts + 1, gate.shape[1], dtype=torch.float32)
         fn = glu_backward_rows_joined if fused else glu_backward_rows
