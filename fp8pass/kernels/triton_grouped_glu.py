@@ -86,9 +86,13 @@ def _grouped_glu_kernel(g_ptr, u_ptr, ld, c_ptr, amax_ptr, a_ptr, R, F, offs_ptr
         bits = tl.where(mask, tl.abs(h), 0.0).to(tl.int32, bitcast=True)  # >= 0: ordered like the values
         first = tl.min(tl.where(rows < R, expert, E))
         last = tl.minimum(tl.max(tl.where(rows < R, expert, 0)), E - 1)  # padding rows have no expert
-        for e in range(first, last + 1):  # the experts whose rows the tile holds: usually one or two
+        e = first
+        # the experts whose rows the tile holds, usually one or two (a while loop: triton 3.6's
+        # interpreter takes no tensor bounds in range())
+        while e <= last:
             col_max = tl.max(tl.where(expert[:, None] == e, bits, 0), axis=0)
             tl.atomic_max(amax_ptr + e * F + cols, col_max, mask=cols < F)
+            e += 1
     else:
         if SMOOTH:
             h = h * _row_channel_scales(c_ptr, expert, cols, E, F)
