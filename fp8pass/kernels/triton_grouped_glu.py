@@ -88,7 +88,7 @@ def _grouped_glu_kernel(g_ptr, u_ptr, ld, c_ptr, amax_ptr, a_ptr, R, F, offs_ptr
         last = tl.minimum(tl.max(tl.where(rows < R, expert, 0)), E - 1)  # padding rows have no expert
         e = first
         # the experts whose rows the tile holds, usually one or two (a while loop: triton 3.6's
-        # interpreter takes no tensor bounds in range())
+        # interpreter with numpy 2.4 fails on a reduced tensor as a range() bound)
         while e <= last:
             col_max = tl.max(tl.where(expert[:, None] == e, bits, 0), axis=0)
             tl.atomic_max(amax_ptr + e * F + cols, col_max, mask=cols < F)
