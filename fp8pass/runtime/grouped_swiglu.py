@@ -15,10 +15,10 @@ activation derivative. The static knobs are :class:`~.op_schema.GroupedGLUKnobs`
 
 CPU, ``channel``/``none``: A's codes, B's codes and the GLU backward run in compiled passes that never
 materialise fp32 [S, F] temporaries (:mod:`.grouped_glu_cpu`; same bits as the generic path, tested).
-Devices that offer ``grouped_glu`` (CUDA), ``channel``/``none`` with a kernel activation (silu, relu):
-``A`` and the channel scales in four launches (two for ``none``) and the GLU backward in one
-(``kernels.triton_grouped_glu``: relu bit for bit; silu's ``exp`` is the GPU's, as in the dense SwiGLU
-kernels); the other cases run the torch ops.
+Devices that offer ``grouped_glu`` (CUDA), FP8 formats, ``channel``/``none`` with a kernel activation
+(silu, relu): ``A`` and the channel scales in four launches (two for ``none``) and the GLU backward in
+one (``kernels.triton_grouped_glu``: relu bit for bit; silu's ``exp`` is the GPU's, as in the dense
+SwiGLU kernels); the other cases (and the identity format) run the torch ops.
 """
 
 from __future__ import annotations
@@ -101,10 +101,11 @@ def _row_scales(c, ids):
     return with_ones(c)[ids]
 
 
-def _glu_kernels(kern, gate, k: GroupedGLUKnobs) -> bool:
-    """Whether the device's grouped GLU kernels (``OFFERS.grouped_glu``) compute the activation."""
-    return (kern.OFFERS.grouped_glu and k.smooth != "token" and k.activation in kern.GLU_ACTIVATIONS
-            and not cpu_fast(gate))
+def _glu_kernels(kern, gate, k: GroupedGLUKnobs, fmt) -> bool:
+    """Whether the device's grouped GLU kernels (``OFFERS.grouped_glu``) compute the activation: FP8
+    formats only (the identity format keeps the torch ops, which give the plain GLU's bits)."""
+    return (kern.OFFERS.grouped_glu and fmt is not None and k.smooth != "token"
+            and k.activation in kern.GLU_ACTIVATIONS and not cpu_fast(gate))
 
 
 def _per_channel(c, w_transposed):
@@ -128,7 +129,7 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
     if fmt is None:  # identity: the weight's values in the dtype the replaced node computed in
         w_down = w_down.to(dt)
     fast = fmt is not None and cpu_fast(gate)
-    ids = None if _glu_kernels(kern, gate, k) else group_ids(offs, gate.shape[0])
+    ids = None if _glu_kernels(kern, gate, k, fmt) else group_ids(offs, gate.shape[0])
     if fast and k.smooth != "token":
         ao, s = fused_glu_operand(gate, up, offs, ids, experts, k.smooth, k.activation, fmt, a_state, k.margin,
                                   k.power_of_two, dt)
@@ -193,7 +194,7 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     b_data = from_bytes(b_data, fwd_fmt)
     kern = kernels.for_device(dy.device)
     experts = b_data.shape[0]
-    glu_kernels = _glu_kernels(kern, gate, k)
+    glu_kernels = _glu_kernels(kern, gate, k, fwd_fmt)
     ids = None if glu_kernels else group_ids(offs, dy.shape[0])
     s = smooth_scales
     g = dy.float() * s if k.smooth == "token" else dy
