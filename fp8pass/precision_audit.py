@@ -220,10 +220,17 @@ def _tensor_scaled_kernel(mkn, a_dtype, b_dtype, out_dtype, device) -> tuple[str
     cuda = kern
     if cuda.scaled_mm_plan(*mkn, a_dtype, b_dtype, out_dtype, device) is not None:
         return "torch._scaled_mm", None
-    reason = cuda.scaled_mm_refusal(*mkn, a_dtype, b_dtype, out_dtype, device)
-    if torch.device(device).type == "cpu":  # the CUDA code path on CPU tensors (Triton's interpreter): emulation
+    # the CUDA code path on CPU tensors (Triton's interpreter) emulates; what it would do on a GPU decides
+    reason = cuda.scaled_mm_refusal(*mkn, a_dtype, b_dtype, out_dtype, _as_gpu(device))
+    if reason is None:
         return "cpu emulation (CUDA code path): fp32 matmul of dequantized FP8 codes", None
     return "fp32 matmul of dequantized operands", reason
+
+
+def _as_gpu(device) -> torch.device:
+    """``device``, or for CPU tensors on the CUDA code path the GPU they stand for (``"cuda"``)."""
+    device = torch.device(device)
+    return torch.device("cuda") if device.type == "cpu" else device
 
 
 def _high_kernel(device, dt) -> str:
@@ -256,10 +263,11 @@ def _grouped(fqn, op, k, weight, x_dtype, why) -> list[GemmRecord]:
             out.append(GemmRecord(fqn, g, "fp8", operands, kernel, None, why, op))
             continue
         # every grouped GEMM contracts and writes the weight's two dims (tokens are aligned to 16)
-        reason = kern.grouped_mm_refusal((_TOKENS, n_b), (1, n_b, n_a), a.torch_dtype, fwd.torch_dtype, dt, device)
+        dims = ((_TOKENS, n_b), (1, n_b, n_a), a.torch_dtype, fwd.torch_dtype, dt)
+        reason = kern.grouped_mm_refusal(*dims, device)
         if reason is None:
             out.append(GemmRecord(fqn, g, "fp8", operands, "torch._scaled_grouped_mm", None, why, op))
-        elif torch.device(device).type == "cpu":
+        elif kern.grouped_mm_refusal(*dims, _as_gpu(device)) is None:  # CPU tensors on the CUDA code path
             out.append(GemmRecord(fqn, g, "fp8", operands, "cpu emulation (CUDA code path): grouped_mm_emulated",
                                   None, why, op))
         else:
