@@ -192,3 +192,25 @@ def test_collective_audit_names_fp8_and_high_precision_all_gathers(monkeypatch):
     assert got == [("0.weight", "fp8", "e4m3", 1, False), ("2.weight", "high", "bfloat16", 2, True),
                    ("2.bias", "high", "float32", 4, False)]
     assert collective_audit(_mlp()) == []  # no FSDP2
+
+
+def test_the_trainer_logs_the_audit_once_per_change(tmp_path):
+    from fp8pass.train import ModelConfig, TrainConfig, train
+    from fp8pass.train.logging import read_metrics
+
+    (tmp_path / "c.txt").write_text("".join(f"x{i} = {i} * y + {i % 5}\n" for i in range(300)))
+    cfg = TrainConfig(recipe="fp8-smooth", steps=2, out=str(tmp_path / "run"), data=str(tmp_path / "c.txt"),
+                      batch_size=2, seq_len=32, model=ModelConfig(d_model=32, n_layers=1, n_heads=2, ffn=64,
+                                                                   max_seq_len=32),
+                      eval_every=2, eval_batches=1, ckpt_every=2, monitor_every=0, warmup=1, progress=False,
+                      compiler="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(cfg)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl", "precision")
+    assert len(records) == 1 and records[0]["step"] == 1 and records[0]["fallbacks"] == 0
+    gemms = records[0]["gemms"]
+    # one block: q, k, v, o, gate, up, down in FP8 (3 GEMMs each), the LM head kept
+    assert len(gemms) == 3 * 8 and records[0]["collectives"] == []
+    assert {g["weight"] for g in gemms if g["precision"] == "high"} == {"lm_head.weight"}
+    assert sum(n for k, n in records[0]["summary"].items() if k.startswith("forward fp8")) == 7
