@@ -214,3 +214,54 @@ def test_the_trainer_logs_the_audit_once_per_change(tmp_path):
     assert len(gemms) == 3 * 8 and records[0]["collectives"] == []
     assert {g["weight"] for g in gemms if g["precision"] == "high"} == {"lm_head.weight"}
     assert sum(n for k, n in records[0]["summary"].items() if k.startswith("forward fp8")) == 7
+
+
+class _Experts(torch.nn.Module):
+    """Fixed-capacity MoE experts (``bmm`` over [E, C, D]): fused gate/up [E, D, 2F], down [E, D, F]."""
+
+    def __init__(self, ffn, experts=4, d=32):
+        super().__init__()
+        g = torch.Generator().manual_seed(17)
+        self.gate_up = torch.nn.Parameter(torch.randn(experts, d, 2 * ffn, generator=g) / d ** 0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, d, ffn, generator=g) / ffn ** 0.5)
+
+    def forward(self, x):
+        gate, up = torch.bmm(x, self.gate_up).chunk(2, dim=-1)
+        return torch.bmm(torch.nn.functional.silu(gate) * up, self.down.transpose(1, 2))
+
+
+def test_grouped_expert_gemms_on_cpu_and_a_shape_the_grouped_fp8_gemm_cannot_take(monkeypatch):
+    """MoE expert stacks: the CPU's per-expert emulation; on the CUDA code path the grouped GEMMs of a stack
+    whose FFN width (40) is no multiple of 16 fall back (the plan allowed it: ``dim_multiple=8``; fp32
+    outputs would too: the grouped FP8 GEMM writes bf16 only), the
+    warning names that weight, and the grouped GEMMs that ran are the audit's ``_scaled_grouped_mm`` ones."""
+    x = torch.randn(4, 24, 32, generator=torch.Generator().manual_seed(18))
+    cfg = Config(recipe=CurrentScaling(), compiler="aot_eager", dim_multiple=8)
+    model = _Experts(ffn=48)
+    torch.compile(model, backend=fp8pass.backend(cfg))(x).sum().backward()
+    got = _by_weight(precision_audit(model))
+    cpu = "cpu emulation: float32 GEMM of FP8 codes per expert"
+    for w in ("gate_up", "down"):
+        assert got[w] == {"forward": ("fp8", "e4m3 x e4m3", cpu, None), "dgrad": ("fp8", "e5m2 x e4m3", cpu, None),
+                          "wgrad": ("fp8", "e5m2 x e4m3", cpu, None)}
+    torch._dynamo.reset()
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    model = _Experts(ffn=40)
+    with pytest.warns(RuntimeWarning, match=r"3 FP8 GEMM\(s\) of 1 weight\(s\).*: down \(forward: dims"):
+        with gl.pretend_cuda_gemms() as calls, torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 out only
+            torch.compile(model, backend=fp8pass.backend(cfg))(x).float().sum().backward()
+    records = precision_audit(model)
+    assert {(r.weight, r.gemm) for r in records if r.fallback} == {("down", g) for g in ("forward", "dgrad", "wgrad")}
+    assert {(r.weight, r.operands) for r in records if r.kernel == "torch._scaled_grouped_mm"} == {
+        ("gate_up", "e4m3 x e4m3")}  # the gradient is cast to E4M3 for the grouped FP8 GEMM
+    assert len(calls) == sum(r.kernel == "torch._scaled_grouped_mm" for r in records) == 3
+
+
+def test_nvfp4_gemms_are_recorded_as_nvfp4():
+    model = _mlp()
+    cfg = Config(recipe=fp8pass.NVFP4Scaling(keep_last_blocks=0, protect_post_qk=False), compiler="aot_eager")
+    torch.compile(model, backend=fp8pass.backend(cfg))(torch.randn(16, 32)).sum().backward()
+    records = precision_audit(model)
+    assert [(r.weight, r.gemm, r.precision, r.op) for r in records] == [
+        (w, g, "nvfp4", "nvfp4_linear") for w in ("0.weight", "2.weight") for g in ("forward", "dgrad", "wgrad")]
+    assert not any(r.fallback for r in records)
