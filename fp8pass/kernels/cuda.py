@@ -5,9 +5,10 @@ free), and not both operands E5M2; it takes decode scales (``1 / encode scale``)
 fp32. :func:`scaled_mm_plan` decides: FP8 operands on CUDA always take it, K and N that are not
 multiples of 16 padded with zero codes (a zero adds exactly nothing to an fp32 sum), so a token
 count of 4095 in a wgrad GEMM costs one small copy, not a dequantize + fp32 matmul. What it cannot
-take (two E5M2 operands, the identity testing format, empty dims, CPU tensors) goes through the
-fallback: dequantize to fp32 and multiply there, correct for every shape, only slower. Never used
-on CPU.
+take (two E5M2 operands, the identity testing format, empty dims, CPU tensors, GPUs below compute
+capability 8.9; :func:`scaled_mm_refusal` says which) goes through the fallback: dequantize to fp32 and
+multiply there, correct for every shape, only slower. Never used on CPU. The precision audit
+(fp8pass/precision_audit.py) names the same choices per weight, from the same functions.
 
 Grouped (MoE) GEMMs: all three (forward, dgrad, wgrad) are one ``torch._scaled_grouped_mm`` each
 where the GPU takes it (sm90+, E4M3 operands, dims multiples of 16; the gradient is cast to E4M3 for
