@@ -265,3 +265,22 @@ def test_nvfp4_gemms_are_recorded_as_nvfp4():
     assert [(r.weight, r.gemm, r.precision, r.op) for r in records] == [
         (w, g, "nvfp4", "nvfp4_linear") for w in ("0.weight", "2.weight") for g in ("forward", "dgrad", "wgrad")]
     assert not any(r.fallback for r in records)
+
+
+def test_the_audit_reads_activation_checkpointed_bodies():
+    """A checkpointed block is rewritten inside the higher-order op's body: its GEMMs are recorded too."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return checkpoint(lambda t: self.b(torch.relu(self.a(t))), x, use_reentrant=False)
+
+    model = Block()
+    torch.compile(model, backend=fp8pass.backend(Config(compiler="aot_eager")))(torch.randn(16, 32)).sum().backward()
+    records = precision_audit(model)
+    assert [(r.weight, r.gemm, r.precision) for r in records] == [
+        (w, g, "fp8") for w in ("a.weight", "b.weight") for g in ("forward", "dgrad", "wgrad")]
