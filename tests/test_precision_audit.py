@@ -284,3 +284,9 @@ def test_the_audit_reads_activation_checkpointed_bodies():
     records = precision_audit(model)
     assert [(r.weight, r.gemm, r.precision) for r in records] == [
         (w, g, "fp8") for w in ("a.weight", "b.weight") for g in ("forward", "dgrad", "wgrad")]
+
+
+def test_precision_audit_takes_a_model():
+    with pytest.raises(TypeError, match="precision_audit takes the model .* got str"):
+        precision_audit("model")
+    assert precision_audit(_mlp()) == []  # never compiled: no records
