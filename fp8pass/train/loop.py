@@ -231,7 +231,6 @@ def _load_scaling_state(model, sd, cfg: TrainConfig):
                                                          cfg.fp8_rules()))
 
 
-@torch.no_grad()
 def log_precision_audit(model, log, step: int, seen: int) -> int:
     """Log a ``"precision"`` record when ``model``'s precision audit changed since version ``seen`` (its
     first compiled steps, a recompile, a precision switch); returns the version logged. Costs an integer
@@ -246,6 +245,7 @@ def log_precision_audit(model, log, step: int, seen: int) -> int:
     return version
 
 
+@torch.no_grad()
 def evaluate(fwd, data: TextData, cfg: TrainConfig) -> float:
     """Mean loss over ``eval_batches`` fixed validation batches (the same ones at every evaluation)."""
     total = 0.0
