@@ -158,7 +158,9 @@ def graph_gemms(gm: fx.GraphModule, decided_by: dict[str, str] | None = None) ->
         pos, knob_cls = _OPS[name]
         wnode = _weight_node(node.args[pos]) if len(node.args) > pos else None
         weight = _value(wnode) if wnode is not None else None
-        if wnode is None or weight is None:
+        if wnode is None or weight is None:  # the rewriters take parameters only; said, not skipped, if not
+            out += [GemmRecord(f"<{node.name}>", g, "unknown", "", "not audited: the op's weight is no named "
+                               "parameter with a known shape", None, "", name) for g in GEMMS]
             continue
         fqn = facts(wnode).weight_fqn
         x = _value(node.args[0])
@@ -170,7 +172,8 @@ def graph_gemms(gm: fx.GraphModule, decided_by: dict[str, str] | None = None) ->
             out += _grouped(fqn, name, _knobs(node, knob_cls), weight, x_dtype, why)
         else:
             out += _dense(fqn, name, _knobs(node, knob_cls), weight, x_dtype, why)
-    return out
+    # a per-expert loop calls one op per expert of the same weight: one record per (weight, GEMM)
+    return list({(r.weight, r.gemm): r for r in out}.values())
 
 
 def kept_gemms(skipped: list[tuple[str, str]]) -> list[GemmRecord]:
@@ -185,7 +188,7 @@ def _dense(fqn, op, k, weight, x_dtype, why) -> list[GemmRecord]:
     ``x W^T``, dgrad ``dy W``, wgrad ``dy^T x``; the GLU's ``A B^T`` with ``A`` its smoothed operand)."""
     fwd, bwd = resolve_format(k.fwd_format), resolve_format(k.bwd_format)
     dt = k.out_dtype or x_dtype
-    n_out, n_in = weight.shape[0], weight.shape[-1]
+    n_out, n_in = weight.shape[-2], weight.shape[-1]  # W[e] of a per-expert loop: the expert's matrix
     shapes = {"forward": (_TOKENS, n_in, n_out), "dgrad": (_TOKENS, n_out, n_in), "wgrad": (n_out, _TOKENS, n_in)}
     out = []
     for g in GEMMS:

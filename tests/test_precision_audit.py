@@ -290,3 +290,16 @@ def test_precision_audit_takes_a_model():
     with pytest.raises(TypeError, match="precision_audit takes the model .* got str"):
         precision_audit("model")
     assert precision_audit(_mlp()) == []  # never compiled: no records
+
+
+def test_a_per_expert_loop_is_one_weight_with_three_gemms():
+    """``F.linear(x, W[e])`` for every expert: one op per expert, one record per (weight, GEMM)."""
+    from test_expert_loop import LoopLinears
+
+    model = LoopLinears()
+    x = torch.randn(8, model.w.shape[-1])
+    torch.compile(model, backend=fp8pass.backend(Config(compiler="aot_eager")))(x).sum().backward()
+    got = _by_weight(precision_audit(model))
+    assert got["w"] == {"forward": ("fp8", "e4m3 x e4m3", CPU_FP8, None), "dgrad": ("fp8", "e5m2 x e4m3", CPU_FP8, None),
+                        "wgrad": ("fp8", "e5m2 x e4m3", CPU_FP8, None)}
+    assert sorted(got) == ["router.weight", "w"]  # the router (4 outputs) kept: below min_dim
