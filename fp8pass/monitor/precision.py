@@ -64,9 +64,14 @@ def collective_audit(model) -> list[CollectiveRecord]:
         return []
     from ..distributed.fp8_all_gather import gather_records
 
-    fp8 = {r.weight for r in records_of(module) if r.gemm == "forward" and r.precision == "fp8"
-           and "per-" not in r.kernel}
-    return gather_records(module, fp8)
+    return gather_records(module, _fp8_gatherable(records_of(module)))
+
+
+def _fp8_gatherable(records: list[GemmRecord]) -> set[str]:
+    """The weights an FP8 all-gather could take (``fp8_all_gather_weights``' rule): a per-tensor FP8 forward
+    GEMM, but not a channel-smoothed down projection (its columns are rescaled before the cast)."""
+    return {r.weight for r in records if r.gemm == "forward" and r.precision == "fp8" and "per-" not in r.kernel
+            and not (r.op == "swiglu_down" and "Smooth-SwiGLU channel" in r.decided_by)}
 
 
 def audit_summary(records: list[GemmRecord]) -> dict[str, int]:
