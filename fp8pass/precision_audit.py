@@ -38,6 +38,7 @@ from .kernels import cpu as cpu_kernels
 from .passes.annotate import facts
 from .runtime.casting import resolve_format
 from .runtime.grouped_casting import grad_format
+from .runtime.linear import _mx_mm_dtype
 from .runtime.op_schema import GLUKnobs, GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs
 
 __all__ = ["GemmRecord", "CollectiveRecord", "GEMMS", "PrecisionFallbackError", "graph_gemms", "kept_gemms", "check_fallbacks",
@@ -200,8 +201,6 @@ def _dense(fqn, op, k, weight, x_dtype, why) -> list[GemmRecord]:
             continue
         operands = f"{_fmt_name(a)} x {_fmt_name(fwd)}"
         if k.granularity == "mx":
-            from .runtime.linear import _mx_mm_dtype
-
             kernel = f"{_dtype_name(_mx_mm_dtype(weight.device, dt))} matmul of dequantized MX operands"
             out.append(GemmRecord(fqn, g, "mxfp8", operands, kernel, None, why, op))
             continue
