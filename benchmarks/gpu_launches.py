@@ -215,7 +215,7 @@ def pretend_cuda_gemms():
     Yields the list of GEMM calls made inside, in order: ``(op name, use_fast_accum)``."""
     from fp8pass.kernels import cuda
 
-    orig_plan, orig_ok = cuda.scaled_mm_plan, cuda._scaled_grouped_mm_ok
+    orig_plan, orig_refusal = cuda.scaled_mm_plan, cuda.grouped_mm_refusal
     orig_mm, orig_gmm = torch._scaled_mm, getattr(torch, "_scaled_grouped_mm", None)
 
     def plan(m, k, n, a_dtype, b_dtype, out_dtype, device_type):
@@ -232,8 +232,8 @@ def pretend_cuda_gemms():
             out = out.to(out_dtype)
         return _one_launch("aten._scaled_mm.default", out)
 
-    def grouped_ok(a, b, out_dtype):
-        return cuda._grouped_mm_operands_ok(a, b, out_dtype)
+    def grouped_refusal(a_shape, b_shape, a_dtype, b_dtype, out_dtype, device):  # the operands' checks alone
+        return orig_refusal(a_shape, b_shape, a_dtype, b_dtype, out_dtype, "cuda")
 
     def scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, **kw):
         calls.append(("_scaled_grouped_mm", bool(kw.get("use_fast_accum", False))))
@@ -247,12 +247,12 @@ def pretend_cuda_gemms():
             out = cuda.grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype)
         return _one_launch("aten._scaled_grouped_mm.default", out)
 
-    cuda.scaled_mm_plan, cuda._scaled_grouped_mm_ok = plan, grouped_ok
+    cuda.scaled_mm_plan, cuda.grouped_mm_refusal = plan, grouped_refusal
     torch._scaled_mm, torch._scaled_grouped_mm = scaled_mm, scaled_grouped_mm
     try:
         yield calls
     finally:
-        cuda.scaled_mm_plan, cuda._scaled_grouped_mm_ok = orig_plan, orig_ok
+        cuda.scaled_mm_plan, cuda.grouped_mm_refusal = orig_plan, orig_refusal
         torch._scaled_mm = orig_mm
         if orig_gmm is not None:
             torch._scaled_grouped_mm = orig_gmm

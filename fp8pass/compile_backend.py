@@ -46,6 +46,7 @@ from .runtime.sr import stream_for, stream_key
 from .runtime.state import grouped_state_for, state_for
 from .scaling_state import attach_weights
 from .passes.rewrite import StateInput, apply_plan, copy_graph_module
+from .precision_audit import check_fallbacks, graph_gemms, kept_gemms, register
 
 __all__ = ["Backend", "backend", "fp8_backend", "explain", "GraphBreakError"]
 
@@ -63,6 +64,7 @@ class GraphRecord:
     report: Report
     extra_inputs: list[StateInput] = field(default_factory=list)
     pass_seconds: float = 0.0
+    gemms: list = field(default_factory=list)  # precision_audit.GemmRecord per GEMM of the graph
 
 
 def _calls_fp8pass_ops(gm) -> bool:
@@ -134,6 +136,7 @@ class Backend:
         self._sr_seed = self.config.sr_seed
         self._sr_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._sr_made_unowned = 0
+        self._fallbacks_warned: set = set()  # (weight, GEMM, reason) warned about (Config.on_fallback)
 
     @property
     def _reducer(self):
@@ -185,6 +188,7 @@ class Backend:
             self._warn_once("float64", "fp8pass: float64 weights or activations stay in float64 (FP8 applies to "
                                        "fp32/bf16/fp16 models); fp8pass.explain(model, ...) lists what was kept.")
         record.pass_seconds = time.perf_counter() - t0
+        self._audit(record, top_module(root) if root is not None else None)
         self.records.append(record)
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
         sr_keys = self._sr_keys(top_module(root) if root is not None else None)
@@ -214,7 +218,8 @@ class Backend:
         def run(*args):
             hit = variants.get(key_of(args))
             if hit is None or any(r() is not args[i] for r, i in zip(hit[0], params)):
-                hit = self._variant(gm, list(args), record, new_gm, compiled, relative, mode, options, sr_keys)
+                hit = self._variant(gm, list(args), record, new_gm, compiled, relative, mode, options, sr_keys,
+                                    top_module(root) if root is not None else None)
                 if len(variants) > _MAX_RECORDS:
                     variants.clear()
                 variants[key_of(args)] = hit
@@ -227,13 +232,14 @@ class Backend:
 
         return run
 
-    def _variant(self, gm, args, record, new_gm, compiled, relative, mode, options, sr_keys=None):
+    def _variant(self, gm, args, record, new_gm, compiled, relative, mode, options, sr_keys=None, model=None):
         """(weight refs, compiled fn, state tensors) for a compiled frame called with other weights."""
         names = names_for(args, relative)
         refs = [weakref.ref(args[i]) for i in sorted(relative)]
         if names is None:  # weights of a module never seen: the graph as planned, their own state
             return refs, compiled, _resolve_state(record.extra_inputs, args, self.config, self._reducer, sr_keys)
         gm2, rec2 = self.transform(gm, args, names=names)
+        self._audit(rec2, model)
         self.records.append(rec2)
         del self.records[:-_MAX_RECORDS]
         extras = _resolve_state(rec2.extra_inputs, args, self.config, self._reducer, sr_keys)
@@ -283,7 +289,8 @@ class Backend:
             report.skipped += kept
             report.decided_by = _decided_by(plan, set(fp8))
         report.graph_after = _code(new_gm)
-        return new_gm, GraphRecord(report, extra)
+        gemms = graph_gemms(new_gm, report.decided_by) + kept_gemms(report.skipped)
+        return new_gm, GraphRecord(report, extra, gemms=gemms)
 
     def _compile(self, gm, inputs, mode, options):
         if _has_dtensor(inputs):  # tensor parallel: DTensor dispatch needs the ops' sharding rules
@@ -344,6 +351,12 @@ class Backend:
             return compiled(*args)
 
         return watched
+
+    def _audit(self, record: GraphRecord, model: torch.nn.Module | None) -> None:
+        """Keep a compiled graph's GEMM records for ``fp8pass.monitor.precision_audit(model)`` and apply
+        ``Config.on_fallback`` to them (fp8pass/precision_audit.py), before the graph runs."""
+        register(model, record.gemms)
+        check_fallbacks(record.gemms, self.config.on_fallback, self._fallbacks_warned)
 
     def _warn_unmatched_rules(self, model: torch.nn.Module) -> None:
         """Once per model: a warning naming each ``Config.rules`` pattern that matches nothing in it."""

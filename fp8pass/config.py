@@ -242,6 +242,7 @@ class NVFP4Scaling:
 SMOOTH_SWIGLU = ("channel", "token", None)
 COMPILERS = ("inductor", "aot_eager", "eager")
 ON_GRAPH_BREAK = ("warn", "error", "ignore")
+ON_FALLBACK = ("warn", "error")  # Config.on_fallback (fp8pass/precision_audit.py)
 AMAX_REDUCTIONS = ("auto", "off")  # or a torch.distributed.ProcessGroup
 DEFAULT_KEEP_HIGH_PRECISION = ("lm_head", "output", "*embed*", "*wte*", "*wpe*")
 # Named recipes by name (fp8pass.recipes fills it on import, which ``import fp8pass`` does): config
@@ -387,6 +388,12 @@ class Config:
             ``keep_high_precision`` and ``keep_first_layers``/``keep_last_layers``, which keep their
             linears high whatever a rule says; a rule's ``"high"`` keeps more (docs/precision.md).
             ``fp8pass.load_rules(path)`` reads them from a TOML or JSON file.
+        on_fallback: what to do when a GEMM the plan made FP8 cannot run its FP8 kernel on this device
+            (two E5M2 operands, a GPU without FP8 GEMMs, grouped dims ``torch._scaled_grouped_mm``
+            cannot take) and runs as dequantize + fp32 matmul instead (same numerics, slower): "warn"
+            (default: one warning per weight and GEMM, naming them) or "error" (raise, naming the
+            weights), when the graph is compiled. ``fp8pass.monitor.precision_audit(model)`` lists every
+            GEMM's precision and kernel (docs/precision.md, Runtime precision audit).
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -405,6 +412,7 @@ class Config:
     keep_last_layers: int = 0
     rules: tuple[Rule, ...] = ()
     sr_seed: int | None = None
+    on_fallback: str = "warn"
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -432,6 +440,7 @@ class Config:
         _check_choice("smooth_swiglu", self.smooth_swiglu, SMOOTH_SWIGLU)
         _check_choice("compiler", self.compiler, COMPILERS)
         _check_choice("on_graph_break", self.on_graph_break, ON_GRAPH_BREAK)
+        _check_choice("on_fallback", self.on_fallback, ON_FALLBACK)
         if isinstance(self.amax_reduction, str) or self.amax_reduction is None:
             _check_choice("amax_reduction", self.amax_reduction, AMAX_REDUCTIONS)
         else:  # a process group exists only once torch.distributed is imported: no import needed here

@@ -241,6 +241,9 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int,
                           if n + ".weight" in st and type(p.to_local()).__name__ == "FP8ShardWeight"}
     out["gathered"] = [(str(d), n) for d, n in gathered]
     out["local_dtypes"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
+    from fp8pass.monitor import collective_audit
+
+    out["collectives"] = [(r.weight, r.precision, r.dtype, r.note is not None) for r in collective_audit(model)]
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -131,6 +131,12 @@ def test_fsdp2_fp8_all_gather_on_one_rank_matches_single_process(tmp_path):
     ref = _dist.single_process_blocks(steps, "adamw")
     assert len([k for k in outs[0]["local_dtypes"].values() if k == "FP8ShardWeight"]) == 2 * 6
     assert outs[0]["fp8_bytes_in"] > 0
+    # the precision audit's all-gathers: the 12 wrapped weights move E4M3 codes, every other parameter its
+    # dtype, none of them with the note "could be FP8" (channel-smoothed down projections cannot)
+    collectives = outs[0]["collectives"]
+    assert {w for w, p, d, _ in collectives if (p, d) == ("fp8", "e4m3")} == {
+        n for n, k in outs[0]["local_dtypes"].items() if k == "FP8ShardWeight"}
+    assert len(collectives) == len(outs[0]["local_dtypes"]) and not any(note for *_, note in collectives)
     torch.testing.assert_close(torch.tensor(outs[0]["loss"]), torch.tensor(ref["loss"]), rtol=LOSS_RTOL, atol=0)
     assert len(outs[0]["weight_amax"]) == 2 * 6
     for name, (recorded, true) in outs[0]["weight_amax"].items():

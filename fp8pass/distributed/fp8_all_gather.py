@@ -31,12 +31,13 @@ from torch.utils._pytree import tree_map
 
 from ..config import Config, DelayedScaling
 from ..numerics import decode, get_format, scale_from_amax
+from ..precision_audit import CollectiveRecord
 from ..runtime.casting import _cast_tensor
 from ..runtime.state import _REGISTRY
 from .amax_sync import note_weight_amax
 
 __all__ = ["FP8ShardWeight", "enable_fp8_all_gather", "link_fp8_all_gather", "fp8_all_gather_weights",
-           "precompute_fp8_scales", "GatherStats"]
+           "precompute_fp8_scales", "GatherStats", "gather_records"]
 
 aten = torch.ops.aten
 # ops whose result is still (a view/copy of) the wrapped shard: FSDP2 chunks, pads and copies it
@@ -266,3 +267,27 @@ def link_fp8_all_gather(model: torch.nn.Module) -> int:
             local._ctx.fsdp_param = fp
             n += 1
     return n
+
+
+def gather_records(model: torch.nn.Module, fp8_weights=()) -> list:
+    """One :class:`~fp8pass.precision_audit.CollectiveRecord` per parameter FSDP2 all-gathers in ``model``:
+    FP8 codes (a wrapped shard, :func:`enable_fp8_all_gather`) or its high-precision dtype (the mixed
+    precision policy's ``param_dtype``, else the parameter's). Read from the model's FSDP2 state (no
+    collective, no device work). ``fp8_weights``: FQNs whose forward GEMM is per-tensor FP8 (a
+    high-precision gather of one of them notes that an FP8 all-gather could take it)."""
+    from .fsdp import fsdp_params
+
+    fp8_weights = set(fp8_weights)
+    out = []
+    for fqn, fp in fsdp_params(model):
+        local = getattr(fp, "_sharded_local_tensor", None)
+        if isinstance(local, FP8ShardWeight):
+            fmt = get_format(local._ctx.config.fwd_format)
+            out.append(CollectiveRecord(fqn, "all-gather", "fp8", fmt.name, 1))
+            continue
+        dtype = getattr(fp, "param_dtype", None) or fp.sharded_param.dtype
+        note = ("its forward GEMM is per-tensor FP8: fp8pass.distributed.enable_fp8_all_gather would gather it as "
+                "FP8 codes (1 byte/element)") if fqn in fp8_weights else None
+        out.append(CollectiveRecord(fqn, "all-gather", "high", str(dtype).removeprefix("torch."),
+                                    torch.empty(0, dtype=dtype).element_size(), note))
+    return out

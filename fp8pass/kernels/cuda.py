@@ -5,9 +5,10 @@ free), and not both operands E5M2; it takes decode scales (``1 / encode scale``)
 fp32. :func:`scaled_mm_plan` decides: FP8 operands on CUDA always take it, K and N that are not
 multiples of 16 padded with zero codes (a zero adds exactly nothing to an fp32 sum), so a token
 count of 4095 in a wgrad GEMM costs one small copy, not a dequantize + fp32 matmul. What it cannot
-take (two E5M2 operands, the identity testing format, empty dims, CPU tensors) goes through the
-fallback: dequantize to fp32 and multiply there, correct for every shape, only slower. Never used
-on CPU.
+take (two E5M2 operands, the identity testing format, empty dims, CPU tensors, GPUs below compute
+capability 8.9; :func:`scaled_mm_refusal` says which) goes through the fallback: dequantize to fp32 and
+multiply there, correct for every shape, only slower. Never used on CPU. The precision audit
+(fp8pass/precision_audit.py) names the same choices per weight, from the same functions.
 
 Grouped (MoE) GEMMs: all three (forward, dgrad, wgrad) are one ``torch._scaled_grouped_mm`` each
 where the GPU takes it (sm90+, E4M3 operands, dims multiples of 16; the gradient is cast to E4M3 for
@@ -19,6 +20,8 @@ stochastically rounded gradient by the eager torch ``cast_rows``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..numerics.formats import Format
@@ -26,6 +29,7 @@ from . import triton_family, triton_grouped_casts, triton_grouped_glu, triton_op
 from .interface import Offers
 
 __all__ = ["OFFERS", "cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
+           "scaled_mm_refusal", "device_capability", "grouped_mm_refusal", "grouped_mm_operands_refusal",
            "transpose_cast", "row_amax", "cast_rows", "cast_grouped", "grouped_gemm",
            "grouped_gemm_wgrad", "grouped_mm_emulated", "GROUP_ALIGN", "grouped_glu_operand", "grouped_glu_backward",
            "GLU_ACTIVATIONS"]
@@ -109,19 +113,53 @@ def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def scaled_mm_plan(m: int, k: int, n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
-                   device_type: str) -> tuple[int, int] | None:
+                   device: torch.device | str) -> tuple[int, int] | None:
     """``(pad_k, pad_n)``: the zero columns that make K and N multiples of 16 for ``torch._scaled_mm``,
-    or None where it cannot take the GEMM (the fallback then runs).
+    or None where it cannot take the GEMM (the fallback then runs; :func:`scaled_mm_refusal` says why).
 
     torch checks ``mat1.size(1) % 16`` and both dims of ``mat2`` (K and N); M may be anything.
     """
-    if device_type != "cuda" or a_dtype not in _FP8 or b_dtype not in _FP8:
-        return None
-    if a_dtype == b_dtype == torch.float8_e5m2:  # cuBLASLt has no E5M2 x E5M2 kernel
-        return None
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or 0 in (m, k, n):
+    if scaled_mm_refusal(m, k, n, a_dtype, b_dtype, out_dtype, device) is not None:
         return None
     return (-k) % 16, (-n) % 16
+
+
+FP8_GEMM_CAPABILITY = (8, 9)  # cuBLASLt's FP8 GEMMs (torch._scaled_mm): Ada and Hopper onwards
+GROUPED_FP8_GEMM_CAPABILITY = (9, 0)  # torch._scaled_grouped_mm: Hopper onwards
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device`` (cached per device), or None where the device names no
+    index (``"cuda"`` given by its type alone: the plan's own tests, the CPU code-path counters)."""
+    device = torch.device(device)
+    return None if device.index is None else _capability(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def scaled_mm_refusal(m: int, k: int, n: int, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
+                      device: torch.device | str) -> str | None:
+    """Why ``torch._scaled_mm`` cannot take this GEMM (the dequantize + fp32 matmul fallback runs), or None
+    where it can: the one statement of what the FP8 GEMM takes (:func:`scaled_mm_plan`, the precision audit)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} tensors: torch._scaled_mm runs on CUDA devices only"
+    if a_dtype not in _FP8 or b_dtype not in _FP8:
+        return f"operands {a_dtype} x {b_dtype} are not FP8 codes"
+    if a_dtype == b_dtype == torch.float8_e5m2:
+        return "both operands E5M2: cuBLASLt has no E5M2 x E5M2 FP8 GEMM"
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"output dtype {out_dtype}: torch._scaled_mm writes bf16, fp16 or fp32"
+    if 0 in (m, k, n):
+        return "an empty dimension: nothing to multiply"
+    cap = device_capability(device)
+    if cap is not None and cap < FP8_GEMM_CAPABILITY:
+        return (f"{device} has compute capability {cap[0]}.{cap[1]}: no FP8 GEMMs (torch._scaled_mm needs "
+                f"{FP8_GEMM_CAPABILITY[0]}.{FP8_GEMM_CAPABILITY[1]} or later)")
+    return None
 
 
 def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None, a_inv=None, b_inv=None, fast_accum=False):
@@ -133,7 +171,7 @@ def gemm_tensor_scaled(a, a_scale, b, b_scale, out_dtype, bias=None, a_inv=None,
     (computed beside the scale, :mod:`.triton_scaling`): ``_scaled_mm`` takes those, and a
     ``reciprocal`` launch each is saved.
     """
-    plan = scaled_mm_plan(a.shape[0], a.shape[1], b.shape[0], a.dtype, b.dtype, out_dtype, a.device.type)
+    plan = scaled_mm_plan(a.shape[0], a.shape[1], b.shape[0], a.dtype, b.dtype, out_dtype, a.device)
     if plan is not None:
         pad_k, pad_n = plan
         a, b = a.contiguous(), b.contiguous()
@@ -195,13 +233,41 @@ GROUP_ALIGN = 16  # wgrad groups start at multiples of 16 tokens: 16-byte aligne
 
 def _grouped_mm_operands_ok(a, b, out_dtype) -> bool:
     """Whether ``torch._scaled_grouped_mm`` takes these operands, as they are passed to it (dtypes, dims)."""
-    return (a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and a.numel() > 0
-            and b.numel() > 0 and a.shape[-1] % 16 == 0 and b.shape[-2] % 16 == 0 and b.shape[-1] % 16 == 0)
+    return grouped_mm_operands_refusal(a.shape, b.shape, a.dtype, b.dtype, out_dtype) is None
+
+
+def grouped_mm_operands_refusal(a_shape, b_shape, a_dtype, b_dtype, out_dtype) -> str | None:
+    """Why ``torch._scaled_grouped_mm`` cannot take operands of these shapes and dtypes (as passed to it: ``b``
+    column-major [E, K, N] or [T, N]), or None where it can."""
+    if not a_dtype == b_dtype == torch.float8_e4m3fn:
+        return f"operands {a_dtype} x {b_dtype}: torch._scaled_grouped_mm takes E4M3 x E4M3 only"
+    if out_dtype != torch.bfloat16:
+        return f"output dtype {out_dtype}: torch._scaled_grouped_mm writes bf16 only"
+    if 0 in tuple(a_shape) or 0 in tuple(b_shape):
+        return "an empty dimension: nothing to multiply"
+    if a_shape[-1] % 16 or b_shape[-2] % 16 or b_shape[-1] % 16:
+        return (f"dims {tuple(a_shape)} x {tuple(b_shape)}: torch._scaled_grouped_mm needs the contraction and "
+                f"output dims multiples of 16")
+    return None
+
+
+def grouped_mm_refusal(a_shape, b_shape, a_dtype, b_dtype, out_dtype, device: torch.device | str) -> str | None:
+    """Why ``torch._scaled_grouped_mm`` cannot take this grouped GEMM on ``device`` (:func:`grouped_mm_emulated`
+    runs instead), or None where it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} tensors: torch._scaled_grouped_mm runs on CUDA devices only"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    cap = device_capability(device)
+    if cap is not None and cap < GROUPED_FP8_GEMM_CAPABILITY:
+        return (f"{device} has compute capability {cap[0]}.{cap[1]}: torch._scaled_grouped_mm needs "
+                f"{GROUPED_FP8_GEMM_CAPABILITY[0]}.{GROUPED_FP8_GEMM_CAPABILITY[1]} or later")
+    return grouped_mm_operands_refusal(a_shape, b_shape, a_dtype, b_dtype, out_dtype)
 
 
 def _scaled_grouped_mm_ok(a, b, out_dtype) -> bool:
-    return (hasattr(torch, "_scaled_grouped_mm") and a.is_cuda
-            and torch.cuda.get_device_capability(a.device) >= (9, 0) and _grouped_mm_operands_ok(a, b, out_dtype))
+    return grouped_mm_refusal(a.shape, b.shape, a.dtype, b.dtype, out_dtype, a.device) is None
 
 
 def grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype):

@@ -9,6 +9,7 @@ Standalone::
     print(swiglu_alignment(model))         # weights only, no forward pass
 
 In the trainer: :class:`MonitorCallback` (``python -m fp8pass train --monitor-every N``).
+Which precision and kernel each GEMM and collective runs: :func:`precision_audit`, :func:`collective_audit`.
 Format choice per tensor role (E4M3, E5M2 or high precision): :func:`advise` / :func:`format_advice`.
 """
 
@@ -16,6 +17,7 @@ from .advisor import FormatAdvice, advise, format_advice, measure_formats
 
 from .callback import MonitorCallback
 from .outliers import OutlierMonitor, outlier_stats
+from .precision import audit_summary, audit_version, collective_audit, precision_audit
 from .report import Diagnostics, LayerDiagnostics, diagnose, swiglu_alignment
 from .stats import ActivationAccumulator, weight_alignment
 from .swiglu import SwiGLUSite, find_swiglus
@@ -24,4 +26,5 @@ from .telemetry import ScalingTelemetry, check_scaling, scaling_telemetry
 __all__ = ["MonitorCallback", "Diagnostics", "LayerDiagnostics", "diagnose", "swiglu_alignment",
            "ActivationAccumulator", "weight_alignment", "SwiGLUSite", "find_swiglus",
            "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry", "check_scaling",
-           "FormatAdvice", "advise", "format_advice", "measure_formats"]
+           "FormatAdvice", "advise", "format_advice", "measure_formats", "precision_audit", "collective_audit",
+           "audit_version", "audit_summary"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..integrity import CheckpointError, atomic_write
+from ..monitor.precision import audit_summary, audit_version, collective_audit, precision_audit
 from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..precision_file import rules_from_data
 from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
@@ -230,6 +231,20 @@ def _load_scaling_state(model, sd, cfg: TrainConfig):
                                                          cfg.fp8_rules()))
 
 
+def log_precision_audit(model, log, step: int, seen: int) -> int:
+    """Log a ``"precision"`` record when ``model``'s precision audit changed since version ``seen`` (its
+    first compiled steps, a recompile, a precision switch); returns the version logged. Costs an integer
+    comparison per step otherwise (the records are made at compile time, fp8pass/precision_audit.py)."""
+    version = audit_version(model)
+    if version == seen:
+        return seen
+    gemms = precision_audit(model)
+    log({"kind": "precision", "step": step, "summary": audit_summary(gemms),
+         "fallbacks": sum(r.fallback is not None for r in gemms), "gemms": [r.as_dict() for r in gemms],
+         "collectives": [r.as_dict() for r in collective_audit(model)]})
+    return version
+
+
 @torch.no_grad()
 def evaluate(fwd, data: TextData, cfg: TrainConfig) -> float:
     """Mean loss over ``eval_batches`` fixed validation batches (the same ones at every evaluation)."""
@@ -356,6 +371,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
                         data_fingerprint=data.fingerprint,
                         loss_scaler_state=None if scaler is None else scaler.state_dict(), grad_skips=grad_skips)
     telemetry_warned: set[str] = set()
+    audit_seen = 0  # the precision audit's version last logged (log_precision_audit)
     guard = contextlib.ExitStack()
     if recipe.fp8 or cfg.compile_bf16:
         # Past Dynamo's recompile limit a frame silently runs eagerly: an fp8 run would go on in bf16.
@@ -418,6 +434,8 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
                 warn_once(tele, telemetry_warned)
             log({"kind": "train", "step": step + 1, "loss": lv, "lr": lr, "grad_norm": gnorm.item(),
                  "tokens_per_s": tok_s, "step_time_s": dt, **fp8_counts, **scale_info})
+            if fp8_on:
+                audit_seen = log_precision_audit(model, log, step + 1, audit_seen)
             if bar is not None:
                 if first_compiled_step:
                     bar.restart_eta(step + 1)
