@@ -255,7 +255,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     y, chan_err, _ = torch.ops.fp8pass.nvfp4_linear(
         x, weight, bias, args, recipe.weight_2d, recipe.rht, recipe.rht_seed, recipe.grad_stochastic_rounding,
         True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
-        False if hcp is None else hcp.backward)
+        False if hcp is None else hcp.backward, None)  # no stream: torch's generator (docs/backend.md)
     if hcp is not None:
         hcp_state.update(chan_err)
     return y

@@ -113,7 +113,7 @@ def nvfp4_linear_op(
     hcp_second_order: bool,
     hcp_mode: str,
     hcp_backward: bool,
-    sr_stream: torch.Tensor | None = None,
+    sr_stream: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(y, chan_err, hot)``: with ``hcp_state``, ``chan_err`` is the forward GEMM's error
     per input channel from both operands (``[in]`` fp32, :func:`fp8pass.runtime.hcp.channel_error`)
@@ -148,7 +148,7 @@ def nvfp4_linear_op(
 
 @nvfp4_linear_op.register_fake
 def _(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, hcp_mode, hcp_backward,
-      sr_stream=None):
+      sr_stream):
     _check(x, weight, bias, hcp_state, hcp_mode)
     n = weight.shape[1] if hcp_state else 0
     n_hot = hcp_state[1].numel() if hcp_state else 0
@@ -173,7 +173,7 @@ def nvfp4_linear_backward_op(
     rht_seed: int,
     grad_sr: bool,
     hcp_second_order: bool,
-    sr_seed: torch.Tensor | None = None,
+    sr_seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dW, db_fp32)`` of ``y = x W^T + b`` (see the module doc); ``hot``: input channels whose
     gradient columns are patched (empty: plain NVFP4 gradients); ``sr_seed``: the two stochastic
@@ -207,19 +207,19 @@ def nvfp4_linear_backward_op(
 
 
 @nvfp4_linear_backward_op.register_fake
-def _(dy, x, weight, hot, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, sr_seed=None):
+def _(dy, x, weight, hot, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, sr_seed):
     return (torch.empty_like(x), torch.empty_like(weight),
             dy.new_empty(weight.shape[0], dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, _, hcp_backward = inputs[:11]
+    x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, _, hcp_backward, sr_stream = inputs
     hot = output[2] if hcp_backward else output[2][:0]
     ctx.save_for_backward(x, weight, hot)
     ctx.n_hcp = len(hcp_state)
     ctx.b_dtype = None if bias is None else bias.dtype
     ctx.args = (weight_2d, rht, rht_seed, grad_sr, second_order)
-    ctx.sr_stream = inputs[11] if len(inputs) > 11 else None
+    ctx.sr_stream = sr_stream
 
 
 def _backward(ctx, dy, _chan_err_grad, _hot_grad):
