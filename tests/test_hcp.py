@@ -208,7 +208,7 @@ def test_opcheck_with_hcp_in_backward():
     x, w = _data(t=16, k=64, n=16)
     st = HCPState(HotChannelPatching(fraction=0.25), 64)
     torch.library.opcheck(OP, (x.requires_grad_(), w.requires_grad_(), None, st.op_args(), True, True, 0, False,
-                               True, "concat", True),
+                               True, "concat", True, None),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -175,3 +175,6 @@ def test_opcheck():
     x, w, _ = _data(t=16, k=32, n=16)
     torch.library.opcheck(OP, (x.requires_grad_(), w.requires_grad_(), None, [], True, True, 0, False, True,
                                "split", False, None), test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    # with stochastic gradients drawn from a stream (the forward only reads it; the backward draws)
+    torch.library.opcheck(OP, (x, w, None, [], True, True, 0, True, True, "split", False, torch.tensor([3, 0])),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
