@@ -5,6 +5,11 @@ Usable without the compile backend. ``recipe=None`` means current per-tensor sca
 ``CurrentScaling(granularity=...)`` selects per-row or block scales; ``DelayedScaling(...)`` scales
 from amax histories kept per weight (see :func:`fp8pass.runtime.state_for`) or in the ``state`` you
 pass. The ops they call are documented in :mod:`fp8pass.runtime`.
+
+Stochastic gradient rounding (``grad_rounding="stochastic"``, NVFP4's ``grad_stochastic_rounding``)
+here draws its seeds from torch's global generator (``torch.manual_seed`` reproduces them); a compiled
+model draws from per-weight streams instead (docs/backend.md, Stochastic rounding streams), as does a
+``torch.ops.fp8pass.*`` op given ``sr_stream``.
 """
 
 from __future__ import annotations
