@@ -377,9 +377,9 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
         _load_hcp(model, state_dict, cfg.recipe, strict)
     elif not isinstance(cfg.recipe, DelayedScaling):
         if state_dict:
-            raise ValueError("load_scaling_state_dict: the config uses CurrentScaling, which keeps no "
-                             "state but the streams; pass the Config with the DelayedScaling recipe the state "
-                             "was saved under")
+            raise ValueError("load_scaling_state_dict: the config uses CurrentScaling, which keeps no scaling "
+                             "state besides the stochastic-rounding streams; pass the Config with the DelayedScaling "
+                             f"recipe the state was saved under (keys: {sorted(state_dict)[:3]})")
     else:
         _load_delayed_states(model, state_dict, cfg, strict)
     for p, t, key in streams:  # last: a bad entry above left everything as it was

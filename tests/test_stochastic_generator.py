@@ -440,6 +440,11 @@ def test_scaling_state_dict_carries_streams_beside_delayed_state_and_load_checks
     with pytest.raises(KeyError, match=r"unexpected keys.*nope\.weight\.sr\.stream"):
         fp8pass.load_scaling_state_dict(run.model, dict(sd, **{"nope.weight.sr.stream": torch.tensor([1, 0])}),
                                         config=_cfg(3, fp8pass.DelayedScaling()))
+    rewound = dict(sd, **{"up.weight.sr.stream": torch.tensor([int(before[0]), 0])})
+    with pytest.raises(ValueError, match=r"CurrentScaling, which keeps no scaling state besides the stochastic-"
+                                         r"rounding streams.*down\.weight\.grad_output"):
+        fp8pass.load_scaling_state_dict(run.model, rewound, config=_cfg(3))
+    assert torch.equal(stream, before)  # the streams load last: nothing was loaded
     fp8pass.load_scaling_state_dict(run.model, without, config=_cfg(3, fp8pass.DelayedScaling()), strict=False)
     # the streams are in the file the trainer validates too
     fp8pass.scaling_checks.check_scaling_state_dict(sd, {n: p.shape for n, p in run.model.named_parameters()},
