@@ -527,3 +527,41 @@ def test_the_torch_familys_seeded_cast_is_the_cpu_modules_one():
         want, _ = cpu.cast_stochastic(x, scale, fmt, seed=seed)
         got, _ = torch_family.cast_scaled(x, scale, fmt, "stochastic", seed=seed)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+class GLU(nn.Module):
+    """A SwiGLU MLP: ``swiglu_down`` once compiled (its row/block gradient cast takes the down weight's seed)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.gate, self.up = nn.Linear(D, H, bias=False), nn.Linear(D, H, bias=False)
+        self.down = nn.Linear(H, D, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("kind", ["row", "block"])
+def test_glus_of_other_granularities_trained_interleaved_reproduce_their_solo_run(kind):
+    def run(init, seed, data):
+        return Run(0, _kind_cfg(seed, kind), data_seed=data, model=GLU(init))
+
+    torch._dynamo.reset()
+    report = fp8pass.explain(GLU(0), torch.randn(16, D), config=_kind_cfg(11, kind))
+    assert len(report.swiglus) == 1  # the GLU is rewritten as one (swiglu_down), not three linears
+    alone = run(0, 11, 100)
+    for _ in range(2):
+        alone.step()
+    torch._dynamo.reset()
+    torch.manual_seed(1234)
+    a, b = run(0, 11, 100), run(1, 22, 200)
+    for _ in range(2):
+        b.step()
+        a.step()
+        torch.randn(7)
+    assert all(_same(ga, gb) for ga, gb in zip(alone.grads, a.grads))
+    assert [int(sr._REGISTRY[p].stream[1]) for p in a.model.parameters()] == [2, 2, 2]
