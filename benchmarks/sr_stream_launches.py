@@ -1,5 +1,5 @@
-"""Launches and host syncs of one ``fp8_linear`` (and one MoE ``fp8_grouped_linear`` / ``fp8_grouped_swiglu_down``)
-forward + backward with stochastic gradient rounding on the
+"""Launches and host syncs of one ``fp8_linear`` (per tensor, row, block, MX), one ``nvfp4_linear`` and one MoE
+``fp8_grouped_linear`` / ``fp8_grouped_swiglu_down`` forward + backward with stochastic gradient rounding on the
 CUDA code path (counted on CPU under Triton's interpreter, ``benchmarks/gpu_launches.py``'s counter): the
 seed drawn from torch's generator (``sr_stream=None``) vs from a stochastic-rounding stream
 (``fp8pass.runtime.sr``). Results: docs/results/sr_streams.md.
@@ -68,8 +68,9 @@ def main() -> None:
     x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(96, 64, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(64, 96, dtype=torch.bfloat16)
-    knobs = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "stochastic", 0.0, 1, "max", None, True)
-    for recipe in ("current", "delayed"):
+    for recipe in ("current", "delayed", "row", "block", "mx"):
+        gran = recipe if recipe in ("row", "block", "mx") else "tensor"
+        knobs = LinearKnobs("e4m3", "e5m2", gran, 32, False, "stochastic", 0.0, 1, "max", None, True)
         state = LinearScalingState(fp8pass.DelayedScaling()) if recipe == "delayed" else None
         lists = state.op_args() if state is not None else ([], [], [])
         for source, make in SOURCES:
@@ -83,6 +84,15 @@ def main() -> None:
                 out[0].backward(dy)
 
             report(recipe, source, step)
+    for source, make in SOURCES:  # NVFP4 (RHT, 2-D weight blocks): dgrad's and wgrad's dy casts
+        stream = make()
+
+        def nvfp4_step():
+            x.grad = w.grad = None
+            torch.ops.fp8pass.nvfp4_linear(x, w, None, [], True, True, 0, True, True, "split", False,
+                                           stream)[0].backward(dy)
+
+        report("nvfp4", source, nvfp4_step)
     grouped_cases()
 
 if __name__ == "__main__":

@@ -350,8 +350,9 @@ class Config:
         dim_multiple: FP8 GEMMs need both feature dims divisible by this (16 for ``_scaled_mm``);
             other linears stay high precision. 1 disables the check.
         grad_stochastic_rounding: round gradients (E5M2) stochastically instead of to nearest even.
-        sr_seed: seed of the model's stochastic-rounding streams (an int in [0, 2**63)): each FP8 weight
-            whose gradient is cast per tensor draws its rounding bits from a stream of its own, kept
+        sr_seed: seed of the model's stochastic-rounding streams (an int in [0, 2**63)): each FP8 or NVFP4
+            weight whose gradient is cast stochastically (any granularity; MoE expert stacks: one per
+            stack) draws its rounding bits from a stream of its own, kept
             in the scaling state (``model.state_dict()``, checkpoints), keyed by this seed and the order
             in which the model's graphs first use the weight; a model with the same seed and config
             rounds the same way whatever else the process trains (docs/backend.md, Stochastic

@@ -5,6 +5,11 @@ Usable without the compile backend. ``recipe=None`` means current per-tensor sca
 ``CurrentScaling(granularity=...)`` selects per-row or block scales; ``DelayedScaling(...)`` scales
 from amax histories kept per weight (see :func:`fp8pass.runtime.state_for`) or in the ``state`` you
 pass. The ops they call are documented in :mod:`fp8pass.runtime`.
+
+Stochastic gradient rounding (``grad_rounding="stochastic"``, NVFP4's ``grad_stochastic_rounding``)
+here draws its seeds from torch's global generator (``torch.manual_seed`` reproduces them); a compiled
+model draws from per-weight streams instead (docs/backend.md, Stochastic rounding streams), as does a
+``torch.ops.fp8pass.*`` op given ``sr_stream``.
 """
 
 from __future__ import annotations
@@ -255,7 +260,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     y, chan_err, _ = torch.ops.fp8pass.nvfp4_linear(
         x, weight, bias, args, recipe.weight_2d, recipe.rht, recipe.rht_seed, recipe.grad_stochastic_rounding,
         True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
-        False if hcp is None else hcp.backward)
+        False if hcp is None else hcp.backward, None)  # no stream: torch's generator (docs/backend.md)
     if hcp is not None:
         hcp_state.update(chan_err)
     return y

@@ -195,8 +195,9 @@ def check_scaling_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Map
     """Validate a :func:`fp8pass.scaling_state_dict` for a model with parameter ``shapes``.
 
     Args:
-        state_dict: ``"<param>.<role>.<field>"`` (delayed scaling) and ``"<param>.hcp.<field>"``
-            (NVFP4 hot-channel patching) entries.
+        state_dict: ``"<param>.<role>.<field>"`` (delayed scaling), ``"<param>.hcp.<field>"``
+            (NVFP4 hot-channel patching) and ``"<param>.sr.stream"`` (stochastic-rounding streams,
+            any recipe: :func:`check_sr_stream`) entries.
         shapes: the model's parameter shapes by FQN.
         history_len: the recipe's history length (default: consistent within each weight).
         kinds: the kinds of state the recipe keeps; entries of another kind are rejected.
@@ -211,6 +212,8 @@ def check_scaling_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Map
         parts = key.rsplit(".", 2)
         if "hcp" in kinds and len(parts) == 3 and parts[1] == "hcp" and parts[2] in HCP_FIELDS and parts[0] in shapes:
             hcp.setdefault(parts[0], {})[f"hcp.{parts[2]}"] = v
+        elif len(parts) == 3 and parts[1:] == ["sr", "stream"] and parts[0] in shapes:
+            check_sr_stream(v, key)
         else:
             rest[key] = v
     grouped, unknown = _group_flat(rest, shapes) if "delayed" in kinds else ({}, sorted(rest))

@@ -14,7 +14,8 @@ travels two ways:
   hooks when it first compiles a weight; :func:`attach` registers them on a model that has not been
   compiled yet, so ``load_state_dict`` (``strict=True`` too) restores the state before the first step.
 * **on its own**: :func:`scaling_state_dict` gives the same tensors (cloned) keyed
-  ``"<param FQN>.<role>.<field>"``; :func:`load_scaling_state_dict` loads them.
+  ``"<param FQN>.<role>.<field>"``, ``"<param FQN>.hcp.<field>"`` and ``"<param FQN>.sr.stream"``;
+  :func:`load_scaling_state_dict` loads them.
 
 A model must have the hooks before it loads such a checkpoint (:func:`attach`;
 :func:`fp8pass.load_checkpoint_state` and the Trainer integration call it): without them
@@ -316,7 +317,35 @@ def scaling_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if hcp is not None:  # NVFP4 hot-channel patching: "<param>.hcp.<field>"
             for k, v in hcp.state_dict().items():
                 out[f"{name}.{k}"] = v
+        sr = _SR_REGISTRY.get(p)
+        if sr is not None:  # the stochastic-rounding stream, whatever the recipe: "<param>.sr.stream"
+            for k, v in sr.state_dict().items():
+                out[f"{name}.{k}"] = v
     return out
+
+
+_SR_SUFFIX = ".sr.stream"
+
+
+def _split_streams(model, state_dict, strict: bool) -> tuple[dict, list]:
+    """``state_dict`` less its ``"<param>.sr.stream"`` entries, and those as ``[(param, tensor, key)]``,
+    each validated (``check_sr_stream``); with ``strict``, a stream key naming no parameter and a
+    weight whose stream this model has but ``state_dict`` lacks raise KeyError."""
+    params = dict(model.named_parameters())
+    rest, streams, unknown = {}, [], []
+    for key, v in state_dict.items():
+        if not key.endswith(_SR_SUFFIX):
+            rest[key] = v
+        elif key[:-len(_SR_SUFFIX)] in params:
+            check_sr_stream(v, key)
+            streams.append((params[key[:-len(_SR_SUFFIX)]], v, key))
+        else:
+            unknown.append(key)
+    named = {key[:-len(_SR_SUFFIX)] for _, _, key in streams}
+    missing = sorted(n for n, p in params.items() if n not in named and _SR_REGISTRY.get(p) is not None)
+    if strict and (unknown or missing):
+        raise KeyError(_key_report(unknown, missing, "weights with a stochastic-rounding stream in this model"))
+    return rest, streams
 
 
 def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
@@ -324,6 +353,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
     """Load a :func:`scaling_state_dict` into ``model``'s weights (copies into live state tensors).
 
     Every entry is validated first (see :func:`check_delayed_state`); nothing is loaded when one fails.
+    The stochastic-rounding streams (``"<param>.sr.stream"``) load under any recipe.
 
     Args:
         model: the model (compiled or not; a compiled model's graphs see the loaded values at once).
@@ -342,14 +372,22 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
     """
     model = _unwrap(model)
     cfg = config or Config()
+    state_dict, streams = _split_streams(model, state_dict, strict)
     if isinstance(cfg.recipe, NVFP4Scaling):
         _load_hcp(model, state_dict, cfg.recipe, strict)
-        return
-    if not isinstance(cfg.recipe, DelayedScaling):
+    elif not isinstance(cfg.recipe, DelayedScaling):
         if state_dict:
-            raise ValueError("load_scaling_state_dict: the config uses CurrentScaling, which keeps no "
-                             "state; pass the Config with the DelayedScaling recipe the state was saved under")
-        return
+            raise ValueError("load_scaling_state_dict: the config uses CurrentScaling, which keeps no scaling "
+                             "state besides the stochastic-rounding streams; pass the Config with the DelayedScaling "
+                             f"recipe the state was saved under (keys: {sorted(state_dict)[:3]})")
+    else:
+        _load_delayed_states(model, state_dict, cfg, strict)
+    for p, t, key in streams:  # last: a bad entry above left everything as it was
+        _load_sr_one(p, t, key)
+
+
+def _load_delayed_states(model, state_dict, cfg: Config, strict: bool) -> None:
+    """The delayed-scaling half of :func:`load_scaling_state_dict`."""
     params = dict(model.named_parameters())
     grouped, unknown = _group_flat(state_dict, params)
     missing = sorted(n for n, p in params.items() if n not in grouped and _delayed_state(p) is not None)

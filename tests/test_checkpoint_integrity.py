@@ -714,8 +714,43 @@ def test_dcp_save_refuses_a_folder_holding_a_symlink(tmp_path):
         fp8pass.distributed.save_checkpoint(path, model, opt)
     assert victim.read_text() == "precious"
     (path / "__0_0.distcp").unlink()
+    (path / ".metadata").symlink_to(victim)  # the metadata's name too
+    with pytest.raises(CheckpointError, match=r"folder holding symbolic links .*\.metadata"):
+        fp8pass.distributed.save_checkpoint(path, model, opt)
+    assert victim.read_text() == "precious"
+    (path / ".metadata").unlink()
     fp8pass.distributed.save_checkpoint(path, model, opt)  # the control: without the link it saves
     _load_into_fresh(path)
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata.tmp", ".metadata"])
+def test_dcp_save_writes_through_no_link_planted_after_its_folder_check(tmp_path, monkeypatch, name):
+    """The race the folder check leaves (a link planted between the check and DCP's writes): the writer
+    creates its files with O_NOFOLLOW, so the save fails naming the file and the link's target is
+    untouched; a link at ``.metadata`` is replaced by the rename, not followed."""
+    import fp8pass.distributed.checkpoint as dck
+
+    model, opt = _trained_tiny()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    real_check = dck._refuse_links
+
+    def check_then_plant(folder):
+        real_check(folder)  # the folder is clean when checked ...
+        (folder / name).symlink_to(victim)  # ... and the attacker is faster than DCP
+
+    monkeypatch.setattr(dck, "_refuse_links", check_then_plant)
+    if name == ".metadata":
+        fp8pass.distributed.save_checkpoint(path, model, opt)
+        assert not (path / ".metadata").is_symlink()
+        _load_into_fresh(path)
+    else:
+        with pytest.raises(CheckpointError, match=rf"{re.escape(name)} is a symbolic link \(planted after the save "
+                                                  r"checked the folder\?\); refusing to write through it"):
+            fp8pass.distributed.save_checkpoint(path, model, opt)
+    assert victim.read_text() == "precious"
 
 
 class _FullDisk:

@@ -21,12 +21,12 @@ def _data(t=32, k=64, n=48, seed=0):
 
 def _run(x, w, fraction, second_order=True, mode="split"):
     st = HCPState(HotChannelPatching(fraction=fraction, second_order=second_order, mode=mode), w.shape[1])
-    y, err, _ = OP(x, w, None, st.op_args(), True, True, 0, True, second_order, mode, True)
+    y, err, _ = OP(x, w, None, st.op_args(), True, True, 0, True, second_order, mode, True, None)
     return y, err, st
 
 
 def _plain(x, w):
-    return OP(x, w, None, [], True, True, 0, True, True, "split", False)[0]
+    return OP(x, w, None, [], True, True, 0, True, True, "split", False, None)[0]
 
 
 def _residuals(x, w):
@@ -208,7 +208,7 @@ def test_opcheck_with_hcp_in_backward():
     x, w = _data(t=16, k=64, n=16)
     st = HCPState(HotChannelPatching(fraction=0.25), 64)
     torch.library.opcheck(OP, (x.requires_grad_(), w.requires_grad_(), None, st.op_args(), True, True, 0, False,
-                               True, "concat", True),
+                               True, "concat", True, None),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -221,6 +221,6 @@ def test_bad_config_and_state():
         HotChannelPatching(update_interval=0)
     x, w = _data()
     with pytest.raises(ValueError, match="channels"):
-        OP(x, w, None, HCPState(HotChannelPatching(), 32).op_args(), True, True, 0, True, True, "split", True)
+        OP(x, w, None, HCPState(HotChannelPatching(), 32).op_args(), True, True, 0, True, True, "split", True, None)
     with pytest.raises(ValueError, match="hcp_state"):
         fp8pass.ops.nvfp4_linear(x, w, hcp_state=HCPState(HotChannelPatching(), 64))

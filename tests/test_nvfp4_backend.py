@@ -105,7 +105,9 @@ def test_hcp_state_saved_with_the_model_state():
     torch._dynamo.reset()
     torch.compile(model, backend=fp8pass.backend(_cfg(hcp=hcp, keep_last_blocks=0)))(_tokens())
     sd = fp8pass.scaling_state_dict(model)
-    assert len(sd) == 3 * 10 and "layers.0.attention.wq.weight.hcp.hot" in sd and sd["layers.0.attention.wq.weight.hcp.step"] == 1
+    # 10 NVFP4 weights: HCP state (3 tensors) and a stochastic-rounding stream (stochastic gradients) each
+    assert len(sd) == 4 * 10 and "layers.0.attention.wq.weight.hcp.hot" in sd and sd["layers.0.attention.wq.weight.hcp.step"] == 1
+    assert sum(k.endswith(".sr.stream") for k in sd) == 10
     fresh = tiny_titan_llama(n_layers=2)
     fp8pass.load_scaling_state_dict(fresh, sd, config=_cfg(hcp=hcp, keep_last_blocks=0))
     st = hcp_state_for(fresh.layers["0"].attention.wq.weight, hcp)

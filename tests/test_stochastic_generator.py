@@ -193,15 +193,21 @@ def test_a_bad_saved_stream_is_refused_naming_its_key(stream, match):
 
 def test_the_stream_seed_is_the_same_hash_on_both_kernel_paths(monkeypatch):
     """``sr_draw_``: torch ops on the CPU family, one Triton launch on the CUDA path; the same seeds."""
-    cases = torch.tensor([[0, 0], [2**31 - 1, 5], [123456789, 2**40 + 7], [42, 2**62 - 1]])
-    seeds = {}
+    cases = torch.tensor([[0, 0], [2**31 - 1, 5], [123456789, 2**40 + 7], [42, 2**62 - 3]])
+    seeds, pairs = {}, {}
     for family in ("torch", "triton"):
         monkeypatch.setenv("FP8PASS_KERNELS", family)
         streams = cases.clone()
         seeds[family] = [int(torch.ops.fp8pass.sr_draw_(s)) for s in streams]
         assert torch.equal(streams[:, 1], cases[:, 1] + 1)  # each advanced by one draw
+        pairs[family] = [torch.ops.fp8pass.sr_draw_(s, 2).tolist() for s in streams]  # two draws, one launch
+        assert torch.equal(streams[:, 1], cases[:, 1] + 3)
     assert seeds["torch"] == seeds["triton"]
     assert len(set(seeds["torch"])) == 4 and all(0 <= s < 2**31 for s in seeds["torch"])
+    assert pairs["torch"] == pairs["triton"]
+    # draws 1 and 2 of each stream: what two single draws would have given
+    single = [sr.mix_seed(c[:1], c[1:] + torch.tensor([1, 2])).tolist() for c in cases]
+    assert pairs["torch"] == single
 
 
 def test_stream_keys_differ_per_ordinal_and_seed():
@@ -311,3 +317,251 @@ def test_row_casts_take_a_streams_seed_on_both_kernel_modules(name):
     assert torch.equal(cuda.cast_rows(x, rs, fmt, "stochastic", seed=seed).view(torch.uint8), want)
     other = cpu.cast_rows(x, rs, fmt, "stochastic", seed=seed + 1)
     assert not torch.equal(other.view(torch.uint8), want)
+
+
+# ---- row, block and MX granularity, and NVFP4: every stochastic gradient cast draws from the stream ----
+
+KINDS = ("row", "block", "mx", "nvfp4")
+DRAWS = {"row": 1, "block": 1, "mx": 2, "nvfp4": 2}  # seeds per backward: MX and NVFP4 cast dy twice
+
+
+def _kind_cfg(seed, kind: str) -> fp8pass.Config:
+    if kind == "nvfp4":
+        return _cfg(seed, fp8pass.NVFP4Scaling())  # RHT, 2-D weight blocks, stochastic gradients
+    return _cfg(seed, fp8pass.CurrentScaling(granularity=kind, block=32 if kind == "mx" else 16))
+
+
+@pytest.mark.parametrize("family,kind", [("torch", k) for k in KINDS] + [("triton", "row")] + [
+    pytest.param("triton", k, marks=pytest.mark.slow) for k in ("block", "mx", "nvfp4")])  # 10-25 s each
+def test_other_granularities_and_nvfp4_trained_interleaved_reproduce_their_solo_run(monkeypatch, family, kind):
+    monkeypatch.setenv("FP8PASS_KERNELS", family)
+    torch._dynamo.reset()
+    alone = Run(0, _kind_cfg(11, kind), data_seed=100)
+    for _ in range(2):
+        alone.step()
+    torch._dynamo.reset()
+    torch.manual_seed(1234)  # the global generator is in another state: it must not matter
+    a, b = Run(0, _kind_cfg(11, kind), data_seed=100), Run(1, _kind_cfg(22, kind), data_seed=200)
+    for _ in range(2):
+        b.step()
+        a.step()
+        torch.randn(7)
+    assert all(_same(ga, gb) for ga, gb in zip(alone.grads, a.grads))
+    assert _same(alone.weights(), a.weights())
+    # every backward drew its seeds from each weight's stream: 1 (row, block) or 2 (MX, NVFP4) per step
+    assert [int(sr._REGISTRY[p].stream[1]) for p in a.model.parameters()] == [2 * DRAWS[kind]] * 2
+    torch._dynamo.reset()
+    other = Run(0, _kind_cfg(12, kind), data_seed=100)
+    other.step()
+    assert not _same(other.grads[0], alone.grads[0])  # another sr_seed, other rounding bits
+
+
+@pytest.mark.parametrize("kind", ["mx", "nvfp4"])
+def test_other_granularities_and_nvfp4_trained_in_two_threads_reproduce_their_solo_run(kind):
+    import threading
+
+    torch._dynamo.reset()
+    solo = {}
+    for init, seed, data in ((0, 11, 100), (1, 22, 200)):
+        r = Run(init, _kind_cfg(seed, kind), data_seed=data)
+        for _ in range(2):
+            r.step()
+        solo[seed] = r
+    torch._dynamo.reset()
+    runs = {seed: Run(init, _kind_cfg(seed, kind), data_seed=data) for init, seed, data in ((0, 11, 100), (1, 22, 200))}
+    errors = []
+
+    def train(r):
+        try:
+            for _ in range(2):
+                r.step()
+        except Exception as e:  # reported below: a thread's exception does not fail the test by itself
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(r,)) for r in runs.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for seed, r in runs.items():
+        assert all(_same(ga, gb) for ga, gb in zip(solo[seed].grads, r.grads))
+        assert _same(solo[seed].weights(), r.weights())
+
+
+@pytest.mark.parametrize("kind", ["row", "mx", "nvfp4"])
+@pytest.mark.parametrize("via", ["state_dict", "scaling_state_dict"])
+def test_other_granularities_and_nvfp4_resume_the_same_streams(kind, via):
+    """A model resumed from its state (``model.state_dict()`` or ``fp8pass.scaling_state_dict`` + the
+    weights) draws the bits the uninterrupted run drew."""
+    torch._dynamo.reset()
+    full = Run(0, _kind_cfg(7, kind), data_seed=9)
+    full.step()
+    weights = {k: v.clone() for k, v in full.model.state_dict().items() if ".fp8_" not in k}
+    saved = ({k: v.clone() for k, v in full.model.state_dict().items()} if via == "state_dict"
+             else fp8pass.scaling_state_dict(full.model))
+    data_state = full.data.get_state()
+    full.step()
+
+    torch._dynamo.reset()
+    model = MLP(5)
+    if via == "state_dict":
+        attach(model, _kind_cfg(7, kind))
+        model.load_state_dict(saved)
+    else:
+        assert sorted(saved) == ["down.weight.sr.stream", "up.weight.sr.stream"]
+        model.load_state_dict(weights)
+        fp8pass.load_scaling_state_dict(model, saved, config=_kind_cfg(7, kind))
+    assert [int(sr._REGISTRY[p].stream[1]) for p in model.parameters()] == [DRAWS[kind]] * 2
+    resumed = Run(0, _kind_cfg(7, kind), data_seed=0, model=model)
+    resumed.data.set_state(data_state)
+    resumed.step()
+    assert _same(full.grads[1], resumed.grads[0])
+    assert _same(full.weights(), resumed.weights())
+
+
+def test_scaling_state_dict_carries_streams_beside_delayed_state_and_load_checks_them():
+    torch._dynamo.reset()
+    run = Run(0, _cfg(3, fp8pass.DelayedScaling()), data_seed=1)
+    run.step()
+    sd = fp8pass.scaling_state_dict(run.model)
+    assert sorted(k for k in sd if k.endswith(".sr.stream")) == ["down.weight.sr.stream", "up.weight.sr.stream"]
+    assert any(k.endswith(".grad_output.scale") for k in sd)
+    stream = sr._REGISTRY[run.model.up.weight].stream
+    assert torch.equal(sd["up.weight.sr.stream"], stream) and sd["up.weight.sr.stream"] is not stream  # a copy
+    before = stream.clone()
+    bad = dict(sd, **{"up.weight.sr.stream": torch.tensor([5, -1])})
+    with pytest.raises(fp8pass.integrity.CheckpointError, match=r"up\.weight\.sr\.stream: a draw count"):
+        fp8pass.load_scaling_state_dict(run.model, bad, config=_cfg(3, fp8pass.DelayedScaling()))
+    assert torch.equal(stream, before)
+    without = {k: v for k, v in sd.items() if k != "down.weight.sr.stream"}
+    with pytest.raises(KeyError, match=r"missing keys \(weights with a stochastic-rounding stream.*down\.weight"):
+        fp8pass.load_scaling_state_dict(run.model, without, config=_cfg(3, fp8pass.DelayedScaling()))
+    with pytest.raises(KeyError, match=r"unexpected keys.*nope\.weight\.sr\.stream"):
+        fp8pass.load_scaling_state_dict(run.model, dict(sd, **{"nope.weight.sr.stream": torch.tensor([1, 0])}),
+                                        config=_cfg(3, fp8pass.DelayedScaling()))
+    rewound = dict(sd, **{"up.weight.sr.stream": torch.tensor([int(before[0]), 0])})
+    with pytest.raises(ValueError, match=r"CurrentScaling, which keeps no scaling state besides the stochastic-"
+                                         r"rounding streams.*down\.weight\.grad_output"):
+        fp8pass.load_scaling_state_dict(run.model, rewound, config=_cfg(3))
+    assert torch.equal(stream, before)  # the streams load last: nothing was loaded
+    fp8pass.load_scaling_state_dict(run.model, without, config=_cfg(3, fp8pass.DelayedScaling()), strict=False)
+    # the streams are in the file the trainer validates too
+    fp8pass.scaling_checks.check_scaling_state_dict(sd, {n: p.shape for n, p in run.model.named_parameters()},
+                                                    kinds=("delayed",))
+    with pytest.raises(fp8pass.integrity.CheckpointError, match=r"up\.weight\.sr\.stream: a stream key"):
+        fp8pass.scaling_checks.check_scaling_state_dict({"up.weight.sr.stream": torch.tensor([-2, 0])},
+                                                        {"up.weight": (64, 32)}, kinds=())
+
+
+def test_the_public_op_with_a_stream_draws_from_it_at_every_granularity():
+    """``torch.ops.fp8pass.fp8_linear`` given ``sr_stream``: the stream's bits, not torch's generator's."""
+    from fp8pass.runtime.op_schema import LinearKnobs
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 64, generator=g), torch.randn(32, 64, generator=g)
+    dy = torch.randn(16, 32, generator=g)
+    for gran, draws in (("tensor", 1), ("row", 1), ("block", 1), ("mx", 2)):
+        knobs = LinearKnobs("e4m3", "e5m2", gran, 32, False, "stochastic", 0.0, 1, "max", None, True)
+        grads = []
+        for rng in (1, 2):
+            torch.manual_seed(rng)
+            stream = torch.tensor([77, 0])
+            wp = w.clone().requires_grad_()
+            torch.ops.fp8pass.fp8_linear(x, wp, None, [], [], [], stream, *knobs.args())[0].backward(dy)
+            grads.append(wp.grad)
+            assert stream.tolist() == [77, draws], gran
+        assert torch.equal(grads[0], grads[1]), gran
+
+
+@pytest.mark.parametrize("family,case", [("torch", c) for c in ("tensor", "row", "block", "mx", "e2m1")] + [
+    ("triton", c) for c in ("tensor", "mx", "e2m1")])  # Triton: the flat cast, the tile cast, packed tiles
+def test_quantize_with_a_seed(monkeypatch, family, case):
+    """``fp8pass.quantize(seed=)``: the seed's codes whatever torch's generator did, other codes for
+    another seed, unbiased (the mean of many stochastic casts is the value)."""
+    monkeypatch.setenv("FP8PASS_KERNELS", family)
+    fmt = "e2m1" if case == "e2m1" else "e5m2"
+    gran = "block" if case == "e2m1" else case
+    kw = dict(granularity=gran, rounding="stochastic", block=(1, 16) if gran == "block" else None)
+    x = torch.full((16, 64), 1.1) * torch.linspace(0.5, 1.5, 64)  # between grid points, no tile max clipped
+    q = fp8pass.quantize(x, fmt, seed=torch.tensor([5]), **kw)
+    torch.manual_seed(9)
+    assert torch.equal(fp8pass.quantize(x, fmt, seed=torch.tensor([5]), **kw).data.view(torch.uint8),
+                       q.data.view(torch.uint8))
+    assert not torch.equal(fp8pass.quantize(x, fmt, seed=torch.tensor([6]), **kw).data.view(torch.uint8),
+                           q.data.view(torch.uint8))
+    mean = torch.stack([fp8pass.quantize(x, fmt, seed=torch.tensor([s]), **kw).dequantize() for s in range(24)]).mean(0)
+    near = fp8pass.quantize(x, fmt, granularity=gran, block=kw["block"]).dequantize()
+    assert (mean - x).abs().mean() < 0.5 * (near - x).abs().mean()  # unbiased: far closer than nearest rounding
+
+
+def test_quantize_refuses_a_bad_seed():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="generator= or seed=.*not both"):
+        fp8pass.quantize(x, "e5m2", rounding="stochastic", generator=torch.Generator(), seed=torch.tensor([1]))
+    for bad in (3, torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32), torch.tensor(1.0)):
+        with pytest.raises(TypeError, match="seed must be an int64 tensor of one element"):
+            fp8pass.quantize(x, "e5m2", rounding="stochastic", seed=bad)
+    with pytest.raises(ValueError, match="seed is on meta, x on cpu"):
+        fp8pass.quantize(x, "e5m2", rounding="stochastic", seed=torch.tensor([1], device="meta"))
+
+
+def test_a_backward_given_fewer_seeds_than_casts_refuses():
+    with pytest.raises(ValueError, match=r"casts the gradient 2 times and needs 2 stochastic-rounding seeds"):
+        sr.seed_of(torch.tensor([3]), 1)
+    assert sr.seed_of(None, 1) is None
+    with pytest.raises(ValueError, match=r"n must be in \[1, 2\], got 3"):
+        torch.ops.fp8pass.sr_draw_(torch.tensor([1, 0]), 3)
+
+
+def test_the_torch_familys_seeded_cast_is_the_cpu_modules_one():
+    """One counter hash for the CPU's stochastic casts: a seeded per-tensor cast of the torch family
+    (``quantize``, row/block/MX's element cast) gives the CPU module's fused cast's codes."""
+    from fp8pass.kernels import cpu, torch_family
+    from fp8pass.numerics import get_format
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 30
+    seed, scale = torch.tensor([424242]), torch.tensor(3.5)
+    for name in ("e4m3", "e5m2"):
+        fmt = get_format(name)
+        want, _ = cpu.cast_stochastic(x, scale, fmt, seed=seed)
+        got, _ = torch_family.cast_scaled(x, scale, fmt, "stochastic", seed=seed)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+class GLU(nn.Module):
+    """A SwiGLU MLP: ``swiglu_down`` once compiled (its row/block gradient cast takes the down weight's seed)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.gate, self.up = nn.Linear(D, H, bias=False), nn.Linear(D, H, bias=False)
+        self.down = nn.Linear(H, D, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("kind", ["row", "block"])
+def test_glus_of_other_granularities_trained_interleaved_reproduce_their_solo_run(kind):
+    def run(init, seed, data):
+        return Run(0, _kind_cfg(seed, kind), data_seed=data, model=GLU(init))
+
+    torch._dynamo.reset()
+    report = fp8pass.explain(GLU(0), torch.randn(16, D), config=_kind_cfg(11, kind))
+    assert len(report.swiglus) == 1  # the GLU is rewritten as one (swiglu_down), not three linears
+    alone = run(0, 11, 100)
+    for _ in range(2):
+        alone.step()
+    torch._dynamo.reset()
+    torch.manual_seed(1234)
+    a, b = run(0, 11, 100), run(1, 22, 200)
+    for _ in range(2):
+        b.step()
+        a.step()
+        torch.randn(7)
+    assert all(_same(ga, gb) for ga, gb in zip(alone.grads, a.grads))
+    assert [int(sr._REGISTRY[p].stream[1]) for p in a.model.parameters()] == [2, 2, 2]

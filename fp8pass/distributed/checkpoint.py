@@ -29,7 +29,12 @@ Safety and integrity (see docs/distributed.md):
   claiming 2**34 elements is refused, not allocated.
 * DCP's ``FileSystemWriter`` opens its files with a plain ``open``: :func:`save_checkpoint` refuses
   a folder that is, or holds, a symbolic link (a link planted in a shared folder would make the
-  save overwrite the file it points at).
+  save overwrite the file it points at), and its writer creates every file (``__<rank>_<n>.distcp``,
+  ``.metadata.tmp``) with ``O_NOFOLLOW``, so a link planted at one of those names after that check
+  fails the save (:class:`~fp8pass.integrity.CheckpointError` naming the file) instead of being
+  written through; ``.metadata`` itself is renamed into place (a link there is replaced, not
+  followed). Left open: the checkpoint folder itself swapped for a link between the check and
+  the writes (``O_NOFOLLOW`` guards a path's last component only).
 * Every failure of DCP's save or load reaches the caller as a
   :class:`~fp8pass.integrity.CheckpointError` with a one-line cause (DCP raises a
   ``CheckpointException``, a ``BaseException`` that ``except Exception`` does not catch), a lack of
@@ -38,6 +43,8 @@ Safety and integrity (see docs/distributed.md):
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import os
 import pickle
@@ -48,6 +55,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -158,9 +166,36 @@ def _plain(sd):
     return conv(sd)
 
 
+class _NoFollowFileSystem(FileSystem):
+    """DCP's local file system, creating the files it writes with ``O_NOFOLLOW``: a symbolic link at a
+    file's name fails the write (CheckpointError) instead of redirecting it."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CheckpointError(f"{path} is a symbolic link (planted after the save checked the folder?); "
+                                      "refusing to write through it") from None
+            raise
+        with os.fdopen(fd, mode) as stream:
+            yield stream
+
+
 class _ManifestWriter(FileSystemWriter):
-    """``FileSystemWriter`` that writes ``manifest.json`` after ``.metadata`` (coordinator only, once
-    every rank's files are written): the SHA-256 of ``.metadata`` and of every data file."""
+    """``FileSystemWriter`` that creates its files without following links (:class:`_NoFollowFileSystem`)
+    and writes ``manifest.json`` after ``.metadata`` (coordinator only, once every rank's files are
+    written): the SHA-256 of ``.metadata`` and of every data file."""
+
+    def __init__(self, path: str, **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _NoFollowFileSystem()
 
     def finish(self, metadata: Metadata, results) -> None:
         super().finish(metadata, results)

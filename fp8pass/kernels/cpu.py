@@ -36,6 +36,7 @@ import warnings
 
 import torch
 
+from ..numerics.casts import uniform_bits
 from ..numerics.formats import Format
 from . import torch_family
 from .interface import Offers
@@ -221,26 +222,6 @@ def cast_values(x: torch.Tensor, scale: torch.Tensor, fmt: Format, up: torch.dty
     else:  # 1-D, so that no shape ever recompiles
         values, amax = _run_compiled(_compiled_cast_values(*args, x.dtype, up), eager, x.reshape(-1), scale)
     return values.view(x.shape), amax.float()
-
-
-# murmur3's finalizer constants (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35) as int32: int32 products wrap
-# mod 2**32 in eager torch and in Inductor's vectorised loops alike, so both give the same bits.
-_GOLDEN, _MIX1, _MIX2 = -1640531535, -2048144789, -1028477387
-
-
-def uniform_bits(n: int, seed: torch.Tensor, device=None) -> torch.Tensor:
-    """32 uniform random bits (int32) per element ``i < n``: murmur3's finalizer of ``i * golden + seed``.
-
-    Counter-based, so it fuses into a cast loop; torch's generators (mt19937 eager, Philox in Inductor's
-    scalar CPU code) cost 10-25x the cast itself at gradient sizes (measured: 4-12 ms vs 0.4 ms for
-    720K elements). The bits are uniform and uncorrelated enough for unbiased rounding (tested), not
-    for cryptography. Logical right shifts are spelled ``(h >> k) & mask`` because int32 ``>>`` is
-    arithmetic.
-    """
-    h = torch.arange(n, dtype=torch.int32, device=device) * _GOLDEN + seed
-    h = (h ^ ((h >> 16) & 0xFFFF)) * _MIX1
-    h = (h ^ ((h >> 13) & 0x7FFFF)) * _MIX2
-    return h ^ ((h >> 16) & 0xFFFF)
 
 
 def _stochastic_cast_math(x, scale, seed, fmax: float, mbits: int, emin: int, dtype):

@@ -46,8 +46,10 @@ def cast_scaled(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     want_amax: bool = False,
+    seed: torch.Tensor | None = None,
 ):
     """``saturating_cast(x * scale)`` for a scalar scale; optionally also the amax of ``x``.
+    ``seed``: stochastic rounding's bits from this int64 [1] tensor instead of ``generator``.
 
     Returns:
         (data, amax or None). ``x * scale`` is computed in fp32 (fp64 for fp64 inputs).
@@ -56,7 +58,7 @@ def cast_scaled(
     if not fast:
         amax = tensor_amax(x) if want_amax else None
         wide = x if x.dtype == torch.float64 else x.float()
-        return saturating_cast(wide * scale.to(wide.dtype), fmt, rounding, generator), amax
+        return saturating_cast(wide * scale.to(wide.dtype), fmt, rounding, generator, seed), amax
     # Chunked: one read of x, the fp32 staging buffer stays in cache, one write of the codes.
     flat = x.reshape(-1)
     out = torch.empty(flat.shape, dtype=fmt.torch_dtype, device=x.device)
@@ -110,15 +112,17 @@ def cast_groups(
     fmt: Format,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``saturating_cast(x * scale_of_its_tile)`` for per-tile fp32 scales [nr, nc]."""
+    """``saturating_cast(x * scale_of_its_tile)`` for per-tile fp32 scales [nr, nc]; stochastic bits
+    from ``generator`` or ``seed`` (``numerics.casts.encode``), counted over ``x2d``'s elements."""
     rows, cols = x2d.shape
     fast = rounding == "nearest" and fmt.torch_dtype is not None and x2d.dtype != torch.float64
     if not fast:
         wide = x2d if x2d.dtype == torch.float64 else x2d.float()
         t = _tiles(wide, block) * scales.to(wide.dtype)[:, None, :, None]
         t = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])[:rows, :cols]
-        return saturating_cast(t, fmt, rounding, generator)
+        return saturating_cast(t, fmt, rounding, generator, seed)
     # Chunks of whole tile rows, so the fp32 temporary stays in cache; clamp in place, cast once.
     out = torch.empty((rows, cols), dtype=fmt.torch_dtype, device=x2d.device)
     br = block[0]
@@ -206,12 +210,14 @@ def quantize_groups(
     power_of_two: bool = False,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
 ):
-    """Per-tile current scaling (amax -> scale -> cast) or a cast with given per-tile scales.
+    """Per-tile current scaling (amax -> scale -> cast) or a cast with given per-tile scales
+    (``seed``: see :func:`cast_groups`).
 
     Returns:
         (data [rows, cols] codes, fp32 scales [nr, nc]).
     """
     if scales is None:
         scales = scale_from_amax(group_amax(x2d, block), fmt, power_of_two=power_of_two)
-    return cast_groups(x2d, scales, block, fmt, rounding, generator), scales
+    return cast_groups(x2d, scales, block, fmt, rounding, generator, seed), scales

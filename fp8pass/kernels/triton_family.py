@@ -295,7 +295,7 @@ def cast_scaled(x, scale, fmt: Format, rounding="nearest", generator=None, want_
     """Codes of ``x * scale`` (one scale); with ``want_amax``, the amax of x from the same read.
     ``seed``: stochastic rounding's seed (int64 [1] on x's device) instead of a draw from ``generator``."""
     if not _supported(x):
-        return torch_family.cast_scaled(x, scale, fmt, rounding, generator, want_amax)
+        return torch_family.cast_scaled(x, scale, fmt, rounding, generator, want_amax, seed)
     _check_even(x, fmt)
     out, amax = cast_flat(x.contiguous().view(-1), scale, fmt, rounding, generator, want_amax, seed)
     shape = (*x.shape[:-1], x.shape[-1] // 2) if fmt.packed else x.shape
@@ -320,7 +320,8 @@ def _tiles_per_program(tile: tuple[int, int], packed: bool) -> tuple[int, int, i
     return trp, tcp, gr, gc
 
 
-def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, rounding="nearest", generator=None):
+def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, rounding="nearest", generator=None,
+                  seed=None):
     check_interpretable(x2d.device)
     rows, cols = x2d.shape
     nr, nc = -(-rows // tile[0]), -(-cols // tile[1])
@@ -334,7 +335,7 @@ def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, roundin
     trp, tcp, gr, gc = _tiles_per_program(tile, fmt.packed)
     grid = (triton.cdiv(nr, gr), triton.cdiv(nc, gc))
     _quantize_tiles_kernel[grid](
-        x2d, out, scales, amax, _seed_arg(rounding, generator, x2d.device, amax), rows, cols, nr, nc,
+        x2d, out, scales, amax, _seed_arg(rounding, generator, x2d.device, amax, seed), rows, cols, nr, nc,
         TR=tile[0], TC=tile[1], TRP=trp, TCP=tcp, GR=gr, GC=gc, STOCHASTIC=rounding == "stochastic",
         PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=power_of_two,
         NAN_SCALE=fmt.nan_code is None, MODE=mode, **_fmt_args(fmt),
@@ -353,13 +354,15 @@ def group_amax(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return _launch_tiles(x2d, block, E4M3, mode=2)[2]
 
 
-def quantize_groups(x2d, block, fmt: Format, scales=None, power_of_two=False, rounding="nearest", generator=None):
-    """Fused per-tile amax -> scale -> cast, or the cast with given per-tile scales."""
+def quantize_groups(x2d, block, fmt: Format, scales=None, power_of_two=False, rounding="nearest", generator=None,
+                    seed=None):
+    """Fused per-tile amax -> scale -> cast, or the cast with given per-tile scales. ``seed``: stochastic
+    rounding's Philox key (int64 [1] on x's device) instead of a draw from ``generator``."""
     if not _supported(x2d):
-        return torch_family.quantize_groups(x2d, block, fmt, scales, power_of_two, rounding, generator)
+        return torch_family.quantize_groups(x2d, block, fmt, scales, power_of_two, rounding, generator, seed)
     if fmt.packed and block[1] % 2:
         raise ValueError(f"E2M1 tiles need an even column count to pack two codes per byte, got {block}")
     _check_even(x2d, fmt)
     out, scales, _ = _launch_tiles(x2d, block, fmt, 1 if scales is not None else 0, scales, power_of_two,
-                                   rounding, generator)
+                                   rounding, generator, seed)
     return _storage(out, fmt), scales

@@ -353,22 +353,24 @@ def random_seed(generator: torch.Generator | None, device: torch.device) -> torc
 
 
 @triton.jit
-def _stream_seed_kernel(stream_ptr, seed_ptr):
-    """``runtime.sr.mix_seed`` of ``[key, draws]`` into ``seed_ptr``, then ``draws += 1``."""
+def _stream_seed_kernel(stream_ptr, seed_ptr, N: tl.constexpr, NP: tl.constexpr):
+    """``runtime.sr.mix_seed`` of ``[key, draws + j]`` into ``seed_ptr[j]`` for ``j < N``, then
+    ``draws += N`` (NP: N rounded up to a power of two)."""
     key = tl.load(stream_ptr)
     draws = tl.load(stream_ptr + 1)
+    j = tl.arange(0, NP)
     m = tl.full([], 0xFFFFFFFF, tl.int64)
-    h = (key * 0x27D4EB2D + (draws & m) * 0x165667B1 + 0x3C6EF372) & m
+    h = (key * 0x27D4EB2D + ((draws + j) & m) * 0x165667B1 + 0x3C6EF372) & m
     h = (((h >> 16) ^ h) * 0x45D9F3B) & m
     h = (((h >> 16) ^ h) * 0x45D9F3B) & m
-    tl.store(seed_ptr, ((h >> 16) ^ h) & 0x7FFFFFFF)
-    tl.store(stream_ptr + 1, draws + 1)
+    tl.store(seed_ptr + j, ((h >> 16) ^ h) & 0x7FFFFFFF, mask=j < N)
+    tl.store(stream_ptr + 1, draws + N)
 
 
-def stream_seed(stream: torch.Tensor) -> torch.Tensor:
-    """The seed (int64 [1], on the stream's device) of a stochastic-rounding stream's next draw, and the
-    stream advanced: one launch, no host synchronisation (``fp8pass.runtime.sr``)."""
+def stream_seed(stream: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """The seeds (int64 [n], on the stream's device) of a stochastic-rounding stream's next ``n``
+    draws, and the stream advanced: one launch, no host synchronisation (``fp8pass.runtime.sr``)."""
     check_interpretable(stream.device)
-    seed = torch.empty(1, dtype=torch.int64, device=stream.device)
-    _stream_seed_kernel[(1,)](stream, seed)
+    seed = torch.empty(n, dtype=torch.int64, device=stream.device)
+    _stream_seed_kernel[(1,)](stream, seed, N=n, NP=triton.next_power_of_2(n))
     return seed

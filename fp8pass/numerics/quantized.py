@@ -155,6 +155,7 @@ def quantize(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     power_of_two: bool = False,
+    seed: torch.Tensor | None = None,
 ) -> Quantized:
     """Quantize ``x`` to ``fmt`` with saturating round-to-nearest-even or stochastic rounding.
 
@@ -171,9 +172,15 @@ def quantize(
         generator: torch.Generator for stochastic rounding.
         power_of_two: round computed scales down to a power of two, ``2**floor(log2(max / amax))``
             (MX scales are powers of two anyway).
+        seed: instead of ``generator``, stochastic rounding's bits keyed by this int64 ``[1]`` tensor on
+            ``x``'s device (a model's stream draw, ``fp8pass.runtime.sr``): counter-based, no
+            generator and no host read; the same seed gives the same codes (Philox keyed by it on the
+            Triton kernels, ``numerics.casts.uniform_bits`` of its low 32 bits on the torch family:
+            the two families' bits differ). Ignored by round-to-nearest.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    _check_seed(seed, generator, x)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize expects a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
     fmt = get_format(fmt)
@@ -184,7 +191,7 @@ def quantize(
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
     if granularity == "mx":
-        return _quantize_mx(x, fmt, scale, block, rounding, generator)
+        return _quantize_mx(x, fmt, scale, block, rounding, generator, seed)
     if fmt.packed and (x.dim() == 0 or x.shape[-1] % 2 or (granularity == "block" and normalize_block(block, fmt)[1] % 2)):
         raise ValueError(
             f"E2M1 packs two codes per byte along the last dim, so it and the block width must be even; "
@@ -201,7 +208,7 @@ def quantize(
         elif scale.numel() != 1:
             raise ValueError(f"a 'tensor' scale must have one element, got shape {tuple(scale.shape)}")
         scale = scale.reshape(())
-        data, _ = kernels.cast_scaled(x, scale, fmt, rounding, generator)
+        data, _ = kernels.cast_scaled(x, scale, fmt, rounding, generator, seed=seed)
         return Quantized(_shape_data(data, x.shape, fmt), scale, fmt, "tensor", None, x.shape, x.dtype)
 
     x2d = x.reshape(rows, cols)
@@ -213,10 +220,10 @@ def quantize(
                 raise ValueError(f"a 'row' scale needs {rows} elements (one per row), got shape {tuple(scale.shape)}")
             given = scale.reshape(rows, 1)
         if cols == 0:  # rows of no elements: empty codes, each row's scale 1 (or the given one)
-            data, _ = kernels.cast_scaled(x, torch.ones((), device=x.device), fmt, rounding, generator)
+            data, _ = kernels.cast_scaled(x, torch.ones((), device=x.device), fmt, rounding, generator, seed=seed)
             scales = given if given is not None else torch.ones(rows, 1, dtype=torch.float32, device=x.device)
         else:
-            data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator)
+            data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator, seed)
         out_scale = scales.reshape(*x.shape[:-1], 1) if x.dim() >= 1 else scales.reshape(())
         return Quantized(_shape_data(data, x.shape, fmt), out_scale, fmt, "row", None, x.shape, x.dtype)
 
@@ -235,15 +242,28 @@ def quantize(
         # stochastic rounding rounds the block scale up: a clipped block max would bias it
         d_q, enc = torch_family.nvfp4_block_scales(kernels.group_amax(x2d, tile), g, fmt,
                                                    round_up=rounding == "stochastic")
-        data, _ = kernels.quantize_groups(x2d, tile, fmt, enc, False, rounding, generator)
+        data, _ = kernels.quantize_groups(x2d, tile, fmt, enc, False, rounding, generator, seed)
         return Quantized(_shape_data(data, x.shape, fmt), g, fmt, "block", tile, x.shape, x.dtype, d_q)
     given = None
     if scale is not None:
         if tuple(scale.shape) != n_tiles:
             raise ValueError(f"a 'block' scale for tiles {tile} of a {rows}x{cols} matrix must have shape {n_tiles}")
         given = scale
-    data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator)
+    data, scales = kernels.quantize_groups(x2d, tile, fmt, given, power_of_two, rounding, generator, seed)
     return Quantized(_shape_data(data, x.shape, fmt), scales, fmt, "block", tile, x.shape, x.dtype)
+
+
+def _check_seed(seed, generator, x: torch.Tensor) -> None:
+    """A given ``seed`` is an int64 tensor of one element on ``x``'s device, and not given with a generator."""
+    if seed is None:
+        return
+    if generator is not None:
+        raise ValueError("quantize: pass generator= or seed= for stochastic rounding's bits, not both")
+    if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1:
+        what = f"a {seed.dtype} tensor of shape {tuple(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed)
+        raise TypeError(f"quantize: seed must be an int64 tensor of one element (e.g. torch.tensor([7])), got {what}")
+    if seed.device != x.device:
+        raise ValueError(f"quantize: seed is on {seed.device}, x on {x.device}; put the seed on x's device")
 
 
 def _checked_scale(scale, device: torch.device) -> torch.Tensor:
@@ -261,7 +281,7 @@ def _checked_scale(scale, device: torch.device) -> torch.Tensor:
     return s
 
 
-def _quantize_mx(x, fmt, scale, block, rounding, generator) -> Quantized:
+def _quantize_mx(x, fmt, scale, block, rounding, generator, seed=None) -> Quantized:
     """OCP MX v1.0 (see the module doc): E8M0 block scales, then one cast of ``x / X`` per block."""
     if fmt.name not in MX_FORMATS:
         raise ValueError(f"MX element formats are {', '.join(MX_FORMATS)} (MXFP8 / MXFP4); got {fmt.name!r}")
@@ -274,7 +294,7 @@ def _quantize_mx(x, fmt, scale, block, rounding, generator) -> Quantized:
     rows, cols = _matrix_shape(x.shape)
     x2d = x.reshape(rows, cols)
     codes, enc = torch_family.mx_block_scales(x2d, tile, fmt)
-    data, _ = kernel_family(x.device).quantize_groups(x2d, tile, fmt, enc, False, rounding, generator)
+    data, _ = kernel_family(x.device).quantize_groups(x2d, tile, fmt, enc, False, rounding, generator, seed)
     return Quantized(_shape_data(data, x.shape, fmt), enc, fmt, "mx", tile, x.shape, x.dtype, codes)
 
 

@@ -193,16 +193,10 @@ class GraphRewriter:
             return []
         return self.state_placeholders(w, role, kind, STATE_FIELDS)
 
-    def seeded_grad_cast(self) -> bool:
-        """Whether the site's stochastic gradient cast takes a stream's seed: per-tensor casts do; row /
-        block / MX casts still draw from torch's generator."""
-        return self.kw["granularity"] == "tensor"
-
     def sr_stream(self, w: fx.Node) -> fx.Node | None:
         """The placeholder of ``w``'s stochastic-rounding stream (``runtime.sr``), or None where the
-        gradient cast rounds to nearest, is the identity, or takes no seed (:meth:`seeded_grad_cast`)."""
-        if (self.kw["grad_rounding"] != "stochastic" or not self.seeded_grad_cast()
-                or self.cfg.bwd_format == "identity" or w not in self.pos):
+        gradient cast rounds to nearest or is the identity."""
+        if self.kw["grad_rounding"] != "stochastic" or self.cfg.bwd_format == "identity" or w not in self.pos:
             return None
         return self.state_placeholders(w, "grad_output", "sr", 1)[0]
 

@@ -63,10 +63,6 @@ class GroupedRewriter(GraphRewriter):
                     grad_rounding=k["grad_rounding"], margin=k["margin"], interval=k["interval"], algo=k["algo"],
                     out_dtype=out_dtype, fast_accum=k["fast_accum"])
 
-    def seeded_grad_cast(self) -> bool:
-        """The grouped ops cast the gradient per expert whatever the recipe's granularity, with a seed."""
-        return True
-
     def rows_and_offsets(self, x: fx.Node, w: fx.Node, offs):
         """``(x2d, offs, shape_back)``: the grouped op's operands for either expert form.
 

@@ -4,12 +4,13 @@ Every planned linear (GLU projections included: NVFP4 has no Smooth-SwiGLU form,
 projection is a plain NVFP4 linear of the GLU product) becomes::
 
     out = fp8pass::nvfp4_linear(x, W, b, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, mode,
-                                hcp_backward)
+                                hcp_backward, sr_stream)
     y   = out[0]
     fp8pass::hcp_update_(*hcp_state, out[1], decay, interval)      # with HCP only
 
 ``hcp_state`` = ``[err, hot, step]`` of the weight's HCPState, appended as extra graph inputs like the
-delayed-scaling state. Linears that ``nvfp4_policy`` protects stay as they are
+delayed-scaling state; ``sr_stream`` the weight's stochastic-rounding stream (``runtime.sr``) with
+``grad_stochastic_rounding``, else None. Linears that ``nvfp4_policy`` protects stay as they are
 (``protected_precision="high"``) or become FP8 linears with current scaling ("fp8"). The sites are
 those whose recipe (``Config.recipe`` or a rule's) is NVFP4; each NVFP4 recipe protects among its own.
 """
@@ -42,16 +43,24 @@ class NVFP4Rewriter(GraphRewriter):
             return []
         return self.state_placeholders(w, HCP_KIND, HCP_KIND, 3)
 
+    def nvfp4_sr_stream(self, w: fx.Node) -> fx.Node | None:
+        """The placeholder of ``w``'s stochastic-rounding stream, which the NVFP4 backward's two
+        stochastic gradient casts draw from; None with round-to-nearest gradients."""
+        if not self.cfg.recipe.grad_stochastic_rounding or w not in self.pos:
+            return None
+        return self.state_placeholders(w, "grad_output", "sr", 1)[0]
+
     def nvfp4_linear(self, x, w: fx.Node, b, before: fx.Node, w_t: bool = False) -> fx.Node:
         r, hcp = self.cfg.recipe, self.cfg.recipe.hcp
         hs = self.hcp_state(w)
+        sr = self.nvfp4_sr_stream(w)
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
             out = self.graph.call_function(
                 self.ops.nvfp4_linear.default,
                 (self.r(x), weight, b, hs, r.weight_2d, r.rht, r.rht_seed, r.grad_stochastic_rounding,
                  True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
-                 False if hcp is None else hcp.backward))
+                 False if hcp is None else hcp.backward, sr))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if hs:
                 err = self.graph.call_function(operator.getitem, (out, 1))

@@ -17,8 +17,9 @@ x_data, x_scale, w_data, w_scale)``
     ``max|x|``, ``max|W|`` of this call (what delayed scaling records). The last four outputs are the
     saved operands for backward (codes as uint8, 1 byte/element, and their fp32 scales): ignore them.
     ``sr_stream``: the weight's stochastic-rounding stream (int64 ``[key, draws]``, :mod:`fp8pass.runtime.sr`),
-    from which a stochastic per-tensor gradient cast draws its seed (``sr_draw_``, mutating it); None: torch's
-    generator. ``fp8_linear_precast`` and ``swiglu_down`` take it at the same place.
+    from which the stochastic gradient casts of every granularity draw their seeds (``sr_draw_``, mutating
+    it: one draw per backward, two under MX); None: torch's generator. ``fp8_linear_precast`` and
+    ``swiglu_down`` take it at the same place.
 ``fp8_cast_input(x, x_state, *LinearKnobs) -> (x_data, x_scale, x_amax, x_alt)`` and
 ``fp8_linear_precast(x, x_data, x_scale, x_alt, weight, bias, w_state, g_state, sr_stream, *LinearKnobs) ->
 (y, w_amax, w_scale)``
@@ -75,13 +76,14 @@ interval, algo, power_of_two) -> None``
 ``fp8_linear_backward`` / ``fp8_linear_precast_backward`` / ``swiglu_down_backward`` / ``fp8_grouped_linear_backward`` /
 ``fp8_grouped_swiglu_down_backward``: the ops the backward formulas call; internal.
 ``nvfp4_linear(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,
-hcp_mode, hcp_backward) -> (y, chan_err, hot)``
+hcp_mode, hcp_backward, sr_stream) -> (y, chan_err, hot)``
     The NVFP4 recipe (:mod:`fp8pass.runtime.nvfp4`, docs/nvfp4.md): E2M1 operands with E4M3 16-element
     block scales, RNE forward, SR gradients, RHT on the wgrad operands, 16x16 weight blocks.
     ``hcp_state`` = ``[err, hot, step]`` (:class:`HCPState`) or []; read only; ``chan_err`` is the
     per-input-channel GEMM error (both operands) to record with ``hcp_update_(err, hot, step,
     chan_err, decay, interval)`` (mutating, no autograd; :mod:`fp8pass.runtime.hcp`); ``hot`` the
-    channels patched in this call (and, with ``hcp_backward``, in its gradient GEMMs).
+    channels patched in this call (and, with ``hcp_backward``, in its gradient GEMMs). ``sr_stream``: as
+    ``fp8_linear``'s (two draws per backward: dgrad's and wgrad's stochastic casts of ``dy``), or None.
 
 Knobs (the scalar arguments)
     Declared once per op in :mod:`fp8pass.runtime.op_schema` (``LinearKnobs``; ``GLUKnobs`` adds

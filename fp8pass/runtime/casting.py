@@ -125,7 +125,8 @@ def cast_operand(
             decode scales the Triton kernels compute in the same launch as this operand's scale
             (``Operand.inverted``); elsewhere ignored (empty ``inverted``).
         seed: stochastic rounding's seed, int64 [1] on x's device (a model's stream, ``runtime.sr``), for
-            per-tensor granularity; None (and for "row"/"block"/"mx") draws from torch's generator.
+            every granularity (row/block/MX through ``fp8pass.quantize(seed=)``); None draws from
+            torch's generator.
     """
     kern = kernels.for_device(x2d.device)
     if fmt is None:
@@ -152,7 +153,7 @@ def cast_operand(
         scale = scale_from_amax(torch_family.tensor_amax(x2d), fmt, margin, power_of_two)
         return _cast_tensor(kern, x2d, scale, fmt, rounding, up, transpose, keep_codes, seed=seed)
     q = quantize(x2d, fmt, granularity="mx" if granularity == "mx" else "block", block=tile, rounding=rounding,
-                 power_of_two=power_of_two)
+                 power_of_two=power_of_two, seed=seed)
     return Operand(q.data, q.scale, torch_family.tensor_amax(x2d))
 
 

@@ -30,7 +30,7 @@ from .casting import (MX_COLS, Operand, as_bytes, cast_operand, column_major, co
 from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
 from .op_schema import SR_SEED, SR_STREAM, LinearKnobs, knob_op
-from .sr import draw_seed
+from .sr import draw_seed, draws_per_backward, seed_of
 
 __all__ = ["fp8_linear_op", "check_linear_args", "check_linear_tensors", "check_knobs", "knobs_of", "compute_dtype",
            "record_grad_amax", "linear_backward"]
@@ -209,7 +209,8 @@ def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dt
                     k: LinearKnobs, w_up: torch.Tensor | None = None, sr_seed: torch.Tensor | None = None):
     """The backward GEMMs of :func:`fp8_linear_backward_op` from the saved operands as codes (FP8
     dtypes, not bytes); ``w_up``: ``w_data`` already in the GEMM dtype (same values), if at hand;
-    ``sr_seed``: the stochastic gradient cast's seed (``runtime.sr``), or None (torch's generator).
+    ``sr_seed``: the stochastic gradient casts' seeds (``runtime.sr``: int64 [1], MX [2], one per cast of
+    ``dy``: ``draws_per_backward``), or None (torch's generator).
 
     ``k.backward == "high"``: the saved operands are dequantized and the GEMMs take them and ``dy``
     as the identity format's do (Transformer Engine's ``backward_override="dequantized"``): the
@@ -231,7 +232,7 @@ def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dt
     # dy's codes are never kept: where GEMMs read values (CPU) none are written (keep_codes=False)
     saved_scales = (x_scale, w_scale) if x_scale.dim() == 0 and w_scale.dim() == 0 else ()
     go = cast_operand(dy2d, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up,
-                      transpose=up is None, keep_codes=False, invert=saved_scales, seed=sr_seed)
+                      transpose=up is None, keep_codes=False, invert=saved_scales, seed=seed_of(sr_seed, 0))
     xt = tile_for(k.granularity, k.block, x_data.shape, weight=False)
     wt = tile_for(k.granularity, k.block, w_data.shape, weight=True)
     x_inv, w_inv = go.inverted if go.inverted else (None, None)  # the decode scales, from dy's scale launch
@@ -245,7 +246,7 @@ def linear_backward(dy, x_data, x_scale, w_data, w_scale, g_state, x_dtype, w_dt
         if fmt is not None:
             g_wt = MX_COLS
             go_w = cast_operand(dy2d, fmt, k.granularity, MX_COLS, g_state, k.margin, k.power_of_two,
-                                k.grad_rounding)
+                                k.grad_rounding, seed=seed_of(sr_seed, 1))
         if saved_mx and fmt is not None:
             mm = _mx_mm_dtype(dy.device, dt)
     # dx = dy @ W: W^T [in, out] is the "B" operand ([N, K] with K = out).
@@ -307,7 +308,8 @@ def record_grad_amax(g_state, g_amax, k: LinearKnobs) -> None:
 def _backward(ctx, dy, *unused):
     k = ctx.knobs
     dx, dw, db, g_amax = torch.ops.fp8pass.fp8_linear_backward(
-        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state, draw_seed(ctx.sr_stream, k.grad_rounding, k.bwd_format),
+        output_grad(ctx, dy), *ctx.saved_tensors, ctx.g_state,
+        draw_seed(ctx.sr_stream, k.grad_rounding, k.bwd_format, draws_per_backward(k.granularity)),
         ctx.x_dtype, ctx.w_dtype, ctx.b_dtype is not None, *k.args())
     record_grad_amax(ctx.g_state, g_amax, k)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)

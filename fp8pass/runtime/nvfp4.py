@@ -19,7 +19,9 @@ NVFP4's; only the speed is not.
   ``(dy^T, x^T)`` for wgrad, so with every channel hot both gradients are the high-precision ones.
 
 Stochastic rounding of the gradients rounds the E4M3 block scales up (``fp8pass.quantize``), so no
-block max is clipped and the rounding is unbiased everywhere. Backward saves ``x`` and ``W`` in high
+block max is clipped and the rounding is unbiased everywhere. Its bits come from the weight's
+stochastic-rounding stream where the op gets one (``sr_stream``, :mod:`fp8pass.runtime.sr`: two seeds
+per backward, one for dgrad's ``Q_sr(dy)`` and one for wgrad's), else from torch's generator. Backward saves ``x`` and ``W`` in high
 precision (the weight is a parameter anyway) and recomputes the quantizations: RNE is deterministic,
 so W's blocks are bit-identical to the forward's.
 """
@@ -33,6 +35,7 @@ from ..numerics import E2M1, decode, quantize
 from ..kernels import torch_family
 from .hcp import channel_error, select_hot
 from .rht import pad_last_dim, rht_last_dim
+from .sr import seed_of
 
 __all__ = ["nvfp4_values", "nvfp4_linear_op", "hcp_patch", "residual_operands", "ACT_BLOCK", "WEIGHT_BLOCK"]
 
@@ -40,12 +43,14 @@ ACT_BLOCK = (1, 16)
 WEIGHT_BLOCK = (16, 16)
 
 
-def nvfp4_values(x2d: torch.Tensor, tile=ACT_BLOCK, rounding: str = "nearest") -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_values(x2d: torch.Tensor, tile=ACT_BLOCK, rounding: str = "nearest",
+                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4-quantize a 2-D tensor; returns ``(v, g)``, values ``v / g``.
 
     ``v = E2M1 code * E4M3 block scale`` (exact in fp32), ``g`` the fp32 tensor encode scale.
+    ``seed``: stochastic rounding's seed (int64 [1]), or None (torch's generator).
     """
-    q = quantize(x2d, E2M1, granularity="block", block=tile, rounding=rounding)
+    q = quantize(x2d, E2M1, granularity="block", block=tile, rounding=rounding, seed=seed)
     codes = decode(q.data, E2M1, torch.float32).reshape(x2d.shape)
     return codes * torch_family.expand_groups(q.block_scale.to(torch.float32), tile, x2d.shape), q.scale
 
@@ -108,10 +113,13 @@ def nvfp4_linear_op(
     hcp_second_order: bool,
     hcp_mode: str,
     hcp_backward: bool,
+    sr_stream: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(y, chan_err, hot)``: with ``hcp_state``, ``chan_err`` is the forward GEMM's error
     per input channel from both operands (``[in]`` fp32, :func:`fp8pass.runtime.hcp.channel_error`)
-    and ``hot`` the channels patched in this call (int64; what the backward patches); else empty."""
+    and ``hot`` the channels patched in this call (int64; what the backward patches); else empty.
+    ``sr_stream``: the weight's stochastic-rounding stream (``runtime.sr``), which the backward's
+    stochastic gradient casts draw their two seeds from (``sr_draw_``); None: torch's generator."""
     _check(x, weight, bias, hcp_state, hcp_mode)
     x2d = x.reshape(-1, x.shape[-1])
     xv, xg = nvfp4_values(x2d, ACT_BLOCK)
@@ -139,7 +147,8 @@ def nvfp4_linear_op(
 
 
 @nvfp4_linear_op.register_fake
-def _(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, hcp_mode, hcp_backward):
+def _(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, hcp_mode, hcp_backward,
+      sr_stream):
     _check(x, weight, bias, hcp_state, hcp_mode)
     n = weight.shape[1] if hcp_state else 0
     n_hot = hcp_state[1].numel() if hcp_state else 0
@@ -164,14 +173,16 @@ def nvfp4_linear_backward_op(
     rht_seed: int,
     grad_sr: bool,
     hcp_second_order: bool,
+    sr_seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dW, db_fp32)`` of ``y = x W^T + b`` (see the module doc); ``hot``: input channels whose
-    gradient columns are patched (empty: plain NVFP4 gradients)."""
+    gradient columns are patched (empty: plain NVFP4 gradients); ``sr_seed``: the two stochastic
+    gradient casts' seeds (int64 [2]: dgrad's, wgrad's), or None (torch's generator)."""
     rounding = "stochastic" if grad_sr else "nearest"
     dy2d = dy.reshape(-1, dy.shape[-1])
     x2d = x.reshape(-1, x.shape[-1])
     # dgrad: reduction over out-features
-    gv, gg = nvfp4_values(dy2d, ACT_BLOCK, rounding)
+    gv, gg = nvfp4_values(dy2d, ACT_BLOCK, rounding, seed_of(sr_seed, 0) if grad_sr else None)
     if weight_2d:
         wv, wg = nvfp4_values(weight, WEIGHT_BLOCK)
     else:
@@ -186,7 +197,7 @@ def nvfp4_linear_backward_op(
         a, b = rht_last_dim(a, rht_seed), rht_last_dim(b, rht_seed)
     else:
         a, b = pad_last_dim(a), pad_last_dim(b)
-    av, ag = nvfp4_values(a, ACT_BLOCK, rounding)
+    av, ag = nvfp4_values(a, ACT_BLOCK, rounding, seed_of(sr_seed, 1) if grad_sr else None)
     bv, bg = nvfp4_values(b, ACT_BLOCK)
     dw = _mm_scaled(av, ag, bv, bg)
     if hot.numel():  # (A, B) = (dy^T, x^T) after the RHT: columns h of dW
@@ -196,25 +207,28 @@ def nvfp4_linear_backward_op(
 
 
 @nvfp4_linear_backward_op.register_fake
-def _(dy, x, weight, hot, weight_2d, rht, rht_seed, grad_sr, hcp_second_order):
+def _(dy, x, weight, hot, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, sr_seed):
     return (torch.empty_like(x), torch.empty_like(weight),
             dy.new_empty(weight.shape[0], dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, _, hcp_backward = inputs
+    x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, _, hcp_backward, sr_stream = inputs
     hot = output[2] if hcp_backward else output[2][:0]
     ctx.save_for_backward(x, weight, hot)
     ctx.n_hcp = len(hcp_state)
     ctx.b_dtype = None if bias is None else bias.dtype
     ctx.args = (weight_2d, rht, rht_seed, grad_sr, second_order)
+    ctx.sr_stream = sr_stream
 
 
 def _backward(ctx, dy, _chan_err_grad, _hot_grad):
     x, weight, hot = ctx.saved_tensors
-    dx, dw, db = torch.ops.fp8pass.nvfp4_linear_backward(dy, x, weight, hot, *ctx.args)
+    grad_sr = ctx.args[3]
+    seeds = torch.ops.fp8pass.sr_draw_(ctx.sr_stream, 2) if grad_sr and ctx.sr_stream is not None else None
+    dx, dw, db = torch.ops.fp8pass.nvfp4_linear_backward(dy, x, weight, hot, *ctx.args, seeds)
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
-    return (dx, dw, dbias, [None] * ctx.n_hcp) + (None,) * 7
+    return (dx, dw, dbias, [None] * ctx.n_hcp) + (None,) * 8
 
 
 nvfp4_linear_op.register_autograd(_backward, setup_context=_setup_context)

@@ -3,9 +3,11 @@
 A compiled model's stochastic gradient casts (``Config.grad_stochastic_rounding``) draw their seeds
 from streams of its own, not from torch's global generator, so two models trained in one process
 (threads, or interleaved steps) each get the bits they would get alone. Each FP8 weight whose
-gradient is cast per tensor has one stream: an int64 tensor ``[key, draws]`` on the weight's device.
-A cast takes ``seed = mix(key, draws)`` (31 bits) and advances ``draws`` by one, both on the device in
-one launch (``fp8pass::sr_draw_``), no host synchronisation. The keys come from ``Config.sr_seed``
+gradient is cast stochastically has one stream: an int64 tensor ``[key, draws]`` on the weight's device.
+A backward takes ``seed = mix(key, draws)`` (31 bits) for each of its stochastic gradient casts (one;
+two for MX, whose backward casts the gradient blocked both ways, and for NVFP4, dgrad and wgrad) and
+advances ``draws`` as much, all on the device in one launch (``fp8pass::sr_draw_``), no host
+synchronisation. The keys come from ``Config.sr_seed``
 and the order in which the model's compiled graphs first meet its FP8 weights (:func:`stream_key`),
 so the same model, config and seed give the same streams in any process.
 
@@ -25,7 +27,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..kernels import uses_triton
 from .casting import resolve_format
 
-__all__ = ["SRStream", "stream_for", "stream_key", "draw_seed", "mix_seed", "KEY_LIMIT", "SR_FIELDS"]
+__all__ = ["SRStream", "stream_for", "stream_key", "draw_seed", "draws_per_backward", "seed_of", "mix_seed",
+           "KEY_LIMIT", "MAX_DRAWS", "SR_FIELDS"]
 
 KEY_LIMIT = 2**31  # keys and seeds are 31-bit: the casts' seeds (Philox keys, int32 on the CPU path)
 SR_FIELDS = ("stream",)
@@ -51,29 +54,54 @@ def mix_seed(key: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     return ((h >> 16) ^ h) & (KEY_LIMIT - 1)
 
 
+MAX_DRAWS = 2  # seeds one sr_draw_ gives at most: an MX or NVFP4 backward casts the gradient twice
+
+
 @torch.library.custom_op("fp8pass::sr_draw_", mutates_args=("stream",))
-def sr_draw_(stream: torch.Tensor) -> torch.Tensor:
-    """The seed (int64 [1]) of the stream's next draw; advances ``stream[1]`` in place (on the device)."""
+def sr_draw_(stream: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """The seeds (int64 [n]) of the stream's next ``n`` draws; advances ``stream[1]`` by ``n`` in place
+    (on the device; ``n`` in 1..``MAX_DRAWS``)."""
+    if not 1 <= n <= MAX_DRAWS:
+        raise ValueError(f"sr_draw_: n must be in [1, {MAX_DRAWS}], got {n}")
     if uses_triton(stream.device) and type(stream) is torch.Tensor:
         from ..kernels import triton_helpers
 
-        return triton_helpers.stream_seed(stream)  # one launch: seed and advance
-    seed = mix_seed(stream[0:1], stream[1:2])
-    stream[1:2].add_(1)
+        return triton_helpers.stream_seed(stream, n)  # one launch: the seeds and the advance
+    draws = stream[1:2] if n == 1 else stream[1:2] + torch.arange(n, device=stream.device)
+    seed = mix_seed(stream[0:1], draws)
+    stream[1:2].add_(n)
     return seed
 
 
 @sr_draw_.register_fake
-def _(stream):
-    return stream.new_empty(1)
+def _(stream, n=1):
+    return stream.new_empty(n)
 
 
-def draw_seed(stream: torch.Tensor | None, grad_rounding: str, bwd_format: str) -> torch.Tensor | None:
-    """The seed for a backward's stochastic gradient cast from ``stream``; None where the cast rounds
-    to nearest, is the identity, or has no stream (then it draws from torch's generator)."""
+def draws_per_backward(granularity: str) -> int:
+    """Seeds a dense linear's stochastic backward takes: MX casts the gradient twice (blocked along
+    each GEMM's reduction dim, ``runtime.linear``), every other granularity once."""
+    return 2 if granularity == "mx" else 1
+
+
+def draw_seed(stream: torch.Tensor | None, grad_rounding: str, bwd_format: str, n: int = 1) -> torch.Tensor | None:
+    """The seeds (int64 [n]) for a backward's ``n`` stochastic gradient casts from ``stream``; None
+    where the casts round to nearest, are the identity, or have no stream (then they draw from
+    torch's generator)."""
     if stream is None or grad_rounding != "stochastic" or resolve_format(bwd_format) is None:
         return None
-    return torch.ops.fp8pass.sr_draw_(stream)
+    return torch.ops.fp8pass.sr_draw_(stream, n)
+
+
+def seed_of(seeds: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """Seed ``i`` (int64 [1], a view) of a backward's seeds, None without; a backward that needs more
+    seeds than it was given refuses (a reused seed would correlate two casts' rounding)."""
+    if seeds is None:
+        return None
+    if seeds.numel() <= i:
+        raise ValueError(f"this backward casts the gradient {i + 1} times and needs {i + 1} stochastic-rounding "
+                         f"seeds (sr_draw_(stream, {i + 1})), got {seeds.numel()}")
+    return seeds[i:i + 1]
 
 
 @dataclass
