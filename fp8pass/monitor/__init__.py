@@ -10,9 +10,12 @@ Standalone::
 
 In the trainer: :class:`MonitorCallback` (``python -m fp8pass train --monitor-every N``).
 Format choice per tensor role (E4M3, E5M2 or high precision): :func:`advise` / :func:`format_advice`.
+Attention that amplifies the q/k projections' FP8 error (q/k norm and a large logit scale):
+:func:`sharp_attention` measures it and returns the rules that keep those projections high.
 """
 
 from .advisor import FormatAdvice, advise, format_advice, measure_formats
+from .attention import AttentionAdvice, AttentionSite, sharp_attention
 
 from .callback import MonitorCallback
 from .outliers import OutlierMonitor, outlier_stats
@@ -24,4 +27,5 @@ from .telemetry import ScalingTelemetry, check_scaling, scaling_telemetry
 __all__ = ["MonitorCallback", "Diagnostics", "LayerDiagnostics", "diagnose", "swiglu_alignment",
            "ActivationAccumulator", "weight_alignment", "SwiGLUSite", "find_swiglus",
            "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry", "check_scaling",
-           "FormatAdvice", "advise", "format_advice", "measure_formats"]
+           "FormatAdvice", "advise", "format_advice", "measure_formats",
+           "AttentionAdvice", "AttentionSite", "sharp_attention"]
