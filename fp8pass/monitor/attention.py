@@ -2,12 +2,12 @@
 
 An attention logit is ``L_ij = scale * q_i . k_j = s_ij * cos(q_i, k_j)`` with ``s_ij = scale * |q_i| |k_j|``,
 the **effective logit scale**. A relative error ``e`` that an FP8 cast puts into the q/k projections
-turns a direction error of ~``e`` into a logit error of ~``s * e / sqrt(head_dim)`` nats: an absolute
-error, which the softmax turns into a relative error of the attention weights of the same size. Plain
-Llama attention at initialisation has ``s`` of order 1 and its logits move by ~1e-3; attention that
-RMS-normalises q and k and scales the logits (torchtitan's Muse Glimmer: ``s = 43.8`` on every
-token pair) moves them by ~0.1-0.3 nats and moves attention mass between keys: its gradients change
-direction (docs/results/sharp_attention.md).
+becomes a logit error of ~``sqrt(2) * s * e / sqrt(head_dim)`` nats: an absolute error, which the
+softmax turns into a relative error of the attention weights of the same size. Plain Llama attention
+at initialisation has ``s`` below 1 and its logits move by ~0.003 nats; standard q/k-norm attention
+(Qwen3, OLMo 2: ``s = sqrt(head_dim)``) by ``sqrt(2) * e`` ~ 0.05; attention that RMS-normalises q and
+k and scales the logits further (torchtitan's Muse Glimmer: ``s = 43.8`` on every token pair) by
+~0.3, and its FP8 gradients change direction (docs/results/sharp_attention.md).
 
 :func:`sharp_attention` measures this per attention call (every ``F.scaled_dot_product_attention``
 the model makes) on a probe batch, eagerly: once as the model is, then once per attention with only
@@ -22,9 +22,9 @@ delayed scaling's first step), the layers before it untouched. It reports per at
 - ``attention_error``: the mean total-variation distance between the attention rows (the share of
   attention mass the cast moved to other keys).
 
-An attention is **sharp** when ``logit_error >= threshold`` (0.05 nats by default: docs/monitor.md
-says why). The advice keeps its q/k projections (or its fused qkv projection) in high precision:
-:meth:`AttentionAdvice.rules` returns the ``fp8pass.Rule``\\ s, :meth:`AttentionAdvice.apply` puts
+An attention is **sharp** when ``logit_error >= threshold`` (0.1 nats by default, twice what standard
+q/k-norm attention gets: docs/monitor.md says why). The advice keeps its q/k projections (or its fused
+qkv projection) in high precision: :meth:`AttentionAdvice.rules` returns the ``fp8pass.Rule``\\ s, :meth:`AttentionAdvice.apply` puts
 them before a Config's rules, and ``fp8pass.explain`` then names the advice for each kept projection.
 """
 
@@ -44,7 +44,7 @@ from ..passes.uncompiled import inplace_compile_suspended, original_callable
 
 __all__ = ["AttentionSite", "AttentionAdvice", "sharp_attention", "DEFAULT_THRESHOLD", "NORMALISED_SPREAD"]
 
-DEFAULT_THRESHOLD = 0.05   # nats of RMS logit error from casting one attention's q/k projections
+DEFAULT_THRESHOLD = 0.1    # nats of RMS logit error from casting one attention's q/k projections (docs/monitor.md)
 NORMALISED_SPREAD = 0.02   # |q| (|k|) varying less than this (std / mean over tokens): q/k-normalised
 
 # the last FQN component of q, k and fused qkv projections in the model code fp8pass knows
