@@ -9,9 +9,10 @@ the freshly initialised model, gradients of every parameter concatenated and com
 - ``bf16``: eager under ``torch.autocast("cpu", torch.bfloat16)``;
 - ``fp8``: ``torch.compile(model, backend=fp8pass.backend(Config(compiler="aot_eager")))``, defaults;
 - ``fp8 + advice``: the same with ``sharp_attention(model, probe).apply(cfg)`` (its q/k rules first);
+- ``fp8, q/k high``: every q/k projection kept high whatever the advisor says (what its rule buys);
 - ``fp8, attention high``: every attention projection kept high (``Rule("*.attention.*", "high")``).
 
-Run: ``python experiments/sharp_attention.py --seeds 0,1,2,3 [--logit-scale 43.78|none]``
+Run: ``python experiments/sharp_attention.py --seeds 0,1,2,3 [--logit-scale 43.78|none|4|8|16]``
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def measure(seed: int, logit_scale: float | None, batch: int = 4, seq: int = 64)
     advice = sharp_attention(model, ids[:, :-1])
     base = Config(compiler="aot_eager")
     runs = {"bf16": ("bf16", None), "fp8": ("fp8", base), "fp8 + advice": ("fp8", advice.apply(base)),
+            "fp8, q/k high": ("fp8", Config(compiler="aot_eager", rules=[Rule("*.wq", "high"), Rule("*.wk", "high")])),
             "fp8, attention high": ("fp8", Config(compiler="aot_eager", rules=[Rule("*.attention.*", "high")]))}
     g0 = gradient(model, ids, "eager")
     cos = {name: F.cosine_similarity(g0, gradient(model, ids, how, cfg), dim=0).item()
@@ -83,13 +85,14 @@ def main(argv=None) -> None:
         print(f"seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in r["cos"].items()), flush=True)
         print(r["advice"], flush=True)
     names = list(rows[0]["cos"])
-    print(f"\n| logit scale | seed | {' | '.join(names)} | advisor flags |")
-    print("|---|---|" + "---|" * len(names) + "---|")
+    print(f"\n| logit scale | seed | logit error | {' | '.join(names)} | advisor flags |")
+    print("|---|---|---|" + "---|" * len(names) + "---|")
     for r in rows:
         flagged = ", ".join(p for s in r["advice"].sharp for p in s.projections) or "nothing"
-        print(f"| {args.logit_scale} | {r['seed']} | " + " | ".join(f"{r['cos'][n]:.4f}" for n in names)
+        err = ", ".join(f"{s.logit_error:.3f}" for s in r["advice"].sites)
+        print(f"| {args.logit_scale} | {r['seed']} | {err} | " + " | ".join(f"{r['cos'][n]:.4f}" for n in names)
               + f" | {flagged} |")
-    print(f"| {args.logit_scale} | mean (min-max) | " + " | ".join(
+    print(f"| {args.logit_scale} | mean (min-max) | | " + " | ".join(
         f"{statistics.mean(r['cos'][n] for r in rows):.3f} ({min(r['cos'][n] for r in rows):.3f}-"
         f"{max(r['cos'][n] for r in rows):.3f})" for n in names) + " | |")
 

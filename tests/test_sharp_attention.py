@@ -157,10 +157,11 @@ def test_applying_the_advice_raises_the_gradient_cosine():
     over seeds 0-3 plain FP8 <= 0.86 and with the advice >= 0.93)."""
     model = tiny_sharp_llama()
     ids = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1000))
-    cfg = Config(compiler="aot_eager")
+    cfg = Config(compiler="eager")   # the rewritten graph as is: the same FP8 ops, half aot_eager's compile time
     g0 = _grad(model, ids)
     plain = F.cosine_similarity(g0, _grad(model, ids, cfg), dim=0).item()
     advised = F.cosine_similarity(g0, _grad(model, ids, sharp_attention(model, ids[:, :-1]).apply(cfg)), dim=0).item()
+    print(f"gradient cosine to eager fp32: plain FP8 {plain:.4f}, with the advice {advised:.4f}")
     assert plain < 0.9
     assert advised > 0.92
     assert advised - plain > 0.06
