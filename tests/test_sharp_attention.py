@@ -190,3 +190,26 @@ def test_attention_without_qk_projections_is_a_note():
     advice = sharp_attention(Bare(), torch.randn(1, 2, 8, 16))
     assert advice.sites == [] and advice.rules() == []
     assert len(advice.notes) == 1 and "no q/k projection ran before it" in advice.notes[0]
+
+
+def test_torchtitan_muse_glimmer_is_flagged():
+    """torchtitan 0.3's own Muse Glimmer (debug model, 2 blocks, SDPA; the client environment:
+    docs/results/client_zoo.md): its q/k projections inside ``qkv_linear`` are flagged by FQN."""
+    pytest.importorskip("torchtitan.models.muse_glimmer")
+    import _client_zoo
+    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+    cfg = _client_zoo._titan_config("muse_glimmer", "debugmodel")
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_states()
+    before = get_spmd_backend()
+    set_spmd_backend("none")   # its SPMD type assertions need a device mesh, which one process has not
+    try:
+        advice = sharp_attention(model.float(), IDS % 128)
+    finally:
+        set_spmd_backend(before)
+    assert [s.module for s in advice.sites] == ["layers.0.attention", "layers.1.attention"]
+    assert [r.pattern for r in advice.rules()] == [f"layers.{i}.attention.qkv_linear.{p}" for i in (0, 1)
+                                                   for p in ("wq", "wk")]
+    assert all(s.normalised and s.logit_scale == pytest.approx(43.78, rel=1e-3) for s in advice.sites)
