@@ -180,6 +180,16 @@ def _fake_fp8_linear(module: torch.nn.Linear, x: torch.Tensor, fmt) -> torch.Ten
     return F.linear(xq, wq, b)
 
 
+def _rng_state():
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+
+def _set_rng_state(state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 def _run(model, inputs, kwargs, recorder: _SDPARecorder, perturb: set[str], fmt, errors: dict) -> None:
     """One eager forward under ``recorder``; the linears named in ``perturb`` run FP8-cast (their
     relative output error into ``errors``)."""
@@ -292,6 +302,7 @@ def sharp_attention(model: torch.nn.Module, *inputs, config: Config | None = Non
     advice = AttentionAdvice(threshold=float(threshold))
     with _state_kept(model), inplace_compile_suspended(model), torch.compiler.set_stance("force_eager"), \
             torch.no_grad():
+        rng = _rng_state()   # every pass draws the same random numbers (dropout): only the cast differs
         clean = _SDPARecorder()
         _run(model, inputs, kwargs, clean, set(), fmt, {})
         if not clean.calls:
@@ -304,6 +315,7 @@ def sharp_attention(model: torch.nn.Module, *inputs, config: Config | None = Non
                                     f"not measured")
                 continue
             errors: dict[str, float] = {}
+            _set_rng_state(rng)
             fp8 = _SDPARecorder(stop_at=i)
             _run(model, inputs, kwargs, fp8, set(call["projections"]), fmt, errors)
             qk_error = math.sqrt(sum(e * e for e in errors.values()) / max(len(errors), 1))
