@@ -71,7 +71,8 @@ class AttentionSite:
         return self.logit_error / self.qk_error if self.qk_error > 0 else 0.0
 
     def describe(self) -> str:
-        """``sharp attention: logit scale 43.8 on normalised q/k, FP8 q/k logit error 0.21 nats``."""
+        """``sharp attention: logit scale 43.8 on normalised q/k, FP8 q/k cast error 0.037 -> logit error
+        0.288 nats (x7.8), 4.8% of attention mass moved`` (a Rule's ``reason``, printed by explain)."""
         kind = "normalised q/k" if self.normalised else "q/k"
         verdict = "sharp attention" if self.sharp else "attention"
         return (f"{verdict}: logit scale {self.logit_scale:.1f} on {kind}, FP8 q/k cast error {self.qk_error:.3f} "
@@ -244,7 +245,7 @@ def _measure(clean: dict, fp8: dict, qk_error: float, module: str, threshold: fl
     logits, allowed = _logits(clean)
     logits8, _ = _logits(fp8)
     diff = torch.where(allowed, logits8 - logits, torch.zeros_like(logits))
-    logit_error = float(diff.square().sum() / allowed.sum().clamp_min(1)).__pow__(0.5)
+    logit_error = math.sqrt(float(diff.square().sum() / allowed.sum().clamp_min(1)))
     neg = torch.finfo(torch.float64).min
     p = torch.softmax(torch.where(allowed, logits, neg), -1)
     p8 = torch.softmax(torch.where(allowed, logits8, neg), -1)
