@@ -224,3 +224,17 @@ def test_dropout_does_not_count_as_cast_error():
     first, second = sharp_attention(model, x), sharp_attention(model, x)
     assert first.sites[0].logit_error == second.sites[0].logit_error
     assert first.sites[0].amplification == pytest.approx(math.sqrt(2) * 40 / 4, rel=0.3)
+
+
+def test_advice_written_to_a_precision_file_loads_back(tmp_path):
+    """The rules as a precision file (``python -m fp8pass train --precision-config``) keep their reason."""
+    import json
+
+    rules = sharp_attention(tiny_sharp_llama(), IDS).rules()
+    path = tmp_path / "precision.json"
+    path.write_text(json.dumps({"rules": [{"pattern": r.pattern, "recipe": r.recipe, "reason": r.reason}
+                                          for r in rules]}))
+    assert fp8pass.load_rules(path) == rules
+    path.write_text(json.dumps({"rules": [{"pattern": "*.wq", "recipe": "high", "reason": 1}]}))
+    with pytest.raises(ValueError, match=r"rules\[0\]: Rule\('\*.wq'\).reason must be a string"):
+        fp8pass.load_rules(path)
