@@ -274,11 +274,14 @@ class Rule:
             and wgrad GEMMs in high precision (the saved operands dequantized, ``dy`` not cast).
             FP8 recipes only (the NVFP4 op has no such backward; a rule asking for it is an error),
             and MoE expert stacks on grouped GEMMs stay in high precision under it (explain says so).
+        reason: why the rule is there, printed by explain after the rule (an advisor's measurement,
+            e.g. ``fp8pass.monitor.sharp_attention``'s); no effect on what runs.
     """
 
     pattern: str
     recipe: object
     backward: str = "fp8"
+    reason: str = ""
 
     def __post_init__(self):
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -296,6 +299,8 @@ class Rule:
             raise TypeError(f"Rule({self.pattern!r}): recipe must be {HIGH!r}, a named recipe name, an fp8pass.Config "
                             f"or DelayedScaling/CurrentScaling/NVFP4Scaling, got {type(r).__name__}")
         _check_choice(f"Rule({self.pattern!r}).backward", self.backward, BACKWARDS)
+        if not isinstance(self.reason, str):
+            raise ValueError(f"Rule({self.pattern!r}).reason must be a string, got {self.reason!r}")
         if self.backward == "high" and isinstance(self.scaling, NVFP4Scaling):
             raise ValueError(f"Rule({self.pattern!r}): backward='high' is for FP8 recipes; the NVFP4 linear has no "
                              f"high-precision backward (use an FP8 recipe for these linears, or backward='fp8')")
@@ -325,7 +330,8 @@ class Rule:
         r = self.recipe
         what = r if isinstance(r, str) else (
             f"Config({type(r.recipe).__name__}, {r.fwd_format}/{r.bwd_format})" if isinstance(r, Config) else repr(r))
-        return f"{self.pattern!r} -> {what}" + (", backward high" if self.backward == "high" else "")
+        return (f"{self.pattern!r} -> {what}" + (", backward high" if self.backward == "high" else "")
+                + (f" [{self.reason}]" if self.reason else ""))
 
 
 @dataclass(frozen=True)

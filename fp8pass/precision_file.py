@@ -35,7 +35,7 @@ from .config import HIGH, Config, Rule
 
 __all__ = ["load_rules", "read_rules_data", "rules_from_data", "RULE_KEYS", "RECIPE_OVERRIDES"]
 
-RULE_KEYS = ("pattern", "recipe", "backward")
+RULE_KEYS = ("pattern", "recipe", "backward", "reason")
 RECIPE_OVERRIDES = ("fwd_format", "bwd_format", "smooth_swiglu", "grad_stochastic_rounding", "fast_accum")
 
 
@@ -100,7 +100,7 @@ def rules_from_data(rules, source: str = "rules", lines: list[int] | None = None
             if key not in item:
                 raise ValueError(f"{where}: missing field {key!r}")
         try:
-            out.append(Rule(item["pattern"], _recipe(item["recipe"]), item.get("backward", "fp8")))
+            out.append(Rule(item["pattern"], _recipe(item["recipe"]), item.get("backward", "fp8"), item.get("reason", "")))
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}: {e}") from None
     return out

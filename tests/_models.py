@@ -157,6 +157,24 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
+class SharpAttention(Attention):
+    """Muse Glimmer's attention (torchtitan): q and k RMS-normalised per head without a gain, q scaled so
+    that the logits are ``logit_scale * cos(q, k)`` (Glimmer: 43.78); sharp at initialisation already."""
+
+    def __init__(self, dim, n_heads, logit_scale=43.78):
+        super().__init__(dim, n_heads)
+        self.q_scale = logit_scale / self.head_dim**0.5   # SDPA's 1/sqrt(hd) times |q||k| = hd gives logit_scale
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        hd = (self.head_dim,)
+        q = rope(F.rms_norm(self.wq(x).view(b, s, self.n_heads, self.head_dim), hd) * self.q_scale)
+        k = rope(F.rms_norm(self.wk(x).view(b, s, self.n_heads, self.head_dim), hd))
+        v = self.wv(x).view(b, s, self.n_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
 class FeedForward(nn.Module):  # torchtitan: w2(F.silu(w1(x)) * w3(x))
     def __init__(self, dim, hidden):
         super().__init__()
@@ -169,9 +187,9 @@ class FeedForward(nn.Module):  # torchtitan: w2(F.silu(w1(x)) * w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim, n_heads, hidden):
+    def __init__(self, dim, n_heads, hidden, attention=Attention):
         super().__init__()
-        self.attention = Attention(dim, n_heads)
+        self.attention = attention(dim, n_heads)
         self.feed_forward = FeedForward(dim, hidden)
         self.attention_norm = RMSNorm(dim)
         self.ffn_norm = RMSNorm(dim)
@@ -181,11 +199,25 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class PostNormBlock(TransformerBlock):
+    """Muse Glimmer's block: each branch's output RMS-normalised before the residual add."""
+
+    def __init__(self, dim, n_heads, hidden, attention=Attention):
+        super().__init__(dim, n_heads, hidden, attention)
+        self.post_attention_norm = RMSNorm(dim)
+        self.post_ffn_norm = RMSNorm(dim)
+
+    def forward(self, x):
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x)))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+
+
 class TitanLlama(nn.Module):
-    def __init__(self, vocab=128, dim=32, n_layers=2, n_heads=4, hidden=64):
+    def __init__(self, vocab=128, dim=32, n_layers=2, n_heads=4, hidden=64, attention=Attention,
+                 block=TransformerBlock):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(dim, n_heads, hidden) for i in range(n_layers)})
+        self.layers = nn.ModuleDict({str(i): block(dim, n_heads, hidden, attention) for i in range(n_layers)})
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -199,6 +231,21 @@ class TitanLlama(nn.Module):
 def tiny_titan_llama(n_layers=2):
     torch.manual_seed(0)
     return TitanLlama(n_layers=n_layers)
+
+
+def tiny_sharp_llama(n_layers=2, dim=128, n_heads=2, logit_scale=43.78, vocab=256, seed=0):
+    """A tiny Muse Glimmer: :class:`SharpAttention` (head dim 64 as Glimmer's debug model) in
+    :class:`PostNormBlock` blocks, linears initialised N(0, 0.02) and the LM head N(0, 1/dim) as
+    Glimmer's; ``logit_scale=None``: the same model with plain Llama attention. The pair the
+    sharp-attention advisor is checked on (docs/results/sharp_attention.md)."""
+    torch.manual_seed(seed)
+    attention = Attention if logit_scale is None else (lambda d, h: SharpAttention(d, h, logit_scale))
+    model = TitanLlama(vocab=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, hidden=2 * dim,
+                       attention=attention, block=PostNormBlock)
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=dim**-0.5 if name == "output" else 0.02)
+    return model
 
 
 def capture_with_inputs(model, *inputs, **compile_kw):
