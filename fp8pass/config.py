@@ -327,6 +327,20 @@ class Rule:
         return f"{self.pattern!r} -> {what}" + (", backward high" if self.backward == "high" else "")
 
 
+def _check_eval_recipe(recipe) -> None:
+    """``Config.eval_recipe``: a recipe as a Rule takes it, keeping no state that evaluation would change."""
+    try:
+        rule = Rule("*", recipe)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"Config.eval_recipe: {e}".replace("Rule('*'): ", "")) from None
+    scaling = rule.scaling
+    if isinstance(scaling, DelayedScaling) or (isinstance(scaling, NVFP4Scaling) and scaling.hcp is not None):
+        raise ValueError(f"Config.eval_recipe={recipe!r} keeps state (delayed-scaling amax histories / hot-channel "
+                         f"statistics) that evaluation batches would change; use 'high', a current-scaling recipe "
+                         f"('blockwise', 'mxfp8', CurrentScaling(...), NVFP4Scaling()) or None (evaluate in the "
+                         f"training recipe)")
+
+
 @dataclass(frozen=True)
 class Config:
     """What the ``fp8`` torch.compile backend does to a model (``fp8pass.backend(cfg)``).
@@ -387,6 +401,13 @@ class Config:
             ``keep_high_precision`` and ``keep_first_layers``/``keep_last_layers``, which keep their
             linears high whatever a rule says; a rule's ``"high"`` keeps more (docs/precision.md).
             ``fp8pass.load_rules(path)`` reads them from a TOML or JSON file.
+        eval_recipe: what the model's evaluation graphs run in (compiled while ``model.training`` is False,
+            i.e. after ``model.eval()``): a recipe as :class:`Rule` takes it (``"high"``, a named recipe, a
+            Config, a scaling object), applied to every linear that ``keep_high_precision`` and
+            ``keep_first_layers``/``keep_last_layers`` leave eligible, the same weights as training. Not a
+            delayed-scaling recipe (evaluation would record its batches into the training's amax
+            histories) nor NVFP4 with hot-channel patching (the same). None (default): evaluation runs in
+            the training recipe (docs/precision.md, Evaluation precision).
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -405,6 +426,7 @@ class Config:
     keep_last_layers: int = 0
     rules: tuple[Rule, ...] = ()
     sr_seed: int | None = None
+    eval_recipe: object = None
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -475,6 +497,8 @@ class Config:
             if not isinstance(r, Rule):
                 raise TypeError(f"Config.rules[{i}] must be an fp8pass.Rule(pattern, recipe, backward=...), got {r!r}")
         object.__setattr__(self, "rules", tuple(rules))
+        if self.eval_recipe is not None:
+            _check_eval_recipe(self.eval_recipe)
 
     def rule_for(self, names) -> tuple[int, Rule] | None:
         """``(index, rule)`` of the first rule whose pattern matches one of ``names`` (FQNs), or None."""

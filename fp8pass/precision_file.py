@@ -31,12 +31,16 @@ try:
 except ImportError:  # Python 3.10: JSON files only
     tomllib = None
 
-from .config import HIGH, Config, Rule
+from dataclasses import fields
 
-__all__ = ["load_rules", "read_rules_data", "rules_from_data", "RULE_KEYS", "RECIPE_OVERRIDES"]
+from .config import HIGH, Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling, Rule
+
+__all__ = ["load_rules", "read_rules_data", "rules_from_data", "rules_to_data", "RULE_KEYS", "RECIPE_OVERRIDES"]
 
 RULE_KEYS = ("pattern", "recipe", "backward")
 RECIPE_OVERRIDES = ("fwd_format", "bwd_format", "smooth_swiglu", "grad_stochastic_rounding", "fast_accum")
+# scaling objects a recipe table may spell out (``scaling = {type = "DelayedScaling", history_len = 32}``)
+_SCALINGS = {c.__name__: c for c in (DelayedScaling, CurrentScaling, NVFP4Scaling, HotChannelPatching)}
 
 
 def load_rules(path) -> list[Rule]:
@@ -106,14 +110,74 @@ def rules_from_data(rules, source: str = "rules", lines: list[int] | None = None
     return out
 
 
+def rules_to_data(rules) -> list[dict]:
+    """Rules as plain data (JSON-able), the inverse of :func:`rules_from_data`: a recipe object is
+    written out as a ``scaling`` table (with the Config fields of a Config recipe)."""
+    out = []
+    for r in rules:
+        item = {"pattern": r.pattern, "recipe": _recipe_data(r.recipe)}
+        if r.backward != "fp8":
+            item["backward"] = r.backward
+        out.append(item)
+    return out
+
+
+def _scaling_data(obj) -> dict:
+    data = {"type": type(obj).__name__}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        data[f.name] = _scaling_data(v) if type(v).__name__ in _SCALINGS else list(v) if isinstance(v, tuple) else v
+    return data
+
+
+def _recipe_data(recipe):
+    if isinstance(recipe, str):
+        return recipe
+    if isinstance(recipe, Config):
+        return {"scaling": _scaling_data(recipe.recipe),
+                **{k: ("none" if k == "smooth_swiglu" and getattr(recipe, k) is None else getattr(recipe, k))
+                   for k in RECIPE_OVERRIDES}}
+    return {"scaling": _scaling_data(recipe)}
+
+
+def _scaling(value, where: str = "scaling"):
+    """A scaling object from its table ``{type = "DelayedScaling", <field> = ...}``."""
+    if not isinstance(value, dict) or value.get("type") not in _SCALINGS:
+        raise ValueError(f"{where} must be a table with type = one of {', '.join(_SCALINGS)}, got {value!r}")
+    cls = _SCALINGS[value["type"]]
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known - {"type"})
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)} of {cls.__name__}; valid: {', '.join(known)}")
+    kw = {k: v for k, v in value.items() if k != "type"}
+    if isinstance(kw.get("hcp"), dict):
+        kw["hcp"] = _scaling(kw["hcp"], f"{where}.hcp")
+    if isinstance(kw.get("post_qk_patterns"), list):
+        kw["post_qk_patterns"] = tuple(kw["post_qk_patterns"])
+    return cls(**kw)  # ValueError / TypeError naming a bad value
+
+
 def _recipe(value):
-    """A rule's ``recipe`` field: a name (checked by Rule) or a table of a named recipe with overrides."""
+    """A rule's ``recipe`` field: a name (checked by Rule), a table of a named recipe with overrides, or a
+    ``scaling`` table (a scaling object; with overrides, a Config of it)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, dict):
         raise ValueError(f"recipe must be a name or a table {{name = ..., <override> = ...}}, got {value!r}")
+    if "scaling" in value and "name" not in value:
+        unknown = sorted(set(value) - {"scaling", *RECIPE_OVERRIDES})
+        if unknown:
+            raise ValueError(f"recipe table: unknown field(s) {', '.join(unknown)}; valid: scaling, "
+                             f"{', '.join(RECIPE_OVERRIDES)}")
+        scaling = _scaling(value["scaling"])
+        overrides = {k: v for k, v in value.items() if k != "scaling"}
+        if not overrides:
+            return scaling
+        if overrides.get("smooth_swiglu", "") == "none":
+            overrides["smooth_swiglu"] = None
+        return Config(recipe=scaling, **overrides)
     if "name" not in value:
-        raise ValueError("a recipe table needs 'name' (a named recipe)")
+        raise ValueError("a recipe table needs 'name' (a named recipe) or 'scaling' (a scaling table)")
     name = value["name"]
     unknown = sorted(set(value) - {"name", *RECIPE_OVERRIDES})
     if unknown:
