@@ -16,14 +16,14 @@ import warnings
 import torch
 
 from .compile_backend import Backend, fp8_backend
-from .config import Config, Rule
+from .config import Config, Rule, Switch
 from .passes.names import _unwrapped
 from .passes.policy import unmatched_rules
 from .passes.uncompiled import compile_backend_of
 from .scaling_state import hook_precision_history
 from .switch_history import PrecisionSwitch, history, record, was_compiled
 
-__all__ = ["switch_precision", "precision_switches", "PrecisionSwitch"]
+__all__ = ["switch_precision", "precision_switches", "apply_schedule", "schedule_tag", "PrecisionSwitch"]
 
 
 def _fp8_backend_of(model) -> Backend | None | bool:
@@ -33,6 +33,16 @@ def _fp8_backend_of(model) -> Backend | None | bool:
     if isinstance(be, Backend):
         return be
     return True if be is fp8_backend else None
+
+
+def _compiled_model(model: torch.nn.Module, what: str) -> torch.nn.Module:
+    """The user's module of ``model``; ValueError when the fp8 backend never compiled it (nothing to switch)."""
+    target = _unwrapped(model)
+    if not (was_compiled(target) or _fp8_backend_of(model) or _fp8_backend_of(target)):
+        raise ValueError(f"{what}: {type(target).__name__} is not compiled with the fp8 backend, so no graph of it "
+                         f"can switch precision; compile it first: torch.compile(model, backend=\"fp8\") or "
+                         f"backend=fp8pass.backend(cfg) (or model.compile(backend=...))")
+    return target
 
 
 def _check_rules(rules, what: str = "switch_precision(model, rules)") -> tuple[Rule, ...]:
@@ -77,11 +87,7 @@ def switch_precision(model: torch.nn.Module, rules, *, reason: str = "", step: i
         raise ValueError(f"switch_precision: step must be an int >= 0 or None, got {step!r}")
     if not isinstance(reason, str):
         raise TypeError(f"switch_precision: reason must be a string, got {reason!r}")
-    target = _unwrapped(model)
-    if not (was_compiled(target) or _fp8_backend_of(model) or _fp8_backend_of(target)):
-        raise ValueError(f"switch_precision: {type(target).__name__} is not compiled with the fp8 backend, so no "
-                         f"graph of it can switch precision; compile it first: torch.compile(model, backend=\"fp8\") "
-                         f"or backend=fp8pass.backend(cfg) (or model.compile(backend=...))")
+    target = _compiled_model(model, "switch_precision")
     for pattern in unmatched_rules(Config(rules=rules), target):
         warnings.warn(f"fp8pass.switch_precision: rule pattern {pattern!r} matches no module or parameter of "
                       f"{type(target).__name__}; the rule decides nothing", UserWarning, stacklevel=2)
@@ -96,3 +102,47 @@ def precision_switches(model: torch.nn.Module) -> list[PrecisionSwitch]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"precision_switches(model) takes the model (an nn.Module), got {type(model).__name__}")
     return list(history(_unwrapped(model)))
+
+
+def schedule_tag(i: int, switch: Switch) -> str:
+    """The reason a scheduled switch is recorded with: ``"schedule[i]"``, then ``": <its reason>"``."""
+    return f"schedule[{i}]" + (f": {switch.reason}" if switch.reason else "")
+
+
+def apply_schedule(model: torch.nn.Module, step: int, total_steps: int | None = None, schedule=None
+                   ) -> list[PrecisionSwitch]:
+    """Make the switches of ``schedule`` that are due at ``step`` and not made yet; returns them (oldest first).
+
+    Call it before each training step (the trainer does). A switch is due when ``step`` reached its step
+    (``Switch.step(total_steps)``); it is made once: the model's history (restored from a checkpoint on
+    resume) records it with reason :func:`schedule_tag`, so a resumed run does not make it again.
+
+    Args:
+        model: the compiled model (as :func:`switch_precision` takes it).
+        step: the 0-based step about to run.
+        total_steps: the run's steps (needed by ``Switch(at_fraction=...)``).
+        schedule: a sequence of :class:`fp8pass.Switch`; default: ``Config.schedule`` of the fp8 backend
+            ``model`` is compiled with (a ``torch.compile`` wrapper or an in-place compile).
+
+    Raises:
+        ValueError: no ``schedule`` given and none found on the model's backend, or an ``at_fraction`` switch
+            without ``total_steps``; and as :func:`switch_precision`.
+    """
+    target = _compiled_model(model, "apply_schedule")
+    if schedule is None:
+        be = _fp8_backend_of(model)
+        if not isinstance(be, Backend):
+            raise ValueError("apply_schedule: pass schedule=[fp8pass.Switch(...), ...]; the model's Config.schedule "
+                             "is found only on a model compiled with fp8pass.backend(cfg) (the torch.compile wrapper "
+                             "or model.compile(...))")
+        schedule = be.config.schedule
+    schedule = Config(schedule=schedule).schedule  # validated (TypeError naming a bad entry)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"apply_schedule: step must be an int >= 0, got {step!r}")
+    made = {s.reason for s in history(target)}
+    out = []
+    for i, sw in enumerate(schedule):
+        tag = schedule_tag(i, sw)
+        if sw.step(total_steps) <= step and tag not in made:
+            out.append(switch_precision(model, list(sw.rules), reason=tag, step=step))
+    return out

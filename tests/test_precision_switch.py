@@ -144,3 +144,37 @@ def test_bad_switches_fail_clearly():
         fp8pass.switch_precision(f, [Rule("layers.9.*", "high")])
     assert any("'layers.9.*' matches no module or parameter of TinyLlama" in str(w.message) for w in caught)
     assert fp8pass.precision_switches(f)[0].rules == (Rule("layers.9.*", "high"),)
+
+
+def test_schedule_makes_each_due_switch_once():
+    from fp8pass import Switch
+
+    cfg = Config(schedule=[Switch([Rule("*", "high")], at_fraction=0.5, reason="tail in high precision"),
+                           Switch([Rule("layers.0.*", "paper")], at_step=1)])
+    f = torch.compile(_model(), backend=fp8pass.backend(cfg))  # found on the wrapper before its first call
+    assert fp8pass.apply_schedule(f, 0, 10) == []
+    (made,) = fp8pass.apply_schedule(f, 1, 10)
+    assert (made.step, made.reason, made.rules) == (1, "schedule[1]", (Rule("layers.0.*", "paper"),))
+    assert fp8pass.apply_schedule(f, 4, 10) == []  # made once; the fraction's step (5) not reached
+    (tail,) = fp8pass.apply_schedule(f, 7, 10)
+    assert (tail.step, tail.reason) == (7, "schedule[0]: tail in high precision")
+    assert [s.reason for s in fp8pass.precision_switches(f)] == ["schedule[1]", "schedule[0]: tail in high precision"]
+    # a model restored from a state dict holds the history: nothing due is made again
+    fresh = _model()
+    fp8pass.scaling_state.attach(fresh)
+    fresh.load_state_dict(f._orig_mod.state_dict())
+    g = torch.compile(fresh, backend=fp8pass.backend(cfg))
+    assert fp8pass.apply_schedule(g, 9, 10) == []
+
+    with pytest.raises(ValueError, match=r"needs the run's number of steps"):
+        fp8pass.apply_schedule(torch.compile(_model(), backend=fp8pass.backend(cfg)), 5)
+    with pytest.raises(ValueError, match="pass schedule="):
+        fp8pass.apply_schedule(torch.compile(_model(), backend="fp8"), 0)
+    with pytest.raises(ValueError, match="not compiled with the fp8 backend"):
+        fp8pass.apply_schedule(_model(), 3, schedule=cfg.schedule)
+    with pytest.raises(TypeError, match=r"Config.schedule\[0\] must be an fp8pass.Switch"):
+        Config(schedule=[{"at_step": 1}])
+    with pytest.raises(ValueError, match="exactly one of at_step"):
+        Switch([Rule("*", "high")], at_step=1, at_fraction=0.5)
+    with pytest.raises(ValueError, match=r"Switch.at_fraction must be a number in \[0, 1\]"):
+        Switch([Rule("*", "high")], at_fraction=1.5)
