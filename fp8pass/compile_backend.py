@@ -635,7 +635,8 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
     ``model`` may be the model as built, a ``torch.compile(model, backend=...)`` wrapper or a model
     compiled in place (``model.compile(backend=...)``, the Trainer / Accelerate / FSDP recipes): the
     model's own code is traced either way. Without ``config``, a model compiled with
-    ``fp8pass.backend(cfg)`` is planned with ``cfg``, else with the default ``Config()``.
+    ``fp8pass.backend(cfg)`` is planned with ``cfg``, else with the default ``Config()``; a model's
+    precision switches (``fp8pass.switch_precision``) put their rules before the Config's.
 
     Returns:
         a :class:`~fp8pass.passes.explain.Report`: ``swiglus``, ``linears``, ``skipped``,
@@ -658,6 +659,10 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
                 or type(compiled_with).__name__)
         notes.append(f"the model is compiled with backend {name!r}, not fp8pass's: this report shows what "
                      f"backend=\"fp8\" (or fp8pass.backend(config)) would do")
+    if isinstance(target, torch.nn.Module) and switch_epoch(target):  # fp8pass.switch_precision: the plan it runs now
+        config = switched_config(config or Config(), target)
+        notes.append(f"the model's {switch_epoch(target)} precision switch(es) put their rules first (rules[0] ...); "
+                     f"fp8pass.precision_switches(model) lists them")
     be = Backend(config)
     records = []
     graph_inputs: set[int] = set()  # every tensor a graph was called with (expert stacks in no graph)

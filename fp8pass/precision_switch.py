@@ -16,9 +16,10 @@ import warnings
 import torch
 
 from .compile_backend import Backend, fp8_backend
-from .config import Config, Rule, Switch
+from .config import Config, DelayedScaling, Rule, Switch
 from .passes.names import _unwrapped
-from .passes.policy import unmatched_rules
+from .passes.policy import module_fqn, unmatched_rules
+from .runtime.state import _REGISTRY as _DELAYED_STATES
 from .passes.uncompiled import compile_backend_of
 from .scaling_state import hook_precision_history
 from .switch_history import PrecisionSwitch, history, record, was_compiled
@@ -43,6 +44,27 @@ def _compiled_model(model: torch.nn.Module, what: str) -> torch.nn.Module:
                          f"can switch precision; compile it first: torch.compile(model, backend=\"fp8\") or "
                          f"backend=fp8pass.backend(cfg) (or model.compile(backend=...))")
     return target
+
+
+def _check_delayed_states(model, target: torch.nn.Module, rules: tuple[Rule, ...]) -> None:
+    """A weight with delayed-scaling state keeps its delayed recipe for life (its state, made for that
+    recipe, is what it casts with): refuse a switch giving it another one, naming the weight."""
+    be = _fp8_backend_of(model) or _fp8_backend_of(target)
+    base = be.config if isinstance(be, Backend) else Config()
+    switched = Config(rules=rules)
+    for name, p in target.named_parameters():
+        st = _DELAYED_STATES.get(p)
+        found = switched.rule_for([module_fqn(name), name]) if st is not None else None
+        if found is None or not isinstance(found[1].scaling, DelayedScaling):
+            continue
+        site = found[1].site_config(base)
+        fwd, bwd = (f if f != "identity" else d for f, d in ((site.fwd_format, "e4m3"), (site.bwd_format, "e5m2")))
+        if site.recipe != st.recipe or (st.input.fmt.name, st.grad_output.fmt.name) != (fwd, bwd):
+            raise ValueError(
+                f"switch_precision: rules[{found[0]}] {found[1].describe()} gives {name} the delayed recipe "
+                f"{site.recipe} ({fwd}/{bwd}), but its delayed-scaling state was made for {st.recipe} "
+                f"({st.input.fmt.name}/{st.grad_output.fmt.name}) and a weight keeps one delayed recipe; give it "
+                f"that recipe, a current-scaling one ('blockwise', 'mxfp8', CurrentScaling(...)) or 'high'")
 
 
 def _check_rules(rules, what: str = "switch_precision(model, rules)") -> tuple[Rule, ...]:
@@ -88,6 +110,7 @@ def switch_precision(model: torch.nn.Module, rules, *, reason: str = "", step: i
     if not isinstance(reason, str):
         raise TypeError(f"switch_precision: reason must be a string, got {reason!r}")
     target = _compiled_model(model, "switch_precision")
+    _check_delayed_states(model, target, rules)
     for pattern in unmatched_rules(Config(rules=rules), target):
         warnings.warn(f"fp8pass.switch_precision: rule pattern {pattern!r} matches no module or parameter of "
                       f"{type(target).__name__}; the rule decides nothing", UserWarning, stacklevel=2)

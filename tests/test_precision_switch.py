@@ -93,6 +93,11 @@ def test_switch_recompiles_once_and_keeps_the_state_of_untouched_weights():
         _step(fa, a)
     assert be_a.compiles == 2  # no compile after the switch's one
     assert int(left.input.steps) == 2
+    # a weight keeps its delayed recipe: another one is refused, naming the weight, and nothing is recorded
+    with pytest.raises(ValueError, match=r"gives layers.0.self_attn.q_proj.weight the delayed recipe "
+                                         r"DelayedScaling\(history_len=1024.*a weight keeps one delayed recipe"):
+        fp8pass.switch_precision(fa, [Rule("layers.0.*", "delayed")])
+    assert len(fp8pass.precision_switches(a)) == 1
 
 
 def test_history_in_state_dict_and_in_place_compile():
@@ -118,6 +123,11 @@ def test_history_in_state_dict_and_in_place_compile():
         assert [r.site_config(cfg) if r.recipe != "high" else r for r in g.rules] == \
                [r.site_config(cfg) if r.recipe != "high" else r for r in w.rules]
     assert got[0].rules[0] == Rule("layers.0.*", "blockwise", backward="high")
+    # explain plans with the switches' rules first (newest first)
+    rep = fp8pass.explain(m, X)
+    assert "(rules[0] '*.o_proj' -> CurrentScaling(" in rep.decided_by["layers.0.self_attn.o_proj.weight"]
+    assert "(rules[1] '*' -> Config(DelayedScaling, e4m3/e5m2))" in rep.decided_by["layers.0.self_attn.q_proj.weight"]
+    assert any("2 precision switch(es)" in n for n in rep.notes)
     # a model that is not to train in FP8 loads the state dict without it
     assert "fp8_precision_switches" not in fp8pass.scaling_state.without_scaling_state(sd)
 
