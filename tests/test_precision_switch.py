@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8pass  # noqa: E402
-from fp8pass import Config, Rule  # noqa: E402
+from fp8pass import Config, DelayedScaling, Rule  # noqa: E402
 from fp8pass.runtime.state import _REGISTRY  # noqa: E402
 from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
 
@@ -98,6 +98,51 @@ def test_switch_recompiles_once_and_keeps_the_state_of_untouched_weights():
                                          r"DelayedScaling\(history_len=1024.*a weight keeps one delayed recipe"):
         fp8pass.switch_precision(fa, [Rule("layers.0.*", "delayed")])
     assert len(fp8pass.precision_switches(a)) == 1
+
+
+class BreakingLayer(torch.nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(d, d, bias=False)
+        self.o_proj = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        x = self.q_proj(x)
+        torch._dynamo.graph_break()  # each layer's halves are frames Dynamo reuses for every layer
+        return self.o_proj(x)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(BreakingLayer() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_switch_compiles_only_the_graphs_whose_rewrite_changed():
+    """Graph breaks: Dynamo reuses each layer's two frames for all four layers. Switching one layer costs
+    one compile per graph of that layer; switching it back to the plan it had costs none."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(2, 3, 32)
+    be = fp8pass.backend(Config(min_dim=16, compiler="eager", grad_stochastic_rounding=False))
+    fwd = torch.compile(model, backend=be)
+    for _ in range(2):
+        fwd(x).sum().backward()
+    assert be.compiles == 3  # the model's frame and the layer's two halves
+    fp8pass.switch_precision(model, [Rule("layers.1.*", "high")])
+    for _ in range(2):
+        fwd(x).sum().backward()
+    assert be.compiles == 5  # layer 1's two graphs, once
+    kept = {w for r in be.records[-8:] for w, why in r.report.skipped if "rules[0]" in why}
+    assert kept == {"layers.1.q_proj.weight", "layers.1.o_proj.weight"}
+    fp8pass.switch_precision(model, [Rule("layers.1.*", DelayedScaling())])  # back to its first plan
+    fwd(x).sum().backward()
+    assert be.compiles == 5
+    assert [len(s.rules) for s in fp8pass.precision_switches(model)] == [1, 1]
 
 
 def test_history_in_state_dict_and_in_place_compile():
