@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8pass  # noqa: E402
 from fp8pass import Config, DelayedScaling, Rule  # noqa: E402
+from fp8pass.integrity import CheckpointError  # noqa: E402
 from fp8pass.runtime.state import _REGISTRY  # noqa: E402
 from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
 
@@ -145,7 +146,7 @@ def test_switch_compiles_only_the_graphs_whose_rewrite_changed():
     assert [len(s.rules) for s in fp8pass.precision_switches(model)] == [1, 1]
 
 
-def test_history_in_state_dict_and_in_place_compile():
+def test_history_in_state_dict_and_in_place_compile(tmp_path):
     """model.compile(backend="fp8") in place: the switch applies, and the history saves and loads with the
     model's state dict (so checkpoints carry it) into a fresh model."""
     m = _model()
@@ -173,6 +174,15 @@ def test_history_in_state_dict_and_in_place_compile():
     assert "(rules[0] '*.o_proj' -> CurrentScaling(" in rep.decided_by["layers.0.self_attn.o_proj.weight"]
     assert "(rules[1] '*' -> Config(DelayedScaling, e4m3/e5m2))" in rep.decided_by["layers.0.self_attn.q_proj.weight"]
     assert any("2 precision switch(es)" in n for n in rep.notes)
+    # fp8pass.checkpoint.save / load carry it; a damaged one is refused naming the key, before anything loads
+    fp8pass.checkpoint.save(tmp_path / "ck.pt", m)
+    again = _model(2)
+    fp8pass.checkpoint.load(tmp_path / "ck.pt", again)
+    assert [(s.step, s.reason) for s in fp8pass.precision_switches(again)] == [(0, "a"), (None, "b")]
+    bad = {**sd, "fp8_precision_switches": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    with pytest.raises(CheckpointError, match="fp8_precision_switches: not the JSON of a precision-switch history"):
+        fp8pass.load_checkpoint_state(_model(2), None, {"model": bad, "optimizer": None,
+                                                        "rng": fp8pass.checkpoint.torch_rng_state()})
     # a model that is not to train in FP8 loads the state dict without it
     assert "fp8_precision_switches" not in fp8pass.scaling_state.without_scaling_state(sd)
 

@@ -26,7 +26,7 @@ from ..checkpoint import check_weights, load_file, save_file, set_torch_rng_stat
 from ..config import DelayedScaling, NVFP4Scaling
 from ..integrity import CheckpointError
 from ..precision_file import rules_from_data, schedule_from_data
-from ..switch_history import HISTORY_KEY, history_from_tensor
+from ..switch_history import HISTORY_KEY
 from ..optim.state_check import check_optimizer_state
 from ..scaling_checks import HCP_KEY, SCALING_KEY, SR_KEY, check_model_state_dict, check_scaling_state_dict
 from .model import ModelConfig, TinyLlama
@@ -174,14 +174,9 @@ def validate_checkpoint(ckpt) -> None:
         raise CheckpointError("model: expected a state dict")
     marker = f".{SCALING_KEY}."
     state_keys = [k for k in msd if marker in k or f".{HCP_KEY}." in k or f".{SR_KEY}." in k]
-    if HISTORY_KEY in msd:  # the model's precision switches (fp8pass.switch_precision)
-        if fp8 is None:
-            raise CheckpointError(f"model.{HISTORY_KEY}: precision switches in a run of recipe {config.get('recipe')!r}, "
-                                  "which has no FP8 linears")
-        try:
-            history_from_tensor(msd[HISTORY_KEY], f"model.{HISTORY_KEY}")
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
+    if HISTORY_KEY in msd and fp8 is None:  # the model's precision switches (checked with the state below)
+        raise CheckpointError(f"model.{HISTORY_KEY}: precision switches in a run of recipe {config.get('recipe')!r}, "
+                              "which has no FP8 linears")
     weights = {k: v for k, v in msd.items() if k not in set(state_keys) and k != HISTORY_KEY}
     extra, absent = sorted(set(weights) - set(want)), sorted(set(want) - set(weights))
     if extra or absent:
