@@ -18,6 +18,11 @@ from fp8pass.train.loop import evaluate
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, ffn=64, max_seq_len=32)
 SWITCH = [{"at_step": 3, "rules": [{"pattern": "layers.0.*", "recipe": "high"}], "reason": "block 0 to high"}]
+# "blocks back to FP8": block 0 starts high by a rule, and the switch gives it TE's delayed recipe (histories of
+# 1024 entries beside the fp8 recipe's 16)
+BACK = dict(precision_rules=[{"pattern": "layers.0.*", "recipe": "high"}],
+            precision_schedule=[{"at_step": 3, "rules": [{"pattern": "layers.0.*", "recipe": "delayed"}],
+                                 "reason": "block 0 to FP8"}])
 
 
 @pytest.fixture
@@ -40,27 +45,31 @@ def _records(run_dir, kind):
 
 
 @pytest.mark.slow
-def test_resume_after_a_scheduled_switch_is_bit_identical(tmp_path, corpus):
+@pytest.mark.parametrize("kw", [dict(precision_schedule=SWITCH), BACK], ids=["to_high", "back_to_fp8"])
+def test_resume_after_a_scheduled_switch_is_bit_identical(tmp_path, corpus, kw):
     warnings.simplefilter("ignore")
-    full = train(cfg(tmp_path, corpus, "full", precision_schedule=SWITCH))
+    full = train(cfg(tmp_path, corpus, "full", **kw))
     torch._dynamo.reset()
-    plain = train(cfg(tmp_path, corpus, "plain"))
+    plain = train(cfg(tmp_path, corpus, "plain", **{k: v for k, v in kw.items() if k != "precision_schedule"}))
     torch._dynamo.reset()
     # the switch acts from step index 3 on: the same losses before it, others after
     assert full.losses[:3] == plain.losses[:3] and full.losses[3] != plain.losses[3]
-    part = train(cfg(tmp_path, corpus, "part", steps=4, precision_schedule=SWITCH))
+    part = train(cfg(tmp_path, corpus, "part", steps=4, **kw))
     torch._dynamo.reset()
     torch.manual_seed(99)
-    resumed = train(cfg(tmp_path, corpus, "part", precision_schedule=SWITCH), resume=True)
+    resumed = train(cfg(tmp_path, corpus, "part", **kw), resume=True)
     assert part.losses + resumed.losses == full.losses
     # recorded once, in the metrics and in the checkpoint's model state (the resume did not switch again)
+    sw = kw["precision_schedule"][0]
+    reason = f"schedule[0]: {sw['reason']}"
     assert [(r["step"], r["reason"], r["rules"]) for r in _records(tmp_path / "part", "precision_switch")] == \
-        [(4, "schedule[0]: block 0 to high", SWITCH[0]["rules"])]
+        [(4, reason, sw["rules"])]
     ck = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
     model = TinyLlama(SMALL)
-    fp8pass.scaling_state.attach(model)
+    # the run's Config; loading the history re-attaches the modules under the switched rules (1024 entries)
+    fp8pass.scaling_state.attach(model, cfg(tmp_path, corpus, "part", **kw).fp8_config())
     model.load_state_dict(ck["model"])
-    assert [(s.step, s.reason) for s in fp8pass.precision_switches(model)] == [(3, "schedule[0]: block 0 to high")]
+    assert [(s.step, s.reason) for s in fp8pass.precision_switches(model)] == [(3, reason)]
 
 
 def test_eval_recipe_high_validates_like_the_eager_model(tmp_path, corpus):

@@ -15,6 +15,7 @@ from ..integrity import CheckpointError, atomic_write
 from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..precision_file import rules_from_data, rules_to_data, schedule_from_data
 from ..precision_switch import apply_schedule
+from ..scaling_checks import SCALING_KEY
 from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
@@ -352,7 +353,9 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
     fwd = fp8_forward() if fp8_on or not recipe.fp8 else prepare_model(
         model, get_recipe("bf16"), compile_bf16=cfg.compile_bf16)  # ramp-up: high precision until fp8_start_step
     if ckpt is not None:
-        if ckpt.get("scaling"):
+        # the model state carries the scaling state, each weight's under its own rule's recipe (loaded above);
+        # the separate copy is read only from checkpoints whose model state lacks it
+        if ckpt.get("scaling") and not any(f".{SCALING_KEY}." in k for k in ckpt["model"]):
             _load_scaling_state(model, ckpt["scaling"], cfg)
         set_rng_state(ckpt["rng"])
 
