@@ -97,3 +97,37 @@ def test_bad_trainer_precision_options(tmp_path, corpus):
         cfg(tmp_path, corpus, "x", precision_schedule=[{"rules": SWITCH[0]["rules"]}])
     with pytest.raises(ValueError, match=r"switch\[0\]: rules\[0\]: Rule\('\*'\): unknown recipe 'bf16'"):
         cfg(tmp_path, corpus, "x", precision_schedule=[{"at_step": 1, "rules": [{"pattern": "*", "recipe": "bf16"}]}])
+
+
+def test_cli_precision_schedule_and_eval_recipe(tmp_path, corpus, capsys):
+    from fp8pass.cli import main
+
+    n = torch.get_num_threads()
+    (tmp_path / "p.toml").write_text(
+        '[[rules]]\npattern = "layers.1.*"\nrecipe = "blockwise"\n\n'
+        '[[switch]]\nat_fraction = 0.5\nreason = "bf16 forward for the second half"\n'
+        'rules = [{ pattern = "*", recipe = "high" }]\n')
+    out = tmp_path / "cli"
+    args = ["train", "--recipe", "fp8", "--steps", "2", "--out", str(out), "--data", corpus, "--batch-size", "2",
+            "--seq-len", "32", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--ffn", "64",
+            "--eval-every", "2", "--monitor-every", "0", "--compiler", "aot_eager", "--no-progress", "--no-plots",
+            "--precision-config", str(tmp_path / "p.toml"), "--eval-recipe", "high"]
+    try:
+        warnings.simplefilter("ignore")
+        assert main(args) == 0
+        saved = json.loads((out / "fp8" / "config.json").read_text())
+        assert saved["eval_recipe"] == "high"
+        assert saved["precision_rules"] == [{"pattern": "layers.1.*", "recipe": "blockwise"}]
+        assert saved["precision_schedule"] == [{"at_fraction": 0.5, "reason": "bf16 forward for the second half",
+                                                "rules": [{"pattern": "*", "recipe": "high"}]}]
+        (switch,) = _records(out / "fp8", "precision_switch")
+        assert (switch["step"], switch["reason"]) == (2, "schedule[0]: bf16 forward for the second half")
+        (ev,) = _records(out / "fp8", "eval")
+        # after the switch to "high" both validations run the same high-precision math on the same weights
+        assert ev["val_loss"] == ev["val_loss_eval_recipe"]
+        assert main(["train", "--resume", str(out / "fp8"), "--eval-recipe", "mxfp8"]) == 2
+        assert "only --steps may change (got --eval-recipe)" in capsys.readouterr().err
+        assert main(args[:-1] + ["paper"]) == 2
+        assert "keeps state" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(n)
