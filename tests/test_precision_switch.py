@@ -67,9 +67,12 @@ def test_switch_recompiles_once_and_keeps_the_state_of_untouched_weights():
     sw = fp8pass.switch_precision(fa, [Rule("layers.1.*", "high")], reason="layer 1 high", step=2)
     assert (sw.step, sw.reason, sw.rules) == (2, "layer 1 high", (Rule("layers.1.*", "high"),))
     assert be_a.compiles == 1  # nothing happens before the model's next call
+    dynamo_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert dynamo_graphs >= 2  # the counter counts: fa's graph and fb's
     _step(fa, a)
     _step(fb, b)
-    assert be_a.compiles == 2  # one recompile of the model's one graph
+    assert be_a.compiles == 2  # one recompile of the model's one graph, by the backend:
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == dynamo_graphs  # Dynamo sees no change
     assert _fp8_calls(be_a) < fp8_before
     skipped = dict(be_a.records[-1].report.skipped)
     assert skipped["layers.1.self_attn.q_proj.weight"] == "kept in high precision by rules[0] 'layers.1.*' -> high"
