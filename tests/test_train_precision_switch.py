@@ -125,6 +125,7 @@ def test_cli_precision_schedule_and_eval_recipe(tmp_path, corpus, capsys):
         (ev,) = _records(out / "fp8", "eval")
         # after the switch to "high" both validations run the same high-precision math on the same weights
         assert ev["val_loss"] == ev["val_loss_eval_recipe"]
+        assert f"fp8: val loss in eval recipe 'high' {ev['val_loss_eval_recipe']:.4f}" in capsys.readouterr().out
         assert main(["train", "--resume", str(out / "fp8"), "--eval-recipe", "mxfp8"]) == 2
         assert "only --steps may change (got --eval-recipe)" in capsys.readouterr().err
         assert main(args[:-1] + ["paper"]) == 2

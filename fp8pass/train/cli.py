@@ -241,6 +241,10 @@ def run_train(args) -> int:
     for r, (cfg, _) in zip(results, jobs):
         print(f"{cfg.recipe:22s} {r.status:9s} {r.steps:6d} {r.final_loss:11.4f} {r.final_val_loss:9.4f} "
               f"{r.step_tokens_per_s:9.0f} {r.wall_s:7.1f}")
+    for r, (cfg, _) in zip(results, jobs):
+        if cfg.eval_recipe is not None:
+            print(f"{cfg.recipe}: val loss in eval recipe {cfg.eval_recipe!r} {r.final_val_loss_eval_recipe:.4f} "
+                  f"(training recipe {r.final_val_loss:.4f})")
     if len(results) > 1:
         base = results[0].final_val_loss
         for r, (cfg, _) in list(zip(results, jobs))[1:]:
