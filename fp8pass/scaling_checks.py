@@ -24,6 +24,7 @@ from .integrity import CheckpointError
 from .runtime.hcp import HCP_FIELDS
 from .runtime.sr import KEY_LIMIT
 from .runtime.state import ROLES
+from .switch_history import HISTORY_KEY, history_from_tensor
 
 __all__ = ["check_delayed_state", "check_hcp_state", "check_sr_stream", "check_model_state_dict",
            "check_scaling_state_dict", "SCALING_KEY", "HCP_KEY", "SR_KEY", "MAX_COUNTER"]
@@ -135,7 +136,8 @@ def check_model_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Mappi
 
     Args:
         state_dict: a ``model.state_dict()`` with ``"<param>.fp8_scaling.<role>.<field>"`` /
-            ``"<param>.fp8_hcp.<field>"`` entries (other keys are ignored).
+            ``"<param>.fp8_hcp.<field>"`` entries and the precision-switch history ``"fp8_precision_switches"``
+            (other keys are ignored).
         shapes: the model's parameter shapes by FQN (default: not compared).
         history_len: the recipe's history length (default: consistent within each weight).
 
@@ -145,6 +147,12 @@ def check_model_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Mappi
     """
     groups: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, v in state_dict.items():
+        if key.rsplit(".", 1)[-1] == HISTORY_KEY:
+            try:
+                history_from_tensor(v, key)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            continue
         if f".{SR_KEY}." in key:
             if not key.endswith(f".{SR_KEY}.stream"):
                 raise CheckpointError(f"{key}: a stochastic-rounding entry must be '<param>.{SR_KEY}.stream'")

@@ -137,21 +137,24 @@ def scaling_recipe(name: str):
 
 
 def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "channel",
-               compiler: str = "inductor", rules=()):
+               compiler: str = "inductor", rules=(), eval_recipe=None, schedule=()):
     """The backend ``Config`` for an fp8 recipe (a named recipe's own, with ``compiler``); ``rules``:
-    ``Config.rules`` (``--precision-config``)."""
+    ``Config.rules`` (``--precision-config``); ``eval_recipe``, ``schedule``: ``Config.eval_recipe``
+    (``--eval-recipe``) and ``Config.schedule`` (the precision config's ``[[switch]]`` tables)."""
     import fp8pass
+    extra = dict(compiler=compiler, rules=tuple(rules), eval_recipe=eval_recipe, schedule=tuple(schedule))
     if recipe.named:
-        return fp8pass.Config.from_recipe(recipe.name, compiler=compiler, rules=tuple(rules))
+        return fp8pass.Config.from_recipe(recipe.name, **extra)
     if not hasattr(fp8pass, "Config"):
         raise RuntimeError(f"recipe {recipe.name!r} needs fp8pass.Config and fp8pass.backend, which this "
                            "installation of fp8pass lacks; use --recipe bf16")
     return fp8pass.Config(recipe=scaling_recipe(scaling), smooth_swiglu=smooth_mode if recipe.smooth else None,
-                          compiler=compiler, rules=tuple(rules))
+                          **extra)
 
 
 def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "delayed",
-                  smooth_mode: str = "channel", compile_bf16: bool = False, compiler: str = "inductor", rules=()):
+                  smooth_mode: str = "channel", compile_bf16: bool = False, compiler: str = "inductor", rules=(),
+                  eval_recipe=None, schedule=()):
     """Return the callable the loop trains through (``model`` itself, or its compiled wrapper).
 
     The fp8 recipes compile with ``fp8pass.backend(Config(...))``; the bf16 recipe runs eager unless
@@ -159,7 +162,7 @@ def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "del
     """
     if recipe.fp8:
         import fp8pass
-        cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules)
+        cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules, eval_recipe, schedule)
         return torch.compile(model, backend=fp8pass.backend(cfg))
     if compile_bf16:
         return torch.compile(model)
