@@ -47,6 +47,7 @@ from benchmarks.train_step import SHAPES, build, record_partitions, saved_bytes,
 VARIANTS = {  # name -> (training recipe, compile the bf16 recipe with Inductor, backend Config overrides)
     "bf16 inductor": ("bf16", True, {}),
     "fp8-smooth-fp8adam": ("fp8-smooth-fp8adam", False, {}),
+    "fp8 + recompute_glu_output": ("fp8-smooth-fp8adam", False, {"recompute_glu_output": True}),
 }
 BASE, FP8 = "bf16 inductor", "fp8-smooth-fp8adam"
 DEFAULT_VARIANTS = tuple(VARIANTS)

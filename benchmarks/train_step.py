@@ -34,7 +34,6 @@ import operator
 import os
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8pass  # noqa: E402,F401
 from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds  # noqa: E402
 from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
-from fp8pass.train.recipes import build_optimizer, fp8_config, get_recipe, prepare_model  # noqa: E402
+from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model  # noqa: E402
 
 SHAPES = {
     "tiny": dict(d_model=256, ffn=672, n_heads=4, n_layers=4, batch=8, seq=256),
@@ -192,10 +191,7 @@ def build(shape: str, name: str, device: str, dtype: torch.dtype, spec: tuple | 
     torch.manual_seed(0)
     model = TinyLlama(cfg).to(device)
     recipe = get_recipe(recipe_name)
-    if overrides and overrides[0]:
-        fwd = torch.compile(model, backend=fp8pass.backend(replace(fp8_config(recipe), **overrides[0])))
-    else:
-        fwd = prepare_model(model, recipe, compile_bf16=compile_bf16)
+    fwd = prepare_model(model, recipe, compile_bf16=compile_bf16, backend_options=overrides[0] if overrides else None)
     opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1)
 
     def loss_fn():

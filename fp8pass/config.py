@@ -387,6 +387,12 @@ class Config:
             ``keep_high_precision`` and ``keep_first_layers``/``keep_last_layers``, which keep their
             linears high whatever a rule says; a rule's ``"high"`` keeps more (docs/precision.md).
             ``fp8pass.load_rules(path)`` reads them from a TOML or JSON file.
+        recompute_glu_output: memory (docs/runtime.md, Saved for backward): backward recomputes each FP8
+            GLU's output (the down projection's operand, smoothed) from the FP8 gate and up outputs it
+            keeps anyway, and casts it with forward's scale, instead of keeping its E4M3 codes: 1 byte
+            per GLU element (``tokens x ffn``) less saved per GLU, one more elementwise pass in backward;
+            its wgrad then sees gate/up's E4M3 rounding too. Per-tensor FP8 GLUs only (a GLU with
+            row/block scales keeps its codes); MoE expert stacks keep theirs.
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -405,6 +411,7 @@ class Config:
     keep_last_layers: int = 0
     rules: tuple[Rule, ...] = ()
     sr_seed: int | None = None
+    recompute_glu_output: bool = False
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -445,6 +452,7 @@ class Config:
             if self.sr_seed >= 2**63:
                 raise ValueError(f"Config.sr_seed must be an int in [0, 2**63) or None, got {self.sr_seed!r}")
         _check_bool("Config.fast_accum", self.fast_accum)
+        _check_bool("Config.recompute_glu_output", self.recompute_glu_output)
         keep = self.keep_high_precision
         if isinstance(keep, str):  # a lone glob would otherwise be iterated character by character
             keep = (keep,)

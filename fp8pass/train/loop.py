@@ -82,6 +82,8 @@ class TrainConfig:
         fp8_start_step: FP8 ramp-up: an fp8 recipe trains its first ``fp8_start_step`` steps in high
             precision (the bf16 recipe's path) and compiles with the FP8 backend from that step on; the
             FP8 scales start from the first FP8 step's amaxes. 0 (default): FP8 from the start.
+        recompute_glu_output: fp8 recipes: ``fp8pass.Config.recompute_glu_output`` (each GLU's output
+            recomputed in backward from its FP8 gate/up instead of kept: less memory saved for backward).
         precision_rules: per-module precision rules (``fp8pass.Config.rules``) as plain data, the
             ``rules`` list of a precision config file (``--precision-config FILE``; docs/precision.md):
             kept in the run's config, so a resume runs the same rules. fp8 recipes only.
@@ -124,6 +126,7 @@ class TrainConfig:
     fp8_start_step: int = 0
     loss_scale: str | float | None = None
     precision_rules: list = field(default_factory=list)
+    recompute_glu_output: bool = False
     max_data_bytes: int | None = None
     progress: bool = True
 
@@ -160,6 +163,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.recompute_glu_output, bool):
+            raise ValueError(f"recompute_glu_output must be True or False, got {self.recompute_glu_output!r}")
+        if self.recompute_glu_output and not recipe.fp8:
+            raise ValueError(f"recompute_glu_output applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 GLUs")
         if self.precision_rules and not recipe.fp8:
             raise ValueError(f"precision rules apply to the fp8 recipes; recipe {self.recipe!r} has no FP8 linears")
         self.fp8_rules()  # a bad rule fails here, naming it
@@ -312,7 +319,8 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
 
     def fp8_forward():
         return prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth,
-                             compile_bf16=cfg.compile_bf16, compiler=cfg.compiler, rules=cfg.fp8_rules())
+                             compile_bf16=cfg.compile_bf16, compiler=cfg.compiler, rules=cfg.fp8_rules(),
+                             backend_options={"recompute_glu_output": True} if cfg.recompute_glu_output else None)
 
     fp8_on = recipe.fp8 and start >= cfg.fp8_start_step
     fwd = fp8_forward() if fp8_on or not recipe.fp8 else prepare_model(

@@ -137,29 +137,35 @@ def scaling_recipe(name: str):
 
 
 def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "channel",
-               compiler: str = "inductor", rules=()):
+               compiler: str = "inductor", rules=(), **options):
     """The backend ``Config`` for an fp8 recipe (a named recipe's own, with ``compiler``); ``rules``:
-    ``Config.rules`` (``--precision-config``)."""
+    ``Config.rules`` (``--precision-config``); ``options``: other Config fields (e.g.
+    ``recompute_glu_output=True``)."""
     import fp8pass
     if recipe.named:
-        return fp8pass.Config.from_recipe(recipe.name, compiler=compiler, rules=tuple(rules))
+        return fp8pass.Config.from_recipe(recipe.name, compiler=compiler, rules=tuple(rules), **options)
     if not hasattr(fp8pass, "Config"):
         raise RuntimeError(f"recipe {recipe.name!r} needs fp8pass.Config and fp8pass.backend, which this "
                            "installation of fp8pass lacks; use --recipe bf16")
     return fp8pass.Config(recipe=scaling_recipe(scaling), smooth_swiglu=smooth_mode if recipe.smooth else None,
-                          compiler=compiler, rules=tuple(rules))
+                          compiler=compiler, rules=tuple(rules), **options)
 
 
 def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "delayed",
-                  smooth_mode: str = "channel", compile_bf16: bool = False, compiler: str = "inductor", rules=()):
+                  smooth_mode: str = "channel", compile_bf16: bool = False, compiler: str = "inductor", rules=(),
+                  backend_options: dict | None = None):
     """Return the callable the loop trains through (``model`` itself, or its compiled wrapper).
 
-    The fp8 recipes compile with ``fp8pass.backend(Config(...))``; the bf16 recipe runs eager unless
-    ``compile_bf16`` (then plain Inductor, for a like-for-like speed comparison).
+    The fp8 recipes compile with ``fp8pass.backend(Config(...))`` (``backend_options``: more Config
+    fields); the bf16 recipe runs eager unless ``compile_bf16`` (then plain Inductor, for a
+    like-for-like speed comparison).
     """
+    if backend_options and not recipe.fp8:
+        raise ValueError(f"backend options {sorted(backend_options)} apply to the fp8 recipes; recipe "
+                         f"{recipe.name!r} does not compile with the FP8 backend")
     if recipe.fp8:
         import fp8pass
-        cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules)
+        cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules, **(backend_options or {}))
         return torch.compile(model, backend=fp8pass.backend(cfg))
     if compile_bf16:
         return torch.compile(model)
