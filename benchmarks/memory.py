@@ -16,7 +16,8 @@ ffn 5632, 2 layers, 1 x 2048 tokens: the matmuls of a 7B layer). For each varian
   (parameters, buffers, optimizer state: what the model holds between steps) + the highest running
   sum of the records during the second step. The profiler does not see frees of blocks allocated
   before it started, so a free of one of those (none expected: those are the resident tensors) would
-  make the CPU figure an upper bound. Memory outside the allocator (oneDNN scratch, code) is not in it;
+  make the CPU figure an upper bound. Memory outside the allocator (oneDNN scratch, code) is not in it.
+  On CPU the ops around the peak's allocation are printed too (where in the step the peak is);
 * median step time, interleaved round by round with the other variants, and its ratio to the
   baseline and to ``fp8-smooth-fp8adam``: what each memory choice costs in time, in the same run.
 
@@ -71,8 +72,9 @@ def resident_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return _tensor_bytes([*model.parameters(), *model.buffers(), *state])
 
 
-def step_peak_bytes(step, model, opt, device: str) -> int:
-    """Peak bytes allocated during one whole ``step()`` (see the module doc for how, per device)."""
+def step_peak_bytes(step, model, opt, device: str) -> tuple[int, str]:
+    """Peak bytes allocated during one whole ``step()`` (see the module doc for how, per device) and,
+    on CPU, the ops the step was in when it was reached (:func:`profiled_peak_at`)."""
     opt.zero_grad(set_to_none=True)
     gc.collect()
     if torch.device(device).type == "cuda":
@@ -80,12 +82,19 @@ def step_peak_bytes(step, model, opt, device: str) -> int:
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-    return resident_bytes(model, opt) + _profiled_peak(step)
+        return torch.cuda.max_memory_allocated(), "-"
+    peak, where = profiled_peak_at(step)
+    return resident_bytes(model, opt) + peak, where
 
 
 def _profiled_peak(step) -> int:
     """Highest running sum of the profiler's allocation records during the second of two steps."""
+    return profiled_peak_at(step)[0]
+
+
+def profiled_peak_at(step) -> tuple[int, str]:
+    """:func:`_profiled_peak` and where the step was when it was reached: the outermost and the
+    innermost op the profiler recorded around that allocation (``outer > inner``)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -94,24 +103,32 @@ def _profiled_peak(step) -> int:
         step()
         with record_function(marker):
             step()
-    allocs, window = [], None
+    allocs, window, measured = [], None, None
     todo = list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         node = todo.pop()
         if node.tag == _EventType.Allocation:
-            allocs.append((node.start_time_ns, node.extra_fields.alloc_size))
+            allocs.append((node.start_time_ns, node.extra_fields.alloc_size, node))
         elif node.name == marker:
-            window = (node.start_time_ns, node.end_time_ns)
+            window, measured = (node.start_time_ns, node.end_time_ns), node
         todo.extend(node.children)
     if window is None:
         raise RuntimeError("memory.py: the profiler recorded no measured step; cannot take the CPU peak")
-    allocs.sort()
-    running, peak = 0, None
-    for t, nbytes in allocs:
+    allocs.sort(key=lambda a: a[0])
+    running, peak, at = 0, None, None
+    for t, nbytes, node in allocs:
         running += nbytes
-        if window[0] <= t <= window[1]:
-            peak = running if peak is None else max(peak, running)
-    return running if peak is None else max(peak, 0)
+        if window[0] <= t <= window[1] and (peak is None or running > peak):
+            peak, at = running, node
+    if peak is None:
+        return max(running, 0), "-"
+    chain, node = [], at.parent
+    while node is not None and node is not measured:
+        if node.tag == _EventType.TorchOp:
+            chain.append(node.name)
+        node = node.parent
+    where = "-" if not chain else chain[-1] if len(chain) == 1 else f"{chain[-1]} > {chain[0]}"
+    return max(peak, 0), where
 
 
 def measure(shape: str, name: str, spec: tuple, device: str, dtype: torch.dtype) -> tuple[dict, object]:
@@ -131,14 +148,14 @@ def measure(shape: str, name: str, spec: tuple, device: str, dtype: torch.dtype)
     opt_bytes = state_bytes(opt)
     saved = sum(r["saved_bytes"] for r in records) if records else hook_bytes
     state = param_bytes + grad_bytes + opt_bytes
-    peak = step_peak_bytes(step, model, opt, device)
+    peak, peak_at = step_peak_bytes(step, model, opt, device)
     mib = 2**20
     row = {"name": name, "recipe": spec[0], "overrides": spec[2] if len(spec) > 2 else {}, "params": n,
            "graphs": len(records), "param_mib": param_bytes / mib, "grad_mib": grad_bytes / mib,
            "optimizer_mib": opt_bytes / mib, "state_bytes_per_param": state / n,
            "param_bytes_per_param": param_bytes / n, "grad_bytes_per_param": grad_bytes / n,
            "optimizer_bytes_per_param": opt_bytes / n, "saved_mib": saved / mib,
-           "saved_hooks_mib": hook_bytes / mib, "state_saved_mib": (state + saved) / mib, "peak_mib": peak / mib,
+           "saved_hooks_mib": hook_bytes / mib, "state_saved_mib": (state + saved) / mib, "peak_mib": peak / mib, "peak_at": peak_at,
            "resident_mib": resident_bytes(model, opt) / mib}
     return row, step
 
@@ -184,6 +201,9 @@ def print_table(res: dict) -> None:
             goal = GOALS[measure_name] if res["shape"] == "block" else None
             verdict = "" if goal is None else f"  goal <= {goal}: {'met' if val <= goal else 'NOT met'}"
             print(f"{res['shape']:>6} {r['name']:40s} {measure_name + ' / ' + BASE:28s} {val:6.3f}{verdict}")
+    for r in res["rows"]:
+        print(f"{res['shape']:>6} {r['name']:40s} peak reached in {r['peak_at']} "
+              f"(resident between steps {r['resident_mib']:.1f} MiB)")
 
 
 def main(argv=None) -> int:
