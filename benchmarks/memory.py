@@ -165,13 +165,14 @@ def run(shape: str, variants, steps: int, device: str) -> dict:
     rows, steps_fn = {}, {}
     for name in variants:
         rows[name], steps_fn[name] = measure(shape, name, VARIANTS[name], device, dtype)
-    times = time_rounds(steps_fn, device, repeat=steps, warmup=1)
+    times = time_rounds(steps_fn, device, repeat=steps, warmup=1) if steps else {}
     for name, t in times.items():
         rows[name].update(step_ms=statistics.median(t) * 1e3, all_step_ms=[x * 1e3 for x in t])
     for base, key in ((BASE, "/base"), (FP8, "/fp8")):
         if base in rows:
             for r in rows.values():
-                r["step" + key] = r["step_ms"] / rows[base]["step_ms"]
+                if steps:
+                    r["step" + key] = r["step_ms"] / rows[base]["step_ms"]
                 if key == "/base":
                     for measure_name, field in MEASURES.items():
                         r[measure_name + key] = r[field] / rows[base][field]
@@ -192,7 +193,8 @@ def print_table(res: dict) -> None:
         print(f"| {r['name']} | {r['state_bytes_per_param']:.2f} ({r['param_bytes_per_param']:.2f} + "
               f"{r['grad_bytes_per_param']:.2f} + {r['optimizer_bytes_per_param']:.2f}) | "
               f"{r['saved_mib']:.2f} / {r['saved_hooks_mib']:.2f} | {r['state_saved_mib']:.1f} | {r['peak_mib']:.1f} | "
-              f"{r['step_ms']:.1f} | {r.get('step/base', float('nan')):.3f} | {r.get('step/fp8', float('nan')):.3f} |")
+              f"{r.get('step_ms', float('nan')):.1f} | {r.get('step/base', float('nan')):.3f} | "
+              f"{r.get('step/fp8', float('nan')):.3f} |")
     for r in res["rows"]:
         if r["name"] == BASE or "saved/base" not in r:
             continue
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="all", choices=[*SHAPES, "all"])
     p.add_argument("--variants", default=None, help=f"comma-separated, of: {', '.join(VARIANTS)}")
-    p.add_argument("--steps", type=int, default=3, help="timed rounds (median kept)")
+    p.add_argument("--steps", type=int, default=3, help="timed rounds (median kept); 0: memory only, no timing")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default; see train_step.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json")
