@@ -65,3 +65,26 @@ def test_recompute_glu_output_saves_its_codes_and_keeps_the_other_gradients(one_
                 assert 1e-3 < err < 0.25, (name, err)
         else:
             assert torch.equal(g, grads[False][name]), name
+
+
+def test_recompute_glu_output_is_checked_where_it_is_set():
+    """Config, TrainConfig, prepare_model and the train CLI take the knob; a bad value or a recipe
+    without FP8 GLUs is a clear error, not silently ignored."""
+    import argparse
+
+    from fp8pass.train import TrainConfig, cli
+    from fp8pass.train.recipes import get_recipe, prepare_model
+
+    with pytest.raises(ValueError, match="Config.recompute_glu_output must be True or False"):
+        fp8pass.Config(recompute_glu_output=1)
+    with pytest.raises(ValueError, match="recompute_glu_output applies to the fp8 recipes"):
+        TrainConfig(recipe="bf16", recompute_glu_output=True)
+    with pytest.raises(ValueError, match="recompute_glu_output must be True or False"):
+        TrainConfig(recipe="fp8-smooth-fp8adam", recompute_glu_output="yes")
+    with pytest.raises(ValueError, match="apply to the fp8 recipes"):
+        prepare_model(_model(), get_recipe("bf16"), backend_options={"recompute_glu_output": True})
+    p = argparse.ArgumentParser()
+    cli.add_train_parser(p.add_subparsers())
+    for flags, expected in (([], False), (["--recompute-glu-output"], True)):
+        args = p.parse_args(["train", "--recipe", "fp8-smooth-fp8adam", *flags])
+        assert cli._config_from_args(args, "fp8-smooth-fp8adam", Path("/tmp/unused")).recompute_glu_output is expected
