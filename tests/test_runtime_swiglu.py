@@ -258,12 +258,15 @@ def test_eager_swiglu_mlp_shares_the_input_cast_bit_for_bit(recipe, monkeypatch)
 
 
 @pytest.mark.parametrize("smooth", ["channel", "token", "none"])
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
-def test_recompute_output_is_the_documented_math_and_saves_no_operand_codes(smooth, activation):
+@pytest.mark.parametrize("activation,family", [("silu", "torch"), ("gelu", "torch"), ("silu", "triton")])
+def test_recompute_output_is_the_documented_math_and_saves_no_operand_codes(smooth, activation, family,
+                                                                             monkeypatch):
     """recompute_output=True: backward rebuilds A = act(gate) * up (smoothed with forward's scales)
     from the saved E4M3 gate/up and casts it with forward's A scale. The backward equals the saved-A
     backward fed exactly those codes, bit for bit; forward and dgate/dup are unchanged; A's codes are
-    not among the saved tensors (gate's and up's are: 2 tensors of [tokens, ffn] bytes, not 3)."""
+    not among the saved tensors (gate's and up's are: 2 tensors of [tokens, ffn] bytes, not 3). The
+    CPU kernels and the CUDA module's path (Triton's interpreter on CPU)."""
+    monkeypatch.setenv("FP8PASS_KERNELS", family)
     x, wg, wu, wd, dy = _weights(5)
     gate, up = F.linear(x, wg).detach(), F.linear(x, wu).detach()
     rows, f = gate.numel() // gate.shape[-1], gate.shape[-1]
