@@ -177,18 +177,21 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def build(shape: str, name: str, device: str, dtype: torch.dtype):
+def build(shape: str, name: str, device: str, dtype: torch.dtype, spec: tuple | None = None):
+    """``(cfg, model, opt, loss_fn, step)`` of variant ``name`` at ``shape``. ``spec``: ``(recipe,
+    compile_bf16[, Config overrides])`` instead of ``VARIANTS[name]`` (benchmarks/memory.py's variants
+    override fields of the recipe's backend Config)."""
     s = SHAPES[shape]
     cfg = ModelConfig(vocab_size=VOCAB, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
                       ffn=s["ffn"], max_seq_len=s["seq"])
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (s["batch"], s["seq"] + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    recipe_name, compile_bf16 = VARIANTS[name]
+    recipe_name, compile_bf16, *overrides = spec or VARIANTS[name]
     torch.manual_seed(0)
     model = TinyLlama(cfg).to(device)
     recipe = get_recipe(recipe_name)
-    fwd = prepare_model(model, recipe, compile_bf16=compile_bf16)
+    fwd = prepare_model(model, recipe, compile_bf16=compile_bf16, backend_options=overrides[0] if overrides else None)
     opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1)
 
     def loss_fn():
@@ -359,8 +362,8 @@ def print_table(res: dict) -> None:
     print(f"\n## {res['shape']}: d_model {res['config']['d_model']}, ffn {res['config']['ffn']}, "
           f"{res['config']['n_layers']} layers, batch {res['batch']} x {res['seq']}, vocab {VOCAB}, "
           f"high precision {res['precision']}, {res['threads']} threads")
-    print(f"| variant | step ms | /ind. | saved MiB (graph) | saved MiB (hooks) | params+grads+opt+saved MiB | "
-          f"opt B/param |")
+    print("| variant | step ms | /ind. | saved MiB (graph) | saved MiB (hooks) | params+grads+opt+saved MiB | "
+          "opt B/param |")
     print("|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         graph = "-" if r["saved_graph_mib"] is None else f"{r['saved_graph_mib']:.2f}"

@@ -44,6 +44,7 @@ RUNS = {
     "fp8": {"recipe": "fp8"},
     "bf16-fp8adam-sr": {"recipe": "bf16-fp8adam", "moment_rounding": "stochastic"},
     "fp8-smooth-fp8adam-sr": {"recipe": "fp8-smooth-fp8adam", "moment_rounding": "stochastic"},
+    "fp8-smooth-fp8adam-recompute-glu": {"recipe": "fp8-smooth-fp8adam", "recompute_glu_output": True},
 }
 GOAL_PCT = 0.5
 

@@ -478,6 +478,12 @@ class Config:
             count steps: ``fp8pass.apply_schedule(model, step, total_steps)`` makes the due switches (the
             trainer calls it before each step); each is a ``fp8pass.switch_precision`` with reason
             ``"schedule[i]..."`` and made once (a resumed model's history says which were made).
+        recompute_glu_output: memory (docs/runtime.md, Saved for backward): backward recomputes each FP8
+            GLU's output (the down projection's operand, smoothed) from the FP8 gate and up outputs it
+            keeps anyway, and casts it with forward's scale, instead of keeping its E4M3 codes: 1 byte
+            per GLU element (``tokens x ffn``) less saved per GLU, one more elementwise pass in backward;
+            its wgrad then sees gate/up's E4M3 rounding too. Per-tensor FP8 GLUs only (a GLU with
+            row/block scales keeps its codes); MoE expert stacks keep theirs.
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -499,6 +505,7 @@ class Config:
     on_fallback: str = "warn"
     eval_recipe: object = None
     schedule: tuple[Switch, ...] = ()
+    recompute_glu_output: bool = False
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -540,6 +547,7 @@ class Config:
             if self.sr_seed >= 2**63:
                 raise ValueError(f"Config.sr_seed must be an int in [0, 2**63) or None, got {self.sr_seed!r}")
         _check_bool("Config.fast_accum", self.fast_accum)
+        _check_bool("Config.recompute_glu_output", self.recompute_glu_output)
         keep = self.keep_high_precision
         if isinstance(keep, str):  # a lone glob would otherwise be iterated character by character
             keep = (keep,)

@@ -190,3 +190,27 @@ def test_the_budget_leaves_out_what_it_cannot_fit(tmp_path, monkeypatch, capsys)
     last = capsys.readouterr().out.splitlines()[-1]
     assert last == ("bench: 0 of 1 goals met; not measured: CPU quantize / clone bandwidth (quantize suite skipped: "
                     "not started: 10 s budget spent (run it alone: --suite quantize)) -> exit 3")
+
+
+def test_cpu_step_peak_counts_what_the_step_holds_at_once():
+    """benchmarks/memory.py's CPU peak: the highest running sum of the profiler's allocation records
+    during the second of two steps, exactly (a 4 MiB tensor alone beats 1 + 2 MiB held together; a
+    tensor kept across steps counts twice while its replacement is made, then once)."""
+    from benchmarks.memory import _profiled_peak
+
+    mib = 2**20
+
+    def transient():
+        a = torch.empty(mib, dtype=torch.uint8)
+        b = torch.empty(2 * mib, dtype=torch.uint8)
+        del a, b
+        c = torch.empty(4 * mib, dtype=torch.uint8)
+        del c
+
+    kept = {}
+
+    def replaced():
+        kept["x"] = torch.empty(mib, dtype=torch.uint8)
+
+    assert _profiled_peak(transient) == 4 * mib
+    assert _profiled_peak(replaced) == 2 * mib

@@ -22,10 +22,11 @@ def test_of_builds_once_per_tuple():
     assert other is not k and other.out_dtype == torch.float32
     # another Knobs class with a prefix of equal values is never confused with a LinearKnobs
     glu = GLUKnobs.of(GOOD + ("silu", "channel", True))
-    assert type(glu) is GLUKnobs and glu.args() == GOOD + ("silu", "channel", True)
-    assert LinearKnobs.count() == 12 and GLUKnobs.count() == 15
-    assert GLUKnobs.no_grads() == (None,) * 15
+    assert type(glu) is GLUKnobs and glu.args() == GOOD + ("silu", "channel", True, False)
+    assert LinearKnobs.count() == 12 and GLUKnobs.count() == 16
+    assert GLUKnobs.no_grads() == (None,) * 16
     assert GLUKnobs(*GOOD, "silu", "channel").recast_weight is False  # the default: W_down's codes kept
+    assert GLUKnobs(*GOOD, "silu", "channel").recompute_output is False  # the default: A's codes kept
 
 
 @pytest.mark.parametrize("field, value, error", [(2, "bogus", ValueError), (3, 0, ValueError),

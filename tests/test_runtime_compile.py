@@ -134,6 +134,15 @@ def test_opcheck_backward_ops():
     o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], None, *knobs)
     torch.library.opcheck(torch.ops.fp8pass.swiglu_down_backward.default,
                           (torch.randn(8, 16, generator=g), *o[3:], [], None, torch.float32, torch.float32, *knobs))
+    # recompute_output: A's codes not saved (None), rebuilt from gate/up; the forward op with the knob too
+    knobs = GLUKnobs(*_knobs().args(), "silu", "channel", False, True).args()  # W_down's codes kept
+    torch.library.opcheck(torch.ops.fp8pass.swiglu_down.default,
+                          (gate.clone().requires_grad_(), up.clone().requires_grad_(), wd.clone().requires_grad_(),
+                           [], [], [], None, *knobs))
+    o = torch.ops.fp8pass.swiglu_down(gate, up, wd, [], [], [], None, *knobs)
+    torch.library.opcheck(torch.ops.fp8pass.swiglu_down_backward.default,
+                          (torch.randn(8, 16, generator=g), None, *o[4:], [], None, torch.float32, torch.float32,
+                           *knobs))
 
 
 def test_inductor_skips_the_autograd_cache_for_rewritten_graphs(monkeypatch):

@@ -255,3 +255,70 @@ def test_eager_swiglu_mlp_shares_the_input_cast_bit_for_bit(recipe, monkeypatch)
     assert len(shared) == len(per_linear)
     for a, b in zip(shared, per_linear):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("smooth", ["channel", "token", "none"])
+@pytest.mark.parametrize("activation,family", [("silu", "torch"), ("gelu", "torch"), ("silu", "triton")])
+def test_recompute_output_is_the_documented_math_and_saves_no_operand_codes(smooth, activation, family,
+                                                                             monkeypatch):
+    """recompute_output=True: backward rebuilds A = act(gate) * up (smoothed with forward's scales)
+    from the saved E4M3 gate/up and casts it with forward's A scale. The backward equals the saved-A
+    backward fed exactly those codes, bit for bit; forward and dgate/dup are unchanged; A's codes are
+    not among the saved tensors (gate's and up's are: 2 tensors of [tokens, ffn] bytes, not 3). The
+    CPU kernels and the CUDA module's path (Triton's interpreter on CPU)."""
+    monkeypatch.setenv("FP8PASS_KERNELS", family)
+    x, wg, wu, wd, dy = _weights(5)
+    gate, up = F.linear(x, wg).detach(), F.linear(x, wu).detach()
+    rows, f = gate.numel() // gate.shape[-1], gate.shape[-1]
+    got = {}
+    for recompute in (False, True):
+        k = _knobs(activation, smooth).replace(recompute_output=recompute)
+        g, u, w = (t.clone().requires_grad_() for t in (gate, up, wd))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = torch.ops.fp8pass.swiglu_down(g, u, w, [], [], [], None, *k.args())
+        out[0].backward(dy)
+        codes = [t for t in saved if t is not None and t.dtype == torch.uint8 and t.shape == (rows, f)]
+        assert len(codes) == (2 if recompute else 3)
+        got[recompute] = (out, g.grad, u.grad, w.grad)
+    out = got[True][0]
+    for a, b in zip([got[False][0][0], *got[False][1:3]], [out[0], *got[True][1:3]]):
+        assert torch.equal(a, b)
+    # the documented A', cast with forward's scale, through the saved-A backward
+    g8, u8 = (out[i].view(torch.float8_e4m3fn).float() / out[i + 1] for i in (8, 10))
+    act, s = ACTS[activation](g8), out[7]
+    a = act * (u8 / s) if smooth == "token" else act * u8 * s if smooth == "channel" else act * u8
+    a_codes = (a * out[4]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    knobs = _knobs(activation, smooth).args()
+    ref = torch.ops.fp8pass.swiglu_down_backward(dy, a_codes, *out[4:12], [], None, gate.dtype, wd.dtype, *knobs)
+    assert torch.equal(ref[2], got[True][3])
+    assert not torch.equal(got[False][3], got[True][3])  # A' is not A: gate/up's rounding reaches dW_down
+
+
+def test_recompute_output_gradients_within_fp8_bound_of_fp32():
+    """With A recomputed, every gradient stays within the bound test_fp8_gradients_within_bound_of_fp32
+    holds the saved-A op to (< 0.25 relative Frobenius error against fp32), on a shape that runs the
+    compiled CPU loops; dW_down's error grows by at most half of the saved-A path's."""
+    x, wg, wu, wd, dy = _weights(2, t=512, d=64, f=256)
+    ref = _grads(lambda *a: _mlp_ref(*a), x, (wg, wu, wd), dy)
+    errs = {}
+    for recompute in (False, True):
+        k = _knobs("silu", "channel").replace(recompute_output=recompute)
+
+        def mlp(x, wg, wu, wd):
+            out = torch.ops.fp8pass.swiglu_down(F.linear(x, wg), F.linear(x, wu), wd, [], [], [], None, *k.args())
+            return out[0]
+
+        got = _grads(mlp, x, (wg, wu, wd), dy)
+        errs[recompute] = [float((g - r).norm() / r.norm()) for g, r in zip(got, ref)]
+        assert all(1e-3 < e < 0.25 for e in errs[recompute]), errs
+    assert errs[True][4] < 1.5 * errs[False][4], errs
+
+
+def test_backward_without_a_codes_needs_the_recompute_knob():
+    x, wg, wu, wd, dy = _weights(5)
+    out = torch.ops.fp8pass.swiglu_down(F.linear(x, wg), F.linear(x, wu), wd, [], [], [], None,
+                                        *_knobs("silu", "channel").args())
+    with pytest.raises(ValueError, match="a_data is None but the knobs do not recompute A"):
+        torch.ops.fp8pass.swiglu_down_backward(dy, None, *out[4:12], [], None, torch.float32, torch.float32,
+                                               *_knobs("silu", "channel").args())

@@ -212,8 +212,10 @@ def _swiglu_down(a, kw):
 
 
 def _swiglu_down_backward(a, kw):
-    # (dgate, dup, dW_down, dy_amax)
-    a_p, b_p = _placement(a["a_data"]), _placement(a["b_data"])
+    # (dgate, dup, dW_down, dy_amax); a_data is None when A is recomputed from gate/up (recompute_output):
+    # gate's codes then stand for it (the forward rules place them alike; the recomputation is elementwise)
+    a_p = _placement(a["a_data"] if a.get("a_data") is not None else a["gate_data"])
+    b_p = _placement(a["b_data"])
     n = _ndim(a["dy"])
     keep = {name: KEEP for name in a if name not in ("dy", "g_state")}
     if a_p == Shard(1) and b_p == Shard(1):

@@ -80,7 +80,7 @@ class FP8Rewriter(GraphRewriter):
             out = self.graph.call_function(
                 self.ops.swiglu_down.default, (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s, sr),
                 dict(k, out_dtype=value_dtype(down), activation=site.act, smooth=smooth,
-                     recast_weight=not facts(w).regathered))
+                     recast_weight=not facts(w).regathered, recompute_output=self.cfg.recompute_glu_output))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
                 self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])

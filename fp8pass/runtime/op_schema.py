@@ -136,11 +136,15 @@ class GLUKnobs(LinearKnobs):
         recast_weight: backward recasts ``W_down`` (``/ c``) with the forward's scale instead of keeping
             its FP8 codes from forward (per-tensor FP8 only; the same codes, bit for bit). Off where a
             weight may be rebuilt between forward and backward (FSDP2 re-gathers it).
+        recompute_output: backward recomputes the down GEMM's operand ``A`` (the GLU output, smoothed)
+            from the FP8 ``gate``/``up`` it keeps anyway and casts it with forward's scale, instead of
+            keeping ``A``'s codes (per-tensor FP8 only; ``Config.recompute_glu_output``).
     """
 
     activation: str = "silu"
     smooth: str = "channel"
     recast_weight: bool = False
+    recompute_output: bool = False
 
 
 

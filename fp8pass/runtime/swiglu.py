@@ -392,16 +392,20 @@ def _(gate, up, w_down, a_state, b_state, g_state, sr_stream, *knobs):
 
 
 @knob_op("fp8pass::swiglu_down_backward",
-         "Tensor dy, Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, Tensor smooth_scales, "
+         "Tensor dy, Tensor? a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, Tensor smooth_scales, "
          f"Tensor gate_data, Tensor gate_scale, Tensor up_data, Tensor up_scale, Tensor[] g_state, {SR_SEED}, "
          "ScalarType gate_dtype, ScalarType w_dtype", GLUKnobs, "(Tensor, Tensor, Tensor, Tensor)")
 def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data,
                             up_scale, g_state, sr_seed, gate_dtype, w_dtype, *knobs):
     """``(dgate, dup, dW_down, dy_amax)`` (no state mutation). With :func:`recasts_weight`, ``b_data``
-    is ``W_down`` itself, cast again here with ``b_scale``."""
+    is ``W_down`` itself, cast again here with ``b_scale``; with :func:`recomputes_operand`, ``a_data``
+    is None and ``A`` is recomputed from ``gate_data`` and ``up_data`` (:func:`_recomputed_operand`)."""
     k = GLUKnobs(*knobs)
     fmt = resolve_format(k.bwd_format)
-    a_data = from_bytes(a_data, resolve_format(k.fwd_format))
+    if a_data is None and not recomputes_operand(k):
+        raise ValueError("swiglu_down_backward: a_data is None but the knobs do not recompute A "
+                         "(recompute_output with per-tensor FP8); pass forward's saved A codes")
+    a_data = None if a_data is None else from_bytes(a_data, resolve_format(k.fwd_format))
     b_data = from_bytes(b_data, resolve_format(k.fwd_format))
     dt = compute_dtype(k, gate_dtype)
     dy2 = dy.reshape(-1, dy.shape[-1])
@@ -418,10 +422,14 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     # wgrad GEMM's row-major G^T: no copy)
     go = cast_operand(dy2, fmt, k.granularity, gt, g_state, k.margin, k.power_of_two, k.grad_rounding, up=up_dtype,
                       keep_codes=False, invert=saved_scales, transpose=True, seed=sr_seed)
-    at = tile_for(k.granularity, k.block, a_data.shape, weight=False)
+    at = tile_for(k.granularity, k.block, gate_data.shape, weight=False)
     bt = tile_for(k.granularity, k.block, b_data.shape, weight=True)
     a_inv, b_inv = go.inverted if go.inverted else (None, None)  # the decode scales, from dy's scale launch
-    ao = Operand(a_data, a_scale, a_scale, inv_scale=a_inv)
+    if a_data is None:
+        ao = _recomputed_operand(gate_data, gate_scale, up_data, up_scale, s, a_scale, k, up_dtype)
+    else:
+        ao = Operand(a_data, a_scale, a_scale)
+    ao.inv_scale = a_inv
     bo = _recast_weight(b_data, s, b_scale, k, up_dtype) if recasts_weight(k) else Operand(b_data, b_scale, b_scale)
     bo.inv_scale = b_inv
     if high:
@@ -502,7 +510,7 @@ def _on_cpu(fn, *args):
 @swiglu_down_backward_op.register_fake
 def _(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scale, g_state,
       sr_seed, gate_dtype, w_dtype, *knobs):
-    rows, f = a_data.shape
+    rows, f = gate_data.shape
     return (dy.new_empty(rows, f, dtype=gate_dtype), dy.new_empty(rows, f, dtype=gate_dtype),
             dy.new_empty(b_data.shape, dtype=w_dtype),
             dy.new_empty((), dtype=torch.float32))
@@ -512,6 +520,47 @@ def recasts_weight(k: GLUKnobs) -> bool:
     """Whether backward recasts ``W_down`` instead of reading forward's codes (``k.recast_weight``,
     per-tensor FP8 scaling: the recast needs only the saved scalar scale)."""
     return k.recast_weight and k.granularity == "tensor" and resolve_format(k.fwd_format) is not None
+
+
+def recomputes_operand(k: GLUKnobs) -> bool:
+    """Whether backward recomputes ``A`` from the saved FP8 gate/up instead of keeping its codes
+    (``k.recompute_output``, per-tensor FP8 scaling: the recast needs only A's saved scalar scale)."""
+    return k.recompute_output and k.granularity == "tensor" and resolve_format(k.fwd_format) is not None
+
+
+def _recomputed_operand(gate_data, gate_scale, up_data, up_scale, s, a_scale, k: GLUKnobs, up_dtype) -> Operand:
+    """``A`` (the GLU output with the smoothing ``s`` forward used) recomputed from gate and up as
+    :func:`saved_glu_input` kept them, cast with forward's scale ``a_scale``: the DeepSeek-V3 way (the
+    GLU's input cached in FP8, its output recomputed), 1 byte per GLU element less kept for backward.
+
+    Not forward's ``A`` bit for bit: gate and up carry their E4M3 rounding (relative 2**-4) into it
+    (the same rounding :func:`_glu_backward_from_saved` sees), then ``A`` is rounded again; its
+    values can exceed forward's amax by that rounding and saturate at the format's max. On CPU the
+    dequantization, the GLU, the smoothing and the cast are one compiled loop that writes the GEMM
+    values only."""
+    fmt = resolve_format(k.fwd_format)
+    g_data, u_data = from_bytes(gate_data, fmt), from_bytes(up_data, fmt)
+    if up_dtype is not None and k.activation == "silu" and not uses_triton(g_data.device):
+        values = _on_cpu(_recomputed_values, g_data, gate_scale, u_data, up_scale, s, a_scale,
+                         (k.smooth, fmt.max, *cpu_kernels.rne_constants(fmt), up_dtype))
+        return Operand(values, a_scale, None, values)
+    a = _operand_with_scales(g_data.float() / gate_scale, u_data.float() / up_scale, s, k.smooth, k.activation)
+    return cast_with_scale(a, a_scale, fmt, up_dtype, keep_codes=False, transpose=True)
+
+
+def _operand_with_scales(g, u, s, smooth: str, activation: str):
+    """``A`` from fp32 ``g``, ``u`` and given smoothing scales, in :func:`_glu_operand`'s op order."""
+    act = glu_activation(g, activation)
+    if smooth == "token":
+        return act * (u / s)
+    h = act * u
+    return h * s if smooth == "channel" else h
+
+
+def _recomputed_values(g_data, g_scale, u_data, u_scale, s, a_scale, smooth: str, fmax: float, split: float,
+                       step: float, tiny: float, up):
+    a = _operand_with_scales(g_data.float() / g_scale, u_data.float() / u_scale, s, smooth, "silu")
+    return cpu_kernels.rne_values_math(a, a_scale, fmax, split, step, tiny, up)
 
 
 def _recast_weight(w_down, s, b_scale, k: GLUKnobs, up_dtype) -> Operand:
@@ -536,6 +585,8 @@ def _setup_context(ctx, inputs, output):
     saved = list(output[3:])  # FP8 codes and scales only (gate and up too: saved_glu_input)
     if recasts_weight(ctx.knobs):
         saved[2] = w_down  # a parameter (held anyway), recast in backward: its codes are not kept
+    if recomputes_operand(ctx.knobs):
+        saved[0] = None  # A is recomputed in backward from the saved gate and up
     ctx.save_for_backward(*saved)
     keep_output_grad_only(ctx, output[0])
     ctx.g_state = list(g_state)

@@ -130,6 +130,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--eval-recipe", default=None, metavar="RECIPE",
                    help="also validate in this recipe, the same weights: 'high' or a named recipe without state "
                         "(blockwise, mxfp8, nvfp4); logs val_loss and val_loss_eval_recipe; fp8 recipes only")
+    p.add_argument("--recompute-glu-output", action="store_true", default=None,
+                   help="fp8 recipes: each GLU's output recomputed in backward from its FP8 gate/up instead of kept "
+                        "(less memory; fp8pass.Config.recompute_glu_output, docs/runtime.md)")
     p.add_argument("--fused-gate-up", action="store_true", help="one gate_up_proj linear in the MLP")
     p.add_argument("--compile-bf16", action="store_true", help="compile the bf16 recipe with Inductor too")
     p.add_argument("--threads", type=int, default=1,

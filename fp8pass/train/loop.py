@@ -85,6 +85,8 @@ class TrainConfig:
         fp8_start_step: FP8 ramp-up: an fp8 recipe trains its first ``fp8_start_step`` steps in high
             precision (the bf16 recipe's path) and compiles with the FP8 backend from that step on; the
             FP8 scales start from the first FP8 step's amaxes. 0 (default): FP8 from the start.
+        recompute_glu_output: fp8 recipes: ``fp8pass.Config.recompute_glu_output`` (each GLU's output
+            recomputed in backward from its FP8 gate/up instead of kept: less memory saved for backward).
         precision_rules: per-module precision rules (``fp8pass.Config.rules``) as plain data, the
             ``rules`` list of a precision config file (``--precision-config FILE``; docs/precision.md):
             kept in the run's config, so a resume runs the same rules. fp8 recipes only.
@@ -139,6 +141,7 @@ class TrainConfig:
     precision_rules: list = field(default_factory=list)
     precision_schedule: list = field(default_factory=list)
     eval_recipe: str | None = None
+    recompute_glu_output: bool = False
     max_data_bytes: int | None = None
     progress: bool = True
 
@@ -175,6 +178,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "ckpt_every", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.recompute_glu_output, bool):
+            raise ValueError(f"recompute_glu_output must be True or False, got {self.recompute_glu_output!r}")
+        if self.recompute_glu_output and not recipe.fp8:
+            raise ValueError(f"recompute_glu_output applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 GLUs")
         if self.precision_rules and not recipe.fp8:
             raise ValueError(f"precision rules apply to the fp8 recipes; recipe {self.recipe!r} has no FP8 linears")
         self.fp8_rules()  # a bad rule fails here, naming it
@@ -205,7 +212,11 @@ class TrainConfig:
     def fp8_config(self):
         """The fp8 backend's ``fp8pass.Config`` of this run (fp8 recipes)."""
         return fp8_config(get_recipe(self.recipe), self.scaling, self.smooth, self.compiler, self.fp8_rules(),
-                          self.eval_recipe, self.fp8_schedule())
+                          self.eval_recipe, self.fp8_schedule(), **self.backend_options())
+
+    def backend_options(self) -> dict:
+        """Config fields this run sets beyond the recipe's (fp8 recipes)."""
+        return {"recompute_glu_output": True} if self.recompute_glu_output else {}
 
     def resolved(self) -> "TrainConfig":
         """This configuration with ``precision="auto"`` resolved for this machine (what a run saves)."""
@@ -362,7 +373,8 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
     def fp8_forward():
         return prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth,
                              compile_bf16=cfg.compile_bf16, compiler=cfg.compiler, rules=cfg.fp8_rules(),
-                             eval_recipe=cfg.eval_recipe, schedule=cfg.fp8_schedule())
+                             eval_recipe=cfg.eval_recipe, schedule=cfg.fp8_schedule(),
+                             backend_options=cfg.backend_options())
 
     fp8_on = recipe.fp8 and start >= cfg.fp8_start_step
     fwd = fp8_forward() if fp8_on or not recipe.fp8 else prepare_model(

@@ -137,12 +137,13 @@ def scaling_recipe(name: str):
 
 
 def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "channel",
-               compiler: str = "inductor", rules=(), eval_recipe=None, schedule=()):
+               compiler: str = "inductor", rules=(), eval_recipe=None, schedule=(), **options):
     """The backend ``Config`` for an fp8 recipe (a named recipe's own, with ``compiler``); ``rules``:
     ``Config.rules`` (``--precision-config``); ``eval_recipe``, ``schedule``: ``Config.eval_recipe``
-    (``--eval-recipe``) and ``Config.schedule`` (the precision config's ``[[switch]]`` tables)."""
+    (``--eval-recipe``) and ``Config.schedule`` (the precision config's ``[[switch]]`` tables);
+    ``options``: other Config fields (e.g. ``recompute_glu_output=True``)."""
     import fp8pass
-    extra = dict(compiler=compiler, rules=tuple(rules), eval_recipe=eval_recipe, schedule=tuple(schedule))
+    extra = dict(compiler=compiler, rules=tuple(rules), eval_recipe=eval_recipe, schedule=tuple(schedule), **options)
     if recipe.named:
         return fp8pass.Config.from_recipe(recipe.name, **extra)
     if not hasattr(fp8pass, "Config"):
@@ -154,15 +155,19 @@ def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "cha
 
 def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "delayed",
                   smooth_mode: str = "channel", compile_bf16: bool = False, compiler: str = "inductor", rules=(),
-                  eval_recipe=None, schedule=()):
+                  eval_recipe=None, schedule=(), backend_options: dict | None = None):
     """Return the callable the loop trains through (``model`` itself, or its compiled wrapper).
 
-    The fp8 recipes compile with ``fp8pass.backend(Config(...))``; the bf16 recipe runs eager unless
-    ``compile_bf16`` (then plain Inductor, for a like-for-like speed comparison).
+    The fp8 recipes compile with ``fp8pass.backend(Config(...))`` (``backend_options``: more Config
+    fields); the bf16 recipe runs eager unless ``compile_bf16`` (then plain Inductor, for a
+    like-for-like speed comparison).
     """
+    if backend_options and not recipe.fp8:
+        raise ValueError(f"backend options {sorted(backend_options)} apply to the fp8 recipes; recipe "
+                         f"{recipe.name!r} does not compile with the FP8 backend")
     if recipe.fp8:
         import fp8pass
-        cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules, eval_recipe, schedule)
+        cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules, eval_recipe, schedule, **(backend_options or {}))
         return torch.compile(model, backend=fp8pass.backend(cfg))
     if compile_bf16:
         return torch.compile(model)
