@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+from ..config import DriftCheck
 from ..integrity import CheckpointError, atomic_write
+from ..monitor.drift import DriftMonitor
 from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..precision_file import rules_from_data
 from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
@@ -85,6 +87,11 @@ class TrainConfig:
         precision_rules: per-module precision rules (``fp8pass.Config.rules``) as plain data, the
             ``rules`` list of a precision config file (``--precision-config FILE``; docs/precision.md):
             kept in the run's config, so a resume runs the same rules. fp8 recipes only.
+        drift_check: the online drift check (``fp8pass.DriftCheck``, docs/precision.md): every this many
+            steps the step's first micro-batch is replayed in high precision (``precision``) and compared
+            with the FP8 step (``"drift"`` records in metrics.jsonl); 0 (default): off. fp8 recipes only.
+        on_drift, drift_max_loss_diff, drift_min_grad_cosine: the check's ``on_drift`` ("warn" |
+            "fallback"), ``max_loss_diff`` and ``min_grad_cosine``.
         max_data_bytes: cap each split (None = all).
         progress: show the progress bar.
     """
@@ -124,6 +131,10 @@ class TrainConfig:
     fp8_start_step: int = 0
     loss_scale: str | float | None = None
     precision_rules: list = field(default_factory=list)
+    drift_check: int = 0
+    on_drift: str = "warn"
+    drift_max_loss_diff: float = DriftCheck.max_loss_diff
+    drift_min_grad_cosine: float = DriftCheck.min_grad_cosine
     max_data_bytes: int | None = None
     progress: bool = True
 
@@ -163,6 +174,13 @@ class TrainConfig:
         if self.precision_rules and not recipe.fp8:
             raise ValueError(f"precision rules apply to the fp8 recipes; recipe {self.recipe!r} has no FP8 linears")
         self.fp8_rules()  # a bad rule fails here, naming it
+        if isinstance(self.drift_check, bool) or not isinstance(self.drift_check, int) or self.drift_check < 0:
+            raise ValueError(f"drift_check must be an int >= 0 (steps between drift checks; 0: off), "
+                             f"got {self.drift_check!r}")
+        if self.drift_check and not recipe.fp8:
+            raise ValueError(f"drift_check compares FP8 steps with high precision; recipe {self.recipe!r} has no "
+                             f"FP8 linears")
+        self.drift()  # bad thresholds fail here, naming them
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup >= 0):
@@ -171,6 +189,15 @@ class TrainConfig:
     def fp8_rules(self) -> tuple:
         """``precision_rules`` as ``fp8pass.Rule`` objects (validated)."""
         return tuple(rules_from_data(list(self.precision_rules), "precision_rules"))
+
+    def drift(self) -> DriftCheck | None:
+        """The ``fp8pass.DriftCheck`` of ``drift_check`` and its options (None when off)."""
+        if not self.drift_check:
+            DriftCheck(on_drift=self.on_drift, max_loss_diff=self.drift_max_loss_diff,
+                       min_grad_cosine=self.drift_min_grad_cosine)  # validated even when off
+            return None
+        return DriftCheck(every=self.drift_check, on_drift=self.on_drift, max_loss_diff=self.drift_max_loss_diff,
+                          min_grad_cosine=self.drift_min_grad_cosine)
 
     def resolved(self) -> "TrainConfig":
         """This configuration with ``precision="auto"`` resolved for this machine (what a run saves)."""
@@ -312,7 +339,8 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
 
     def fp8_forward():
         return prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth,
-                             compile_bf16=cfg.compile_bf16, compiler=cfg.compiler, rules=cfg.fp8_rules())
+                             compile_bf16=cfg.compile_bf16, compiler=cfg.compiler, rules=cfg.fp8_rules(),
+                             drift_check=cfg.drift())
 
     fp8_on = recipe.fp8 and start >= cfg.fp8_start_step
     fwd = fp8_forward() if fp8_on or not recipe.fp8 else prepare_model(
@@ -334,6 +362,11 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
              "data_fingerprint": data.fingerprint, "torch": torch.__version__, "threads": torch.get_num_threads(),
              "precision": cfg.precision, **cpu_capability()})
     callbacks = list(callbacks)
+
+    def drift_monitor():  # the check of the FP8 model (None: off, or not yet in FP8)
+        return DriftMonitor(fwd, log=log) if fp8_on and cfg.drift_check else None
+
+    drift = drift_monitor()
     if monitor and cfg.monitor_every > 0:
         from ..monitor import MonitorCallback
         probe = data.batch("val", min(cfg.batch_size, 8), cfg.seq_len, cfg.seed, 10_000)[0]
@@ -366,6 +399,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
             first_compiled_step = step == start  # the steps whose time the ETA leaves out (restart_eta)
             if recipe.fp8 and not fp8_on and step >= cfg.fp8_start_step:
                 fwd, fp8_on = fp8_forward(), True
+                drift = drift_monitor()
                 log({"kind": "fp8_start", "step": step})
                 first_compiled_step = True
             if first_compiled_step and fp8_on and bar is not None:  # else minutes of silence (issue 34)
@@ -375,6 +409,8 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
                 g["lr"] = lr
             xs, ys = data.batch("train", cfg.batch_size * cfg.grad_accum, cfg.seq_len, cfg.seed, step)
             micro = []
+            check_drift = drift is not None and drift.due(step + 1)
+            drift_grads = None  # micro-batch 0's own FP8 gradients, kept when more micro-batches follow
             # FP8 scales change once per optimizer step: the micro-batches' amaxes accumulate (max)
             # and enter the delayed-scaling histories together when the context closes
             with accumulate_scaling(model, enabled=fp8_on and cfg.grad_accum > 1):
@@ -385,6 +421,12 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
                     part = loss / cfg.grad_accum if cfg.grad_accum > 1 else loss
                     (scaler.scale(part) if scaler is not None else part).backward()
                     micro.append(loss.detach())
+                    if check_drift and k == 0 and cfg.grad_accum > 1:
+                        drift_grads = drift.gradients()
+            if check_drift:  # before any gradient callback or optimizer step: the weights the FP8 step saw
+                with autocast(cfg.precision):
+                    drift.check(step + 1, xs[:cfg.batch_size], ys[:cfg.batch_size], fp8_loss=micro[0],
+                                fp8_grads=drift_grads)
             if cfg.grad_accum > 1:
                 loss = torch.stack(micro).float().mean()
             finite = scaler.unscale_(params) if scaler is not None else True  # callbacks see true gradients
