@@ -7,7 +7,7 @@ which a ``backend="fp8"`` compile never needs.
 
 import importlib
 
-from .config import Config, CurrentScaling, DelayedScaling, DriftCheck, HotChannelPatching, NVFP4Scaling, Rule
+from .config import Config, CurrentScaling, DelayedScaling, DriftCheck, HotChannelPatching, NVFP4Scaling, Rule, Switch
 from .numerics import (
     E2M1,
     E4M3,
@@ -29,6 +29,7 @@ from .scaling_state import accumulate_scaling, commit_scaling, load_scaling_stat
 from .checkpoint import checkpoint_state, load_checkpoint_state  # noqa: E402
 from . import recipes  # noqa: E402  (named recipes: fills Config.from_recipe's table)
 from .precision_file import load_rules  # noqa: E402
+from .precision_switch import PrecisionSwitch, apply_schedule, precision_switches, switch_precision  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
     "NVFP4Scaling", "HotChannelPatching", "recipes", "Rule", "load_rules", "DriftCheck",
+    "switch_precision", "precision_switches", "PrecisionSwitch", "Switch", "apply_schedule",
 ]
 
 

@@ -45,6 +45,7 @@ from .runtime.hcp import hcp_state_for
 from .runtime.sr import stream_for, stream_key
 from .runtime.state import grouped_state_for, state_for
 from .scaling_state import attach_weights
+from .switch_history import epoch as switch_epoch, eval_config, mark_compiled, switched_config
 from .passes.rewrite import StateInput, apply_plan, copy_graph_module
 
 __all__ = ["Backend", "backend", "fp8_backend", "explain", "GraphBreakError"]
@@ -114,6 +115,8 @@ class Backend:
 
     Attributes:
         records: one :class:`GraphRecord` per graph compiled, in order (explain reads them).
+        compiles: how many rewritten graphs this backend has compiled (Dynamo's graphs, the variants
+            of a reused frame whose plan differs, the re-plans after a precision switch).
     """
 
     def __init__(self, config: Config | None = None):
@@ -121,6 +124,7 @@ class Backend:
             raise TypeError(f"fp8pass.backend(config) takes an fp8pass.Config, got {type(config).__name__}")
         self.config = config or Config()
         self.records: list[GraphRecord] = []
+        self.compiles = 0
         self._split_modules: dict[str, str] = {}
         self._warned: set[str] = set()
         # models (id of the user's module; "" for compiled functions) with a graph holding an FP8 op, and the
@@ -137,13 +141,17 @@ class Backend:
 
     @property
     def _reducer(self):
-        """The automatic cross-rank amax reduction (None: not a delayed recipe, or turned off).
+        return self._reducer_for(self.config)
+
+    def _reducer_for(self, cfg: Config):
+        """The automatic cross-rank amax reduction of graphs planned with ``cfg`` (None: no delayed recipe
+        in it, or turned off).
 
         Made on first use: ``fp8pass.distributed`` loads with the first compiled graph that has
         delayed-scaling state, not with ``import fp8pass``.
         """
-        reduction = self.config.amax_reduction
-        delayed = [self.config.recipe] + [r.scaling for r in self.config.rules]
+        reduction = cfg.amax_reduction
+        delayed = [cfg.recipe] + [r.scaling for r in cfg.rules]
         if not any(isinstance(r, DelayedScaling) for r in delayed) or reduction in ("off", None):
             return None
         if self._amax_reducer is None:
@@ -167,6 +175,18 @@ class Backend:
 
         return next_key
 
+    def _precision_key(self, model: torch.nn.Module | None) -> tuple[int, bool]:
+        """(the model's precision epoch, whether its eval recipe applies now): what a graph's plan depends on
+        beyond its weights. Read at every call of a compiled graph: two attribute reads."""
+        if model is None:
+            return (0, False)
+        return (switch_epoch(model), self.config.eval_recipe is not None and not model.training)
+
+    def _config_at(self, model: torch.nn.Module | None, key: tuple[int, bool]) -> Config:
+        """The Config the model's graphs are planned with at precision ``key``: ``eval_recipe`` when
+        evaluating, else the model's precision switches' rules before ``Config.rules``."""
+        return eval_config(self.config) if key[1] else switched_config(self.config, model)
+
     # torch.compile calls backend(gm, example_inputs, **{"mode": .., "options": ..})
     def __call__(self, gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
                  options: dict | None = None) -> Callable:
@@ -180,17 +200,24 @@ class Backend:
             _hint_at_oversubscription_once()
         t0 = time.perf_counter()
         root = frame_root()
-        new_gm, record = self.transform(gm, example_inputs, root)
+        model = top_module(root) if root is not None else None
+        if model is not None:
+            mark_compiled(model)
+        pkey = self._precision_key(model)
+        cfg = self._config_at(model, pkey)
+        new_gm, record = self.transform(gm, example_inputs, root, config=cfg)
         if any("float64" in reason for _, reason in record.report.skipped):
             self._warn_once("float64", "fp8pass: float64 weights or activations stay in float64 (FP8 applies to "
                                        "fp32/bf16/fp16 models); fp8pass.explain(model, ...) lists what was kept.")
         record.pass_seconds = time.perf_counter() - t0
         self.records.append(record)
         del self.records[:-_MAX_RECORDS]  # a long job recompiling often keeps only recent reports
-        sr_keys = self._sr_keys(top_module(root) if root is not None else None)
-        extras = _resolve_state(record.extra_inputs, example_inputs, self.config, self._reducer, sr_keys)
+        sr_keys = self._sr_keys(model)
+        reducer = self._reducer_for(cfg)
+        extras = _resolve_state(record.extra_inputs, example_inputs, cfg, reducer, sr_keys)
         compiled = self._compile(new_gm, list(example_inputs) + _static_fakes(extras), mode, options)
-        compiled = self._watch_for_fp8(compiled, new_gm, record, root)
+        if not pkey[1]:  # an evaluation graph may hold no FP8 op by choice (eval_recipe="high")
+            compiled = self._watch_for_fp8(compiled, new_gm, record, root)
         relative = relative_param_names(gm.graph, example_inputs)
         if not extras and not relative:
             return compiled
@@ -202,48 +229,70 @@ class Backend:
         # their weights are graph inputs). Per set of weights passed: the state is looked up from
         # those weights, and the plan is made again under their absolute names; where the policy
         # decides differently (``keep_high_precision=("layers.2.*",)``) that set gets its own graph.
+        # Per precision key too (``_precision_key``): after ``fp8pass.switch_precision(model, ...)`` the
+        # next call plans the graph again under the switched rules, and in eval mode under
+        # ``eval_recipe``; a rewrite equal to one compiled before reuses it (``compiled_by_code``), so a
+        # switch costs at most one compile per distinct rewritten graph, and none where nothing changes.
         params = sorted(relative)
         variants: dict[tuple, tuple] = {}
+        model_ref = weakref.ref(model) if model is not None else None
+        compiled_by_code = {new_gm.code: compiled}
+        first = (pkey, compiled, record, cfg)
 
         def key_of(args) -> tuple:
             return tuple(id(args[i]) for i in params)
 
-        variants[key_of(example_inputs)] = ([weakref.ref(example_inputs[i]) for i in params], compiled, extras)
-        reducer = self._reducer if extras else None
+        variants[(key_of(example_inputs), pkey)] = ([weakref.ref(example_inputs[i]) for i in params], compiled,
+                                                    extras, reducer if extras else None)
 
         def run(*args):
-            hit = variants.get(key_of(args))
+            m = model_ref() if model_ref is not None else None
+            key = (key_of(args), self._precision_key(m))
+            hit = variants.get(key)
             if hit is None or any(r() is not args[i] for r, i in zip(hit[0], params)):
-                hit = self._variant(gm, list(args), record, new_gm, compiled, relative, mode, options, sr_keys)
+                hit = self._variant(gm, list(args), first, relative, mode, options, sr_keys, m, key[1],
+                                    compiled_by_code)
                 if len(variants) > _MAX_RECORDS:
                     variants.clear()
-                variants[key_of(args)] = hit
-            if reducer is None:
-                return hit[1](*args, *hit[2])
-            reducer.before_forward()
-            out = hit[1](*args, *hit[2])
-            reducer.after_forward(out)
+                if len(compiled_by_code) > _MAX_RECORDS:
+                    compiled_by_code.clear()
+                variants[key] = hit
+            fn, state, red = hit[1], hit[2], hit[3]
+            if red is None:
+                return fn(*args, *state)
+            red.before_forward()
+            out = fn(*args, *state)
+            red.after_forward(out)
             return out
 
         return run
 
-    def _variant(self, gm, args, record, new_gm, compiled, relative, mode, options, sr_keys=None):
-        """(weight refs, compiled fn, state tensors) for a compiled frame called with other weights."""
+    def _variant(self, gm, args, first, relative, mode, options, sr_keys, model, pkey, compiled_by_code):
+        """(weight refs, compiled fn, state tensors, amax reducer) for a compiled frame called with other
+        weights, or at another precision key (a switch, eval mode) than ``first`` = (its key, compiled fn,
+        record, Config) was compiled at."""
+        first_key, compiled, record, cfg = first
         names = names_for(args, relative)
         refs = [weakref.ref(args[i]) for i in sorted(relative)]
-        if names is None:  # weights of a module never seen: the graph as planned, their own state
-            return refs, compiled, _resolve_state(record.extra_inputs, args, self.config, self._reducer, sr_keys)
-        gm2, rec2 = self.transform(gm, args, names=names)
+        if names is None and pkey == first_key:  # weights of a module never seen: the graph as planned
+            reducer = self._reducer_for(cfg)
+            extras = _resolve_state(record.extra_inputs, args, cfg, reducer, sr_keys)
+            return refs, compiled, extras, reducer if extras else None
+        if pkey != first_key:
+            cfg = self._config_at(model, pkey)
+        gm2, rec2 = self.transform(gm, args, names=names, config=cfg)
         self.records.append(rec2)
         del self.records[:-_MAX_RECORDS]
-        extras = _resolve_state(rec2.extra_inputs, args, self.config, self._reducer, sr_keys)
-        if gm2.code == new_gm.code:  # the same rewrite: reuse the compiled graph
-            return refs, compiled, extras
-        return refs, self._compile(gm2, list(args) + extras, mode, options), extras
+        reducer = self._reducer_for(cfg)
+        extras = _resolve_state(rec2.extra_inputs, args, cfg, reducer, sr_keys)
+        fn = compiled_by_code.get(gm2.code)  # the same rewrite: reuse the compiled graph
+        if fn is None:
+            fn = compiled_by_code[gm2.code] = self._compile(gm2, list(args) + extras, mode, options)
+        return refs, fn, extras, reducer if extras else None
 
     def transform(self, gm: fx.GraphModule, example_inputs: list | None = None,
                   root: torch.nn.Module | None = None, names: FrameNames | None = None,
-                  ) -> tuple[fx.GraphModule, GraphRecord]:
+                  config: Config | None = None) -> tuple[fx.GraphModule, GraphRecord]:
         """Plan and rewrite a copy of ``gm``; returns (rewritten copy, record). ``gm`` is untouched.
 
         Args:
@@ -251,9 +300,11 @@ class Backend:
             example_inputs: its real inputs (parameters among them are named by identity).
             root: the compiled frame's ``self`` module (absolute names across graph breaks).
             names: the frame's names, when known otherwise (a reused frame, see ``__call__``).
+            config: plan with this Config instead of the backend's (a model's switched precision, its
+                evaluation recipe).
         """
-        cfg = self.config
-        if root is not None and cfg.rules:
+        cfg = config if config is not None else self.config
+        if root is not None and self.config.rules:
             self._warn_unmatched_rules(top_module(root))
         new_gm = copy_graph_module(gm)
         names = names if names is not None else frame_names(root, example_inputs or [])
@@ -286,6 +337,7 @@ class Backend:
         return new_gm, GraphRecord(report, extra)
 
     def _compile(self, gm, inputs, mode, options):
+        self.compiles += 1
         if _has_dtensor(inputs):  # tensor parallel: DTensor dispatch needs the ops' sharding rules
             from .distributed.tensor_parallel import check_reduction_group, register_sharding_rules
 

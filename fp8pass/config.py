@@ -12,8 +12,8 @@ import numbers
 import sys
 from dataclasses import dataclass, replace
 
-__all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "Rule", "DriftCheck",
-           "GRANULARITIES", "ALGOS", "BACKWARDS", "ON_DRIFT"]
+__all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "Rule", "Switch",
+           "DriftCheck", "GRANULARITIES", "ALGOS", "BACKWARDS", "ON_DRIFT"]
 
 GRANULARITIES = ("tensor", "row", "block", "mx")
 ALGOS = ("max", "most_recent")
@@ -371,6 +371,70 @@ class DriftCheck:
 
 
 @dataclass(frozen=True)
+class Switch:
+    """One scheduled precision switch of ``Config.schedule`` (docs/precision.md, Scheduled switches).
+
+    At optimizer step ``at_step`` (0-based: the switch applies from that step's forward on), or at
+    ``at_fraction`` of the run's steps (``round(at_fraction * steps)``; 0.9: the last 10%), the rules
+    take precedence over the earlier switches and ``Config.rules`` (``fp8pass.switch_precision``).
+    Give exactly one of ``at_step`` and ``at_fraction``. ``fp8pass.apply_schedule(model, step, steps)``
+    (the trainer calls it before every step) makes the switches that are due.
+
+    Args:
+        rules: a non-empty sequence of :class:`Rule`, e.g. ``[Rule("*", "high")]``.
+        at_step: the step (an int >= 0).
+        at_fraction: the share of the run's steps before the switch (a number in [0, 1]).
+        reason: kept in the switch's record (metrics, checkpoints).
+    """
+
+    rules: tuple[Rule, ...]
+    at_step: int | None = None
+    at_fraction: float | None = None
+    reason: str = ""
+
+    def __post_init__(self):
+        rules = self.rules
+        if isinstance(rules, Rule) or not isinstance(rules, (tuple, list)) or not rules:
+            raise TypeError(f"Switch.rules must be a non-empty list of fp8pass.Rule, got {rules!r}")
+        for i, r in enumerate(rules):
+            if not isinstance(r, Rule):
+                raise TypeError(f"Switch.rules[{i}] must be an fp8pass.Rule(pattern, recipe, backward=...), got {r!r}")
+        object.__setattr__(self, "rules", tuple(rules))
+        if (self.at_step is None) == (self.at_fraction is None):
+            raise ValueError(f"Switch takes exactly one of at_step (a step) and at_fraction (a share of the run's "
+                             f"steps), got at_step={self.at_step!r}, at_fraction={self.at_fraction!r}")
+        if self.at_step is not None:
+            _check_int("Switch.at_step", self.at_step, 0, " (the 0-based step the switch applies from)")
+        else:
+            _check_number("Switch.at_fraction", self.at_fraction, 0, 1, meaning=" (a share of the run's steps)")
+        if not isinstance(self.reason, str):
+            raise TypeError(f"Switch.reason must be a string, got {self.reason!r}")
+
+    def step(self, total_steps: int | None) -> int:
+        """The 0-based step the switch applies from, in a run of ``total_steps`` steps."""
+        if self.at_step is not None:
+            return self.at_step
+        if total_steps is None:
+            raise ValueError(f"Switch(at_fraction={self.at_fraction}) needs the run's number of steps "
+                             f"(fp8pass.apply_schedule(model, step, total_steps=...))")
+        return int(round(self.at_fraction * total_steps))
+
+
+def _check_eval_recipe(recipe) -> None:
+    """``Config.eval_recipe``: a recipe as a Rule takes it, keeping no state that evaluation would change."""
+    try:
+        rule = Rule("*", recipe)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"Config.eval_recipe: {e}".replace("Rule('*'): ", "")) from None
+    scaling = rule.scaling
+    if isinstance(scaling, DelayedScaling) or (isinstance(scaling, NVFP4Scaling) and scaling.hcp is not None):
+        raise ValueError(f"Config.eval_recipe={recipe!r} keeps state (delayed-scaling amax histories / hot-channel "
+                         f"statistics) that evaluation batches would change; use 'high', a current-scaling recipe "
+                         f"('blockwise', 'mxfp8', CurrentScaling(...), NVFP4Scaling()) or None (evaluate in the "
+                         f"training recipe)")
+
+
+@dataclass(frozen=True)
 class Config:
     """What the ``fp8`` torch.compile backend does to a model (``fp8pass.backend(cfg)``).
 
@@ -432,6 +496,18 @@ class Config:
             ``fp8pass.load_rules(path)`` reads them from a TOML or JSON file.
         drift_check: a :class:`DriftCheck` (or None, off): the online comparison of FP8 steps with a
             high-precision replay, run by :class:`fp8pass.monitor.DriftMonitor` and the trainer.
+        eval_recipe: what the model's evaluation graphs run in (compiled while ``model.training`` is False,
+            i.e. after ``model.eval()``): a recipe as :class:`Rule` takes it (``"high"``, a named recipe, a
+            Config, a scaling object), applied to every linear that ``keep_high_precision`` and
+            ``keep_first_layers``/``keep_last_layers`` leave eligible, the same weights as training. Not a
+            delayed-scaling recipe (evaluation would record its batches into the training's amax
+            histories) nor NVFP4 with hot-channel patching (the same). None (default): evaluation runs in
+            the training recipe (docs/precision.md, Evaluation precision).
+        schedule: precision switches at given steps, a sequence of :class:`Switch` (e.g. ``[Switch([Rule("*",
+            "high")], at_fraction=0.9)]``: the last 10% of the steps in high precision). The backend cannot
+            count steps: ``fp8pass.apply_schedule(model, step, total_steps)`` makes the due switches (the
+            trainer calls it before each step); each is a ``fp8pass.switch_precision`` with reason
+            ``"schedule[i]..."`` and made once (a resumed model's history says which were made).
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -451,6 +527,8 @@ class Config:
     rules: tuple[Rule, ...] = ()
     sr_seed: int | None = None
     drift_check: DriftCheck | None = None
+    eval_recipe: object = None
+    schedule: tuple[Switch, ...] = ()
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -524,6 +602,16 @@ class Config:
         if self.drift_check is not None and not isinstance(self.drift_check, DriftCheck):
             raise TypeError(f"Config.drift_check must be an fp8pass.DriftCheck(every=..., on_drift=...) or None, "
                             f"got {self.drift_check!r}")
+        if self.eval_recipe is not None:
+            _check_eval_recipe(self.eval_recipe)
+        schedule = self.schedule
+        if isinstance(schedule, Switch) or not isinstance(schedule, (tuple, list)):
+            raise TypeError(f"Config.schedule must be a list of fp8pass.Switch, got {schedule!r}")
+        for i, sw in enumerate(schedule):
+            if not isinstance(sw, Switch):
+                raise TypeError(f"Config.schedule[{i}] must be an fp8pass.Switch(rules, at_step=... or "
+                                f"at_fraction=...), got {sw!r}")
+        object.__setattr__(self, "schedule", tuple(schedule))
 
     def rule_for(self, names) -> tuple[int, Rule] | None:
         """``(index, rule)`` of the first rule whose pattern matches one of ``names`` (FQNs), or None."""

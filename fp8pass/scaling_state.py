@@ -51,6 +51,7 @@ from .runtime import state as _linear_state
 from .runtime.hcp import _REGISTRY as _HCP_REGISTRY, HCP_FIELDS, hcp_state_for
 from .runtime.sr import _REGISTRY as _SR_REGISTRY, SRStream
 from .runtime.state import _ACCUMULATING, ROLES, _REGISTRY, commit_states, state_for
+from .switch_history import HISTORY_KEY, history, history_from_tensor, history_to_tensor, set_history, switched_config
 from .scaling_checks import (_FIELDS, HCP_KEY, SCALING_KEY, SR_KEY, _group_flat, check_delayed_state, check_hcp_state,
                              check_sr_stream)
 
@@ -204,13 +205,55 @@ def attach(model: torch.nn.Module, config: Config | None = None) -> torch.nn.Mod
     ``config.rules``, a module that a rule matches (by its FQN or its parameters') gets that rule's
     recipe, as the backend gives its linears.
 
+    The model's precision-switch history (``fp8pass.switch_precision``) travels in the state dict too
+    (``"fp8_precision_switches"``, a uint8 tensor of its JSON): loading it restores the history, and the
+    modules then load their state under the switched rules (``config``'s rules after the switches').
+
     Returns:
         ``model``.
     """
-    for name, module in _unwrap(model).named_modules():
+    top = _unwrap(model)
+    hook_precision_history(top, config)
+    config = switched_config(config, top) if config is not None else None
+    for name, module in top.named_modules():
         if module._parameters:
             _hook_module(module, _module_config(config, name, module))
     return model
+
+
+_HISTORY_HOOKED = "_fp8pass_history_config"  # model attribute: history hooks registered, and attach's Config
+
+
+def hook_precision_history(model: torch.nn.Module, config: Config | None = None) -> None:
+    """State-dict hooks on the user's model that save and load its precision-switch history (once)."""
+    if _HISTORY_HOOKED in model.__dict__:
+        if config is not None:
+            model.__dict__[_HISTORY_HOOKED] = config
+        return
+    model.__dict__[_HISTORY_HOOKED] = config
+    model.register_state_dict_post_hook(_save_history_hook)
+    model.register_load_state_dict_pre_hook(_load_history_hook)
+
+
+def _save_history_hook(module, state_dict, prefix, local_metadata) -> None:
+    switches = history(module)
+    if switches:
+        state_dict[prefix + HISTORY_KEY] = history_to_tensor(switches)
+
+
+def _load_history_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                       error_msgs) -> None:
+    if prefix + HISTORY_KEY not in state_dict:
+        return
+    try:
+        switches = history_from_tensor(state_dict.pop(prefix + HISTORY_KEY), prefix + HISTORY_KEY)
+    except ValueError as e:
+        error_msgs.append(str(e))
+        return
+    set_history(module, switches)
+    config = module.__dict__.get(_HISTORY_HOOKED)
+    if config is not None and switches:  # the submodules load next (the root's pre-hook runs first)
+        attach(module, config)
 
 
 def _module_config(config: Config | None, name: str, module: torch.nn.Module) -> Config | None:
@@ -293,7 +336,8 @@ def _adopt_recipe(weight: torch.Tensor, cfg: Config) -> None:
 def without_scaling_state(state_dict: dict) -> dict:
     """``state_dict`` less the scaling-state keys (for a model that will not train in FP8)."""
     markers = (f".{SCALING_KEY}.", f".{HCP_KEY}.", f".{SR_KEY}.")
-    return type(state_dict)((k, v) for k, v in state_dict.items() if not any(m in k for m in markers))
+    return type(state_dict)((k, v) for k, v in state_dict.items()
+                            if not any(m in k for m in markers) and k.rsplit(".", 1)[-1] != HISTORY_KEY)
 
 
 # ---- the state on its own ----------------------------------------------------------------------

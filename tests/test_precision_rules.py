@@ -169,7 +169,7 @@ def test_rules_load_from_toml_and_json(tmp_path):
     ('[[rules]]\npattern = "*"\n', ".toml", r"rules\[0\] \(line 1\): missing field 'recipe'"),
     ('[[rules]\npattern = "*"\n', ".toml", r"not valid TOML: .*line 1"),
     ('{"rules": [{"pattern": "*", "recipe": "high"},]}', ".json", r"not valid JSON: .*line 1"),
-    ('{"rule": []}', ".json", r"the file holds one key, 'rules'"),
+    ('{"rule": []}', ".json", r"the file holds 'rules' \(a list of rule tables\) and/or 'switch'"),
     ('{"rules": [{"pattern": "*", "recipe": "high", "backward": "bf16"}]}', ".json",
      r"rules\[0\]: unknown Rule\('\*'\)\.backward 'bf16'; valid: fp8, high"),
     ('rules: []', ".yaml", r"unknown file type '\.yaml'; use \.toml or \.json"),

@@ -25,7 +25,8 @@ import torch
 from ..checkpoint import check_weights, load_file, save_file, set_torch_rng_state, torch_rng_state
 from ..config import DelayedScaling, NVFP4Scaling
 from ..integrity import CheckpointError
-from ..precision_file import rules_from_data
+from ..precision_file import rules_from_data, schedule_from_data
+from ..switch_history import HISTORY_KEY, history_from_tensor
 from ..optim.state_check import check_optimizer_state
 from ..scaling_checks import HCP_KEY, SCALING_KEY, SR_KEY, check_model_state_dict, check_scaling_state_dict
 from .model import ModelConfig, TinyLlama
@@ -160,7 +161,9 @@ def validate_checkpoint(ckpt) -> None:
         recipe = get_recipe(config.get("recipe", "bf16"))
         fp8 = fp8_config(recipe, config.get("scaling", "delayed"), config.get("smooth", "channel"),
                          config.get("compiler", "inductor"),
-                         rules_from_data(config.get("precision_rules", []), "config.precision_rules")
+                         rules_from_data(config.get("precision_rules", []), "config.precision_rules"),
+                         config.get("eval_recipe"),
+                         schedule_from_data(config.get("precision_schedule", []), "config.precision_schedule"),
                          ) if recipe.fp8 else None
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"config: cannot build the run's model ({e})") from None
@@ -171,7 +174,15 @@ def validate_checkpoint(ckpt) -> None:
         raise CheckpointError("model: expected a state dict")
     marker = f".{SCALING_KEY}."
     state_keys = [k for k in msd if marker in k or f".{HCP_KEY}." in k or f".{SR_KEY}." in k]
-    weights = {k: v for k, v in msd.items() if k not in set(state_keys)}
+    if HISTORY_KEY in msd:  # the model's precision switches (fp8pass.switch_precision)
+        if fp8 is None:
+            raise CheckpointError(f"model.{HISTORY_KEY}: precision switches in a run of recipe {config.get('recipe')!r}, "
+                                  "which has no FP8 linears")
+        try:
+            history_from_tensor(msd[HISTORY_KEY], f"model.{HISTORY_KEY}")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    weights = {k: v for k, v in msd.items() if k not in set(state_keys) and k != HISTORY_KEY}
     extra, absent = sorted(set(weights) - set(want)), sorted(set(want) - set(weights))
     if extra or absent:
         raise CheckpointError(f"model: keys differ from the model of this configuration (missing {absent[:5]}, "

@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..optim import MOMENT_FORMATS
-from ..precision_file import read_rules_data
+from ..precision_file import read_rules_data, read_schedule_data
 from .model import ModelConfig
 from .recipes import DEFAULT_MOMENTS, MOMENT_ROUNDINGS, PRECISIONS, RECIPES, describe_precision
 
@@ -125,7 +125,11 @@ def add_train_parser(sub) -> None:
                                          f"{'tensor' if default is None else default} for the -fp8adam recipes)"})
     p.add_argument("--precision-config", default=None, metavar="FILE",
                    help="per-module precision rules, a .toml or .json file (fp8pass.load_rules; docs/precision.md): "
-                        "the first rule whose glob matches a linear picks its recipe; fp8 recipes only")
+                        "the first rule whose glob matches a linear picks its recipe; its [[switch]] tables switch "
+                        "precision at given steps (at_step / at_fraction); fp8 recipes only")
+    p.add_argument("--eval-recipe", default=None, metavar="RECIPE",
+                   help="also validate in this recipe, the same weights: 'high' or a named recipe without state "
+                        "(blockwise, mxfp8, nvfp4); logs val_loss and val_loss_eval_recipe; fp8 recipes only")
     p.add_argument("--fused-gate-up", action="store_true", help="one gate_up_proj linear in the MLP")
     p.add_argument("--compile-bf16", action="store_true", help="compile the bf16 recipe with Inductor too")
     p.add_argument("--threads", type=int, default=1,
@@ -152,6 +156,7 @@ def _config_from_args(args, recipe: str, out: Path):
         kw["data"] = args.data
     if args.precision_config is not None:  # kept as data in the run's config: a resume runs the same rules
         kw["precision_rules"] = read_rules_data(args.precision_config)
+        kw["precision_schedule"] = read_schedule_data(args.precision_config)
     return TrainConfig(recipe=recipe, out=str(out), model=model, compile_bf16=args.compile_bf16,
                        progress=not args.no_progress, **kw)
 
@@ -173,7 +178,8 @@ def run_train(args) -> int:
         return EXIT_USAGE
     torch.set_num_threads(args.threads)
     if args.resume is not None:
-        changed = [n for n in list(_TYPES) + list(_CHOICES) + list(_OPTIM) + ["recipe", "out", "data", "precision_config"]
+        changed = [n for n in list(_TYPES) + list(_CHOICES) + list(_OPTIM)
+                   + ["recipe", "out", "data", "precision_config", "eval_recipe"]
                    if n != "steps" and getattr(args, n) is not None]
         if changed:
             print(f"error: --resume continues the saved configuration; only --steps may change "

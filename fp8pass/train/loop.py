@@ -15,7 +15,8 @@ from ..config import DriftCheck
 from ..integrity import CheckpointError, atomic_write
 from ..monitor.drift import DriftMonitor
 from ..monitor.telemetry import scaling_telemetry, warn_once
-from ..precision_file import rules_from_data
+from ..precision_file import rules_from_data, rules_to_data, schedule_from_data
+from ..precision_switch import apply_schedule
 from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
@@ -92,6 +93,16 @@ class TrainConfig:
             with the FP8 step (``"drift"`` records in metrics.jsonl); 0 (default): off. fp8 recipes only.
         on_drift, drift_max_loss_diff, drift_min_grad_cosine: the check's ``on_drift`` ("warn" |
             "fallback"), ``max_loss_diff`` and ``min_grad_cosine``.
+        precision_schedule: scheduled precision switches (``fp8pass.Config.schedule``) as plain data, the
+            ``switch`` list of a precision config file: ``[{"at_step": 500 or "at_fraction": 0.9, "rules":
+            [...], "reason": "..."}]``. Before each step the trainer makes the due ones
+            (``fp8pass.apply_schedule``) and logs each as a ``precision_switch`` record; the model's
+            switch history is in its checkpoint, so a resume continues in the switched precision. fp8
+            recipes only (switches apply from the first FP8 step).
+        eval_recipe: what validation also runs in (``fp8pass.Config.eval_recipe``): ``"high"`` or a named
+            recipe without state (``"blockwise"``, ``"mxfp8"``, ``"nvfp4"``). Each evaluation then logs
+            ``val_loss`` (the training recipe) and ``val_loss_eval_recipe`` (``model.eval()``, the same
+            weights in this recipe). None: validation in the training recipe only. fp8 recipes only.
         max_data_bytes: cap each split (None = all).
         progress: show the progress bar.
     """
@@ -135,6 +146,8 @@ class TrainConfig:
     on_drift: str = "warn"
     drift_max_loss_diff: float = DriftCheck.max_loss_diff
     drift_min_grad_cosine: float = DriftCheck.min_grad_cosine
+    precision_schedule: list = field(default_factory=list)
+    eval_recipe: str | None = None
     max_data_bytes: int | None = None
     progress: bool = True
 
@@ -181,6 +194,17 @@ class TrainConfig:
             raise ValueError(f"drift_check compares FP8 steps with high precision; recipe {self.recipe!r} has no "
                              f"FP8 linears")
         self.drift()  # bad thresholds fail here, naming them
+        if self.precision_schedule and not recipe.fp8:
+            raise ValueError(f"a precision schedule applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 "
+                             "linears")
+        self.fp8_schedule()
+        if self.eval_recipe is not None:
+            if not recipe.fp8:
+                raise ValueError(f"eval_recipe applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 linears "
+                                 "(its validation already runs in high precision)")
+            if not isinstance(self.eval_recipe, str):
+                raise ValueError(f"eval_recipe must be 'high' or a named recipe's name, got {self.eval_recipe!r}")
+            self.fp8_config()  # an unknown or stateful eval recipe fails here, naming it
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup >= 0):
@@ -198,6 +222,14 @@ class TrainConfig:
             return None
         return DriftCheck(every=self.drift_check, on_drift=self.on_drift, max_loss_diff=self.drift_max_loss_diff,
                           min_grad_cosine=self.drift_min_grad_cosine)
+    def fp8_schedule(self) -> tuple:
+        """``precision_schedule`` as ``fp8pass.Switch`` objects (validated)."""
+        return tuple(schedule_from_data(list(self.precision_schedule), "precision_schedule"))
+
+    def fp8_config(self):
+        """The fp8 backend's ``fp8pass.Config`` of this run (fp8 recipes)."""
+        return fp8_config(get_recipe(self.recipe), self.scaling, self.smooth, self.compiler, self.fp8_rules(),
+                          self.eval_recipe, self.fp8_schedule(), self.drift())
 
     def resolved(self) -> "TrainConfig":
         """This configuration with ``precision="auto"`` resolved for this machine (what a run saves)."""
@@ -230,6 +262,7 @@ class TrainResult:
     wall_s: float = 0.0
     signal: str | None = None       # "SIGTERM" / "SIGINT" when interrupted
     grad_skips: int = 0             # steps skipped for a non-finite gradient norm, over the whole run
+    final_val_loss_eval_recipe: float = float("nan")  # the last validation in TrainConfig.eval_recipe (if set)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -253,8 +286,7 @@ def _scaling_state(model):
 
 def _load_scaling_state(model, sd, cfg: TrainConfig):
     from .. import load_scaling_state_dict
-    load_scaling_state_dict(model, sd, config=fp8_config(get_recipe(cfg.recipe), cfg.scaling, cfg.smooth, cfg.compiler,
-                                                         cfg.fp8_rules()))
+    load_scaling_state_dict(model, sd, config=cfg.fp8_config())
 
 
 @torch.no_grad()
@@ -333,13 +365,14 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
     if ckpt is not None:
         start = ckpt["step"]
         if recipe.fp8 and start >= cfg.fp8_start_step:  # the saved model state carries the scaling state
-            attach_scaling_state(model, fp8_config(recipe, cfg.scaling, cfg.smooth, cfg.compiler, cfg.fp8_rules()))
+            attach_scaling_state(model, cfg.fp8_config())
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
 
     def fp8_forward():
         return prepare_model(model, recipe, scaling=cfg.scaling, smooth_mode=cfg.smooth,
                              compile_bf16=cfg.compile_bf16, compiler=cfg.compiler, rules=cfg.fp8_rules(),
+                             eval_recipe=cfg.eval_recipe, schedule=cfg.fp8_schedule(),
                              drift_check=cfg.drift())
 
     fp8_on = recipe.fp8 and start >= cfg.fp8_start_step
@@ -375,6 +408,8 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
     params = [p for p in model.parameters() if p.requires_grad]
     bar = ProgressBar(cfg.steps, cfg.recipe, start) if cfg.progress else None
     losses, status, val_loss, tok_s, step_rates = [], "finished", float("nan"), 0.0, []
+    val_loss_eval = float("nan")
+    schedule = cfg.fp8_schedule() if recipe.fp8 else ()
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     if start == 0:
         for cb in callbacks:
@@ -402,6 +437,12 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
                 drift = drift_monitor()
                 log({"kind": "fp8_start", "step": step})
                 first_compiled_step = True
+            if fp8_on and schedule:
+                # "step": the first step (counted as the train records count) in the new precision
+                for sw in apply_schedule(fwd, step, cfg.steps, schedule):
+                    log({"kind": "precision_switch", "step": step + 1, "reason": sw.reason,
+                         "rules": rules_to_data(sw.rules)})
+                    first_compiled_step = True  # its graphs compile again: the ETA leaves the step out
             if first_compiled_step and fp8_on and bar is not None:  # else minutes of silence (issue 34)
                 bar.note(COMPILE_NOTE)
             lr = lr_at(step, cfg)
@@ -472,7 +513,15 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
                 cb(done, model, log, final=done == cfg.steps)
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 val_loss = evaluate(fwd, data, cfg)
-                log({"kind": "eval", "step": done, "val_loss": val_loss})
+                record = {"kind": "eval", "step": done, "val_loss": val_loss}
+                if cfg.eval_recipe is not None:  # the same weights in the eval recipe: the backend's eval graphs
+                    model.eval()
+                    try:
+                        val_loss_eval = evaluate(fwd, data, cfg)
+                    finally:
+                        model.train()
+                    record.update(eval_recipe=cfg.eval_recipe, val_loss_eval_recipe=val_loss_eval)
+                log(record)
             # on SIGTERM/SIGINT too (preemption): the step is done, save it before stopping
             if done % cfg.ckpt_every == 0 or done == cfg.steps or stop.signum is not None:
                 write_checkpoint(done)
@@ -513,4 +562,4 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
     return TrainResult(out, status, start + len(losses), losses[-1] if losses else float("nan"), val_loss,
                        losses, len(losses) * tokens_per_step / max(elapsed, 1e-9),
                        statistics.median(step_rates) if step_rates else 0.0, elapsed,
-                       stop.name if status == "interrupted" else None, grad_skips)
+                       stop.name if status == "interrupted" else None, grad_skips, val_loss_eval)

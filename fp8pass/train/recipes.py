@@ -137,22 +137,26 @@ def scaling_recipe(name: str):
 
 
 def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "channel",
-               compiler: str = "inductor", rules=(), drift_check=None):
+               compiler: str = "inductor", rules=(), eval_recipe=None, schedule=(), drift_check=None):
     """The backend ``Config`` for an fp8 recipe (a named recipe's own, with ``compiler``); ``rules``:
-    ``Config.rules`` (``--precision-config``); ``drift_check``: ``Config.drift_check`` (``--drift-check``)."""
+    ``Config.rules`` (``--precision-config``); ``eval_recipe``, ``schedule``: ``Config.eval_recipe``
+    (``--eval-recipe``) and ``Config.schedule`` (the precision config's ``[[switch]]`` tables);
+    ``drift_check``: ``Config.drift_check`` (``--drift-check``)."""
     import fp8pass
+    extra = dict(compiler=compiler, rules=tuple(rules), eval_recipe=eval_recipe, schedule=tuple(schedule),
+                 drift_check=drift_check)
     if recipe.named:
-        return fp8pass.Config.from_recipe(recipe.name, compiler=compiler, rules=tuple(rules), drift_check=drift_check)
+        return fp8pass.Config.from_recipe(recipe.name, **extra)
     if not hasattr(fp8pass, "Config"):
         raise RuntimeError(f"recipe {recipe.name!r} needs fp8pass.Config and fp8pass.backend, which this "
                            "installation of fp8pass lacks; use --recipe bf16")
     return fp8pass.Config(recipe=scaling_recipe(scaling), smooth_swiglu=smooth_mode if recipe.smooth else None,
-                          compiler=compiler, rules=tuple(rules), drift_check=drift_check)
+                          **extra)
 
 
 def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "delayed",
                   smooth_mode: str = "channel", compile_bf16: bool = False, compiler: str = "inductor", rules=(),
-                  drift_check=None):
+                  eval_recipe=None, schedule=(), drift_check=None):
     """Return the callable the loop trains through (``model`` itself, or its compiled wrapper).
 
     The fp8 recipes compile with ``fp8pass.backend(Config(...))``; the bf16 recipe runs eager unless
@@ -160,7 +164,7 @@ def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "del
     """
     if recipe.fp8:
         import fp8pass
-        cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules, drift_check)
+        cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules, eval_recipe, schedule, drift_check)
         return torch.compile(model, backend=fp8pass.backend(cfg))
     if compile_bf16:
         return torch.compile(model)
