@@ -346,6 +346,9 @@ class DriftCheck:
             Smooth-SwiGLU gets the per-channel form, any other linear high precision).
         max_loss_diff: threshold on ``|loss_fp8 - loss_high| / loss_high`` of the micro-batch.
         min_grad_cosine: threshold on each FP8 linear weight's gradient cosine (FP8 vs high precision).
+        max_local_error: the local error of a linear's FP8 input cast (``||(Q(x) - x) W^T|| / ||x W^T||``,
+            measured in the replay) past which a drift is blamed on that linear; when no linear is past it,
+            the linears below ``min_grad_cosine`` are.
         confirm: a check past a threshold is repeated on the next step, and only a drift seen twice in a
             row warns or falls back (one FP8 step can stray alone: a clean run's measured once to a
             cosine of 0.48, docs/results/drift.md); False acts on the first.
@@ -357,6 +360,7 @@ class DriftCheck:
     on_drift: str = "warn"
     max_loss_diff: float = 0.01
     min_grad_cosine: float = 0.5
+    max_local_error: float = 0.25
     confirm: bool = True
     top_k: int = 3
 
@@ -366,6 +370,7 @@ class DriftCheck:
         _check_number("DriftCheck.max_loss_diff", self.max_loss_diff, 0, 1e9,
                       meaning=" (a relative loss difference: 0.02 is 2%)")
         _check_number("DriftCheck.min_grad_cosine", self.min_grad_cosine, -1, 1)
+        _check_number("DriftCheck.max_local_error", self.max_local_error, 0, 1e9)
         _check_bool("DriftCheck.confirm", self.confirm)
         _check_int("DriftCheck.top_k", self.top_k, 1, " (layers named per check)")
 

@@ -9,8 +9,15 @@ draw) on the micro-batch the FP8 step just trained on, with the same weights, an
   micro-batch's backward) and the high-precision gradient (``torch.autograd.grad``: ``.grad`` is
   not touched).
 
-A check past ``max_loss_diff`` or ``min_grad_cosine`` warns, naming the worst layers; with
-``on_drift="fallback"`` those layers switch precision for the rest of the run
+* per FP8 linear, the *local* error of its FP8 input cast, measured in the replay:
+  ``||(Q(x) - x) W^T|| / ||x W^T||`` with ``Q`` the per-tensor E4M3 cast at the current scale (after
+  the per-channel / per-token smoothing when the linear is the down projection of a Smooth-SwiGLU).
+  A gradient error spreads to every layer below (and a forward error to every layer above); this
+  names the layer where it starts.
+
+A check past ``max_loss_diff`` or ``min_grad_cosine`` (confirmed by the next step's check) warns,
+naming the layers to blame: those whose local error exceeds ``max_local_error``, else those below
+``min_grad_cosine``; with ``on_drift="fallback"`` they switch precision for the rest of the run
 (``fp8pass.switch_precision``: a GLU MLP that ran without Smooth-SwiGLU gets the per-channel form,
 any other linear high precision). Nothing else changes: weights, ``.grad``, optimizer, scaling
 state, stochastic-rounding streams and the RNG are as they were (tests/test_drift.py checks each).
@@ -36,8 +43,12 @@ from typing import Callable
 
 import torch
 
-from ..config import Config, DriftCheck
+from ..config import HIGH, RECIPE_FIELDS, Config, DriftCheck, NVFP4Scaling, Rule
+from ..numerics import quantize
 from ..passes.uncompiled import compile_backend_of, inplace_compile_suspended, original_callable
+from ..scaling_state import restart_history
+from ..switch_history import switched_config
+from .swiglu import find_swiglus
 
 __all__ = ["DriftMonitor", "DriftReport", "grad_cosines"]
 
@@ -53,6 +64,7 @@ class DriftReport:
         grad_cosine: ``{weight FQN: cosine}`` for every linear weight of the model (NaN where a
             gradient is not finite).
         fp8_weights: the weights that ran in FP8 (the backend's plan); only these can be flagged.
+        local_error: ``{weight FQN: local error of its FP8 input cast}`` for the FP8 weights (module docs).
         flagged: the layers the check blames, worst first (empty: no drift).
         reasons: which thresholds were crossed ("loss", "grad_cosine").
         action: "none", "pending" (past a threshold, to be confirmed by the next step's check), "warn"
@@ -67,6 +79,7 @@ class DriftReport:
     loss_rel_diff: float
     grad_cosine: dict[str, float] = field(default_factory=dict)
     fp8_weights: list[str] = field(default_factory=list)
+    local_error: dict[str, float] = field(default_factory=dict)
     flagged: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     action: str = "none"
@@ -88,18 +101,22 @@ class DriftReport:
                 "loss_rel_diff": self.loss_rel_diff,
                 "min_grad_cosine": min((c for _, c in self.worst(len(self.fp8_weights))), default=float("nan")),
                 "grad_cosine": {w: round(c, 6) for w, c in self.grad_cosine.items()},
+                "local_error": {w: round(e, 6) for w, e in self.local_error.items()},
                 "flagged": list(self.flagged), "reasons": list(self.reasons), "action": self.action,
                 "switched": dict(self.switched), "seconds": self.seconds}
 
     def message(self, check: DriftCheck) -> str:
-        worst = ", ".join(f"{w} (cosine {c:.3f})" for w, c in self.worst(check.top_k))
+        blamed = self.flagged[:check.top_k] or [w for w, _ in self.worst(check.top_k)]
+        worst = ", ".join(f"{w} (gradient cosine {self.grad_cosine.get(w, float('nan')):.3f}, local FP8 error "
+                          f"{self.local_error.get(w, float('nan')):.1%})" for w in blamed)
         crossed = []
         if "loss" in self.reasons:
             crossed.append(f"loss {self.loss_fp8:.4f} in FP8 vs {self.loss_high:.4f} in high precision "
                            f"({self.loss_rel_diff:+.2%}, threshold {check.max_loss_diff:.2%})")
         if "grad_cosine" in self.reasons:
             crossed.append(f"{len(self.flagged)} layer(s) with a gradient cosine below {check.min_grad_cosine}")
-        text = (f"fp8pass: drift check at step {self.step}: {'; '.join(crossed)}. Worst layers: {worst}.")
+        more = f" (and {len(self.flagged) - check.top_k} more)" if len(self.flagged) > check.top_k else ""
+        text = f"fp8pass: drift check at step {self.step}: {'; '.join(crossed)}. Worst layers: {worst}{more}."
         if self.action == "fallback":
             text += " Switched for the rest of the run: " + ", ".join(f"{k} -> {v}" for k, v in self.switched.items())
         else:
@@ -192,6 +209,13 @@ class DriftMonitor:
         self._pending: int | None = None  # the step of a drift awaiting confirmation
         self._linears = {f"{name}.weight": m.weight for name, m in self.eager.named_modules()
                          if isinstance(m, torch.nn.Linear) and m.weight.requires_grad}
+        self._glu_of: dict[str, str] = {}  # a GLU projection's module FQN -> the GLU MLP's
+        self._down: set[str] = set()       # the GLUs' down projections
+        for site in find_swiglus(self.eager):
+            prefix = f"{site.name}." if site.name else ""
+            for child, _ in site.module.named_children():
+                self._glu_of[prefix + child] = site.name
+            self._down.add(prefix + ("w2" if site.layout == "meta" else "down_proj"))
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based) is a check step: a multiple of ``every``, or the step
@@ -212,14 +236,68 @@ class DriftMonitor:
         micro-batches will accumulate into ``.grad`` before the check)."""
         return {n: w.grad.detach().clone() for n, w in self._linears.items() if w.grad is not None}
 
-    def replay(self, *inputs, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def site_config(self, weight: str) -> Config | None:
+        """The Config the linear of ``weight`` runs in now (the model's switches, then ``Config.rules``, then
+        ``Config``), or None when a rule keeps it in high precision or the Config is unknown."""
+        if self.config is None:
+            return None
+        cfg = switched_config(self.config, self.eager)
+        module = weight.rsplit(".", 1)[0]
+        hit = cfg.rule_for([module, weight, self._glu_of.get(module, "")])
+        if hit is None:
+            return cfg
+        return None if hit[1].recipe == HIGH else hit[1].site_config(cfg)
+
+    def _smoothing(self, module: str) -> str | None:
+        """The Smooth-SwiGLU form that divides the input of ``module`` (a GLU's down projection), or None."""
+        site = self._glu_of.get(module)
+        if site is None or module not in self._down:
+            return None
+        cfg = self.site_config(module + ".weight")
+        if cfg is None or isinstance(cfg.recipe, NVFP4Scaling) or cfg.recipe.granularity == "mx":
+            return None
+        return cfg.smooth_swiglu
+
+    def replay(self, *inputs, local_errors: dict | None = None, **kwargs
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The high-precision loss and gradients of ``inputs`` (the eager model, same weights, RNG restored;
-        ``.grad`` untouched)."""
+        ``.grad`` untouched). With ``local_errors`` (a dict), the FP8 linears' local input-cast errors are
+        measured into it (module docs)."""
         names = list(self._linears)
-        with _RNGSaved(), torch.enable_grad(), inplace_compile_suspended(self.eager):
-            loss = self.loss_fn(self.eager(*inputs, **kwargs))
-            grads = torch.autograd.grad(loss, [self._linears[n] for n in names], allow_unused=True)
+        hooks = []
+        if local_errors is not None:
+            modules = dict(self.eager.named_modules())
+            for w in self.fp8_weights():
+                name = w.rsplit(".", 1)[0]
+                hooks.append(modules[name].register_forward_hook(self._local_error_hook(name, w, local_errors)))
+        try:
+            with _RNGSaved(), torch.enable_grad(), inplace_compile_suspended(self.eager):
+                loss = self.loss_fn(self.eager(*inputs, **kwargs))
+                grads = torch.autograd.grad(loss, [self._linears[n] for n in names], allow_unused=True)
+        finally:
+            for h in hooks:
+                h.remove()
         return loss.detach(), {n: g for n, g in zip(names, grads) if g is not None}
+
+    def _local_error_hook(self, module: str, weight: str, out: dict):
+        smooth = self._smoothing(module)
+
+        def hook(mod, args, output):
+            x = args[0].detach()
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+                xf = x.float().reshape(-1, x.shape[-1])
+                w = mod.weight.detach().float()
+                if smooth == "channel":
+                    s = xf.abs().amax(0).clamp_min(torch.finfo(torch.float32).tiny)
+                elif smooth == "token":
+                    s = xf.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+                else:
+                    s = torch.ones((), device=xf.device)
+                q = quantize(xf / s, "e4m3").dequantize() * s
+                ref = (xf @ w.t()).norm()
+                err = ((q - xf) @ w.t()).norm()
+                out[weight] = float(err / ref) if ref > 0 else 0.0
+        return hook
 
     def check(self, step: int, *inputs, fp8_loss: torch.Tensor | float,
               fp8_grads: dict[str, torch.Tensor] | None = None, **kwargs) -> DriftReport:
@@ -237,7 +315,8 @@ class DriftMonitor:
                 factor (loss scale, 1/grad_accum) does not change a cosine.
         """
         t0 = time.perf_counter()
-        loss_high, high = self.replay(*inputs, **kwargs)
+        local: dict[str, float] = {}
+        loss_high, high = self.replay(*inputs, local_errors=local, **kwargs)
         if fp8_grads is None:
             fp8_grads = {n: w.grad for n, w in self._linears.items() if w.grad is not None}
         cos = grad_cosines(fp8_grads, high)
@@ -245,14 +324,15 @@ class DriftMonitor:
         lh = float(loss_high.float())
         rel = (lf - lh) / abs(lh) if lh != 0 else float("inf") if lf != lh else 0.0
         c = self.check_cfg
-        report = DriftReport(step, lf, lh, rel, cos, self.fp8_weights())
+        report = DriftReport(step, lf, lh, rel, cos, self.fp8_weights(), local)
         low = [w for w, v in report.worst(len(report.fp8_weights)) if not v >= c.min_grad_cosine]
         if not abs(rel) <= c.max_loss_diff:
             report.reasons.append("loss")
         if low:
             report.reasons.append("grad_cosine")
         if report.reasons:
-            report.flagged = low or [w for w, _ in report.worst(c.top_k)]
+            origin = sorted((w for w, e in local.items() if e > c.max_local_error), key=lambda w: -local[w])
+            report.flagged = origin or low or [w for w, _ in report.worst(c.top_k)]
             confirmed = not c.confirm or self._pending == step - 1
             report.action = c.on_drift if confirmed else "pending"
             self._pending = None if confirmed else step
@@ -268,5 +348,39 @@ class DriftMonitor:
             self.log(report.record())
         return report
 
+    def fallback_rules(self, weights) -> tuple[list[Rule], dict[str, str]]:
+        """The rules that switch the linears of ``weights``: a GLU MLP that runs without Smooth-SwiGLU (an
+        FP8 recipe that has the form) gets the per-channel form, any other linear high precision; and
+        ``{what: to what}`` for the record."""
+        rules, switched = [], {}
+        for w in weights:
+            module = w.rsplit(".", 1)[0]
+            site = self._glu_of.get(module)
+            cfg = self.site_config(w)
+            if cfg is None:
+                continue  # already high precision
+            if (site is not None and cfg.smooth_swiglu is None and not isinstance(cfg.recipe, NVFP4Scaling)
+                    and cfg.recipe.granularity != "mx"):
+                if site in switched:
+                    continue
+                recipe = Config(**{f: getattr(cfg, f) for f in RECIPE_FIELDS if f != "smooth_swiglu"},
+                                smooth_swiglu="channel")
+                rules.append(Rule(f"{site}.*", recipe))
+                switched[site] = "Smooth-SwiGLU per channel"
+            else:
+                rules.append(Rule(module, HIGH))
+                switched[module] = "high precision"
+        return rules, switched
+
     def _fallback(self, report: DriftReport) -> dict[str, str]:
-        raise NotImplementedError("on_drift='fallback' needs fp8pass.switch_precision")
+        from ..precision_switch import switch_precision
+
+        rules, switched = self.fallback_rules(report.flagged)
+        if rules:
+            switch_precision(self.model, rules, reason=f"drift check at step {report.step}: "
+                             + ", ".join(report.reasons), step=report.step)
+        for site, to in switched.items():
+            if to.startswith("Smooth-SwiGLU"):  # its down projection's input becomes h * c: old amaxes would scale it
+                down = next(d for d in self._down if self._glu_of.get(d) == site)
+                restart_history(self._linears[down + ".weight"])
+        return switched
