@@ -346,9 +346,9 @@ class DriftCheck:
             Smooth-SwiGLU gets the per-channel form, any other linear high precision).
         max_loss_diff: threshold on ``|loss_fp8 - loss_high| / loss_high`` of the micro-batch.
         min_grad_cosine: threshold on each FP8 linear weight's gradient cosine (FP8 vs high precision).
-        max_local_error: the local error of a linear's FP8 input cast (``||(Q(x) - x) W^T|| / ||x W^T||``,
-            measured in the replay) past which a drift is blamed on that linear; when no linear is past it,
-            the linears below ``min_grad_cosine`` are.
+        max_local_error: threshold on each FP8 linear's local error, what its FP8 input cast changes in its
+            output (``||(Q(x) - x) W^T|| / ||x W^T||``, measured in the replay; clean runs: 2-3%). A drift is
+            blamed on the linears past it; when none is, on those below ``min_grad_cosine``.
         confirm: a check past a threshold is repeated on the next step, and only a drift seen twice in a
             row warns or falls back (one FP8 step can stray alone: a clean run's measured once to a
             cosine of 0.48, docs/results/drift.md); False acts on the first.

@@ -15,7 +15,8 @@ draw) on the micro-batch the FP8 step just trained on, with the same weights, an
   A gradient error spreads to every layer below (and a forward error to every layer above); this
   names the layer where it starts.
 
-A check past ``max_loss_diff`` or ``min_grad_cosine`` (confirmed by the next step's check) warns,
+A check past ``max_loss_diff``, ``min_grad_cosine`` or ``max_local_error`` (confirmed by the next
+step's check) warns,
 naming the layers to blame: those whose local error exceeds ``max_local_error``, else those below
 ``min_grad_cosine``; with ``on_drift="fallback"`` they switch precision for the rest of the run
 (``fp8pass.switch_precision``: a GLU MLP that ran without Smooth-SwiGLU gets the per-channel form,
@@ -66,7 +67,7 @@ class DriftReport:
         fp8_weights: the weights that ran in FP8 (the backend's plan); only these can be flagged.
         local_error: ``{weight FQN: local error of its FP8 input cast}`` for the FP8 weights (module docs).
         flagged: the layers the check blames, worst first (empty: no drift).
-        reasons: which thresholds were crossed ("loss", "grad_cosine").
+        reasons: which thresholds were crossed ("loss", "grad_cosine", "local_error").
         action: "none", "pending" (past a threshold, to be confirmed by the next step's check), "warn"
             or "fallback".
         switched: ``{weight FQN or GLU: what it switched to}`` when the fallback acted.
@@ -114,7 +115,12 @@ class DriftReport:
             crossed.append(f"loss {self.loss_fp8:.4f} in FP8 vs {self.loss_high:.4f} in high precision "
                            f"({self.loss_rel_diff:+.2%}, threshold {check.max_loss_diff:.2%})")
         if "grad_cosine" in self.reasons:
-            crossed.append(f"{len(self.flagged)} layer(s) with a gradient cosine below {check.min_grad_cosine}")
+            n = sum(1 for _, v in self.worst(len(self.fp8_weights)) if not v >= check.min_grad_cosine)
+            crossed.append(f"{n} layer(s) with a gradient cosine below {check.min_grad_cosine}")
+        if "local_error" in self.reasons:
+            n = sum(1 for e in self.local_error.values() if not e <= check.max_local_error)
+            crossed.append(f"{n} layer(s) whose FP8 input cast changes their output by more than "
+                           f"{check.max_local_error:.0%}")
         more = f" (and {len(self.flagged) - check.top_k} more)" if len(self.flagged) > check.top_k else ""
         text = f"fp8pass: drift check at step {self.step}: {'; '.join(crossed)}. Worst layers: {worst}{more}."
         if self.action == "fallback":
@@ -206,7 +212,8 @@ class DriftMonitor:
         self.loss_fn = loss_fn or _default_loss
         self.log = log
         self.reports: list[DriftReport] = []
-        self._pending: int | None = None  # the step of a drift awaiting confirmation
+        self._pending: int | None = None     # the step of a drift awaiting confirmation
+        self._last_drift: int | None = None  # the step of the last check past a threshold
         self._linears = {f"{name}.weight": m.weight for name, m in self.eager.named_modules()
                          if isinstance(m, torch.nn.Linear) and m.weight.requires_grad}
         self._glu_of: dict[str, str] = {}  # a GLU projection's module FQN -> the GLU MLP's
@@ -326,16 +333,19 @@ class DriftMonitor:
         c = self.check_cfg
         report = DriftReport(step, lf, lh, rel, cos, self.fp8_weights(), local)
         low = [w for w, v in report.worst(len(report.fp8_weights)) if not v >= c.min_grad_cosine]
+        origin = sorted((w for w, e in local.items() if not e <= c.max_local_error), key=lambda w: -local[w])
         if not abs(rel) <= c.max_loss_diff:
             report.reasons.append("loss")
         if low:
             report.reasons.append("grad_cosine")
+        if origin:
+            report.reasons.append("local_error")
         if report.reasons:
-            origin = sorted((w for w, e in local.items() if e > c.max_local_error), key=lambda w: -local[w])
             report.flagged = origin or low or [w for w, _ in report.worst(c.top_k)]
-            confirmed = not c.confirm or self._pending == step - 1
+            confirmed = not c.confirm or self._last_drift == step - 1
             report.action = c.on_drift if confirmed else "pending"
             self._pending = None if confirmed else step
+            self._last_drift = step
             if report.action == "fallback":
                 report.switched = self._fallback(report)
         else:
