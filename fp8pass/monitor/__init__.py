@@ -9,12 +9,14 @@ Standalone::
     print(swiglu_alignment(model))         # weights only, no forward pass
 
 In the trainer: :class:`MonitorCallback` (``python -m fp8pass train --monitor-every N``).
+Online FP8-vs-high-precision drift check: :class:`DriftMonitor` (``--drift-check N``; docs/precision.md).
 Format choice per tensor role (E4M3, E5M2 or high precision): :func:`advise` / :func:`format_advice`.
 """
 
 from .advisor import FormatAdvice, advise, format_advice, measure_formats
 
 from .callback import MonitorCallback
+from .drift import DriftMonitor, DriftReport
 from .outliers import OutlierMonitor, outlier_stats
 from .report import Diagnostics, LayerDiagnostics, diagnose, swiglu_alignment
 from .stats import ActivationAccumulator, weight_alignment
@@ -24,4 +26,4 @@ from .telemetry import ScalingTelemetry, check_scaling, scaling_telemetry
 __all__ = ["MonitorCallback", "Diagnostics", "LayerDiagnostics", "diagnose", "swiglu_alignment",
            "ActivationAccumulator", "weight_alignment", "SwiGLUSite", "find_swiglus",
            "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry", "check_scaling",
-           "FormatAdvice", "advise", "format_advice", "measure_formats"]
+           "FormatAdvice", "advise", "format_advice", "measure_formats", "DriftMonitor", "DriftReport"]

@@ -91,8 +91,8 @@ class TrainConfig:
         drift_check: the online drift check (``fp8pass.DriftCheck``, docs/precision.md): every this many
             steps the step's first micro-batch is replayed in high precision (``precision``) and compared
             with the FP8 step (``"drift"`` records in metrics.jsonl); 0 (default): off. fp8 recipes only.
-        on_drift, drift_max_loss_diff, drift_min_grad_cosine: the check's ``on_drift`` ("warn" |
-            "fallback"), ``max_loss_diff`` and ``min_grad_cosine``.
+        on_drift, drift_max_loss_diff, drift_min_grad_cosine, drift_max_local_error: the check's
+            ``on_drift`` ("warn" | "fallback"), ``max_loss_diff``, ``min_grad_cosine`` and ``max_local_error``.
         precision_schedule: scheduled precision switches (``fp8pass.Config.schedule``) as plain data, the
             ``switch`` list of a precision config file: ``[{"at_step": 500 or "at_fraction": 0.9, "rules":
             [...], "reason": "..."}]``. Before each step the trainer makes the due ones
@@ -146,6 +146,7 @@ class TrainConfig:
     on_drift: str = "warn"
     drift_max_loss_diff: float = DriftCheck.max_loss_diff
     drift_min_grad_cosine: float = DriftCheck.min_grad_cosine
+    drift_max_local_error: float = DriftCheck.max_local_error
     precision_schedule: list = field(default_factory=list)
     eval_recipe: str | None = None
     max_data_bytes: int | None = None
@@ -216,12 +217,9 @@ class TrainConfig:
 
     def drift(self) -> DriftCheck | None:
         """The ``fp8pass.DriftCheck`` of ``drift_check`` and its options (None when off)."""
-        if not self.drift_check:
-            DriftCheck(on_drift=self.on_drift, max_loss_diff=self.drift_max_loss_diff,
-                       min_grad_cosine=self.drift_min_grad_cosine)  # validated even when off
-            return None
-        return DriftCheck(every=self.drift_check, on_drift=self.on_drift, max_loss_diff=self.drift_max_loss_diff,
-                          min_grad_cosine=self.drift_min_grad_cosine)
+        check = DriftCheck(every=max(1, self.drift_check), on_drift=self.on_drift, max_loss_diff=self.drift_max_loss_diff,
+                           min_grad_cosine=self.drift_min_grad_cosine, max_local_error=self.drift_max_local_error)
+        return check if self.drift_check else None  # the options are validated even when off
     def fp8_schedule(self) -> tuple:
         """``precision_schedule`` as ``fp8pass.Switch`` objects (validated)."""
         return tuple(schedule_from_data(list(self.precision_schedule), "precision_schedule"))
