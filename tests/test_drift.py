@@ -112,7 +112,7 @@ def _cfg(tmp_path, corpus, name, **kw):
 
 def _plant_outlier(at: int, alpha: float = 300.0):
     """Callback: after step ``at`` (and re-pinned after every later step), channel 0 of every GLU is
-    w_gate = w_up = alpha * u (u random) and w_down[:, 0] = its value at ``at`` / (100 * alpha**2):
+    w_gate = w_up = alpha * u and w_down[:, 0] = v / (100 * alpha**2) (u, v random, the same after a resume):
     experiments/outlier_plant.py's aligned outlier, made silent in the output so that this untrained model's
     small channels carry it. Plain FP8's down-projection input cast, scaled to the outlier, flushes them to 0."""
     pinned = {}
@@ -124,8 +124,10 @@ def _plant_outlier(at: int, alpha: float = 300.0):
             for i, layer in enumerate(model.layers):
                 mlp = layer.mlp
                 if i not in pinned:
-                    u = torch.randn(mlp.gate_proj.weight.shape[1], generator=torch.Generator().manual_seed(i))
-                    pinned[i] = (alpha * u / u.norm(), mlp.down_proj.weight[:, 0] / (100 * alpha ** 2))
+                    g = torch.Generator().manual_seed(i)
+                    u = torch.randn(mlp.gate_proj.weight.shape[1], generator=g)
+                    v = 0.02 * torch.randn(mlp.down_proj.weight.shape[0], generator=g)
+                    pinned[i] = (alpha * u / u.norm(), v / (100 * alpha ** 2))
                 w, col = pinned[i]
                 mlp.gate_proj.weight[0] = w
                 mlp.up_proj.weight[0] = w
@@ -134,10 +136,11 @@ def _plant_outlier(at: int, alpha: float = 300.0):
 
 
 def test_the_check_logs_every_n_steps_and_leaves_the_run_bit_identical(tmp_path, corpus):
+    """With gradient accumulation: the check compares micro-batch 0's own gradients (kept before micro-batch 1)."""
     torch._dynamo.reset()
-    plain = train(_cfg(tmp_path, corpus, "plain"))
+    plain = train(_cfg(tmp_path, corpus, "plain", batch_size=2, grad_accum=2))
     torch._dynamo.reset()
-    checked = train(_cfg(tmp_path, corpus, "checked", drift_check=2))
+    checked = train(_cfg(tmp_path, corpus, "checked", batch_size=2, grad_accum=2, drift_check=2))
     assert checked.losses == plain.losses and checked.final_val_loss == plain.final_val_loss
     recs = read_metrics(tmp_path / "checked" / "metrics.jsonl", "drift")
     assert [r["step"] for r in recs] == [2, 4, 6]
@@ -172,3 +175,25 @@ def test_the_fallback_switches_the_blamed_glus_to_smooth_swiglu_and_the_drift_go
     assert recs[4]["min_grad_cosine"] < 0.5 and min(recs[s]["min_grad_cosine"] for s in (5, 6)) > 0.9
     ckpt = torch.load(tmp_path / "fallback" / "checkpoint.pt", weights_only=True)
     assert "fp8_precision_switches" in ckpt["model"]  # a resume continues switched (tests/test_precision_switch.py)
+
+
+def test_a_run_resumed_after_the_fallback_continues_switched(tmp_path, corpus):
+    """The switch is in the checkpoint: the resumed run trains like the uninterrupted one, its down projections
+    still smoothed (their local error stays low under the planted outlier, ~100% when plain)."""
+    torch._dynamo.reset()
+    kw = dict(drift_check=1, on_drift="fallback", ckpt_every=5, schedule="constant")  # lr independent of `steps`
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = train(_cfg(tmp_path, corpus, "full", **kw), callbacks=[_plant_outlier(at=2)])
+        torch._dynamo.reset()
+        train(_cfg(tmp_path, corpus, "part", steps=5, **kw), callbacks=[_plant_outlier(at=2)])
+        torch._dynamo.reset()
+        resumed = train(_cfg(tmp_path, corpus, "part", **kw), callbacks=[_plant_outlier(at=2)], resume=True)
+    # within 1e-3, not bit for bit: main's plain "fp8" recipe resumes this setting (SMALL, fp32, aot_eager, constant
+    # lr) 1e-5 off already, without any plant or check (4.877091 vs 4.877028 at step 6), a trainer issue of its own
+    assert resumed.losses == pytest.approx(full.losses[5:], rel=1e-3)
+    recs = read_metrics(tmp_path / "part" / "metrics.jsonl", "drift")
+    assert [r["action"] for r in recs] == ["none", "none", "pending", "fallback", "none", "none"]
+    last = recs[-1]["local_error"]
+    assert recs[-1]["step"] == 6 and max(last[f"layers.{i}.mlp.down_proj.weight"] for i in (0, 1)) < 0.25
+    assert min(recs[2]["local_error"][f"layers.{i}.mlp.down_proj.weight"] for i in (0, 1)) > 0.9  # plain, step 3
