@@ -360,7 +360,7 @@ class DriftCheck:
     on_drift: str = "warn"
     max_loss_diff: float = 0.01
     min_grad_cosine: float = 0.5
-    max_local_error: float = 0.25
+    max_local_error: float = 0.1
     confirm: bool = True
     top_k: int = 3
 

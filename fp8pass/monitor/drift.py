@@ -230,13 +230,12 @@ class DriftMonitor:
         return step % self.check_cfg.every == 0 or (self._pending is not None and step == self._pending + 1)
 
     def fp8_weights(self) -> list[str]:
-        """The linear weights the backend's graphs run in FP8 now (all linears when unknown)."""
+        """The linear weights the backend's graphs run in FP8 now (all linears when unknown): those its graphs
+        made FP8, less those a switch (or rule) has put in high precision since."""
         report = getattr(self.backend, "report", None)
-        if callable(report):
-            names = set(report().linears)
-            if names:
-                return [w for w in self._linears if w in names]
-        return list(self._linears)
+        names = set(report().linears) if callable(report) else set()
+        fp8 = [w for w in self._linears if w in names] if names else list(self._linears)
+        return [w for w in fp8 if self.config is None or self.site_config(w) is not None]
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """A copy of the linear weights' ``.grad`` now (for :meth:`check`'s ``fp8_grads`` when more
