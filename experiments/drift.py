@@ -77,10 +77,16 @@ def train_one(job: dict) -> dict:
     return {"name": job["name"], "seed": job["seed"], "status": r.status, "wall_s": time.perf_counter() - t}
 
 
-def summarize(runs: Path, seeds: list[int], plant_at: int) -> list[dict]:
+def fallback_name(every: int) -> str:
+    """The fallback run's folder: ``fp8-fallback`` at N = 5, ``fp8-fallback-nN`` otherwise (same bf16/control runs)."""
+    return "fp8-fallback" if every == 5 else f"fp8-fallback-n{every}"
+
+
+def summarize(runs: Path, seeds: list[int], plant_at: int, every: int = 5) -> list[dict]:
     rows = []
     for seed in seeds:
-        paths = {name: run_dir(runs, seed, name) / "metrics.jsonl" for name, _, _ in RUNS}
+        paths = {name: run_dir(runs, seed, fallback_name(every) if name == "fp8-fallback" else name) / "metrics.jsonl"
+                 for name, _, _ in RUNS}
         if not all(p.exists() and read_metrics(p, "end") for p in paths.values()):
             continue
         train_loss = {n: {r["step"]: r["loss"] for r in read_metrics(p, "train")} for n, p in paths.items()}
@@ -145,15 +151,15 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = Path(args.runs or f"runs/{args.tag}")
     t0 = time.perf_counter()
-    jobs = [{"name": name, "seed": seed, "plant_at": args.plant_at, "alpha": args.alpha, "ramp": args.ramp,
+    jobs = [{"name": fallback_name(args.drift_check) if extra else name, "seed": seed, "plant_at": args.plant_at, "alpha": args.alpha, "ramp": args.ramp,
              "config": {"recipe": recipe, "steps": args.steps, "lr": args.lr, "seed": seed, "compiler": args.compiler,
-                        "out": str(run_dir(runs, seed, name)), "eval_every": 25, "ckpt_every": args.steps,
+                        "out": str(run_dir(runs, seed, fallback_name(args.drift_check) if extra else name)), "eval_every": 25, "ckpt_every": args.steps,
                         "monitor_every": 0, "progress": False,
                         **({"drift_check": args.drift_check, **extra} if extra else {})}}
             for seed in seeds for name, recipe, extra in RUNS]
     if not args.skip_train:
         run_parallel(train_one, jobs, args.workers, lambda r: print(r, flush=True))
-    rows = summarize(runs, seeds, args.plant_at)
+    rows = summarize(runs, seeds, args.plant_at, args.drift_check)
     report = {"args": vars(args), "depart_pct": DEPART_PCT, "goal_pct": GOAL_PCT, "rows": rows,
               "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
