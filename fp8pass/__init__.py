@@ -7,7 +7,7 @@ which a ``backend="fp8"`` compile never needs.
 
 import importlib
 
-from .config import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling, Rule, Switch
+from .config import Config, CurrentScaling, DelayedScaling, DriftCheck, HotChannelPatching, NVFP4Scaling, Rule, Switch
 from .numerics import (
     E2M1,
     E4M3,
@@ -42,7 +42,7 @@ __all__ = [
     "monitor", "train", "distributed",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "Format", "get_format",
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
-    "NVFP4Scaling", "HotChannelPatching", "recipes", "Rule", "load_rules",
+    "NVFP4Scaling", "HotChannelPatching", "recipes", "Rule", "load_rules", "DriftCheck",
     "switch_precision", "precision_switches", "PrecisionSwitch", "Switch", "apply_schedule",
 ]
 

@@ -13,13 +13,13 @@ import sys
 from dataclasses import dataclass, replace
 
 __all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "Rule", "Switch",
-           "GRANULARITIES",
-           "ALGOS", "BACKWARDS"]
+           "DriftCheck", "GRANULARITIES", "ALGOS", "BACKWARDS", "ON_DRIFT"]
 
 GRANULARITIES = ("tensor", "row", "block", "mx")
 ALGOS = ("max", "most_recent")
 ON_OVERFLOW = ("saturate", "current")
 BACKWARDS = ("fp8", "high")  # Rule.backward: dgrad and wgrad GEMMs in FP8, or in high precision
+ON_DRIFT = ("warn", "fallback")  # DriftCheck.on_drift
 
 
 # One validation style for every public argument: the error names the argument, the value and what
@@ -336,6 +336,53 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class DriftCheck:
+    """The online high-precision shadow check of ``Config.drift_check`` (docs/precision.md, Drift check).
+
+    Every ``every`` optimizer steps one micro-batch is replayed through the same weights in high
+    precision (the model's own eager code, no FP8 op, no state change) and compared with the FP8 step
+    of the same micro-batch: the relative loss difference and, per linear weight, the cosine between
+    the FP8 gradient and the high-precision one. :class:`fp8pass.monitor.DriftMonitor` runs it (the
+    trainer: ``--drift-check N``); the backend itself sees graphs, not steps, and runs nothing.
+
+    Args:
+        every: check every this many optimizer steps (steps ``every``, ``2 * every``, ...).
+        on_drift: what a check past a threshold does: "warn" (a RuntimeWarning naming the worst layers,
+            and the metrics record) or "fallback" (the same, then those layers switch precision for the
+            rest of the run through ``fp8pass.switch_precision``: a GLU MLP that ran without
+            Smooth-SwiGLU gets the per-channel form, any other linear high precision).
+        max_loss_diff: threshold on ``|loss_fp8 - loss_high| / loss_high`` of the micro-batch.
+        min_grad_cosine: threshold on each FP8 linear weight's gradient cosine (FP8 vs high precision).
+        max_local_error: threshold on each FP8 linear's local error, what its FP8 input cast changes in its
+            output (``||(Q(x) - x) W^T|| / ||x W^T||``, measured in the replay; clean runs: 2-3%). A drift is
+            blamed on the linears past it; when none is, on those below ``min_grad_cosine``.
+        confirm: a check past a threshold is repeated on the next step, and only a drift seen twice in a
+            row warns or falls back (one FP8 step can stray alone: a clean run's measured once to a
+            cosine of 0.48, docs/results/drift.md); False acts on the first.
+        top_k: layers named in the warning and, when only the loss crossed its threshold, the lowest-
+            cosine layers the fallback switches.
+    """
+
+    every: int = 100
+    on_drift: str = "warn"
+    max_loss_diff: float = 0.01
+    min_grad_cosine: float = 0.5
+    max_local_error: float = 0.1
+    confirm: bool = True
+    top_k: int = 3
+
+    def __post_init__(self):
+        _check_int("DriftCheck.every", self.every, 1, " (optimizer steps between checks)")
+        _check_choice("DriftCheck.on_drift", self.on_drift, ON_DRIFT)
+        _check_number("DriftCheck.max_loss_diff", self.max_loss_diff, 0, 1e9,
+                      meaning=" (a relative loss difference: 0.02 is 2%)")
+        _check_number("DriftCheck.min_grad_cosine", self.min_grad_cosine, -1, 1)
+        _check_number("DriftCheck.max_local_error", self.max_local_error, 0, 1e9)
+        _check_bool("DriftCheck.confirm", self.confirm)
+        _check_int("DriftCheck.top_k", self.top_k, 1, " (layers named per check)")
+
+
+@dataclass(frozen=True)
 class Switch:
     """One scheduled precision switch of ``Config.schedule`` (docs/precision.md, Scheduled switches).
 
@@ -466,6 +513,8 @@ class Config:
             (default: one warning per weight and GEMM, naming them) or "error" (raise, naming the
             weights), when the graph is compiled. ``fp8pass.monitor.precision_audit(model)`` lists every
             GEMM's precision and kernel (docs/precision.md, Runtime precision audit).
+        drift_check: a :class:`DriftCheck` (or None, off): the online comparison of FP8 steps with a
+            high-precision replay, run by :class:`fp8pass.monitor.DriftMonitor` and the trainer.
         eval_recipe: what the model's evaluation graphs run in (compiled while ``model.training`` is False,
             i.e. after ``model.eval()``): a recipe as :class:`Rule` takes it (``"high"``, a named recipe, a
             Config, a scaling object), applied to every linear that ``keep_high_precision`` and
@@ -503,6 +552,7 @@ class Config:
     rules: tuple[Rule, ...] = ()
     sr_seed: int | None = None
     on_fallback: str = "warn"
+    drift_check: DriftCheck | None = None
     eval_recipe: object = None
     schedule: tuple[Switch, ...] = ()
     recompute_glu_output: bool = False
@@ -578,6 +628,9 @@ class Config:
             if not isinstance(r, Rule):
                 raise TypeError(f"Config.rules[{i}] must be an fp8pass.Rule(pattern, recipe, backward=...), got {r!r}")
         object.__setattr__(self, "rules", tuple(rules))
+        if self.drift_check is not None and not isinstance(self.drift_check, DriftCheck):
+            raise TypeError(f"Config.drift_check must be an fp8pass.DriftCheck(every=..., on_drift=...) or None, "
+                            f"got {self.drift_check!r}")
         if self.eval_recipe is not None:
             _check_eval_recipe(self.eval_recipe)
         schedule = self.schedule

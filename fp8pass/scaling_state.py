@@ -556,3 +556,23 @@ def accumulate_scaling(model: torch.nn.Module, enabled: bool = True):
         for s in mine:
             s.accumulate.fill_(False)
         commit_states(mine)
+
+
+def restart_history(weight: torch.Tensor, roles=("input",)) -> bool:
+    """Empty the delayed-scaling history of ``weight``'s ``roles``: their next cast scales from its own amax.
+
+    For a precision switch that changes what a role's tensor is while the weight stays FP8 (a GLU's down
+    projection switched to Smooth-SwiGLU: its input becomes ``h * c`` instead of ``h``, 1e5x smaller
+    under an outlier), the old amaxes would set the first ``history_len`` scales. Returns False when the
+    weight has no delayed-scaling state.
+    """
+    st = _delayed_state(weight)
+    if st is None:
+        return False
+    for role in roles:
+        s = getattr(st, role)
+        s.amax_history.zero_()
+        s.scale.fill_(1.0)
+        s.steps.zero_()
+        s.skipped.zero_()
+    return True

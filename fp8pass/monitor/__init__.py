@@ -10,6 +10,7 @@ Standalone::
 
 In the trainer: :class:`MonitorCallback` (``python -m fp8pass train --monitor-every N``).
 Which precision and kernel each GEMM and collective runs: :func:`precision_audit`, :func:`collective_audit`.
+Online FP8-vs-high-precision drift check: :class:`DriftMonitor` (``--drift-check N``; docs/precision.md).
 Format choice per tensor role (E4M3, E5M2 or high precision): :func:`advise` / :func:`format_advice`.
 Attention that amplifies the q/k projections' FP8 error (q/k norm and a large logit scale):
 :func:`sharp_attention` measures it and returns the rules that keep those projections high.
@@ -18,6 +19,7 @@ Attention that amplifies the q/k projections' FP8 error (q/k norm and a large lo
 from .advisor import FormatAdvice, advise, format_advice, measure_formats
 from .attention import AttentionAdvice, AttentionSite, sharp_attention
 from .callback import MonitorCallback
+from .drift import DriftMonitor, DriftReport
 from .outliers import OutlierMonitor, outlier_stats
 from .precision import audit_summary, audit_version, collective_audit, precision_audit
 from .report import Diagnostics, LayerDiagnostics, diagnose, swiglu_alignment
@@ -29,4 +31,5 @@ __all__ = ["MonitorCallback", "Diagnostics", "LayerDiagnostics", "diagnose", "sw
            "ActivationAccumulator", "weight_alignment", "SwiGLUSite", "find_swiglus",
            "OutlierMonitor", "outlier_stats", "ScalingTelemetry", "scaling_telemetry", "check_scaling",
            "FormatAdvice", "advise", "format_advice", "measure_formats", "precision_audit", "collective_audit",
-           "audit_version", "audit_summary", "AttentionAdvice", "AttentionSite", "sharp_attention"]
+           "audit_version", "audit_summary", "AttentionAdvice", "AttentionSite", "sharp_attention", "DriftMonitor",
+           "DriftReport"]

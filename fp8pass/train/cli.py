@@ -29,9 +29,12 @@ _MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "ffn")
 _TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": float, "min_lr_ratio": float,
           "warmup": int, "weight_decay": float, "grad_clip": float, "eval_every": int,
           "eval_batches": int, "ckpt_every": int, "monitor_every": int, "max_data_bytes": int,
-          "d_model": int, "n_layers": int, "n_heads": int, "ffn": int, "grad_accum": int, "loss_scale": str, "fp8_start_step": int}
+          "d_model": int, "n_layers": int, "n_heads": int, "ffn": int, "grad_accum": int, "loss_scale": str, "fp8_start_step": int,
+          "drift_check": int, "drift_max_loss_diff": float, "drift_min_grad_cosine": float,
+          "drift_max_local_error": float}
 _CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed", "current"),
-            "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "precision": PRECISIONS}
+            "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "precision": PRECISIONS,
+            "on_drift": ("warn", "fallback")}
 
 
 # What each of those flags does, for --help (argparse prints "(default X)" after it).
@@ -57,6 +60,14 @@ _HELP = {
     "grad_accum": "micro-batches per optimizer step (gradient accumulation)",
     "loss_scale": "loss scaling, for --precision fp16: 'dynamic' or a number",
     "fp8_start_step": "train the first N steps in high precision, then in FP8",
+    "drift_check": "every N steps replay the step's micro-batch in high precision and compare it with the FP8 step "
+                   "(drift records in metrics.jsonl; docs/precision.md, Drift check; 0: off; fp8 recipes only)",
+    "on_drift": "what a confirmed drift does: warn (name the worst layers) or fallback (switch them: a GLU without "
+                "Smooth-SwiGLU to the per-channel form, others to high precision)",
+    "drift_max_loss_diff": "drift threshold on the relative loss difference FP8 vs high precision",
+    "drift_min_grad_cosine": "drift threshold on each FP8 layer's gradient cosine FP8 vs high precision",
+    "drift_max_local_error": "drift threshold on each FP8 layer's local error (what its FP8 input cast changes in "
+                             "its output)",
     "schedule": "learning-rate decay after the warm-up",
     "scaling": "FP8 scaling of the fp8* recipes: from an amax history (delayed) or from each tensor (current)",
     "smooth": "Smooth-SwiGLU of the -smooth recipes: one scale per channel (the paper) or per token",

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import torch
 
+from ..config import DriftCheck
 from ..integrity import CheckpointError, atomic_write
 from ..monitor.precision import audit_summary, audit_version, collective_audit, precision_audit
+from ..monitor.drift import DriftMonitor
 from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..precision_file import rules_from_data, rules_to_data, schedule_from_data
 from ..precision_switch import apply_schedule
@@ -90,6 +92,11 @@ class TrainConfig:
         precision_rules: per-module precision rules (``fp8pass.Config.rules``) as plain data, the
             ``rules`` list of a precision config file (``--precision-config FILE``; docs/precision.md):
             kept in the run's config, so a resume runs the same rules. fp8 recipes only.
+        drift_check: the online drift check (``fp8pass.DriftCheck``, docs/precision.md): every this many
+            steps the step's first micro-batch is replayed in high precision (``precision``) and compared
+            with the FP8 step (``"drift"`` records in metrics.jsonl); 0 (default): off. fp8 recipes only.
+        on_drift, drift_max_loss_diff, drift_min_grad_cosine, drift_max_local_error: the check's
+            ``on_drift`` ("warn" | "fallback"), ``max_loss_diff``, ``min_grad_cosine`` and ``max_local_error``.
         precision_schedule: scheduled precision switches (``fp8pass.Config.schedule``) as plain data, the
             ``switch`` list of a precision config file: ``[{"at_step": 500 or "at_fraction": 0.9, "rules":
             [...], "reason": "..."}]``. Before each step the trainer makes the due ones
@@ -139,6 +146,11 @@ class TrainConfig:
     fp8_start_step: int = 0
     loss_scale: str | float | None = None
     precision_rules: list = field(default_factory=list)
+    drift_check: int = 0
+    on_drift: str = "warn"
+    drift_max_loss_diff: float = DriftCheck.max_loss_diff
+    drift_min_grad_cosine: float = DriftCheck.min_grad_cosine
+    drift_max_local_error: float = DriftCheck.max_local_error
     precision_schedule: list = field(default_factory=list)
     eval_recipe: str | None = None
     recompute_glu_output: bool = False
@@ -185,6 +197,13 @@ class TrainConfig:
         if self.precision_rules and not recipe.fp8:
             raise ValueError(f"precision rules apply to the fp8 recipes; recipe {self.recipe!r} has no FP8 linears")
         self.fp8_rules()  # a bad rule fails here, naming it
+        if isinstance(self.drift_check, bool) or not isinstance(self.drift_check, int) or self.drift_check < 0:
+            raise ValueError(f"drift_check must be an int >= 0 (steps between drift checks; 0: off), "
+                             f"got {self.drift_check!r}")
+        if self.drift_check and not recipe.fp8:
+            raise ValueError(f"drift_check compares FP8 steps with high precision; recipe {self.recipe!r} has no "
+                             f"FP8 linears")
+        self.drift()  # bad thresholds fail here, naming them
         if self.precision_schedule and not recipe.fp8:
             raise ValueError(f"a precision schedule applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 "
                              "linears")
@@ -205,6 +224,12 @@ class TrainConfig:
         """``precision_rules`` as ``fp8pass.Rule`` objects (validated)."""
         return tuple(rules_from_data(list(self.precision_rules), "precision_rules"))
 
+    def drift(self) -> DriftCheck | None:
+        """The ``fp8pass.DriftCheck`` of ``drift_check`` and its options (None when off)."""
+        check = DriftCheck(every=max(1, self.drift_check), on_drift=self.on_drift, max_loss_diff=self.drift_max_loss_diff,
+                           min_grad_cosine=self.drift_min_grad_cosine, max_local_error=self.drift_max_local_error)
+        return check if self.drift_check else None  # the options are validated even when off
+
     def fp8_schedule(self) -> tuple:
         """``precision_schedule`` as ``fp8pass.Switch`` objects (validated)."""
         return tuple(schedule_from_data(list(self.precision_schedule), "precision_schedule"))
@@ -216,7 +241,11 @@ class TrainConfig:
 
     def backend_options(self) -> dict:
         """Config fields this run sets beyond the recipe's (fp8 recipes)."""
-        return {"recompute_glu_output": True} if self.recompute_glu_output else {}
+        options = {"recompute_glu_output": True} if self.recompute_glu_output else {}
+        drift = self.drift()
+        if drift is not None:
+            options["drift_check"] = drift
+        return options
 
     def resolved(self) -> "TrainConfig":
         """This configuration with ``precision="auto"`` resolved for this machine (what a run saves)."""
@@ -398,6 +427,11 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
              "data_fingerprint": data.fingerprint, "torch": torch.__version__, "threads": torch.get_num_threads(),
              "precision": cfg.precision, **cpu_capability()})
     callbacks = list(callbacks)
+
+    def drift_monitor():  # the check of the FP8 model (None: off, or not yet in FP8)
+        return DriftMonitor(fwd, log=log) if fp8_on and cfg.drift_check else None
+
+    drift = drift_monitor()
     if monitor and cfg.monitor_every > 0:
         from ..monitor import MonitorCallback
         probe = data.batch("val", min(cfg.batch_size, 8), cfg.seq_len, cfg.seed, 10_000)[0]
@@ -433,6 +467,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
             first_compiled_step = step == start  # the steps whose time the ETA leaves out (restart_eta)
             if recipe.fp8 and not fp8_on and step >= cfg.fp8_start_step:
                 fwd, fp8_on = fp8_forward(), True
+                drift = drift_monitor()
                 log({"kind": "fp8_start", "step": step})
                 first_compiled_step = True
             if fp8_on and schedule:
@@ -448,6 +483,8 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
                 g["lr"] = lr
             xs, ys = data.batch("train", cfg.batch_size * cfg.grad_accum, cfg.seq_len, cfg.seed, step)
             micro = []
+            check_drift = drift is not None and drift.due(step + 1)
+            drift_grads = None  # micro-batch 0's own FP8 gradients, kept when more micro-batches follow
             # FP8 scales change once per optimizer step: the micro-batches' amaxes accumulate (max)
             # and enter the delayed-scaling histories together when the context closes
             with accumulate_scaling(model, enabled=fp8_on and cfg.grad_accum > 1):
@@ -458,6 +495,12 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
                     part = loss / cfg.grad_accum if cfg.grad_accum > 1 else loss
                     (scaler.scale(part) if scaler is not None else part).backward()
                     micro.append(loss.detach())
+                    if check_drift and k == 0 and cfg.grad_accum > 1:
+                        drift_grads = drift.gradients()
+            if check_drift:  # before any gradient callback or optimizer step: the weights the FP8 step saw
+                with autocast(cfg.precision):
+                    drift.check(step + 1, xs[:cfg.batch_size], ys[:cfg.batch_size], fp8_loss=micro[0],
+                                fp8_grads=drift_grads)
             if cfg.grad_accum > 1:
                 loss = torch.stack(micro).float().mean()
             finite = scaler.unscale_(params) if scaler is not None else True  # callbacks see true gradients

@@ -1,0 +1,199 @@
+"""Online drift check (issue 30 item 6): the shadow replay changes no state; the flag fires on a planted
+outlier and not on a clean run; the fallback switches the blamed GLUs to Smooth-SwiGLU and the drift goes."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8pass
+from fp8pass import Config, DriftCheck
+from fp8pass.monitor.drift import DriftMonitor, grad_cosines
+from fp8pass.train import ModelConfig, TrainConfig, train
+from fp8pass.train.logging import read_metrics
+
+SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, ffn=64, max_seq_len=32)
+
+
+class Net(torch.nn.Module):
+    """Two FP8 linears with dropout between them: the replay draws from the RNG."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.l2(F.dropout(F.relu(self.l1(x)), 0.2, self.training)).square().mean()
+
+
+def _snapshot(model, opt):
+    return {"model": copy.deepcopy(model.state_dict()),  # weights, scaling state, stochastic-rounding streams
+            "grad": [p.grad.clone() for p in model.parameters()],
+            "opt": copy.deepcopy(opt.state_dict()),
+            "scaling": fp8pass.scaling_state_dict(model),
+            "rng": torch.get_rng_state()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def test_the_shadow_replay_changes_no_state():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    cfg = Config(compiler="aot_eager", grad_stochastic_rounding=True, drift_check=DriftCheck(every=1))
+    fwd = torch.compile(model, backend=fp8pass.backend(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    drift = DriftMonitor(fwd)
+    x = torch.randn(64, 32)
+    for _ in range(3):  # optimizer moments, amax histories and rounding streams all have state
+        opt.zero_grad()
+        loss = fwd(x)
+        loss.backward()
+        opt.step()
+    opt.zero_grad()
+    loss = fwd(x)
+    loss.backward()
+    before = _snapshot(model, opt)
+    assert any(".fp8_sr." in k for k in before["model"]) and any(".fp8_scaling." in k for k in before["model"])
+    report = drift.check(4, x, fp8_loss=loss)
+    assert _same(before, _snapshot(model, opt))
+    assert report.grad_cosine.keys() == {"l1.weight", "l2.weight"} and report.fp8_weights == ["l1.weight", "l2.weight"]
+    # the eager forward draws dropout masks: the replay's restore is what keeps the RNG as it was
+    model(x)
+    assert not torch.equal(torch.get_rng_state(), before["rng"])
+
+
+def test_grad_cosines_edge_cases():
+    a = {"x": torch.tensor([1.0, 0.0]), "z": torch.zeros(2), "n": torch.tensor([float("nan"), 1.0])}
+    b = {"x": torch.tensor([1.0, 1.0]), "z": torch.zeros(2), "n": torch.tensor([1.0, 1.0])}
+    c = grad_cosines(a, b)
+    assert c["x"] == pytest.approx(2 ** -0.5) and c["z"] == 1.0 and c["n"] != c["n"]
+
+
+def test_drift_check_arguments_are_checked():
+    with pytest.raises(ValueError, match="DriftCheck.every must be an int >= 1"):
+        DriftCheck(every=0)
+    with pytest.raises(ValueError, match="unknown DriftCheck.on_drift 'stop'"):
+        DriftCheck(on_drift="stop")
+    with pytest.raises(TypeError, match="Config.drift_check must be an fp8pass.DriftCheck"):
+        Config(drift_check=100)
+    with pytest.raises(ValueError, match="DriftMonitor needs a DriftCheck"):
+        DriftMonitor(torch.compile(Net(), backend=fp8pass.backend(Config(compiler="aot_eager"))))
+    with pytest.raises(ValueError, match="drift_check compares FP8 steps"):
+        TrainConfig(recipe="bf16", drift_check=10)
+    with pytest.raises(ValueError, match="drift_check must be an int >= 0"):
+        TrainConfig(recipe="fp8", drift_check=-1)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
+    (tmp_path / "corpus.txt").write_text(text)
+    return str(tmp_path / "corpus.txt")
+
+
+def _cfg(tmp_path, corpus, name, **kw):
+    base = dict(recipe="fp8", steps=6, out=str(tmp_path / name), data=corpus, batch_size=4, seq_len=32, model=SMALL,
+                eval_every=6, eval_batches=1, ckpt_every=6, monitor_every=0, warmup=2, precision="fp32",
+                compiler="aot_eager", progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _plant_outlier(at: int, alpha: float = 300.0):
+    """Callback: after step ``at`` (and re-pinned after every later step), channel 0 of every GLU is
+    w_gate = w_up = alpha * u and w_down[:, 0] = v / (100 * alpha**2) (u, v random, the same after a resume):
+    experiments/outlier_plant.py's aligned outlier, made silent in the output so that this untrained model's
+    small channels carry it. Plain FP8's down-projection input cast, scaled to the outlier, flushes them to 0."""
+    pinned = {}
+
+    def plant(step, model, log, final=False):
+        if step < at:
+            return
+        with torch.no_grad():
+            for i, layer in enumerate(model.layers):
+                mlp = layer.mlp
+                if i not in pinned:
+                    g = torch.Generator().manual_seed(i)
+                    u = torch.randn(mlp.gate_proj.weight.shape[1], generator=g)
+                    v = 0.02 * torch.randn(mlp.down_proj.weight.shape[0], generator=g)
+                    pinned[i] = (alpha * u / u.norm(), v / (100 * alpha ** 2))
+                w, col = pinned[i]
+                mlp.gate_proj.weight[0] = w
+                mlp.up_proj.weight[0] = w
+                mlp.down_proj.weight[:, 0] = col
+    return plant
+
+
+def test_the_check_logs_every_n_steps_and_leaves_the_run_bit_identical(tmp_path, corpus):
+    """With gradient accumulation: the check compares micro-batch 0's own gradients (kept before micro-batch 1)."""
+    torch._dynamo.reset()
+    plain = train(_cfg(tmp_path, corpus, "plain", batch_size=2, grad_accum=2))
+    torch._dynamo.reset()
+    checked = train(_cfg(tmp_path, corpus, "checked", batch_size=2, grad_accum=2, drift_check=2))
+    assert checked.losses == plain.losses and checked.final_val_loss == plain.final_val_loss
+    recs = read_metrics(tmp_path / "checked" / "metrics.jsonl", "drift")
+    assert [r["step"] for r in recs] == [2, 4, 6]
+    assert all(r["action"] == "none" and r["flagged"] == [] for r in recs)   # a clean run: no flag
+    assert {w for r in recs for w in r["grad_cosine"]} >= {"layers.0.mlp.down_proj.weight", "lm_head.weight"}
+    assert all(r["min_grad_cosine"] > 0.9 and abs(r["loss_rel_diff"]) < 1e-2 for r in recs)
+
+
+def test_the_flag_fires_on_a_planted_outlier_and_names_the_down_projections(tmp_path, corpus):
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(_cfg(tmp_path, corpus, "planted", drift_check=1), callbacks=[_plant_outlier(at=2)])
+    recs = {r["step"]: r for r in read_metrics(tmp_path / "planted" / "metrics.jsonl", "drift")}
+    assert [recs[s]["action"] for s in (1, 2)] == ["none", "none"]
+    assert [recs[s]["action"] for s in (3, 4, 5, 6)] == ["pending", "warn", "warn", "warn"]  # confirmed by step 4
+    assert set(recs[4]["flagged"]) == {"layers.0.mlp.down_proj.weight", "layers.1.mlp.down_proj.weight"}
+    assert min(recs[4]["local_error"][w] for w in recs[4]["flagged"]) > 0.1
+    drift_warnings = [str(w.message) for w in caught if "drift check at step" in str(w.message)]
+    assert len(drift_warnings) == 3 and "layers.0.mlp.down_proj.weight" in drift_warnings[0]  # steps 4, 5, 6
+
+
+def test_the_fallback_switches_the_blamed_glus_to_smooth_swiglu_and_the_drift_goes(tmp_path, corpus):
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(_cfg(tmp_path, corpus, "fallback", drift_check=1, on_drift="fallback"), callbacks=[_plant_outlier(at=2)])
+    recs = {r["step"]: r for r in read_metrics(tmp_path / "fallback" / "metrics.jsonl", "drift")}
+    assert recs[4]["action"] == "fallback"
+    assert recs[4]["switched"] == {"layers.0.mlp": "Smooth-SwiGLU per channel", "layers.1.mlp": "Smooth-SwiGLU per channel"}
+    assert [recs[s]["action"] for s in (5, 6)] == ["none", "none"]
+    assert recs[4]["min_grad_cosine"] < 0.5 and min(recs[s]["min_grad_cosine"] for s in (5, 6)) > 0.9
+    ckpt = torch.load(tmp_path / "fallback" / "checkpoint.pt", weights_only=True)
+    assert "fp8_precision_switches" in ckpt["model"]  # a resume continues switched (tests/test_precision_switch.py)
+
+
+def test_a_run_resumed_after_the_fallback_continues_switched(tmp_path, corpus):
+    """The switch is in the checkpoint: the resumed run trains like the uninterrupted one, its down projections
+    still smoothed (their local error stays low under the planted outlier, ~100% when plain)."""
+    torch._dynamo.reset()
+    kw = dict(drift_check=1, on_drift="fallback", ckpt_every=5, schedule="constant")  # lr independent of `steps`
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = train(_cfg(tmp_path, corpus, "full", **kw), callbacks=[_plant_outlier(at=2)])
+        torch._dynamo.reset()
+        train(_cfg(tmp_path, corpus, "part", steps=5, **kw), callbacks=[_plant_outlier(at=2)])
+        torch._dynamo.reset()
+        resumed = train(_cfg(tmp_path, corpus, "part", **kw), callbacks=[_plant_outlier(at=2)], resume=True)
+    # within 1e-3, not bit for bit: main's plain "fp8" recipe resumes this setting (SMALL, fp32, aot_eager, constant
+    # lr) 1e-5 off already, without any plant or check (4.877091 vs 4.877028 at step 6), a trainer issue of its own
+    assert resumed.losses == pytest.approx(full.losses[5:], rel=1e-3)
+    recs = read_metrics(tmp_path / "part" / "metrics.jsonl", "drift")
+    assert [r["action"] for r in recs] == ["none", "none", "pending", "fallback", "none", "none"]
+    last = recs[-1]["local_error"]
+    assert recs[-1]["step"] == 6 and max(last[f"layers.{i}.mlp.down_proj.weight"] for i in (0, 1)) < 0.1
+    assert min(recs[2]["local_error"][f"layers.{i}.mlp.down_proj.weight"] for i in (0, 1)) > 0.9  # plain, step 3
