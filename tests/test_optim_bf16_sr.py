@@ -213,3 +213,21 @@ def test_compiled_kernels_take_the_torch_path_bit_identically():
         b.step()
     for p, q in zip(a_params, params):
         assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16))
+
+
+def test_trainer_knob_builds_a_bf16_model_and_rejects_torch_adamw_recipes(tmp_path):
+    from fp8pass.train.loop import TrainConfig
+    from fp8pass.train.recipes import build_optimizer, get_recipe
+
+    with pytest.raises(ValueError, match="use an -fp8adam recipe"):
+        TrainConfig(recipe="bf16", out=str(tmp_path), bf16_stochastic_round=True)
+    with pytest.raises(ValueError, match="must be True or False"):
+        TrainConfig(recipe="bf16-fp8adam", out=str(tmp_path), bf16_stochastic_round=1)
+    model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="use an -fp8adam recipe"):
+        build_optimizer(model, get_recipe("bf16"), lr=1e-3, weight_decay=0.1, bf16_stochastic_round=True)
+    opt = build_optimizer(model, get_recipe("bf16-fp8adam"), lr=1e-3, weight_decay=0.1, bf16_stochastic_round=True)
+    assert all(g["bf16_stochastic_round"] for g in opt.param_groups)
+    with pytest.raises(ValueError, match="bf16_stochastic_round=True updates bf16 weights"):
+        build_optimizer(torch.nn.Linear(8, 8), get_recipe("bf16-fp8adam"), lr=1e-3, weight_decay=0.1,
+                        bf16_stochastic_round=True)
