@@ -231,3 +231,20 @@ def test_trainer_knob_builds_a_bf16_model_and_rejects_torch_adamw_recipes(tmp_pa
     with pytest.raises(ValueError, match="bf16_stochastic_round=True updates bf16 weights"):
         build_optimizer(torch.nn.Linear(8, 8), get_recipe("bf16-fp8adam"), lr=1e-3, weight_decay=0.1,
                         bf16_stochastic_round=True)
+
+
+def test_triton_kernels_hand_the_option_to_the_torch_path(monkeypatch):
+    """No Triton variant yet: such groups take the torch path (same bits), never the fused kernel."""
+    import fp8pass.kernels.triton_adam as ta
+
+    monkeypatch.setattr(ta, "adam_step_triton_multi", lambda *a, **k: pytest.fail("the fused kernel ran"))
+    a_params, _ = _trained()
+    params = _params()
+    b = fo.AdamW(params, lr=1e-2, bf16_stochastic_round=True, kernels="triton",
+                 generator=torch.Generator().manual_seed(5))
+    for s in range(2):
+        for p, g in zip(params, _grads(params, s)):
+            p.grad = g
+        b.step()
+    for p, q in zip(a_params, params):
+        assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16))
