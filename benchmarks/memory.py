@@ -45,10 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds  # noqa: E402
 from benchmarks.train_step import SHAPES, build, record_partitions, saved_bytes, state_bytes  # noqa: E402
 
-VARIANTS = {  # name -> (training recipe, compile the bf16 recipe with Inductor, backend Config overrides)
+VARIANTS = {  # name -> (recipe, compile the bf16 recipe with Inductor, backend Config overrides[, trainer options])
     "bf16 inductor": ("bf16", True, {}),
     "fp8-smooth-fp8adam": ("fp8-smooth-fp8adam", False, {}),
     "fp8 + recompute_glu_output": ("fp8-smooth-fp8adam", False, {"recompute_glu_output": True}),
+    "fp8 + bf16 SR weights": ("fp8-smooth-fp8adam", False, {}, {"bf16_stochastic_round": True}),
 }
 BASE, FP8 = "bf16 inductor", "fp8-smooth-fp8adam"
 DEFAULT_VARIANTS = tuple(VARIANTS)
@@ -150,7 +151,8 @@ def measure(shape: str, name: str, spec: tuple, device: str, dtype: torch.dtype)
     state = param_bytes + grad_bytes + opt_bytes
     peak, peak_at = step_peak_bytes(step, model, opt, device)
     mib = 2**20
-    row = {"name": name, "recipe": spec[0], "overrides": spec[2] if len(spec) > 2 else {}, "params": n,
+    row = {"name": name, "recipe": spec[0], "overrides": spec[2] if len(spec) > 2 else {},
+           "trainer_options": spec[3] if len(spec) > 3 else {}, "params": n,
            "graphs": len(records), "param_mib": param_bytes / mib, "grad_mib": grad_bytes / mib,
            "optimizer_mib": opt_bytes / mib, "state_bytes_per_param": state / n,
            "param_bytes_per_param": param_bytes / n, "grad_bytes_per_param": grad_bytes / n,

@@ -179,8 +179,9 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def build(shape: str, name: str, device: str, dtype: torch.dtype, spec: tuple | None = None):
     """``(cfg, model, opt, loss_fn, step)`` of variant ``name`` at ``shape``. ``spec``: ``(recipe,
-    compile_bf16[, Config overrides])`` instead of ``VARIANTS[name]`` (benchmarks/memory.py's variants
-    override fields of the recipe's backend Config)."""
+    compile_bf16[, Config overrides[, trainer options]])`` instead of ``VARIANTS[name]``
+    (benchmarks/memory.py's variants override fields of the recipe's backend Config; the trainer option
+    ``{"bf16_stochastic_round": True}`` makes the model bf16 with no fp32 master, as ``TrainConfig``'s)."""
     s = SHAPES[shape]
     cfg = ModelConfig(vocab_size=VOCAB, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
                       ffn=s["ffn"], max_seq_len=s["seq"])
@@ -188,11 +189,14 @@ def build(shape: str, name: str, device: str, dtype: torch.dtype, spec: tuple | 
     tokens = torch.randint(0, cfg.vocab_size, (s["batch"], s["seq"] + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     recipe_name, compile_bf16, *overrides = spec or VARIANTS[name]
+    bf16_sr = bool(overrides[1].get("bf16_stochastic_round")) if len(overrides) > 1 else False
     torch.manual_seed(0)
     model = TinyLlama(cfg).to(device)
+    if bf16_sr:
+        model.to(torch.bfloat16)
     recipe = get_recipe(recipe_name)
     fwd = prepare_model(model, recipe, compile_bf16=compile_bf16, backend_options=overrides[0] if overrides else None)
-    opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1)
+    opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=bf16_sr)
 
     def loss_fn():
         with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):

@@ -45,6 +45,8 @@ RUNS = {
     "bf16-fp8adam-sr": {"recipe": "bf16-fp8adam", "moment_rounding": "stochastic"},
     "fp8-smooth-fp8adam-sr": {"recipe": "fp8-smooth-fp8adam", "moment_rounding": "stochastic"},
     "fp8-smooth-fp8adam-recompute-glu": {"recipe": "fp8-smooth-fp8adam", "recompute_glu_output": True},
+    "bf16-fp8adam-bf16sr": {"recipe": "bf16-fp8adam", "bf16_stochastic_round": True},
+    "fp8-smooth-fp8adam-bf16sr": {"recipe": "fp8-smooth-fp8adam", "bf16_stochastic_round": True},
 }
 GOAL_PCT = 0.5
 

@@ -27,7 +27,7 @@ from .formats import E2M1, Format, get_format
 
 __all__ = [
     "ROUNDINGS", "check_rounding", "encode", "decode", "saturating_cast", "e8m0_encode", "pack_e2m1", "unpack_e2m1",
-    "uniform_bits",
+    "uniform_bits", "stochastic_round_bf16",
 ]
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -65,6 +65,29 @@ def uniform_bits(n: int, seed: torch.Tensor, device=None) -> torch.Tensor:
     h = (h ^ ((h >> 16) & 0xFFFF)) * _MIX1
     h = (h ^ ((h >> 13) & 0x7FFFF)) * _MIX2
     return h ^ ((h >> 16) & 0xFFFF)
+
+
+def stochastic_round_bf16(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded stochastically to bf16, unbiased: ``E[result] == x`` exactly.
+
+    bf16 is fp32's upper half, so the 16 dropped bits are the fraction of a bf16 step: adding 16
+    uniform bits to them carries into the kept half with probability fraction / 2**16, in sign-magnitude
+    (the int32 add grows the magnitude of either sign). The bits are the low 16 of
+    :func:`uniform_bits` ``(x.numel(), seed)``, element ``i`` of ``x`` (row-major) taking counter ``i``,
+    so a kernel computing the same hash of the same counters gives the same bf16 values. NaN stays
+    NaN; +-Inf stays +-Inf; a value within a bf16 step of fp32's max may round to +-Inf (as torch's own
+    fp32 -> bf16 cast does beyond bf16's max).
+
+    Args:
+        x: fp32 tensor.
+        seed: int32 scalar tensor on ``x``'s device (no host read).
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round_bf16 rounds fp32 values, got {x.dtype}")
+    xi = x.contiguous().view(torch.int32)
+    r = uniform_bits(x.numel(), seed, x.device).view(x.shape) & 0xFFFF
+    up = ((xi + r) & -65536).view(torch.float32)  # -65536 == 0xFFFF0000: keep the upper half
+    return torch.where(torch.isnan(x), x, up).to(torch.bfloat16)  # exact: the low half is zero
 
 
 def _seeded_bits(shape: torch.Size, seed: torch.Tensor, idt: torch.dtype, device) -> torch.Tensor:

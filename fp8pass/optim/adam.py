@@ -41,7 +41,8 @@ AUTO_COMPILE_NUMEL = 1 << 20
 # scale for a whole large tensor) by the split-block kernels, one program per span of the block.
 TRITON_MAX_BLOCK = 1 << 13
 # Keys fp8pass adds to a torch Adam(W) param group.
-FP8_GROUP_KEYS = ("m_format", "v_format", "block_size", "v_sqrt", "rounding", "stochastic_flush", "kernels")
+FP8_GROUP_KEYS = ("m_format", "v_format", "block_size", "v_sqrt", "rounding", "stochastic_flush", "kernels",
+                  "bf16_stochastic_round")
 
 
 def moment_specs(group: dict, numel: int | None = None) -> tuple[MomentSpec, MomentSpec]:
@@ -84,6 +85,21 @@ def _check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_form
         raise ValueError(f"unknown kernels {kernels!r}; valid: {', '.join(KERNELS)}")
 
 
+def _check_bf16_sr(group: dict) -> None:
+    """``bf16_stochastic_round`` is a bool, and with it every parameter of the group is bf16."""
+    sr = group.get("bf16_stochastic_round", False)
+    if not isinstance(sr, bool):
+        raise ValueError(f"bf16_stochastic_round must be True or False, got {sr!r}")
+    if not sr:
+        return
+    for p in group["params"]:
+        if p.dtype != torch.bfloat16:
+            raise ValueError(
+                f"bf16_stochastic_round=True updates bf16 weights (no fp32 master copy), but a parameter of "
+                f"shape {tuple(p.shape)} is {p.dtype}: cast the model to bf16 first (model.to(torch.bfloat16)), "
+                f"put that parameter in a param group with bf16_stochastic_round=False, or leave the option off")
+
+
 class Adam(torch.optim.Optimizer):
     """Adam with FP8 moments; ``decoupled_weight_decay=True`` makes it AdamW (as in torch).
 
@@ -102,6 +118,10 @@ class Adam(torch.optim.Optimizer):
         rounding: "nearest" (default) or "stochastic" for the FP8 moments.
         stochastic_flush: round values below the format's smallest subnormal stochastically to 0 or
             the smallest subnormal (unbiased underflow) while everything else rounds to nearest.
+        bf16_stochastic_round: the parameters are bf16 and are the only copy of the weights (no fp32
+            master): the new weight is computed in fp32 and rounded stochastically to bf16 (unbiased),
+            so updates smaller than half a bf16 step still move the weight on average (torchao's
+            option of the same name). Every parameter of such a group must be bf16. Default False.
         kernels: "auto" (Triton on CUDA; on CPU "compiled" when the optimizer's parameters hold
             >= 2**20 elements in all and "torch" for smaller ones; ``FP8PASS_KERNELS=torch|triton``
             forces a family), "torch" (eager chunks), "compiled" (the torch path's chunk update through
@@ -118,6 +138,7 @@ class Adam(torch.optim.Optimizer):
                  capturable: bool = False, differentiable: bool = False, decoupled_weight_decay: bool = False,
                  m_format: str = "e4m3", v_format: str = "e5m2", block_size: int | None = 128, v_sqrt: bool = False,
                  rounding: str = "nearest", stochastic_flush: bool = False, kernels: str = "auto",
+                 bf16_stochastic_round: bool = False,
                  generator: torch.Generator | None = None, foreach: bool | None = None,
                  fused: bool | None = None):
         _check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_format, v_format, block_size,
@@ -126,7 +147,8 @@ class Adam(torch.optim.Optimizer):
                         maximize=maximize, capturable=capturable, differentiable=False,
                         decoupled_weight_decay=decoupled_weight_decay, foreach=foreach, fused=fused,
                         m_format=m_format, v_format=v_format, block_size=block_size, v_sqrt=v_sqrt,
-                        rounding=rounding, stochastic_flush=stochastic_flush, kernels=kernels)
+                        rounding=rounding, stochastic_flush=stochastic_flush, kernels=kernels,
+                        bf16_stochastic_round=bf16_stochastic_round)
         super().__init__(params, defaults)
         self.generator = generator
         self._workspaces: dict = {}
@@ -141,6 +163,7 @@ class Adam(torch.optim.Optimizer):
                        g["m_format"], g["v_format"], g["block_size"], g["rounding"], g["kernels"])
         for p in g["params"]:
             _check_param(p)
+        _check_bf16_sr(g)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -264,7 +287,8 @@ class Adam(torch.optim.Optimizer):
             for (p, grad, state, m_spec, v_spec), hp in zip(todo, hps):
                 if is_dtensor(p):  # FSDP2 shard: update the local shard and its blocks
                     p, grad, state = local_view(p, grad, state)
-                if self._kind(group, p) == "triton" and p.is_contiguous():
+                if self._kind(group, p) == "triton" and p.is_contiguous() \
+                        and not group.get("bf16_stochastic_round"):  # no Triton variant yet: the torch path
                     if m_spec.block <= TRITON_MAX_BLOCK:
                         batches.setdefault((m_spec, v_spec), []).append((p, grad.contiguous(), state, hp))
                     else:
@@ -307,6 +331,10 @@ class Adam(torch.optim.Optimizer):
         kind = self._kind(group, p)
         opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                     stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
+        if group.get("bf16_stochastic_round"):  # one seed per parameter and step, drawn where p lives
+            gen = opts["generator"]
+            opts["weight_seed"] = torch.randint(-2**31, 2**31 - 1, (), generator=gen, device=p.device,
+                                                dtype=torch.int32)
         step_fn = adam_step_torch
         if kind == "compiled" and m_spec.block <= CHUNK:  # larger blocks take the two-pass torch path
             from .compiled_step import adam_step_compiled as step_fn

@@ -84,9 +84,9 @@ def _call(fn, args, hp) -> None:
 
 def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, hp, maximize=False,
                        coupled_wd=False, rounding="nearest", stochastic_flush=False, generator=None,
-                       workspace: _Workspace | None = None):
-    """Same contract as ``torch_step.adam_step_torch`` (nearest rounding; stochastic options and
-    non-contiguous tensors fall back to it).
+                       workspace: _Workspace | None = None, weight_seed=None):
+    """Same contract as ``torch_step.adam_step_torch`` (nearest rounding; stochastic options, the
+    bf16 stochastic weight update and non-contiguous tensors fall back to it).
 
     The whole blocks of ``p`` go through one compiled call in pieces of at most ``CHUNK`` elements
     (so that an intermediate Inductor keeps is never larger than a chunk); a partial last block, and
@@ -95,10 +95,10 @@ def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, h
     hp = as_tensor_hp(hp, p.device)
     block = m_spec.block
     n = p.numel()
-    if rounding != "nearest" or stochastic_flush or not (p.is_contiguous() and grad.is_contiguous()) \
-            or n < 2 * block:
+    if rounding != "nearest" or stochastic_flush or weight_seed is not None \
+            or not (p.is_contiguous() and grad.is_contiguous()) or n < 2 * block:
         return adam_step_torch(p, grad, state, m_spec, v_spec, hp, maximize, coupled_wd, rounding,
-                               stochastic_flush, generator, workspace)
+                               stochastic_flush, generator, workspace, weight_seed)
     fn = _compiled(m_spec, v_spec, maximize, coupled_wd)
     chunk = max(1, CHUNK // block) * block
     pf, gf = p.detach().view(-1), grad.view(-1)

@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from .adam import FP8_GROUP_KEYS, Adam, AdamW, _check_options, _check_param, moment_specs
+from .adam import FP8_GROUP_KEYS, Adam, AdamW, _check_bf16_sr, _check_options, _check_param, moment_specs
 from .moments import read_moment, write_moment
 
 __all__ = ["to_fp8", "to_torch_state_dict", "from_torch_state_dict", "is_torch_state_dict"]
@@ -24,14 +24,15 @@ __all__ = ["to_fp8", "to_torch_state_dict", "from_torch_state_dict", "is_torch_s
 
 def to_fp8(optimizer: torch.optim.Optimizer, *, m_format: str = "e4m3", v_format: str = "e5m2",
            block_size: int | None = 128, v_sqrt: bool = False, rounding: str = "nearest",
-           stochastic_flush: bool = False, kernels: str = "auto",
+           stochastic_flush: bool = False, kernels: str = "auto", bf16_stochastic_round: bool = False,
            generator: torch.Generator | None = None) -> torch.optim.Optimizer:
     """Convert a ``torch.optim.Adam`` / ``AdamW`` to FP8 moment storage, in place; returns it.
 
     Args:
         optimizer: a torch Adam or AdamW (exact class, not another subclass), fresh or mid-training.
-        m_format, v_format, block_size, v_sqrt, rounding, stochastic_flush, kernels, generator:
-            as for :class:`fp8pass.optim.Adam`; applied to every param group.
+        m_format, v_format, block_size, v_sqrt, rounding, stochastic_flush, kernels,
+            bf16_stochastic_round, generator: as for :class:`fp8pass.optim.Adam`; applied to every
+            param group.
 
     Raises:
         TypeError: for any other optimizer class.
@@ -42,12 +43,13 @@ def to_fp8(optimizer: torch.optim.Optimizer, *, m_format: str = "e4m3", v_format
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         raise TypeError(f"to_fp8 converts torch.optim.Adam or torch.optim.AdamW, got {type(optimizer).__name__}")
     extra = dict(m_format=m_format, v_format=v_format, block_size=block_size, v_sqrt=v_sqrt, rounding=rounding,
-                 stochastic_flush=stochastic_flush, kernels=kernels)
+                 stochastic_flush=stochastic_flush, kernels=kernels, bf16_stochastic_round=bf16_stochastic_round)
     for g in optimizer.param_groups:
         _check_options(g["lr"], g["betas"], g["eps"], g["weight_decay"], g.get("amsgrad", False),
                        g.get("differentiable", False), m_format, v_format, block_size, rounding, kernels)
         for p in g["params"]:
             _check_param(p)
+        _check_bf16_sr(dict(g, bf16_stochastic_round=bf16_stochastic_round))
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
         optimizer.defaults.get("decoupled_weight_decay", False))
     for g in optimizer.param_groups:
@@ -130,7 +132,7 @@ def to_torch_state_dict(sd: dict) -> dict:
 
 def from_torch_state_dict(sd: dict, *, m_format: str = "e4m3", v_format: str = "e5m2", block_size: int | None = 128,
                           v_sqrt: bool = False, rounding: str = "nearest", stochastic_flush: bool = False,
-                          kernels: str = "auto") -> dict:
+                          kernels: str = "auto", bf16_stochastic_round: bool = False) -> dict:
     """A torch Adam(W) state dict as an fp8pass one: moments quantized with the given storage.
 
     Raises:
@@ -139,7 +141,7 @@ def from_torch_state_dict(sd: dict, *, m_format: str = "e4m3", v_format: str = "
     if not is_torch_state_dict(sd):
         raise ValueError("not a torch Adam/AdamW state dict (its param groups already carry m_format)")
     extra = dict(m_format=m_format, v_format=v_format, block_size=block_size, v_sqrt=v_sqrt, rounding=rounding,
-                 stochastic_flush=stochastic_flush, kernels=kernels)
+                 stochastic_flush=stochastic_flush, kernels=kernels, bf16_stochastic_round=bf16_stochastic_round)
     groups = []
     for g in sd["param_groups"]:
         _check_options(g.get("lr", 1e-3), g.get("betas", (0.9, 0.999)), g.get("eps", 1e-8),

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..numerics import saturating_cast, scale_from_amax
+from ..numerics.casts import stochastic_round_bf16
 from ..kernels.adam_layout import HP_FIELDS, MomentSpec
 from .moments import finite_block_amax
 
@@ -153,7 +154,7 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
                     v_spec: MomentSpec, hp: torch.Tensor, maximize: bool = False, coupled_wd: bool = False,
                     rounding: str = "nearest",
                     stochastic_flush: bool = False, generator: torch.Generator | None = None,
-                    workspace: _Workspace | None = None) -> _Workspace:
+                    workspace: _Workspace | None = None, weight_seed: torch.Tensor | None = None) -> _Workspace:
     """One Adam/AdamW update of ``p`` (in place) and its moments in ``state`` (in place).
 
     Blocks of at most ``CHUNK`` elements are processed whole, several per chunk, in one pass. A
@@ -176,10 +177,15 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
         stochastic_flush: stochastic flush-to-zero (see ``cast_moment``).
         generator: torch.Generator for stochastic rounding.
         workspace: reusable buffers (from a previous call on the same device), or None.
+        weight_seed: bf16 ``p`` only (``bf16_stochastic_round``): the new weight, computed in fp32,
+            is stored by ``numerics.casts.stochastic_round_bf16`` under this int32 seed (element i of
+            the flattened parameter takes counter i) instead of rounding to nearest.
 
     Returns:
         the workspace, to pass to the next call.
     """
+    if weight_seed is not None and p.dtype != torch.bfloat16:
+        raise ValueError(f"weight_seed (bf16 stochastic rounding of the weight) needs a bf16 parameter, got {p.dtype}")
     hp = as_tensor_hp(hp, p.device)
     n = p.numel()
     block = m_spec.block
@@ -215,7 +221,9 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
                 run.update(s, k, 1, k, scales=scales)
             for spec in fp8:  # only now: every span of pass 2 decoded its old codes with the old scale
                 run.flats[spec.scale_key][b0 // block].copy_(scales[spec.name][0])
-    if not direct_p:
+    if weight_seed is not None:
+        p.copy_(stochastic_round_bf16(p_flat, weight_seed).view(p.shape))
+    elif not direct_p:
         p.copy_(p_flat.view(p.shape))
     return ws
 

@@ -144,6 +144,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--recompute-glu-output", action="store_true", default=None,
                    help="fp8 recipes: each GLU's output recomputed in backward from its FP8 gate/up instead of kept "
                         "(less memory; fp8pass.Config.recompute_glu_output, docs/runtime.md)")
+    p.add_argument("--bf16-stochastic-round", action="store_true", default=None,
+                   help="-fp8adam recipes: bf16 parameters and gradients, no fp32 master; the FP8 AdamW rounds "
+                        "each updated weight stochastically (fp8pass.optim.AdamW(bf16_stochastic_round=True), "
+                        "docs/optim.md)")
     p.add_argument("--fused-gate-up", action="store_true", help="one gate_up_proj linear in the MLP")
     p.add_argument("--compile-bf16", action="store_true", help="compile the bf16 recipe with Inductor too")
     p.add_argument("--threads", type=int, default=1,

@@ -89,6 +89,9 @@ class TrainConfig:
             FP8 scales start from the first FP8 step's amaxes. 0 (default): FP8 from the start.
         recompute_glu_output: fp8 recipes: ``fp8pass.Config.recompute_glu_output`` (each GLU's output
             recomputed in backward from its FP8 gate/up instead of kept: less memory saved for backward).
+        bf16_stochastic_round: -fp8adam recipes: the model's parameters (and so its gradients) are bf16,
+            with no fp32 master copy, and ``fp8pass.optim.AdamW(bf16_stochastic_round=True)`` rounds each
+            updated weight stochastically (issue 31; docs/optim.md). Default False.
         precision_rules: per-module precision rules (``fp8pass.Config.rules``) as plain data, the
             ``rules`` list of a precision config file (``--precision-config FILE``; docs/precision.md):
             kept in the run's config, so a resume runs the same rules. fp8 recipes only.
@@ -154,6 +157,7 @@ class TrainConfig:
     precision_schedule: list = field(default_factory=list)
     eval_recipe: str | None = None
     recompute_glu_output: bool = False
+    bf16_stochastic_round: bool = False
     max_data_bytes: int | None = None
     progress: bool = True
 
@@ -194,6 +198,11 @@ class TrainConfig:
             raise ValueError(f"recompute_glu_output must be True or False, got {self.recompute_glu_output!r}")
         if self.recompute_glu_output and not recipe.fp8:
             raise ValueError(f"recompute_glu_output applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 GLUs")
+        if not isinstance(self.bf16_stochastic_round, bool):
+            raise ValueError(f"bf16_stochastic_round must be True or False, got {self.bf16_stochastic_round!r}")
+        if self.bf16_stochastic_round and not recipe.fp8_adam:
+            raise ValueError(f"bf16_stochastic_round is an option of fp8pass.optim.AdamW: use an -fp8adam recipe, "
+                             f"not {self.recipe!r}")
         if self.precision_rules and not recipe.fp8:
             raise ValueError(f"precision rules apply to the fp8 recipes; recipe {self.recipe!r} has no FP8 linears")
         self.fp8_rules()  # a bad rule fails here, naming it
@@ -376,10 +385,13 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
 
     torch.manual_seed(cfg.seed)
     model = TinyLlama(cfg.model)
+    if cfg.bf16_stochastic_round:  # the bf16 weights are the only copy: initialised in fp32, rounded once
+        model.to(torch.bfloat16)
     opt = build_optimizer(model, recipe, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
                           m_format=cfg.m_format, v_format=cfg.v_format, block_size=cfg.moment_block_size,
                           v_sqrt=cfg.v_sqrt, rounding=cfg.moment_rounding,
-                          stochastic_flush=cfg.moment_stochastic_flush)
+                          stochastic_flush=cfg.moment_stochastic_flush,
+                          bf16_stochastic_round=cfg.bf16_stochastic_round)
     start = 0
     scaler = LossScaler(cfg.loss_scale) if cfg.loss_scale is not None else None
     if ckpt is not None and scaler is not None:
