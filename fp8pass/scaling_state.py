@@ -532,8 +532,9 @@ def kept_scaling_state(model: torch.nn.Module):
     try:
         yield
     finally:
-        with torch.no_grad():
-            torch._foreach_copy_(live, saved)
+        if live:  # (a model without FP8 state: _foreach_copy_ refuses empty lists)
+            with torch.no_grad():
+                torch._foreach_copy_(live, saved)
 
 
 # ---- gradient accumulation: one history entry per optimizer step -------------------------------
