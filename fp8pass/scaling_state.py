@@ -57,7 +57,7 @@ from .scaling_checks import (_FIELDS, HCP_KEY, SCALING_KEY, SR_KEY, _group_flat,
                              check_sr_stream)
 
 __all__ = ["scaling_state_dict", "load_scaling_state_dict", "attach", "attach_weights", "without_scaling_state",
-           "accumulate_scaling", "commit_scaling", "SCALING_KEY", "HCP_KEY"]
+           "accumulate_scaling", "commit_scaling", "kept_scaling_state", "SCALING_KEY", "HCP_KEY"]
 
 _HOOKED = "_fp8pass_state_dict_config"  # module attribute: hooks registered, and the Config they create state with
 
@@ -493,6 +493,48 @@ def _load_hcp(model, state_dict, recipe: NVFP4Scaling, strict: bool) -> None:
             hcp_state_for(p, recipe.hcp).load_state_dict({k: t.to(p.device) for k, t in sd.items()})
         except ValueError as e:
             raise CheckpointError(f"{name}.hcp: {e}") from None
+
+
+# ---- a region that leaves the state as it found it ---------------------------------------------
+
+def _live_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every live state tensor of ``model``'s weights: delayed scaling (all ``OP_FIELDS``, the counters and
+    flags included), hot-channel patching and stochastic-rounding streams."""
+    tensors = {}
+    for p in _unwrap(model).parameters():
+        st = _delayed_state(p)
+        for s in st.roles().values() if st is not None else ():
+            tensors.update((id(t), t) for t in s.op_tensors())
+        hcp = _HCP_REGISTRY.get(p)
+        if hcp is not None:
+            tensors.update((id(t), t) for t in hcp.op_args())
+        sr = _SR_REGISTRY.get(p)
+        if sr is not None:
+            tensors[id(sr.stream)] = sr.stream
+    return list(tensors.values())
+
+
+@contextlib.contextmanager
+def kept_scaling_state(model: torch.nn.Module):
+    """Run a region (an evaluation in training mode) without it changing ``model``'s scaling state.
+
+    A forward pass in training mode records its amaxes into the delayed-scaling histories (and updates
+    hot-channel patching), so without this an evaluation between two optimizer steps would change the
+    next step's scales: a run that evaluates at step N would train differently from one that does not.
+    On exit every live state tensor gets back its value from the entry (in place: compiled graphs keep
+    reading the same tensors). States first created inside the region are left as they are.
+
+    Args:
+        model: the model (compiled or not) whose weights own the states.
+    """
+    live = _live_state_tensors(model)
+    saved = [t.clone() for t in live]
+    try:
+        yield
+    finally:
+        if live:  # (a model without FP8 state: _foreach_copy_ refuses empty lists)
+            with torch.no_grad():
+                torch._foreach_copy_(live, saved)
 
 
 # ---- gradient accumulation: one history entry per optimizer step -------------------------------

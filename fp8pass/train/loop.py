@@ -19,7 +19,7 @@ from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..precision_file import rules_from_data, rules_to_data, schedule_from_data
 from ..precision_switch import apply_schedule
 from ..scaling_checks import SCALING_KEY
-from ..scaling_state import accumulate_scaling, attach as attach_scaling_state
+from ..scaling_state import accumulate_scaling, attach as attach_scaling_state, kept_scaling_state
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
@@ -559,15 +559,18 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
             for cb in callbacks:
                 cb(done, model, log, final=done == cfg.steps)
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                val_loss = evaluate(fwd, data, cfg)
-                record = {"kind": "eval", "step": done, "val_loss": val_loss}
-                if cfg.eval_recipe is not None:  # the same weights in the eval recipe: the backend's eval graphs
-                    model.eval()
-                    try:
-                        val_loss_eval = evaluate(fwd, data, cfg)
-                    finally:
-                        model.train()
-                    record.update(eval_recipe=cfg.eval_recipe, val_loss_eval_recipe=val_loss_eval)
+                # its forwards would record amaxes: training must not depend on when it evaluated (a run
+                # evaluates at its last step, so a resumed run would differ from the uninterrupted one)
+                with kept_scaling_state(model):
+                    val_loss = evaluate(fwd, data, cfg)
+                    record = {"kind": "eval", "step": done, "val_loss": val_loss}
+                    if cfg.eval_recipe is not None:  # the same weights in the eval recipe: the backend's eval graphs
+                        model.eval()
+                        try:
+                            val_loss_eval = evaluate(fwd, data, cfg)
+                        finally:
+                            model.train()
+                        record.update(eval_recipe=cfg.eval_recipe, val_loss_eval_recipe=val_loss_eval)
                 log(record)
             # on SIGTERM/SIGINT too (preemption): the step is done, save it before stopping
             if done % cfg.ckpt_every == 0 or done == cfg.steps or stop.signum is not None:
