@@ -114,6 +114,18 @@ def _read(path: Path) -> tuple[dict, dict]:
     return {k: data.get(k, []) for k in FILE_KEYS}, lines
 
 
+def _check_table(item, where: str, what: str, keys: tuple, required: tuple) -> None:
+    """A rule or switch table: a dict of known ``keys`` holding the ``required`` ones (else a ValueError at ``where``)."""
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: a {what} is a table with {', '.join(keys)}, got {type(item).__name__}")
+    unknown = sorted(set(item) - set(keys))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; a {what} has {', '.join(keys)}")
+    for key in required:
+        if key not in item:
+            raise ValueError(f"{where}: missing field {key!r}")
+
+
 def schedule_from_data(switches, source: str = "switch", lines: list[int] | None = None) -> list[Switch]:
     """Scheduled switches from their plain-data form (``[{"at_step"|"at_fraction", "rules", "reason"}]``)."""
     if not isinstance(switches, list):
@@ -121,13 +133,7 @@ def schedule_from_data(switches, source: str = "switch", lines: list[int] | None
     out = []
     for i, item in enumerate(switches):
         where = f"{source}: switch[{i}]" + (f" (line {lines[i]})" if lines and i < len(lines) else "")
-        if not isinstance(item, dict):
-            raise ValueError(f"{where}: a switch is a table with {', '.join(SWITCH_KEYS)}, got {type(item).__name__}")
-        unknown = sorted(set(item) - set(SWITCH_KEYS))
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; a switch has {', '.join(SWITCH_KEYS)}")
-        if "rules" not in item:
-            raise ValueError(f"{where}: missing field 'rules'")
+        _check_table(item, where, "switch", SWITCH_KEYS, ("rules",))
         rules = rules_from_data(item["rules"], where)
         try:
             out.append(Switch(rules, at_step=item.get("at_step"), at_fraction=item.get("at_fraction"),
@@ -145,14 +151,7 @@ def rules_from_data(rules, source: str = "rules", lines: list[int] | None = None
     out = []
     for i, item in enumerate(rules):
         where = f"{source}: rules[{i}]" + (f" (line {lines[i]})" if lines and i < len(lines) else "")
-        if not isinstance(item, dict):
-            raise ValueError(f"{where}: a rule is a table with {', '.join(RULE_KEYS)}, got {type(item).__name__}")
-        unknown = sorted(set(item) - set(RULE_KEYS))
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; a rule has {', '.join(RULE_KEYS)}")
-        for key in ("pattern", "recipe"):
-            if key not in item:
-                raise ValueError(f"{where}: missing field {key!r}")
+        _check_table(item, where, "rule", RULE_KEYS, ("pattern", "recipe"))
         try:
             out.append(Rule(item["pattern"], _recipe(item["recipe"]), item.get("backward", "fp8"), item.get("reason", "")))
         except (ValueError, TypeError) as e:
