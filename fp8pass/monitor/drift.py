@@ -47,6 +47,7 @@ import torch
 from ..config import HIGH, RECIPE_FIELDS, Config, DriftCheck, NVFP4Scaling, Rule
 from ..numerics import quantize
 from ..passes.uncompiled import compile_backend_of, inplace_compile_suspended, original_callable
+from ..runtime.swiglu import channel_scales, token_scales
 from ..scaling_state import restart_history
 from ..switch_history import switched_config
 from .swiglu import find_swiglus
@@ -293,10 +294,11 @@ class DriftMonitor:
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
                 xf = x.float().reshape(-1, x.shape[-1])
                 w = mod.weight.detach().float()
+                # the down projection's own smoothing (runtime/swiglu.py): x * c per channel, x / r per token
                 if smooth == "channel":
-                    s = xf.abs().amax(0).clamp_min(torch.finfo(torch.float32).tiny)
+                    s = torch.reciprocal(channel_scales(xf.abs().amax(0)))
                 elif smooth == "token":
-                    s = xf.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+                    s = token_scales(xf)
                 else:
                     s = torch.ones((), device=xf.device)
                 q = quantize(xf / s, "e4m3").dequantize() * s
