@@ -24,10 +24,11 @@ from .numerics import (
 
 from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
 from . import optim  # noqa: E402
-from .compile_backend import backend, explain  # noqa: E402
+from .compile_backend import backend  # noqa: E402
+from .report.explain import explain  # noqa: E402
 from .scaling_state import accumulate_scaling, commit_scaling, load_scaling_state_dict, scaling_state_dict  # noqa: E402
 from .checkpoint import checkpoint_state, load_checkpoint_state  # noqa: E402
-from . import recipes  # noqa: E402  (named recipes: fills Config.from_recipe's table)
+from . import recipes  # noqa: E402  (the recipe registry: fp8pass.recipes.RECIPES)
 from .precision_file import load_rules  # noqa: E402
 from .precision_switch import PrecisionSwitch, apply_schedule, precision_switches, switch_precision  # noqa: E402
 

@@ -65,7 +65,7 @@ def _inspect(args) -> int:
     import torch
 
     from . import explain
-    from .passes.draw import draw_graph
+    from .report.draw import draw_graph
 
     mod_name, _, factory_name = args.target.partition(":")
     if not mod_name or not factory_name:

@@ -32,24 +32,20 @@ import torch
 from torch import fx
 
 from .config import Config, DelayedScaling
-from .passes.annotate import annotate, relative_param_names
-from .passes.explain import (
-    ExpertsEntry, Report, SwiGLUEntry, graph_tensors, matmul_weights, planned_weights, weights_outside_graphs,
+from .passes import (
+    FrameNames, StateInput, annotate_graph, apply_plan, copy_graph_module, frame_names, frame_root, names_for,
+    plan_graph, relative_param_names, top_module, unmatched_rules,
 )
-from .passes.names import FrameNames, frame_names, frame_root, names_for, top_module
-from .passes.plan import plan_graph
-from .passes.policy import unmatched_rules
-from .passes.uncompiled import compile_backend_of, inplace_compile_suspended, original_callable
+from .report import Report, SwiGLUEntry, decided_by, expert_entries, merge_reports, no_fp8_message
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
 from .runtime.sr import stream_for, stream_key
 from .runtime.state import grouped_state_for, state_for
 from .scaling_state import attach_weights
 from .switch_history import epoch as switch_epoch, eval_config, mark_compiled, switched_config
-from .passes.rewrite import StateInput, apply_plan, copy_graph_module
 from .precision_audit import check_fallbacks, graph_gemms, kept_gemms, register
 
-__all__ = ["Backend", "backend", "fp8_backend", "explain", "GraphBreakError"]
+__all__ = ["Backend", "backend", "fp8_backend", "GraphBreakError"]
 
 _MAX_RECORDS = 256
 
@@ -313,14 +309,14 @@ class Backend:
             self._warn_unmatched_rules(top_module(root))
         new_gm = copy_graph_module(gm)
         names = names if names is not None else frame_names(root, example_inputs or [])
-        annotate(new_gm.graph, names, example_inputs)
+        annotate_graph(new_gm.graph, names, example_inputs)
         before = _code(gm)  # Dynamo already generated it; the copy's code would cost a codegen
         plan = plan_graph(new_gm.graph, cfg, self._split_modules)
         self._split_modules.update(plan.split_modules)
         plans = list(plan.walk())  # the graph's and its higher-order op bodies' (activation checkpointing)
         report = Report(
             swiglus=[SwiGLUEntry(s.gate, s.up, s.down, s.variant, len(self.records)) for p in plans for s in p.glus],
-            experts=[e for p in plans for e in _expert_entries(p, len(self.records))],
+            experts=[e for p in plans for e in expert_entries(p, len(self.records))],
             skipped=list(plan.skipped), graph_breaks=list(plan.graph_breaks), graph_before=before,
             num_graphs=1, config=cfg,
         )
@@ -337,7 +333,7 @@ class Backend:
             new_gm, extra, fp8, kept = apply_plan(new_gm, plan, cfg)
             report.linears = fp8
             report.skipped += kept
-            report.decided_by = _decided_by(plan, set(fp8))
+            report.decided_by = decided_by(plan, set(fp8))
         report.graph_after = _code(new_gm)
         gemms = graph_gemms(new_gm, report.decided_by) + kept_gemms(report.skipped)
         return new_gm, GraphRecord(report, extra, gemms=gemms)
@@ -490,75 +486,10 @@ def _hint_at_oversubscription_once() -> None:
         warnings.warn(hint, RuntimeWarning, stacklevel=3)
 
 
-def no_fp8_message(model_name: str, reports: list[Report]) -> str:
-    """The warning for a model compiled with the fp8 backend whose graphs hold no FP8 op, with the
-    plan's reasons (the linears it kept and why, or that there was no linear to convert)."""
-    kept = [entry for r in reports for entry in r.skipped]
-    head = (f"fp8pass: {model_name} was compiled with the fp8 backend, but none of its graphs holds an FP8 op, "
-            f"so it runs in high precision. ")
-    if kept:
-        shown = "; ".join(f"{where}: {reason}" for where, reason in kept[:3])
-        more = f" (+{len(kept) - 3} more)" if len(kept) > 3 else ""
-        why = f"The plan kept all {len(kept)} linear op(s): {shown}{more}."
-    else:
-        why = ("Its graphs hold no linear op the backend converts (nn.Linear / F.linear / matmul with a weight, "
-               "GPT-2's Conv1D, MoE expert weights).")
-    return head + why + " fp8pass.explain(model, *inputs) prints the whole plan."
-
-
-def merge_reports(reports: list[Report], config=None) -> Report:
-    out = Report(config=config, num_graphs=len(reports))
-    for i, r in enumerate(reports):
-        out.swiglus += [SwiGLUEntry(s.gate, s.up, s.down, s.variant, i) for s in r.swiglus]
-        out.experts += [ExpertsEntry(e.module, e.weights, e.variant, i) for e in r.experts]
-        out.linears += [f for f in r.linears if f not in out.linears]
-        out.decided_by.update(r.decided_by)
-        out.skipped += r.skipped
-        out.graph_breaks += r.graph_breaks
-    out.graph_before = "\n".join(f"# graph {i}\n{r.graph_before}" for i, r in enumerate(reports))
-    out.graph_after = "\n".join(f"# graph {i}\n{r.graph_after}" for i, r in enumerate(reports))
-    return out
-
-
 def _sample_fqn(model: torch.nn.Module) -> str:
     """A linear's module FQN in ``model`` (the form the rules' globs match), for messages."""
     return next((n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)), "") or \
         next((n for n, _ in model.named_parameters()), "")
-
-
-def _decided_by(plan, done: set[str]) -> dict[str, str]:
-    """Weight FQN -> its site's recipe and the rule that chose it, for the weights made FP8/NVFP4."""
-    out: dict[str, str] = {}
-    for p in plan.walk():  # higher-order op bodies too
-        for site in p.glus + p.expert_glus + p.loop_glus:
-            for f in (site.gate, site.up, site.down):
-                out[f] = site.recipe.describe(glu=True)
-        for site in p.linears + p.expert_linears + p.loop_linears:
-            out[site.fqn] = site.recipe.describe()
-    return {f: d for f, d in out.items() if f in done}
-
-
-def _owner(weight_fqn: str) -> str:
-    """The module holding a weight ("<root>" for the compiled module's own parameters)."""
-    return weight_fqn.rsplit(".", 1)[0] if "." in weight_fqn else "<root>"
-
-
-def _expert_entries(plan, graph: int) -> list[ExpertsEntry]:
-    """One entry per expert stack (module) the plan makes FP8."""
-    stacks: dict[str, tuple[list[str], str]] = {}
-    for site in plan.expert_glus:
-        weights = list(dict.fromkeys([site.gate, site.up, site.down]))
-        stacks[_owner(site.down)] = (weights, site.variant + " experts")
-    for lin in plan.expert_linears:
-        weights, variant = stacks.setdefault(_owner(lin.fqn), ([], "grouped linears"))
-        weights.append(lin.fqn)
-    for site in plan.loop_glus:  # a per-expert loop: one stack, however many experts the loop calls
-        weights, _ = stacks.setdefault(_owner(site.down), ([], site.variant + " experts (per-expert loop)"))
-        weights += [w for w in dict.fromkeys((site.gate, site.up, site.down)) if w not in weights]
-    for lin in plan.loop_linears:
-        weights, _ = stacks.setdefault(_owner(lin.fqn), ([], "linears (per-expert loop)"))
-        weights += [lin.fqn] if lin.fqn not in weights else []
-    return [ExpertsEntry(mod, tuple(w), v, graph) for mod, (w, v) in stacks.items()]
 
 
 def _static_fakes(extras: list) -> list:
@@ -636,98 +567,3 @@ fp8_backend.reset = _reset_default  # torch._dynamo.reset() calls it through tor
 def backend(config: Config | None = None) -> Backend:
     """A backend for ``torch.compile(model, backend=fp8pass.backend(cfg))``."""
     return Backend(config)
-
-
-def explain(model: Callable, *example_inputs, config: Config | None = None, **example_kwargs) -> Report:
-    """What ``torch.compile(model, backend=fp8pass.backend(config))`` would do, without doing it.
-
-    Runs ``model(*example_inputs, **example_kwargs)`` once through Dynamo (the original model code
-    executes; no FP8 op runs and no scaling state changes), plans and rewrites a copy of every graph;
-    then once eagerly to find the model's matmul weights (``passes.explain.matmul_weights``: RNG and
-    buffers restored), so that each one is in ``linears`` or ``skipped``, those whose matmul ran in no
-    graph as "ran eagerly between graphs".
-
-    ``model`` may be the model as built, a ``torch.compile(model, backend=...)`` wrapper or a model
-    compiled in place (``model.compile(backend=...)``, the Trainer / Accelerate / FSDP recipes): the
-    model's own code is traced either way. Without ``config``, a model compiled with
-    ``fp8pass.backend(cfg)`` is planned with ``cfg``, else with the default ``Config()``; a model's
-    precision switches (``fp8pass.switch_precision``) put their rules before the Config's.
-
-    Returns:
-        a :class:`~fp8pass.passes.explain.Report`: ``swiglus``, ``linears``, ``skipped``,
-        ``graph_breaks`` (Dynamo's break reasons plus GLUs a break split), ``graph_before`` /
-        ``graph_after``, ``notes``, ``matmul_weights``; ``print(report)`` shows a table.
-    """
-    # imported here: it loads all of Dynamo, which ``import fp8pass`` should not pay for (1.5 s goal)
-    from torch._dynamo.backends.debugging import ExplainWithBackend
-
-    if not callable(model):
-        raise TypeError(f"fp8pass.explain(model, *example_inputs) takes the model (an nn.Module, compiled or not) "
-                        f"or a function, got {type(model).__name__}")
-    compiled_with = compile_backend_of(model)
-    target = original_callable(model)
-    notes = []
-    if config is None and isinstance(compiled_with, Backend):
-        config = compiled_with.config  # the plan the compiled model really gets
-    elif compiled_with is not None and not isinstance(compiled_with, Backend) and compiled_with is not fp8_backend:
-        name = (getattr(compiled_with, "compiler_name", None) or getattr(compiled_with, "__name__", None)
-                or type(compiled_with).__name__)
-        notes.append(f"the model is compiled with backend {name!r}, not fp8pass's: this report shows what "
-                     f"backend=\"fp8\" (or fp8pass.backend(config)) would do")
-    if isinstance(target, torch.nn.Module) and switch_epoch(target):  # fp8pass.switch_precision: the plan it runs now
-        config = switched_config(config or Config(), target)
-        notes.append(f"the model's {switch_epoch(target)} precision switch(es) put their rules first (rules[0] ...); "
-                     f"fp8pass.precision_switches(model) lists them")
-    be = Backend(config)
-    records = []
-    graph_inputs: set[int] = set()  # every tensor a graph was called with (expert stacks in no graph)
-
-    def plan_only(gm: fx.GraphModule, inputs: list):
-        graph_inputs.update(graph_tensors(gm, inputs))
-        _, rec = be.transform(gm, inputs, frame_root())
-        records.append(rec.report)
-        relative = relative_param_names(gm.graph, inputs)
-        seen = {tuple(id(inputs[i]) for i in sorted(relative))}
-
-        def run(*args):  # the original graph runs: no FP8 op, no state change
-            graph_inputs.update(graph_tensors(gm, args))
-            key = tuple(id(args[i]) for i in sorted(relative))
-            names = names_for(list(args), relative) if key not in seen else None
-            if names is not None:  # Dynamo reuses this frame for another module: plan it under its names
-                seen.add(key)
-                records.append(be.transform(gm, list(args), names=names)[1].report)
-            return gm.forward(*args)
-
-        return run
-
-    recorder = ExplainWithBackend(plan_only)
-    torch._dynamo.reset()  # as torch._dynamo.explain: every frame is traced anew, nothing cached reused
-    try:
-        with warnings.catch_warnings(), inplace_compile_suspended(target):
-            warnings.simplefilter("ignore", RuntimeWarning)  # breaks are in the report itself
-            torch.compile(target, backend=recorder)(*example_inputs, **example_kwargs)
-    finally:
-        torch._dynamo.reset()
-    report = merge_reports(records, be.config)
-    reasons = []
-    for br in recorder.break_reasons:
-        where = ""
-        if getattr(br, "user_stack", None):
-            fr = br.user_stack[-1]
-            where = f" at {fr.filename}:{fr.lineno}"
-        reasons.append(f"Dynamo graph break{where}: {str(br.reason).splitlines()[0]}")
-    report.graph_breaks = reasons + report.graph_breaks
-    try:
-        weights = matmul_weights(target, example_inputs, example_kwargs)
-    except Exception as e:  # noqa: BLE001 - the plan above stands; the report says what it lacks
-        weights = {}
-        notes.append(f"the eager run that finds the model's matmul weights failed ({type(e).__name__}: {e}); "
-                     f"weights whose matmul ran outside every graph are not listed")
-    report.skipped += weights_outside_graphs(weights, planned_weights(report), graph_inputs)
-    report.matmul_weights = list(weights)
-    if not records:
-        notes.append(f"Dynamo captured no graph from {type(target).__name__}: its code ran outside torch.compile "
-                     f"(a torch.compiler.disable'd forward, or a wrapper explain does not see through); pass the "
-                     f"model as you built it: fp8pass.explain(model, *example_inputs)")
-    report.notes = notes
-    return report

@@ -6,7 +6,7 @@ and asserts that every matmul weight of the model is in the report exactly as th
 matmul weights, and no weight the report names as FP8 or outside is something else.
 
 The reference set is found independently of explain's own recording (a ``TorchFunctionMode`` over
-torch-level calls, fp8pass/passes/explain.py): from the **autograd graph** of an eager forward. A
+torch-level calls, fp8pass/report/report.py): from the **autograd graph** of an eager forward. A
 parameter with two or more dims is a matmul weight when a matmul backward node (``mm``, ``addmm``'s
 two matrices, ``bmm``, ``baddbmm``'s two batches, grouped mm) reaches its ``AccumulateGrad`` through
 nodes that only view, slice, gather, cast or copy (the forms a weight may take on its way into a

@@ -10,7 +10,7 @@ import torch
 
 import fp8pass
 from fp8pass.cli import example_inputs_for, main
-from fp8pass.passes.draw import MAX_PIXELS, draw_graph, layer_patterns
+from fp8pass.report.draw import MAX_PIXELS, draw_graph, layer_patterns
 
 from _models import SiluMul, TitanLlama
 

@@ -304,7 +304,7 @@ def test_transformers_eager_experts_are_listed_as_outside_every_graph():
     (docs/backend.md); explain lists each expert weight with the reason and what to do."""
     pytest.importorskip("transformers")
     import _hf_zoo as Z
-    from fp8pass.passes.explain import OUTSIDE_GRAPHS
+    from fp8pass.report.report import OUTSIDE_GRAPHS
 
     ids = Z.ids(1, 8)
     rep = fp8pass.explain(Z.build("Mixtral", layers=1, experts_impl="eager"), ids)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import fp8pass
 from fp8pass.config import Config
-from fp8pass.passes.explain import IN_NO_GRAPH_MATMUL, OUTSIDE_GRAPHS, RAN_EAGERLY, matmul_weights
+from fp8pass.report.report import IN_NO_GRAPH_MATMUL, OUTSIDE_GRAPHS, RAN_EAGERLY, matmul_weights
 from fp8pass.runtime.state import state_for
 
 import _hf_zoo as Z
@@ -178,7 +178,7 @@ def test_activation_checkpointing_adds_up():
 
 
 # ----------------------------------------------------------------------------------------------
-# the definition, form by form (fp8pass.passes.explain.matmul_weights)
+# the definition, form by form (fp8pass.report.report.matmul_weights)
 
 class Forms(nn.Module):
     def __init__(self):

@@ -189,3 +189,40 @@ def test_format_advisor_on_a_model_covers_every_rewritten_role():
     assert "layers.1.feed_forward.w2.grad_output" in roles and not any(r.startswith("output.") for r in roles)
     assert set(adv.recommended().values()) <= {"e4m3", "e5m2", "high"}
     assert all(p.grad is None for p in model.parameters())                 # gradients left as they were
+
+
+def test_one_registry_resolves_every_name():
+    from fp8pass import recipes
+    from fp8pass.train import recipes as train_recipes
+
+    assert train_recipes.RECIPES is recipes.RECIPES and train_recipes.get_recipe is recipes.get_recipe
+    trainer = ("bf16", "fp8", "fp8-smooth", "fp8-smooth-fp8adam", "bf16-fp8adam")
+    assert tuple(RECIPES) == trainer + NAMES
+    assert [n for n in trainer if RECIPES[n].fp8_adam] == ["fp8-smooth-fp8adam", "bf16-fp8adam"]
+    assert not any(RECIPES[n].named for n in trainer)
+    with pytest.raises(ValueError, match="unknown recipe 'fp9'; valid: bf16, fp8, fp8-smooth, .*, nvfp4-hcp$"):
+        get_recipe("fp9")
+    # a trainer recipe fixes no Config: Config.from_recipe says whose it is and which names it takes
+    with pytest.raises(ValueError, match=r"'fp8-smooth' is a recipe of the trainer .*; valid: paper, reference, "):
+        Config.from_recipe("fp8-smooth")
+
+
+def test_a_registered_recipe_is_known_everywhere_at_once():
+    from fp8pass.recipes import Recipe, register_recipe
+
+    recipe = Recipe("test-current", "a test", fp8=True, fields=lambda: dict(recipe=CurrentScaling(), smooth_swiglu=None))
+    register_recipe(recipe)
+    try:
+        assert "test-current" in NAMED_RECIPES and get_named_recipe("test-current") is recipe
+        assert Config.from_recipe("test-current", min_dim=32) == Config(recipe=CurrentScaling(), smooth_swiglu=None,
+                                                                         min_dim=32)
+        assert fp8pass.Rule("*", "test-current").scaling == CurrentScaling()
+        with pytest.raises(ValueError, match="recipe 'test-current' is registered already"):
+            register_recipe(recipe)
+    finally:
+        del RECIPES["test-current"]
+    assert "test-current" not in NAMED_RECIPES
+    with pytest.raises(ValueError, match="unknown recipe 'test-current'"):
+        fp8pass.Rule("*", "test-current")
+    with pytest.raises(ValueError, match="other than 'high'"):
+        register_recipe(Recipe("high", "no", fp8=False))

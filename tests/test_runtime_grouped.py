@@ -750,7 +750,7 @@ def test_cuda_path_calls_scaled_grouped_mm_three_times_without_sync_and_is_near_
 def test_gradient_format_of_the_grouped_ops_per_device(monkeypatch):
     """CPU keeps the recipe's gradient format; the CUDA module's grouped GEMMs take E4M3 only, so an
     E5M2 gradient is cast to E4M3 there (its delayed state records in E4M3 too); explain says so."""
-    from fp8pass.passes.explain import ExpertsEntry, Report, expert_grads_line
+    from fp8pass.report.report import ExpertsEntry, Report, expert_grads_line
     from fp8pass.runtime.grouped_casting import grad_format
 
     cpu_t = torch.zeros(1)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..numerics import DelayedScalingState, scale_from_amax
 from ..runtime.state import _GROUPED_REGISTRY, _REGISTRY
+from .fsdp import unsharded_params
 
 __all__ = ["scaling_states", "sync_scaling_state", "AmaxSync", "note_weight_amax"]
 
@@ -55,8 +56,6 @@ def _module_params(model: torch.nn.Module):
             yield name, p
     # FSDP2 (fully_shard) swaps its DTensor shards for unsharded Parameters during forward; the
     # compiled graphs see (and key state by) those. They are persistent objects, reachable here.
-    from .fsdp import unsharded_params
-
     for name, p in unsharded_params(model):
         if id(p) not in seen:
             seen.add(id(p))

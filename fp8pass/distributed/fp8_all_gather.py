@@ -29,12 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from .. import kernels
 from ..config import Config, DelayedScaling
 from ..numerics import decode, get_format, scale_from_amax
 from ..precision_audit import CollectiveRecord
 from ..runtime.casting import _cast_tensor
 from ..runtime.state import _REGISTRY
 from .amax_sync import note_weight_amax
+from .fsdp import fsdp_params
 
 __all__ = ["FP8ShardWeight", "enable_fp8_all_gather", "link_fp8_all_gather", "fp8_all_gather_weights",
            "precompute_fp8_scales", "GatherStats", "gather_records"]
@@ -172,8 +174,6 @@ def _shard_group(mesh):
 def _cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt):
     """FP8 codes of ``x * scale`` by the runtime's own per-tensor cast (bit-identical to the op's)."""
     x2d = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    from .. import kernels
-
     op = _cast_tensor(kernels.for_device(x.device), x2d, scale.to(torch.float32).reshape(()), fmt, "nearest", None)
     return op.data.reshape(x.shape)
 
@@ -234,8 +234,6 @@ def precompute_fp8_scales(model: torch.nn.Module) -> int:
     all-gathers use it instead of one all-reduce per weight. Under ``DelayedScaling`` it only serves
     the first step (afterwards the delayed scale is used). Returns the number of weights.
     """
-    from .fsdp import fsdp_params
-
     shards = []
     for _, fp in fsdp_params(model):
         local = fp._sharded_local_tensor
@@ -258,8 +256,6 @@ def precompute_fp8_scales(model: torch.nn.Module) -> int:
 
 def link_fp8_all_gather(model: torch.nn.Module) -> int:
     """After ``fully_shard``: let each wrapped shard find its FSDPParam (for its scaling state)."""
-    from .fsdp import fsdp_params
-
     n = 0
     for _, fp in fsdp_params(model):
         local = fp._sharded_local_tensor
@@ -275,8 +271,6 @@ def gather_records(model: torch.nn.Module, fp8_weights=()) -> list:
     precision policy's ``param_dtype``, else the parameter's). Read from the model's FSDP2 state (no
     collective, no device work). ``fp8_weights``: FQNs whose forward GEMM is per-tensor FP8 (a
     high-precision gather of one of them notes that an FP8 all-gather could take it)."""
-    from .fsdp import fsdp_params
-
     fp8_weights = set(fp8_weights)
     out = []
     for fqn, fp in fsdp_params(model):

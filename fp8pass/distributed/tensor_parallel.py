@@ -35,9 +35,16 @@ to a schema later needs no change here. The scaling state enters the graph as Re
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ..runtime.casting import resolve_format, saved_transposed
+from ..runtime.linear import compute_dtype
+from ..runtime.op_schema import LinearKnobs
+from ..runtime.precast import _up_dtype
 
 __all__ = ["register_sharding_rules", "replicated", "check_reduction_group", "RULES"]
 
@@ -127,13 +134,6 @@ def _fp8_linear(a, kw):
 def _x_alt_is_2d(a: dict, named: dict) -> bool:
     """Whether ``fp8_cast_input``'s ``x_alt`` is ``x``'s cast again ([rows, in]: column-major codes on
     the GPU, GEMM-dtype values on the CPU) rather than an empty tensor, as the op itself decides."""
-    from dataclasses import fields
-
-    from ..runtime.casting import resolve_format, saved_transposed
-    from ..runtime.linear import compute_dtype
-    from ..runtime.op_schema import LinearKnobs
-    from ..runtime.precast import _up_dtype
-
     # the knobs the op takes (knobs it does not take, e.g. ``backward``, keep their defaults)
     k = LinearKnobs(**{f.name: named[f.name] for f in fields(LinearKnobs) if f.name in named})
     device = torch.device(a["x"].mesh.device_type)

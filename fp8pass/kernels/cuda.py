@@ -25,7 +25,7 @@ import functools
 import torch
 
 from ..numerics.formats import Format
-from . import triton_family, triton_grouped_casts, triton_grouped_glu, triton_operand_casts, triton_scaling
+from . import cpu, triton_family, triton_grouped_casts, triton_grouped_glu, triton_operand_casts, triton_scaling
 from .interface import Offers
 
 __all__ = ["OFFERS", "cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
@@ -207,8 +207,6 @@ def row_amax(x2d: torch.Tensor) -> torch.Tensor:
 def cast_rows(x2d, row_scale, fmt: Format, rounding="nearest", generator=None, seed=None):
     """Codes of ``x[i] * row_scale[i]`` (same math as the CPU module's ``cast_rows``, eager; ``seed``:
     a stream's draw, int64 [1], instead of one from ``generator``)."""
-    from . import cpu
-
     if x2d.numel() == 0:
         return torch.empty(x2d.shape, dtype=fmt.torch_dtype, device=x2d.device)
     row_scale = row_scale.to(torch.float32)

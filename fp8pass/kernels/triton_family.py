@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics.formats import Format
+from ..numerics.formats import E4M3, Format
 from ..numerics.scaling import MAX_SCALE
 from . import torch_family
 from .triton_helpers import (
@@ -349,8 +349,6 @@ def group_amax(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """Per-tile max |x| [nr, nc] (NaN where a tile holds NaN)."""
     if not _supported(x2d):
         return torch_family.group_amax(x2d, block)
-    from ..numerics.formats import E4M3
-
     return _launch_tiles(x2d, block, E4M3, mode=2)[2]
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..numerics import get_format, quantize
+from ..report.explain import explain
 
 __all__ = ["FormatStats", "RoleAdvice", "FormatAdvice", "measure_formats", "format_advice", "advise"]
 
@@ -127,8 +128,6 @@ def advise(model: torch.nn.Module, *inputs, config=None, power_of_two: bool | No
     The model should return its loss (a scalar), so the gradients are the training ones; a non-scalar
     output is reduced with ``.float().square().mean()``. Parameter gradients are left as they were.
     """
-    from ..compile_backend import explain
-
     if power_of_two is None:
         power_of_two = bool(getattr(getattr(config, "recipe", None), "power_of_two", False))
     weights = set(explain(model, *inputs, config=config).linears)

@@ -46,7 +46,8 @@ import torch
 
 from ..config import HIGH, RECIPE_FIELDS, Config, DriftCheck, NVFP4Scaling, Rule
 from ..numerics import quantize
-from ..passes.uncompiled import compile_backend_of, inplace_compile_suspended, original_callable
+from ..passes import compile_backend_of, inplace_compile_suspended, original_callable
+from ..precision_switch import switch_precision
 from ..runtime.swiglu import channel_scales, token_scales
 from ..scaling_state import restart_history
 from ..switch_history import switched_config
@@ -384,8 +385,6 @@ class DriftMonitor:
         return rules, switched
 
     def _fallback(self, report: DriftReport) -> dict[str, str]:
-        from ..precision_switch import switch_precision
-
         rules, switched = self.fallback_rules(report.flagged)
         if rules:
             switch_precision(self.model, rules, reason=f"drift check at step {report.step}: "

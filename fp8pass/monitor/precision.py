@@ -62,6 +62,7 @@ def collective_audit(model) -> list[CollectiveRecord]:
         raise TypeError(f"fp8pass.monitor.collective_audit takes the model, got {type(model).__name__}")
     if not any(hasattr(m, "_get_fsdp_state") for m in module.modules()):
         return []
+    # FSDP models only: fp8pass.distributed (and torch.distributed with it) loads when a model is sharded
     from ..distributed.fp8_all_gather import gather_records
 
     return gather_records(module, _fp8_gatherable(records_of(module)))

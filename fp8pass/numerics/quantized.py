@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import GRANULARITIES
+from ..scaling_recipes import GRANULARITIES
 from .casts import check_rounding, decode
 from .formats import E2M1, E8M0, Format, get_format
 from ..kernels import kernel_family, torch_family

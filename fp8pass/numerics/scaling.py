@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from ..config import DelayedScaling
+from ..scaling_recipes import DelayedScaling
 from .formats import Format, get_format
 
 __all__ = ["MAX_SCALE", "HUGE_AMAX", "NO_PENDING", "scale_from_amax", "power_of_two_floor", "DelayedScalingState",

@@ -5,8 +5,10 @@ drop-in ``torch.optim.AdamW``; ``fp8pass.optim.to_fp8(optimizer)`` converts an e
 Adam/AdamW in place. See docs/optim.md.
 """
 
-from .adam import KERNELS, Adam, AdamW, moment_specs, state_nbytes
-from .convert import from_torch_state_dict, is_torch_state_dict, to_fp8, to_torch_state_dict
+from .adam import Adam, AdamW, state_nbytes
+from .convert import to_fp8
+from .options import KERNELS, moment_specs
+from .torch_state_dict import from_torch_state_dict, is_torch_state_dict, to_torch_state_dict
 from .moments import MOMENT_FORMATS, MomentSpec, read_moment, write_moment
 
 __all__ = [

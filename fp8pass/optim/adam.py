@@ -23,16 +23,17 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..numerics import ROUNDINGS
 from ..kernels import family_name, forced
-from .moments import MOMENT_FORMATS, MomentSpec, init_moment, read_moment, write_moment
+from . import compiled_step
+from .moments import MomentSpec, init_moment, num_blocks, read_moment, write_moment
+from .options import FP8_GROUP_KEYS, check_bf16_sr, check_options, check_param, moment_specs
 from .state_check import check_optimizer_state, saved_param_shapes
 from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
 from .sharded import init_sharded_moment, is_dtensor, local_view
+from .torch_state_dict import from_torch_state_dict, is_torch_state_dict
 
-__all__ = ["Adam", "AdamW", "KERNELS", "moment_specs", "state_nbytes"]
+__all__ = ["Adam", "AdamW", "state_nbytes"]
 
-KERNELS = ("auto", "torch", "compiled", "triton")
 # kernels="auto" on CPU compiles the chunk update when a step updates this many elements in all (one
 # compiled graph, dynamic in the block count, serves every tensor of the optimizer); smaller
 # optimizers, where compiling (seconds to a minute) would not pay off, stay eager.
@@ -40,64 +41,6 @@ AUTO_COMPILE_NUMEL = 1 << 20
 # Scale blocks up to this width are done by one program of the fused Triton kernel; wider ones (one
 # scale for a whole large tensor) by the split-block kernels, one program per span of the block.
 TRITON_MAX_BLOCK = 1 << 13
-# Keys fp8pass adds to a torch Adam(W) param group.
-FP8_GROUP_KEYS = ("m_format", "v_format", "block_size", "v_sqrt", "rounding", "stochastic_flush", "kernels",
-                  "bf16_stochastic_round")
-
-
-def moment_specs(group: dict, numel: int | None = None) -> tuple[MomentSpec, MomentSpec]:
-    """The (first, second) moment storage a param group asks for, for a parameter of ``numel``
-    elements (needed when ``block_size`` is None: one scale per tensor is one block of ``numel``)."""
-    b = group["block_size"]
-    if b is None:
-        if numel is None:
-            raise ValueError("moment_specs: block_size=None (one scale per tensor) needs the parameter's numel")
-        b = max(1, numel)
-    return (MomentSpec("exp_avg", group["m_format"], b),
-            MomentSpec("exp_avg_sq", group["v_format"], b, sqrt=group["v_sqrt"]))
-
-
-def _check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_format, v_format, block_size,
-                   rounding, kernels) -> None:
-    if amsgrad:
-        raise ValueError("fp8pass.optim does not support amsgrad=True (it would need a third, max-of-v "
-                         "moment store); use torch.optim.AdamW(amsgrad=True) for that")
-    if differentiable:
-        raise ValueError("fp8pass.optim does not support differentiable=True: quantized moments have no "
-                         "useful gradient; use torch.optim.AdamW(differentiable=True)")
-    if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
-        raise ValueError(f"invalid learning rate {lr}: must be >= 0")
-    if not 0.0 <= eps:
-        raise ValueError(f"invalid eps {eps}: must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"invalid betas {betas}: two numbers in [0, 1) expected")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
-    for what, fmt in (("m_format", m_format), ("v_format", v_format)):
-        if fmt not in MOMENT_FORMATS:
-            raise ValueError(f"unknown {what} {fmt!r}; valid: {', '.join(MOMENT_FORMATS)}")
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size must be a positive int (elements per fp32 scale) or None (one scale "
-                         f"per tensor), got {block_size!r}")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
-    if kernels not in KERNELS:
-        raise ValueError(f"unknown kernels {kernels!r}; valid: {', '.join(KERNELS)}")
-
-
-def _check_bf16_sr(group: dict) -> None:
-    """``bf16_stochastic_round`` is a bool, and with it every parameter of the group is bf16."""
-    sr = group.get("bf16_stochastic_round", False)
-    if not isinstance(sr, bool):
-        raise ValueError(f"bf16_stochastic_round must be True or False, got {sr!r}")
-    if not sr:
-        return
-    for p in group["params"]:
-        if p.dtype != torch.bfloat16:
-            raise ValueError(
-                f"bf16_stochastic_round=True updates bf16 weights (no fp32 master copy), but a parameter of "
-                f"shape {tuple(p.shape)} is {p.dtype}: cast the model to bf16 first (model.to(torch.bfloat16)), "
-                f"put that parameter in a param group with bf16_stochastic_round=False, or leave the option off")
 
 
 class Adam(torch.optim.Optimizer):
@@ -141,7 +84,7 @@ class Adam(torch.optim.Optimizer):
                  bf16_stochastic_round: bool = False,
                  generator: torch.Generator | None = None, foreach: bool | None = None,
                  fused: bool | None = None):
-        _check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_format, v_format, block_size,
+        check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_format, v_format, block_size,
                        rounding, kernels)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, capturable=capturable, differentiable=False,
@@ -159,11 +102,11 @@ class Adam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self.__dict__.setdefault("_numel", {}).clear()
         g = self.param_groups[-1]
-        _check_options(g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"], g["differentiable"],
+        check_options(g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"], g["differentiable"],
                        g["m_format"], g["v_format"], g["block_size"], g["rounding"], g["kernels"])
         for p in g["params"]:
-            _check_param(p)
-        _check_bf16_sr(g)
+            check_param(p)
+        check_bf16_sr(g)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -211,8 +154,6 @@ class Adam(torch.optim.Optimizer):
         (``step`` in range, FP8 block scales finite and > 0; see ``state_check``): a bad entry raises
         ``fp8pass.integrity.CheckpointError`` naming it, and nothing is loaded.
         """
-        from .convert import from_torch_state_dict, is_torch_state_dict
-
         check_optimizer_state(state_dict, params=saved_param_shapes(self, state_dict))  # shapes before values
         if is_torch_state_dict(state_dict):
             opts = {k: self.defaults[k] for k in FP8_GROUP_KEYS}
@@ -337,11 +278,9 @@ class Adam(torch.optim.Optimizer):
                                                 dtype=torch.int32)
         step_fn = adam_step_torch
         if kind == "compiled" and m_spec.block <= CHUNK:  # larger blocks take the two-pass torch path
-            from .compiled_step import adam_step_compiled as step_fn
+            step_fn = compiled_step.adam_step_compiled  # looked up per call: tests swap it for a spy
             if group["kernels"] == "auto":
-                from .compiled_step import guarded
-
-                step_fn = guarded(step_fn)
+                step_fn = compiled_step.guarded(step_fn)
         ws = self._workspaces.get(p.device)
         ws = step_fn(p, grad, state, m_spec, v_spec, hp, workspace=ws, **opts)
         self._workspaces[p.device] = ws
@@ -416,14 +355,6 @@ def _hyper_params(group: dict, decoupled: bool, where: list) -> list:
     return out
 
 
-def _check_param(p: torch.Tensor) -> None:
-    if torch.is_complex(p):
-        raise ValueError(f"fp8pass.optim does not support complex parameters (got {p.dtype}); "
-                         f"optimize torch.view_as_real(p) as a real parameter or use torch.optim.AdamW")
-    if not p.is_floating_point():
-        raise ValueError(f"fp8pass.optim optimizes floating-point parameters, got {p.dtype}")
-
-
 def _check_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
     if grad.is_sparse or grad.layout != torch.strided:
         raise RuntimeError("fp8pass.optim does not support sparse gradients (as torch's Adam(W)); "
@@ -444,8 +375,6 @@ def _find_dense_moment(state: dict, name: str):
 
 
 def _check_moment(p: torch.Tensor, state: dict, spec: MomentSpec) -> None:
-    from .moments import num_blocks
-
     if spec.fp8:
         codes, scale = state[spec.codes_key], state[spec.scale_key]
         want = num_blocks(p.numel(), spec.block)

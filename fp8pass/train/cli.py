@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
 
+import torch
+
+from ..integrity import CheckpointError, DiskFullError
 from ..optim import MOMENT_FORMATS
 from ..precision_file import read_rules_data, read_schedule_data
+from .checkpoint import load_checkpoint
+from .data import load_text_data
+from .loop import TrainConfig, train
 from .model import ModelConfig
+from .plots import plot_runs
 from .recipes import DEFAULT_MOMENTS, MOMENT_ROUNDINGS, PRECISIONS, RECIPES, describe_precision
+from .run_lock import RunInUseError
 
 DEFAULT_RECIPES = "bf16,fp8-smooth-fp8adam"
 # the demo's last word on speed: a newcomer read the CPU's FP8 tokens/s as fp8pass's (issue 34)
@@ -108,7 +118,6 @@ _OPTIM = {
 
 
 def add_train_parser(sub) -> None:
-    from .loop import TrainConfig
     d = TrainConfig()
     p = sub.add_parser("train", help="train the tiny Llama with one or more recipes",
                        description="Train fp8pass's tiny Llama on byte-level text (default: this Python's "
@@ -159,7 +168,6 @@ def add_train_parser(sub) -> None:
 
 
 def _config_from_args(args, recipe: str, out: Path):
-    from .loop import TrainConfig
     kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
           if getattr(args, f.name, None) is not None
           and f.name not in ("recipe", "out", "model", "compile_bf16", "progress")}
@@ -180,17 +188,6 @@ def _config_from_args(args, recipe: str, out: Path):
 
 
 def run_train(args) -> int:
-    import errno
-    import signal
-
-    import torch
-    from ..integrity import CheckpointError, DiskFullError
-    from .run_lock import RunInUseError
-    from .checkpoint import load_checkpoint
-    from .data import load_text_data
-    from .loop import TrainConfig, train
-    from .plots import plot_runs
-
     if args.threads < 1:
         print(f"error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return EXIT_USAGE

@@ -13,6 +13,8 @@ import torch
 
 from ..config import DriftCheck
 from ..integrity import CheckpointError, atomic_write
+from ..kernels.cpu import cpu_capability
+from ..monitor.callback import MonitorCallback
 from ..monitor.precision import audit_summary, audit_version, collective_audit, precision_audit
 from ..monitor.drift import DriftMonitor
 from ..monitor.telemetry import scaling_telemetry, warn_once
@@ -381,8 +383,6 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
         raise ValueError(f"--resume {out}: the data differ from the checkpoint's (fingerprint "
                          f"{data.fingerprint} vs {ckpt['data']['fingerprint']}); pass the same --data")
 
-    from ..kernels.cpu import cpu_capability
-
     torch.manual_seed(cfg.seed)
     model = TinyLlama(cfg.model)
     if cfg.bf16_stochastic_round:  # the bf16 weights are the only copy: initialised in fp32, rounded once
@@ -445,7 +445,6 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
 
     drift = drift_monitor()
     if monitor and cfg.monitor_every > 0:
-        from ..monitor import MonitorCallback
         probe = data.batch("val", min(cfg.batch_size, 8), cfg.seq_len, cfg.seed, 10_000)[0]
         callbacks.append(MonitorCallback(probe, every=cfg.monitor_every))
 

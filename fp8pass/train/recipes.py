@@ -1,16 +1,12 @@
 """Training recipes: what precision the model runs in and which optimizer holds its state.
 
-| recipe               | linears / SwiGLU                  | optimizer moments        |
-|----------------------|-----------------------------------|--------------------------|
-| bf16                 | bf16 autocast (see precision)     | fp32 (torch AdamW)       |
-| fp8                  | FP8 backend, plain SwiGLU         | fp32 (torch AdamW)       |
-| fp8-smooth           | FP8 backend, Smooth-SwiGLU        | fp32 (torch AdamW)       |
-| fp8-smooth-fp8adam   | FP8 backend, Smooth-SwiGLU        | FP8 (fp8pass.optim.AdamW)|
-| bf16-fp8adam         | bf16 autocast                     | FP8 (fp8pass.optim.AdamW)|
+The recipes and their names are the registry's (:mod:`fp8pass.recipes`: ``RECIPES``, ``Recipe``,
+``get_recipe`` are re-exported here); this module turns a recipe into the run's model and optimizer.
+The trainer's own recipes (``bf16``, ``fp8``, ``fp8-smooth``, ``fp8-smooth-fp8adam``, ``bf16-fp8adam``)
+take the scaling and Smooth-SwiGLU mode from ``TrainConfig.scaling``/``smooth``; ``bf16-fp8adam``
+isolates the optimizer: the moment-format ablation (experiments/moments.py) uses it.
 
-``bf16-fp8adam`` isolates the optimizer: the moment-format ablation (experiments/moments.py) uses it.
-
-The named recipes of :mod:`fp8pass.recipes` (``paper``, ``reference``, ``delayed``, ``blockwise``,
+The named recipes (``paper``, ``reference``, ``delayed``, ``blockwise``,
 ``mxfp8``, ``nvfp4``, ``nvfp4-hcp``) are training recipes too: each fixes the backend Config
 (``Config.from_recipe(name)``; ``TrainConfig.scaling``/``smooth`` do not apply to them) and the
 moment storage (FP8 moments for ``paper`` and ``reference``, fp32 for the others); a moment option
@@ -34,12 +30,15 @@ the resolved precision is printed and saved in the run's config.json and metrics
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
 
 import torch
 
 from .. import optim as fp8optim
-from ..recipes import NAMED_RECIPES
+from ..compile_backend import backend
+from ..config import Config, CurrentScaling, DelayedScaling
+from ..kernels.cpu import cpu_capability, fast_matmul_dtype
+from ..recipes import BLOCK_MOMENTS, RECIPES, MomentOptions, Recipe, get_recipe
 
 __all__ = ["RECIPES", "Recipe", "get_recipe", "recipe_moments", "DEFAULT_MOMENTS", "build_optimizer", "check_moment_options", "prepare_model",
            "param_groups", "PRECISIONS", "MOMENT_ROUNDINGS", "resolve_precision", "describe_precision", "autocast"]
@@ -48,45 +47,20 @@ PRECISIONS = ("auto", "bf16", "fp32", "fp16")
 MOMENT_ROUNDINGS = ("nearest", "stochastic")
 
 
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    fp8: bool            # compile with the fp8 backend
-    smooth: bool         # Smooth-SwiGLU (mode chosen by TrainConfig.smooth)
-    fp8_adam: bool       # FP8 optimizer moments
-    named: bool = False  # a named recipe of fp8pass.recipes: its Config and moment options decide
+def moment_fields(moments: MomentOptions) -> dict:
+    """``TrainConfig``'s moment fields for ``moments``."""
+    return dict(m_format=moments.m_format, v_format=moments.v_format, v_sqrt=moments.v_sqrt,
+                moment_block_size=moments.block_size, moment_rounding=moments.rounding,
+                moment_stochastic_flush=moments.stochastic_flush)
 
 
-# Moment options of the recipes above (TrainConfig's moment fields when not set explicitly).
-DEFAULT_MOMENTS = dict(m_format="e4m3", v_format="e5m2", v_sqrt=False, moment_block_size=128,
-                       moment_rounding="nearest", moment_stochastic_flush=False)
-
-RECIPES = {r.name: r for r in (
-    Recipe("bf16", fp8=False, smooth=False, fp8_adam=False),
-    Recipe("fp8", fp8=True, smooth=False, fp8_adam=False),
-    Recipe("fp8-smooth", fp8=True, smooth=True, fp8_adam=False),
-    Recipe("fp8-smooth-fp8adam", fp8=True, smooth=True, fp8_adam=True),
-    Recipe("bf16-fp8adam", fp8=False, smooth=False, fp8_adam=True),
-    *(Recipe(n, fp8=True, smooth=False, fp8_adam=r.moments is not None, named=True)
-      for n, r in NAMED_RECIPES.items()),
-)}
+# TrainConfig's moment fields when neither the recipe nor the user sets them (the -fp8adam recipes' storage)
+DEFAULT_MOMENTS = moment_fields(BLOCK_MOMENTS)
 
 
 def recipe_moments(name: str) -> dict:
     """TrainConfig's moment fields as recipe ``name`` sets them."""
-    named = NAMED_RECIPES.get(name)
-    if named is None or named.moments is None:
-        return dict(DEFAULT_MOMENTS)
-    m = named.moments
-    return dict(m_format=m.m_format, v_format=m.v_format, v_sqrt=m.v_sqrt, moment_block_size=m.block_size,
-                moment_rounding=m.rounding, moment_stochastic_flush=m.stochastic_flush)
-
-
-def get_recipe(name: str) -> Recipe:
-    try:
-        return RECIPES[name]
-    except KeyError:
-        raise ValueError(f"unknown recipe {name!r}; valid: {', '.join(RECIPES)}") from None
+    return moment_fields(get_recipe(name).moments or BLOCK_MOMENTS)
 
 
 def resolve_precision(precision: str) -> str:
@@ -95,13 +69,11 @@ def resolve_precision(precision: str) -> str:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
     if precision != "auto":
         return precision
-    from ..kernels.cpu import fast_matmul_dtype
     return "bf16" if fast_matmul_dtype() == torch.bfloat16 else "fp32"
 
 
 def describe_precision(precision: str) -> str:
     """One line for the log: the resolved precision and the CPU facts behind it."""
-    from ..kernels.cpu import cpu_capability
     caps = cpu_capability()
     resolved = resolve_precision(precision)
     why = "native bf16 matmuls" if caps["native_bf16"] else "no native bf16 matmuls: bf16 would be ~100x slower"
@@ -117,7 +89,6 @@ def describe_precision(precision: str) -> str:
 
 def autocast(precision: str):
     """The autocast context of a resolved precision (fp32: none)."""
-    import contextlib
     if precision == "bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
     if precision == "fp16":  # fp16 compute: pair it with TrainConfig.loss_scale
@@ -128,7 +99,6 @@ def autocast(precision: str):
 
 
 def scaling_recipe(name: str):
-    from ..config import CurrentScaling, DelayedScaling
     if name == "delayed":
         return DelayedScaling()
     if name == "current":
@@ -142,14 +112,10 @@ def fp8_config(recipe: Recipe, scaling: str = "delayed", smooth_mode: str = "cha
     ``Config.rules`` (``--precision-config``); ``eval_recipe``, ``schedule``: ``Config.eval_recipe``
     (``--eval-recipe``) and ``Config.schedule`` (the precision config's ``[[switch]]`` tables);
     ``options``: other Config fields (e.g. ``recompute_glu_output=True``)."""
-    import fp8pass
     extra = dict(compiler=compiler, rules=tuple(rules), eval_recipe=eval_recipe, schedule=tuple(schedule), **options)
     if recipe.named:
-        return fp8pass.Config.from_recipe(recipe.name, **extra)
-    if not hasattr(fp8pass, "Config"):
-        raise RuntimeError(f"recipe {recipe.name!r} needs fp8pass.Config and fp8pass.backend, which this "
-                           "installation of fp8pass lacks; use --recipe bf16")
-    return fp8pass.Config(recipe=scaling_recipe(scaling), smooth_swiglu=smooth_mode if recipe.smooth else None,
+        return Config.from_recipe(recipe.name, **extra)
+    return Config(recipe=scaling_recipe(scaling), smooth_swiglu=smooth_mode if recipe.smooth else None,
                           **extra)
 
 
@@ -166,9 +132,8 @@ def prepare_model(model: torch.nn.Module, recipe: Recipe, *, scaling: str = "del
         raise ValueError(f"backend options {sorted(backend_options)} apply to the fp8 recipes; recipe "
                          f"{recipe.name!r} does not compile with the FP8 backend")
     if recipe.fp8:
-        import fp8pass
         cfg = fp8_config(recipe, scaling, smooth_mode, compiler, rules, eval_recipe, schedule, **(backend_options or {}))
-        return torch.compile(model, backend=fp8pass.backend(cfg))
+        return torch.compile(model, backend=backend(cfg))
     if compile_bf16:
         return torch.compile(model)
     return model

@@ -2,7 +2,7 @@
 
 It also accounts for every **matmul weight** of the model: a parameter with two or more dims that
 enters, as itself or through views, slices, gathers, casts and contiguous copies (the forms the plan
-follows, ``plan._WEIGHT_VIEWS``), the weight operand of ``F.linear`` / ``nn.Linear``, or an operand of
+follows, ``fp8pass.passes.WEIGHT_VIEWS``), the weight operand of ``F.linear`` / ``nn.Linear``, or an operand of
 ``matmul`` / ``@`` / ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` / ``einsum`` / a grouped mm, in the
 forward explain ran. Embeddings are not (a lookup is no matmul) unless the same Parameter is also
 an LM head's weight (tied), norm weights and biases are not (1-D), convolutions are not. Each one
@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..passes import WEIGHT_VIEWS, inplace_compile_suspended
 from ..runtime.grouped_casting import scaled_grouped_mm_grad_format
-from .plan import _WEIGHT_VIEWS
-from .uncompiled import inplace_compile_suspended
 
 __all__ = ["SwiGLUEntry", "ExpertsEntry", "Report", "weights_outside_graphs", "expert_grads_line", "graph_tensors",
            "matmul_weights", "planned_weights", "OUTSIDE_GRAPHS", "RAN_EAGERLY", "IN_NO_GRAPH_MATMUL"]
@@ -102,7 +101,7 @@ class _MatmulWeightRecorder(TorchFunctionMode):
             fqn = self._fqn(operand)
             if fqn is not None:
                 self.found.setdefault(fqn)
-        if name in _WEIGHT_VIEWS and args:
+        if name in WEIGHT_VIEWS and args:
             fqn = self._fqn(args[0])
             if fqn is not None:
                 for t in (out if isinstance(out, (tuple, list)) else (out,)):

@@ -1,6 +1,6 @@
 """Draw what the backend did to a model, one box per layer pattern, repeated blocks folded ("x 32").
 
-The drawing is built from an explain :class:`~fp8pass.passes.explain.Report` (weight FQNs and what
+The drawing is built from an explain :class:`~fp8pass.report.Report` (weight FQNs and what
 happened to each), not from the dataflow graph: a 32-layer model's graph has thousands of nodes and
 no drawing of it is readable. Weights whose FQN has a numeric component (``layers.7.mlp.up_proj``)
 belong to block 7 of ``layers``; consecutive blocks with the same treatment of the same weights are
