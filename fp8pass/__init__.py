@@ -16,11 +16,9 @@ from .numerics import (
     E8M0,
     DelayedScalingState,
     Format,
-    Quantized,
     get_format,
-    quantize,
-    quantize_delayed,
 )
+from .quantized import Quantized, quantize, quantize_delayed
 
 from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
 from . import optim  # noqa: E402

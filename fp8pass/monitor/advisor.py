@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..numerics import get_format, quantize
+from ..numerics import get_format
+from ..quantized import quantize
 
 __all__ = ["FormatStats", "RoleAdvice", "FormatAdvice", "measure_formats", "format_advice", "advise"]
 
