@@ -16,16 +16,14 @@ from .numerics import (
     E8M0,
     DelayedScalingState,
     Format,
-    Quantized,
     get_format,
-    quantize,
-    quantize_delayed,
 )
+from .quantized import Quantized, quantize, quantize_delayed
 
 from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
 from . import optim  # noqa: E402
 from .compile_backend import backend  # noqa: E402
-from .report.explain import explain  # noqa: E402
+from .model_report import explain  # noqa: E402
 from .scaling_state import accumulate_scaling, commit_scaling, load_scaling_state_dict, scaling_state_dict  # noqa: E402
 from .checkpoint import checkpoint_state, load_checkpoint_state  # noqa: E402
 from . import recipes  # noqa: E402  (the recipe registry: fp8pass.recipes.RECIPES)

@@ -9,7 +9,7 @@ import torch
 
 import fp8pass
 from fp8pass import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling
-from fp8pass.numerics import quantize
+from fp8pass import quantize
 
 
 @pytest.mark.parametrize("make,message", [

@@ -50,5 +50,5 @@ def test_no_submodule_is_shadowed_by_a_function():
         if value is not module:
             shadowed.append(f"{info.name} is a {type(value).__name__}")
     assert shadowed == []
-    assert isinstance(importlib.import_module("fp8pass.numerics.quantized"), types.ModuleType)
-    assert callable(fp8pass.numerics.quantize) and callable(fp8pass.backend)
+    assert isinstance(importlib.import_module("fp8pass.quantized"), types.ModuleType)
+    assert callable(fp8pass.quantized.quantize) and callable(fp8pass.backend)

@@ -7,7 +7,7 @@ path then runs in Triton's interpreter, which is how the tests check it without 
 Two things are chosen per device, both here:
 
 * the **numerics family** (:func:`kernel_family`): :mod:`.torch_family` or :mod:`.triton_family`, the
-  kernels behind ``fp8pass.numerics.quantize`` (bit-identical to each other);
+  kernels behind ``fp8pass.quantize`` (bit-identical to each other);
 * the **device module** of the runtime ops (:func:`for_device`): :mod:`.cpu` for CPU tensors,
   :mod:`.cuda` for CUDA tensors and for CPU tensors under ``FP8PASS_KERNELS=triton``. What each offers
   is declared in its ``OFFERS`` (:mod:`.interface`); callers read that, never probe the module.

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..numerics import get_format, quantize
-from ..report.explain import explain
+from ..numerics import get_format
+from ..quantized import quantize
+from ..model_report import explain
 
 __all__ = ["FormatStats", "RoleAdvice", "FormatAdvice", "measure_formats", "format_advice", "advise"]
 

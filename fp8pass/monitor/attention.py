@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..config import HIGH, Config, Rule
-from ..numerics import get_format, quantize
+from ..numerics import get_format
+from ..quantized import quantize
 from ..report.report import _state_kept
 from ..passes.uncompiled import inplace_compile_suspended, original_callable
 

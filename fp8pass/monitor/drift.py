@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from ..config import HIGH, RECIPE_FIELDS, Config, DriftCheck, NVFP4Scaling, Rule
-from ..numerics import quantize
+from ..quantized import quantize
 from ..passes import compile_backend_of, inplace_compile_suspended, original_callable
 from ..precision_switch import switch_precision
 from ..runtime.swiglu import channel_scales, token_scales

@@ -15,11 +15,14 @@ scaling uses ``scale = fmt.max / amax`` per group. Edge cases, each a documented
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..scaling_recipes import DelayedScaling
 from .formats import Format, get_format
+
+if TYPE_CHECKING:  # annotations only: the recipe's fields are read; numerics imports nothing of fp8pass's at run time
+    from ..scaling_recipes import DelayedScaling
 
 __all__ = ["MAX_SCALE", "HUGE_AMAX", "NO_PENDING", "scale_from_amax", "power_of_two_floor", "DelayedScalingState",
            "delayed_scaling_update", "record_update", "commit_update", "amax_is_usable", "outgrew", "scale_to_cast"]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.adam_layout import MOMENT_FORMATS, MomentSpec, init_moment, num_blocks
-from ..numerics import decode, quantize, scale_from_amax
+from ..numerics import decode, scale_from_amax
+from ..quantized import quantize
 
 __all__ = [
     "MOMENT_FORMATS", "MomentSpec", "num_blocks", "finite_block_amax", "init_moment", "read_moment", "write_moment",

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import Format, get_format, quantize, scale_from_amax
+from ..numerics import Format, get_format, scale_from_amax
+from ..quantized import quantize
 from ..numerics.scaling import outgrew, scale_to_cast
 from ..kernels import torch_family
 from .. import kernels
@@ -26,7 +27,7 @@ __all__ = ["IDENTITY", "Operand", "unaliased", "resolve_format", "cast_operand",
            "gemm", "as_bytes", "from_bytes", "MX_ROWS", "MX_COLS"]
 
 IDENTITY = "identity"
-MX_ROWS = (1, 32)  # MX blocks along the last dim (numerics.quantize's "mx" default)
+MX_ROWS = (1, 32)  # MX blocks along the last dim (fp8pass.quantize's "mx" default)
 MX_COLS = (32, 1)  # MX blocks down the rows
 
 

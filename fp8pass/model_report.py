@@ -1,7 +1,8 @@
 """``fp8pass.explain(model, *inputs)``: what the fp8 backend would do to a model, without doing it.
 
-Above the backend (it plans every graph with a :class:`~fp8pass.compile_backend.Backend`), so the
-package's ``__init__`` does not import it: ``fp8pass.explain`` is imported from here.
+Above the backend (it plans every graph with a :class:`~fp8pass.compile_backend.Backend`), while the
+report package it fills (``fp8pass.report``) sits below the backend: the two cannot share a package
+without an import cycle.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from typing import Callable
 import torch
 from torch import fx
 
-from ..compile_backend import Backend, fp8_backend
-from ..config import Config
-from ..passes import compile_backend_of, frame_root, inplace_compile_suspended, names_for, original_callable, \
+from .compile_backend import Backend, fp8_backend
+from .config import Config
+from .passes import compile_backend_of, frame_root, inplace_compile_suspended, names_for, original_callable, \
     relative_param_names
-from ..switch_history import epoch as switch_epoch, switched_config
-from .from_plan import merge_reports
-from .report import Report, graph_tensors, matmul_weights, planned_weights, weights_outside_graphs
+from .switch_history import epoch as switch_epoch, switched_config
+from .report.from_plan import merge_reports
+from .report.report import Report, graph_tensors, matmul_weights, planned_weights, weights_outside_graphs
 
 __all__ = ["explain"]
 

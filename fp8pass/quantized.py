@@ -1,5 +1,8 @@
 """``quantize(x, fmt, ...)`` and the ``Quantized`` result.
 
+Above ``numerics`` (the reference math) and ``kernels`` (its device implementations): quantize picks
+a kernel family for the tensor's device, so it cannot live in the bottom layer.
+
 Convention: ``data = saturating_cast(x * scale)`` and ``dequantize() = data / scale``, the scale
 broadcast over its group. Granularities, on the matrix view ``[rows, cols]`` of ``x`` (all leading
 dims folded into rows, a 1-D tensor is one row):
@@ -42,11 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..scaling_recipes import GRANULARITIES
-from .casts import check_rounding, decode
-from .formats import E2M1, E8M0, Format, get_format
-from ..kernels import kernel_family, torch_family
-from .scaling import DelayedScalingState, scale_from_amax
+from .kernels import kernel_family, torch_family
+from .numerics.casts import check_rounding, decode
+from .numerics.formats import E2M1, E8M0, Format, get_format
+from .numerics.scaling import DelayedScalingState, scale_from_amax
+from .scaling_recipes import GRANULARITIES
 
 __all__ = ["Quantized", "quantize", "quantize_delayed", "normalize_block", "MX_BLOCK", "MX_FORMATS"]
 
