@@ -15,27 +15,25 @@ the freshly initialised model, gradients of every parameter concatenated and com
 ``--model glimmer``: torchtitan 0.3's own Muse Glimmer (``debugmodel`` cut to 2 blocks, SDPA, vocab
 2048 of which the tokens use 128), in the client environment (docs/results/client_zoo.md).
 
-Run: ``python experiments/sharp_attention.py --seeds 0,1,2,3 [--logit-scale 43.78|none|4|8|16]``,
-``/work/venv-clients/bin/python experiments/sharp_attention.py --model glimmer --seeds 0,1 [--layers 8]``
+Run: ``python -m experiments.sharp_attention --seeds 0,1,2,3 [--logit-scale 43.78|none|4|8|16]``,
+``/work/venv-clients/bin/python -m experiments.sharp_attention --model glimmer --seeds 0,1 [--layers 8]``
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import fp8pass  # noqa: E402
 from fp8pass import Config, Rule  # noqa: E402
 from fp8pass.monitor import sharp_attention  # noqa: E402
-from _models import tiny_sharp_llama  # noqa: E402
+from fp8pass.testing.models import tiny_sharp_llama  # noqa: E402
 
 
 def loss_fn(model, ids):
@@ -65,7 +63,7 @@ def glimmer(seed: int, layers: int = 2) -> torch.nn.Module:
     """torchtitan 0.3's Muse Glimmer debug model as the client zoo builds it (2 blocks, SDPA; the client
     environment, docs/results/client_zoo.md), initialised by torchtitan; its SPMD type assertions off
     (they need a device mesh: one process has none)."""
-    import _client_zoo
+    from fp8pass.testing import client_zoo as _client_zoo
     from torchtitan.distributed.utils import set_spmd_backend
 
     set_spmd_backend("none")
