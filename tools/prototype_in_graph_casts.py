@@ -7,7 +7,7 @@ recipes, the variants' steps interleaved in one process.
 
 The same rounding as fp8pass's CPU kernels (RNE values of E4M3 codes; E5M2 dy by the stochastic integer
 rounding), per-tensor current scaling, x saved as E4M3 codes, weights recast in backward; plain SwiGLU (no
-smoothing) and torch AdamW. Result and reading: docs/results/step.md, run 6.
+smoothing) and torch AdamW. Result and reading: docs/results/step.md (the table of this run is in that page's git history, run 6).
 """
 import statistics
 import time
