@@ -8,7 +8,7 @@
 3. steady step time (fwd + bwd, median of 3) of the compiled tiny Llama, fp8 / bf16, on this CPU.
 
 Usage: python -m benchmarks.backend_compile [--max-layers 64] [--steps-layers 4] [--no-eager-casts] [--json out.json]
-The tiny Llama is the torchtitan-style model of tests/_models.py (dim 256, ffn 512, 4 heads).
+The tiny Llama is the torchtitan-style model of fp8pass/testing/models.py (dim 256, ffn 512, 4 heads).
 """
 
 from __future__ import annotations

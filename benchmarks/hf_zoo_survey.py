@@ -1,4 +1,4 @@
-"""Survey of the Hugging Face decoder zoo (tests/_hf_zoo.py) under the fp8 backend.
+"""Survey of the Hugging Face decoder zoo (fp8pass/testing/hf_zoo.py) under the fp8 backend.
 
 For each model, in a fresh subprocess (Dynamo state isolated, with a timeout): eager fp32
 forward+backward, then ``torch.compile(model, backend=fp8pass.backend(cfg))`` (fullgraph=False,
@@ -262,7 +262,7 @@ def main():
                 "- columns: graphs/breaks = Dynamo graphs / graph breaks of the fp8 run; loss rel = |loss - eager| / eager;"
                 " min cos = min over parameters of the gradient cosine vs eager fp32; no grad = parameters with an eager"
                 " gradient and none compiled; explain = be.report(): GLUs fused / FP8 linear weights / ops kept high"
-                " precision; expected = module counts (tests/_hf_zoo.py expected_counts: glu (f=fused gate_up),"
+                " precision; expected = module counts (fp8pass/testing/hf_zoo.py expected_counts: glu (f=fused gate_up),"
                 " exp = expert stacks, lin = other linears (c = Conv1D), head (t = tied)); matmul ops counted in Dynamo's"
                 " graphs before the rewrite.", "", HEADER] + [_row_md(rows[n]) for n in names] + [""]
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,7 +1,7 @@
 """Sharp attention at initialisation: the all-parameter gradient cosine of FP8 to eager fp32, with and
 without the sharp-attention advisor's rules (docs/results/sharp_attention.md).
 
-Models: tests/_models.py ``tiny_sharp_llama`` (a tiny Muse Glimmer: q/k RMS-normalised, logits
+Models: fp8pass/testing/models.py ``tiny_sharp_llama`` (a tiny Muse Glimmer: q/k RMS-normalised, logits
 ``logit_scale * cos``, post-norm blocks, Glimmer's initialisation) and the same model with plain Llama
 attention (``--logit-scale none``). Per seed, one next-token cross-entropy step on random tokens from
 the freshly initialised model, gradients of every parameter concatenated and compared with eager fp32:
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="0,1,2,3")
     ap.add_argument("--logit-scale", default="43.78", help="a number, or 'none' for plain Llama attention")
     ap.add_argument("--model", default="tiny", choices=("tiny", "glimmer"),
-                    help="tiny: tests/_models.py tiny_sharp_llama; glimmer: torchtitan's Muse Glimmer debug model")
+                    help="tiny: fp8pass/testing/models.py tiny_sharp_llama; glimmer: torchtitan's Muse Glimmer debug model")
     ap.add_argument("--layers", type=int, default=2, help="glimmer: blocks kept of the debug model's 8")
     args = ap.parse_args(argv)
     scale = None if args.logit_scale == "none" else float(args.logit_scale)

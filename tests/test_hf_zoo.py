@@ -56,7 +56,7 @@ def test_zoo_fast_subset(name):
 
 # FlexOlmo: FP8 gradients at cosine 0.92 of eager overall (every group 0.91-0.98) while the identity format
 # matches eager: an honest FP8 effect of its architecture at this size, not a rewrite error
-# (docs/results/hf_zoo.md, "FlexOlmo"; `python fp8pass/testing/hf_zoo.py FlexOlmo`). It norms each branch's
+# (docs/results/hf_zoo.md, "FlexOlmo"; `python -m fp8pass.testing.hf_zoo FlexOlmo`). It norms each branch's
 # output (post_attention/post_feedforward_layernorm after attention and the experts, no pre-norm), so a
 # branch's FP8 error enters the residual at full size, and its router reads that raw residual: top-2
 # routing changes for 6% / 12% of tokens (layers 0 / 1; Olmoe, pre-norm: 4% / 6%), each change a jump
