@@ -7,8 +7,8 @@
 2. fp8pass pass time (copy + plan + rewrite, no compile) for 1, 2, 4, ..., 64 layers;
 3. steady step time (fwd + bwd, median of 3) of the compiled tiny Llama, fp8 / bf16, on this CPU.
 
-Usage: python benchmarks/backend_compile.py [--max-layers 64] [--steps-layers 4] [--no-eager-casts] [--json out.json]
-The tiny Llama is the torchtitan-style model of tests/_models.py (dim 256, ffn 512, 4 heads).
+Usage: python -m benchmarks.backend_compile [--max-layers 64] [--steps-layers 4] [--no-eager-casts] [--json out.json]
+The tiny Llama is the torchtitan-style model of fp8pass/testing/models.py (dim 256, ffn 512, 4 heads).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+import fp8pass
+from fp8pass.testing.models import TitanLlama
+from benchmarks.common import baseline_dtype, dtype_name
+from fp8pass.compile_backend import Backend
+from fp8pass.config import Config
 
-import fp8pass  # noqa: E402
-from _models import TitanLlama  # noqa: E402
-from benchmarks.common import baseline_dtype, dtype_name  # noqa: E402
-from fp8pass.compile_backend import Backend  # noqa: E402
-from fp8pass.config import Config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DIM, HIDDEN, VOCAB, HEADS = 256, 512, 512, 4
 
@@ -65,8 +65,8 @@ def compile_seconds(which, n_layers, ids, dtype):
 def in_subprocess(which, n_layers, extra_env=None):
     """Run one compile measurement in a fresh process (no in-memory caches), Inductor caches off."""
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", **(extra_env or {}))
-    r = subprocess.run([sys.executable, __file__, "--one", which, "--steps-layers", str(n_layers)],
-                       env=env, capture_output=True, text=True, check=True)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.backend_compile", "--one", which, "--steps-layers", str(n_layers)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

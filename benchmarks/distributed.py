@@ -10,7 +10,7 @@ block + root, per-block compile) for a few steps, three ways:
 All-gather bytes are counted at FSDP2's collective call (what each rank contributes); step time is the
 median of the timed steps. Usage::
 
-    python benchmarks/distributed.py [--steps 6] [--json FILE] [--md FILE]
+    python -m benchmarks.distributed [--steps 6] [--json FILE] [--md FILE]
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -27,10 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fp8pass  # noqa: E402
-from fp8pass.train.model import ModelConfig, TinyLlama  # noqa: E402
+import fp8pass
+from fp8pass.train.model import ModelConfig, TinyLlama
 
 SEQ, BATCH = int(os.environ.get("BENCH_SEQ", 128)), 8
 

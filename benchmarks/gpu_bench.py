@@ -1,7 +1,7 @@
 """The GPU benchmarks of benchmarks/gpu_check.sh and the one results file they share, gpu_check.json.
 
-    python benchmarks/gpu_bench.py run STAGE OUT [--mode gpu|smoke|quick]  # one stage, cases into OUT/gpu_check.json
-    python benchmarks/gpu_bench.py start|record|finish OUT ...          # the script's bookkeeping (no torch)
+    python -m benchmarks.gpu_bench run STAGE OUT [--mode gpu|smoke|quick]  # one stage, cases into OUT/gpu_check.json
+    python -m benchmarks.gpu_bench start|record|finish OUT ...          # the script's bookkeeping (no torch)
 
 Stages (each its own process and timeout in gpu_check.sh, so one hang cannot eat the budget), in the
 order they run, every case written to gpu_check.json as soon as it is measured:
@@ -50,8 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 JSON_NAME, MD_NAME, LOG_NAME, JUNIT_NAME = "gpu_check.json", "gpu_check.md", "gpu_check.log", "gpu_tests.xml"
 MAX_OUT_FILES = 8  # the device returns at most 8 files from $OUT
 LOG_TAIL_LINES = 60

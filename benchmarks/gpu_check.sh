@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 CPU_MODE=${FP8PASS_GPU_CHECK_CPU:-0}
 INJECT=${FP8PASS_GPU_CHECK_FAIL:-}
 PY=${PYTHON:-python3}
-BOOK="$PY benchmarks/gpu_bench.py"
+BOOK="$PY -m benchmarks.gpu_bench"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 
 # Limits in seconds, in the order the stages run; the GPU tests take what is left, at least TESTS_MIN.
@@ -112,7 +112,7 @@ else
   if [ "$MODE" = smoke ]; then
     # one variant family per kernel (GPU_COMPILE_ONLY= compiles all ~100: ~10 min on 2 cores)
     COMPILE_ONLY=${GPU_COMPILE_ONLY-"cast e4m3 sr=True,amax,transpose_cast T=True,tiles e2m1,swiglu,adam e4m3/e5m2 block=128 sr=True,adam e4m3/e5m2 block=8192 sr=False,adam split e4m3/e5m2 sr=True"}
-    stage compile "$(limit_of compile)" TERM -- env -u TRITON_INTERPRET $PY benchmarks/gpu_compile.py --only "$COMPILE_ONLY"
+    stage compile "$(limit_of compile)" TERM -- env -u TRITON_INTERPRET $PY -m benchmarks.gpu_compile --only "$COMPILE_ONLY"
   fi
   export TRITON_INTERPRET=1  # the benchmark stages run the Triton kernels in the interpreter
   # quick: fp8pass's CPU kernels eager (their Inductor-compiled loops cost seconds of C++ builds)

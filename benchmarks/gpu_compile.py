@@ -1,6 +1,6 @@
 """Compile every fp8pass Triton kernel for an NVIDIA GPU, without one: frontend, TTIR, TTGIR, PTX, cubin.
 
-    python benchmarks/gpu_compile.py [--arch 90] [--json FILE]
+    python -m benchmarks.gpu_compile [--arch 90] [--json FILE]
 
 Triton compiles ahead of time for a target (``GPUTarget("cuda", arch, 32)``, ptxas ships in the
 triton wheel), so the kernels' GPU builds are checked on a CPU-only machine: type errors, constexpr
@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("gpu_compile.py compiles kernels: run it with TRITON_INTERPRET unset")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when it is unset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -1,6 +1,6 @@
 """A cost model of every ``gpu_bench`` case on an H200: predicted time and ratio beside every GPU goal.
 
-    python benchmarks/gpu_cost.py [--smoke] [--json FILE]     # the table of predictions, no GPU needed
+    python -m benchmarks.gpu_cost [--smoke] [--json FILE]     # the table of predictions, no GPU needed
 
 ``gpu_check.sh`` records each case's prediction next to its measurement (``gpu_check.json`` and the md
 table), so the first GPU run tests the model as well as the code.
@@ -51,7 +51,6 @@ import argparse
 import json
 import re
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -379,7 +378,6 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="the --smoke shapes instead of the GPU's")
     ap.add_argument("--json", type=Path, help="write the predictions here too")
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     from benchmarks import gpu_bench  # its case list (torch-free at import)
 
     inputs = load_inputs()

@@ -1,6 +1,6 @@
 """Device kernels and host syncs per op and per training step on CUDA, counted on a CPU.
 
-    TRITON_INTERPRET=1 python benchmarks/gpu_launches.py [--json FILE] [--cases a,b] [--by-op]
+    TRITON_INTERPRET=1 python -m benchmarks.gpu_launches [--json FILE] [--cases a,b] [--by-op]
 
 The CUDA code path runs on CPU tensors (``FP8PASS_KERNELS=triton``: the CUDA kernel module, its Triton
 kernels in the interpreter) under :class:`LaunchCounter`, which counts what would be a device kernel
@@ -34,7 +34,6 @@ import collections
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -43,8 +42,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # aten ops that launch no kernel: allocations without a fill, and metadata-only ops
 _NO_KERNEL = {

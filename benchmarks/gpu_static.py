@@ -1,6 +1,6 @@
 """Static cost of every fp8pass Triton kernel on Hopper (sm_90), measured without a GPU.
 
-    python benchmarks/gpu_static.py [--only PARTS] [--json docs/results/gpu_static.json]
+    python -m benchmarks.gpu_static [--only PARTS] [--json docs/results/gpu_static.json]
 
 Every variant of :func:`gpu_compile.cases` (each format, flag and autotuning config) is compiled for
 sm_90 with the Triton of the running interpreter, specialised as the runtime specialises an ordinary
@@ -58,7 +58,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -67,9 +66,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # triton prints ptxas -v (registers, spills) to stdout
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gpu_compile  # noqa: E402
+from benchmarks import gpu_compile  # noqa: E402
 import triton  # noqa: E402
 
 # H200 SXM (docs/results/gpu.md, /work/.library/device/H200.md): measured copy bandwidth; issue rate.

@@ -1,4 +1,4 @@
-"""Survey of the Hugging Face decoder zoo (tests/_hf_zoo.py) under the fp8 backend.
+"""Survey of the Hugging Face decoder zoo (fp8pass/testing/hf_zoo.py) under the fp8 backend.
 
 For each model, in a fresh subprocess (Dynamo state isolated, with a timeout): eager fp32
 forward+backward, then ``torch.compile(model, backend=fp8pass.backend(cfg))`` (fullgraph=False,
@@ -8,8 +8,8 @@ identity), min per-parameter gradient cosine vs eager, params with an eager grad
 one, the explain counts (GLUs / FP8 linears / kept) next to the module counts, and the matmul-like
 ops Dynamo's graphs hold (read from the graphs before the rewrite).
 
-    python benchmarks/hf_zoo_survey.py [--names A,B] [--out docs/results/hf_zoo.md] [-j 2]
-    python benchmarks/hf_zoo_survey.py --forms --names Mixtral --experts-impl eager   # FX forms of the matmuls
+    python -m benchmarks.hf_zoo_survey [--names A,B] [--out docs/results/hf_zoo.md] [-j 2]
+    python -m benchmarks.hf_zoo_survey --forms --names Mixtral --experts-impl eager   # FX forms of the matmuls
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import time
 from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-# FP8PASS_SRC: survey another checkout's fp8pass (e.g. a clean `git archive HEAD` while the tree is being edited)
-sys.path.insert(0, os.environ.get("FP8PASS_SRC", ROOT))
+# Another checkout's fp8pass (a clean `git archive HEAD` while this tree is mid-edit): run the survey from there.
 
 
 def _matmul_kind(node) -> str | None:
@@ -79,7 +77,7 @@ def one(name: str, experts_impl: str | None, forms: bool, dtype: str = "float32"
     import torch
     torch.set_num_threads(int(os.environ.get("SURVEY_THREADS", "1")))
     import fp8pass
-    import _hf_zoo as Z
+    from fp8pass.testing import hf_zoo as Z
 
     os.environ.setdefault("FP8PASS_CPU_FUSED", "0")
     row: dict = {"name": name, "moe": Z.is_moe(name)}
@@ -155,7 +153,7 @@ def one(name: str, experts_impl: str | None, forms: bool, dtype: str = "float32"
 
 
 def _child(name, experts_impl, forms, timeout, dtype="float32"):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--dtype", dtype]
+    cmd = [sys.executable, "-m", "benchmarks.hf_zoo_survey", "--child", name, "--dtype", dtype]
     if experts_impl:
         cmd += ["--experts-impl", experts_impl]
     if forms:
@@ -219,7 +217,7 @@ def main():
         print("@@ROW@@" + json.dumps(row), flush=True)
         return
 
-    import _hf_zoo as Z
+    from fp8pass.testing import hf_zoo as Z
     names = args.names.split(",") if args.names else Z.zoo()
     t0 = time.time()
     from concurrent.futures import ThreadPoolExecutor
@@ -249,16 +247,13 @@ def main():
         cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                    platform.processor())
         try:
-            src = os.environ.get("FP8PASS_SRC")
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=ROOT).stdout.strip()
             dirty = subprocess.run(["git", "status", "--porcelain", "--", "fp8pass"], capture_output=True,
-                                   text=True, cwd=ROOT).stdout.strip() if not src else ""
-            if src:
-                commit += f" (fp8pass from FP8PASS_SRC={src})"
+                                   text=True, cwd=ROOT).stdout.strip()
         except OSError:
             commit, dirty = "?", ""
-        cmd = "python benchmarks/hf_zoo_survey.py " + " ".join(sys.argv[1:])
+        cmd = "python -m benchmarks.hf_zoo_survey " + " ".join(sys.argv[1:])
         body = [f"## {time.strftime('%Y-%m-%d %H:%M')}: commit {commit}{' (fp8pass/ with uncommitted changes)' if dirty else ''}",
                 "", f"- command: `{cmd}`",
                 f"- machine: {cpu}, {os.cpu_count()} cores (shared), torch {torch.__version__} "
@@ -267,7 +262,7 @@ def main():
                 "- columns: graphs/breaks = Dynamo graphs / graph breaks of the fp8 run; loss rel = |loss - eager| / eager;"
                 " min cos = min over parameters of the gradient cosine vs eager fp32; no grad = parameters with an eager"
                 " gradient and none compiled; explain = be.report(): GLUs fused / FP8 linear weights / ops kept high"
-                " precision; expected = module counts (tests/_hf_zoo.py expected_counts: glu (f=fused gate_up),"
+                " precision; expected = module counts (fp8pass/testing/hf_zoo.py expected_counts: glu (f=fused gate_up),"
                 " exp = expert stacks, lin = other linears (c = Conv1D), head (t = tied)); matmul ops counted in Dynamo's"
                 " graphs before the rewrite.", "", HEADER] + [_row_md(rows[n]) for n in names] + [""]
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

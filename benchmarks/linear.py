@@ -1,6 +1,6 @@
 """FP8 linear and Smooth-SwiGLU MLP vs the high-precision baseline, fwd+bwd, ratios measured in one run.
 
-    python benchmarks/linear.py [--device cpu|cuda] [--tokens 4096] [--repeat 5] [--json FILE]
+    python -m benchmarks.linear [--device cpu|cuda] [--tokens 4096] [--repeat 5] [--json FILE]
 
 Cases: an FP8 linear (tokens x 2048 -> 2048) and a Llama-like MLP (2048 -> 5632 -> 2048) with
 Smooth-SwiGLU, each against the same math in high precision (``F.linear``); recipes: current
@@ -19,18 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402
-from benchmarks.common import baseline_dtype, cpu_state, dtype_name, sync, time_rounds  # noqa: E402
-from fp8pass import ops  # noqa: E402
+import fp8pass
+from benchmarks.common import baseline_dtype, cpu_state, dtype_name, sync, time_rounds
+from fp8pass import ops
 
 
 def timeit(fn, device, repeat: int, warmup: int = 2) -> float:

@@ -24,7 +24,7 @@ ffn 5632, 2 layers, 1 x 2048 tokens: the matmuls of a 7B layer). For each varian
 Ratios are against ``bf16 inductor`` (the ``bf16`` recipe compiled by Inductor + torch AdamW), with
 issue 31's goals at ``block``: saved <= 0.35, model state + saved <= 0.45, peak <= 0.55.
 
-    python benchmarks/memory.py [--shape tiny|block|all] [--variants ...] [--steps 3] [--threads 1]
+    python -m benchmarks.memory [--shape tiny|block|all] [--variants ...] [--steps 3] [--threads 1]
                                 [--json FILE]
 """
 
@@ -35,15 +35,12 @@ import gc
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds  # noqa: E402
-from benchmarks.train_step import SHAPES, build, record_partitions, saved_bytes, state_bytes  # noqa: E402
+from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds
+from benchmarks.train_step import SHAPES, build, record_partitions, saved_bytes, state_bytes
 
 VARIANTS = {  # name -> (recipe, compile the bf16 recipe with Inductor, backend Config overrides[, trainer options])
     "bf16 inductor": ("bf16", True, {}),

@@ -1,6 +1,6 @@
 """MoE expert layer in FP8 (grouped ops) vs bf16 grouped experts, fwd+bwd, ratios measured in one run.
 
-    python benchmarks/moe.py [--tokens 4096] [--experts 8] [--topk 2] [--dim 1024] [--ffn 2816]
+    python -m benchmarks.moe [--tokens 4096] [--experts 8] [--topk 2] [--dim 1024] [--ffn 2816]
                              [--repeat 5] [--quick] [--threads N] [--grad-rounding nearest] [--json FILE]
 
 A Mixtral-style expert block on the routed rows (tokens x topk rows sorted by expert; the router and
@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,13 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402,F401  (registers the ops)
-from fp8pass.runtime import LinearScalingState  # noqa: E402
-from fp8pass.runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs  # noqa: E402
-from benchmarks.common import machine  # noqa: E402
-from benchmarks.common import time_rounds  # noqa: E402
+import fp8pass  # noqa: F401  (registers the ops)
+from fp8pass.runtime import LinearScalingState
+from fp8pass.runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
+from benchmarks.common import machine
+from benchmarks.common import time_rounds
 
 # out_dtype None: the input's (bf16)
 FP8 = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, True)

@@ -10,7 +10,7 @@ Timings round-robin over the variants, ``--repeat`` rounds after one warm-up; a 
 median of the ratios measured within a round. The machine is shared: absolute times are noisy,
 the ratios (measured back to back in one process) less so.
 
-Usage: python benchmarks/nvfp4.py [--tokens 1024] [--dim 256] [--repeat 5] [--json out.json]
+Usage: python -m benchmarks.nvfp4 [--tokens 1024] [--dim 256] [--repeat 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,20 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
 
-import fp8pass  # noqa: E402
-from fp8pass import Config, HotChannelPatching, NVFP4Scaling  # noqa: E402
-from benchmarks.common import baseline_dtype, dtype_name  # noqa: E402
-from fp8pass.runtime import HCPState  # noqa: E402
+import fp8pass
+from fp8pass import Config, HotChannelPatching, NVFP4Scaling
+from benchmarks.common import baseline_dtype, dtype_name
+from fp8pass.runtime import HCPState
 
 
 def _interleaved(fns: dict, repeat: int) -> tuple[dict, list[dict]]:

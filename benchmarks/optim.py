@@ -8,7 +8,7 @@ same run (goal <= 1.5 for fp8pass), and the bytes of optimizer state per paramet
 tensors' storage; torch fp32 AdamW: 8). torchao's AdamWFp8 / AdamW8bit are included when torchao
 imports. Usage::
 
-    python benchmarks/optim.py [--params 100e6] [--rounds 5] [--threads 1] [--json FILE]
+    python -m benchmarks.optim [--params 100e6] [--rounds 5] [--threads 1] [--json FILE]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Two measurements, both in one process:
    distribution ``OVERFLOW_FACTOR`` is chosen against): the trainer's fp8-smooth-fp8adam recipe for
    N steps, every record's ``amax * scale / fmt.max`` (observed by wrapping the record's update).
 
-    python benchmarks/overflow_guard.py [--repeat 5] [--tiny] [--overshoot 60] [--json FILE]
+    python -m benchmarks.overflow_guard [--repeat 5] [--tiny] [--overshoot 60] [--json FILE]
 """
 
 from __future__ import annotations
@@ -22,18 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402
-from benchmarks.common import baseline_dtype, machine  # noqa: E402
-from fp8pass.monitor import scaling_telemetry  # noqa: E402
-from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
+import fp8pass
+from benchmarks.common import baseline_dtype, machine
+from fp8pass.monitor import scaling_telemetry
+from fp8pass.train import ModelConfig, TinyLlama
 
 MODES = ("saturate", "current")
 

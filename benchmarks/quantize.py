@@ -4,7 +4,7 @@ Current scaling = amax pass + cast (``fp8pass.quantize``); delayed scaling = one
 scale that records the amax in the same read (``fp8pass.quantize_delayed``). The ratio is
 ``clone time / quantize time``: 1.0 means quantizing moves data as fast as copying it. Goal on CPU: >= 0.5.
 
-    python benchmarks/quantize.py [--numel 67108864] [--json out.json]
+    python -m benchmarks.quantize [--numel 67108864] [--json out.json]
 """
 
 from __future__ import annotations
@@ -12,15 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402
-from benchmarks.common import machine, time_fn  # noqa: E402
+import fp8pass
+from benchmarks.common import machine, time_fn
 
 
 def run(numel: int = 64 * 1024 * 1024, device: str = "cpu", repeat: int = 7) -> list[dict]:

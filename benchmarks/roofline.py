@@ -7,21 +7,18 @@ On such a CPU the bf16 matmul is timed at a smaller size, so this suite stays qu
 On a GPU the card's datasheet peaks are reported beside the measurements, so every kernel can be shown
 as a fraction of its limit.
 
-    python benchmarks/roofline.py [--json FILE]
+    python -m benchmarks.roofline [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import baseline_dtype, dtype_name, machine, time_fn  # noqa: E402
+from benchmarks.common import baseline_dtype, dtype_name, machine, time_fn
 
 # Dense datasheet peaks (TFLOP/s, TB/s) for the GPUs we are lent.
 GPU_PEAKS = {"H200": {"bf16_tflops": 989.0, "fp8_tflops": 1979.0, "hbm_tbs": 4.8},

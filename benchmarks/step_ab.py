@@ -9,9 +9,9 @@ hits both alike), medians and each round printed.
 Each experiment names a module attribute and its two values; both must compute the same bits (the
 tests hold that), only the time may differ.
 
-    python benchmarks/step_ab.py e5m2-upcast [--shape tiny|block] [--variant fp8-smooth-fp8adam]
+    python -m benchmarks.step_ab e5m2-upcast [--shape tiny|block] [--variant fp8-smooth-fp8adam]
                                  [--rounds 11] [--warmup 2] [--threads 1]
-    python benchmarks/step_ab.py e5m2-upcast --moe fp8_current|fp8_delayed [--moe-grad-rounding stochastic]
+    python -m benchmarks.step_ab e5m2-upcast --moe fp8_current|fp8_delayed [--moe-grad-rounding stochastic]
                                  # the MoE layer step of benchmarks/moe.py at its default size
 """
 
@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import moe  # noqa: E402
-from benchmarks.common import baseline_dtype, machine  # noqa: E402
-from benchmarks.train_step import SHAPES, VARIANTS, build  # noqa: E402
-from fp8pass.kernels import cpu  # noqa: E402
+from benchmarks import moe
+from benchmarks.common import baseline_dtype, machine
+from benchmarks.train_step import SHAPES, VARIANTS, build
+from fp8pass.kernels import cpu
 
 EXPERIMENTS = {  # name -> (module, attribute, {label: value}); the first label is today's choice
     "e5m2-upcast": (cpu, "_UPCAST_OUTSIDE_THE_LOOP",

@@ -293,7 +293,6 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown suite(s) {', '.join(unknown)}; valid: {', '.join(SUITES)}")
     timeout = args.timeout or (QUICK_TIMEOUT if args.quick else FULL_TIMEOUT)
-    sys.path.insert(0, str(ROOT))
     from benchmarks.common import machine
 
     info = machine()

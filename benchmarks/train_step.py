@@ -21,7 +21,7 @@ The ratios against bf16-Inductor + torch AdamW (what the ``bf16`` recipe builds:
 issue 15. ``--profile DIR`` writes torch.profiler tables of one step of each variant;
 ``--saved-breakdown`` lists every saved tensor (dtype, shape, MiB) by the forward op that produced it.
 
-    python benchmarks/train_step.py [--shape tiny|block|all] [--variants ...] [--steps 3]
+    python -m benchmarks.train_step [--shape tiny|block|all] [--variants ...] [--steps 3]
                                     [--threads 1] [--quick] [--profile DIR] [--saved-breakdown] [--json FILE]
 """
 
@@ -33,17 +33,14 @@ import json
 import operator
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402,F401
-from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds  # noqa: E402
-from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
-from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model  # noqa: E402
+import fp8pass  # noqa: F401
+from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds
+from fp8pass.train import ModelConfig, TinyLlama
+from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model
 
 SHAPES = {
     "tiny": dict(d_model=256, ffn=672, n_heads=4, n_layers=4, batch=8, seq=256),

@@ -16,8 +16,6 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 __all__ = ["run_parallel", "train_job", "gap_pct", "paired_gaps", "run_dir", "finished_run", "plot_seeds"]
 
 

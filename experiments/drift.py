@@ -18,7 +18,7 @@ departure), and the final validation-loss gaps to bf16 of the control and of the
 run's records before its first switch are those of a plain FP8 run with the check on ("warn"): the check
 changes no state (tests/test_drift.py), so until it acts that run is the control, step for step.
 
-Run: ``python experiments/drift.py`` (4 seeds, 150 steps, N = 5, 2 worker processes); results in
+Run: ``python -m experiments.drift`` (4 seeds, 150 steps, N = 5, 2 worker processes); results in
 docs/results/drift.json and the table printed (docs/results/drift.md).
 """
 
@@ -33,13 +33,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8pass.train import TrainConfig, load_text_data, train  # noqa: E402
-from fp8pass.train.logging import read_metrics  # noqa: E402
+from fp8pass.train import TrainConfig, load_text_data, train
+from fp8pass.train.logging import read_metrics
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import gap_pct, run_dir, run_parallel  # noqa: E402
-from outlier_plant import Planter  # noqa: E402
+from experiments.common import gap_pct, run_dir, run_parallel
+from experiments.outlier_plant import Planter
 
 DEPART_PCT = 2.0   # "the loss departs from bf16": the control's training loss more than 2% above bf16's
 GOAL_PCT = 1.0     # the fallback run's final validation gap to bf16

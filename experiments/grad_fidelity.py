@@ -13,7 +13,7 @@ mean relative error ``||g - g_fp32|| / ||g_fp32||`` and the mean loss difference
 Delayed-scaling variants first run ``--warmup`` batches to fill their amax histories. This separates
 what FP8 does to one step (the numbers here) from what it does to a whole run (experiments/parity.py).
 
-Run: ``python experiments/grad_fidelity.py runs/parity/seed0/bf16 bf16 fp8: fp8:scaling=current``
+Run: ``python -m experiments.grad_fidelity runs/parity/seed0/bf16 bf16 fp8: fp8:scaling=current``
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fp8pass  # noqa: E402
-from fp8pass.config import CurrentScaling, DelayedScaling  # noqa: E402
-from fp8pass.train import ModelConfig, TinyLlama, load_text_data  # noqa: E402
-from fp8pass.train.checkpoint import load_checkpoint  # noqa: E402
+import fp8pass
+from fp8pass.config import CurrentScaling, DelayedScaling
+from fp8pass.train import ModelConfig, TinyLlama, load_text_data
+from fp8pass.train.checkpoint import load_checkpoint
 
 
 def fp8_config(spec: str) -> fp8pass.Config:

@@ -35,7 +35,7 @@ run: mean over seeds and standard error (one run carries ~1-2% of chaotic noise 
 docs/results/parity.md), and the largest excursion of each run's training loss over that bf16 run's. Phase B is a forward-only sweep: the seed-0 bf16 run's final weights
 re-planted with α from 10 to 1000, validation loss per precision, to show where each form breaks.
 
-Run: ``python experiments/instability.py`` (defaults: saturated plant, 4 seeds, 150 steps, lr 1.5e-3,
+Run: ``python -m experiments.instability`` (defaults: saturated plant, 4 seeds, 150 steps, lr 1.5e-3,
 α = 300, trigger ``#``, 2 worker processes; 11 min on the idle 2-core machine). The commands of the
 other recorded settings are in docs/results/instability.md.
 """
@@ -51,15 +51,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fp8pass  # noqa: E402
-from fp8pass.train import ModelConfig, TinyLlama, TrainConfig, load_text_data, train  # noqa: E402
-from fp8pass.train.logging import read_metrics  # noqa: E402
-from fp8pass.train.plots import plot_runs  # noqa: E402
+import fp8pass
+from fp8pass.train import ModelConfig, TinyLlama, TrainConfig, load_text_data, train
+from fp8pass.train.logging import read_metrics
+from fp8pass.train.plots import plot_runs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import paired_gaps, plot_seeds, run_dir, run_parallel  # noqa: E402
-from outlier_plant import PLANTS, Planter, plant  # noqa: E402
+from experiments.common import paired_gaps, plot_seeds, run_dir, run_parallel
+from experiments.outlier_plant import PLANTS, Planter, plant
 
 GOAL_PCT = 1.0  # Smooth-SwiGLU (both forms) within 1% of bf16
 RUNS = (("bf16", "bf16", "channel"), ("fp8", "fp8", "channel"), ("fp8-smooth-channel", "fp8-smooth", "channel"),

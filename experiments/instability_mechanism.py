@@ -12,7 +12,7 @@ Takes the seed's bf16 run of an instability experiment (its final weights and it
 3. whether the planted ``w_down`` column (divided by α², so it flushes under per-tensor FP8 weight
    scaling) matters: bf16 validation loss with that column zeroed.
 
-Run: ``python experiments/instability_mechanism.py --runs runs/instability_sparse_alpha200 --alpha 200``
+Run: ``python -m experiments.instability_mechanism --runs runs/instability_sparse_alpha200 --alpha 200``
 (seconds; needs the runs of ``experiments/instability.py``). Writes ``--json`` if given.
 """
 
@@ -27,12 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8pass.train import ModelConfig, TinyLlama, load_text_data  # noqa: E402
+from fp8pass.train import ModelConfig, TinyLlama, load_text_data
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from instability import RUNS, forward_for, val_loss  # noqa: E402
-from outlier_plant import plant  # noqa: E402
+from experiments.instability import RUNS, forward_for, val_loss
+from experiments.outlier_plant import plant
 
 
 def planted_model(weights, plant_info, alpha):

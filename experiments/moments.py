@@ -11,7 +11,7 @@ initialisation, data order and validation batches): one run per variant carries 
 run-to-run noise here (docs/results/parity.md). The paper (Llama2-100M) found only m = E4M3,
 v = E5M2 on par with the baseline.
 
-Run: ``python experiments/moments.py`` (defaults: the 5 paper-form runs on seeds 0,1,2 and the 3
+Run: ``python -m experiments.moments`` (defaults: the 5 paper-form runs on seeds 0,1,2 and the 3
 storage variants on the same seeds, 300 steps at lr 3e-3, 2 worker processes; docs/results/moments.md
 says how the setting was chosen and how long it took). ``--variants`` picks runs by name,
 ``--side-seeds`` gives the storage variants fewer seeds; finished runs with the same configuration
@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import paired_gaps, plot_seeds, run_dir, run_parallel, train_job  # noqa: E402
+from experiments.common import paired_gaps, plot_seeds, run_dir, run_parallel, train_job
 
 BASELINE = "fp32"
 # name -> TrainConfig overrides. Paper form: v itself, one scale per tensor (moment_block_size=None).

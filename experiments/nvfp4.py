@@ -1,6 +1,6 @@
 """NVFP4 recipe experiment: tiny Llama, byte-level, fp32 high precision vs NVFP4 vs NVFP4+HCP, ablations.
 
-    python experiments/nvfp4.py --steps 150 --seeds 0,1,2,3 --out docs/results/nvfp4
+    python -m experiments.nvfp4 --steps 150 --seeds 0,1,2,3 --out docs/results/nvfp4
 
 Every NVFP4 run keeps the last block of the four in fp32 (``keep_last_blocks=None``: the count closest
 to 15% of the block linears; the default, the seed document's last 4 blocks, would keep all four).
@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fp8pass
 
 import torch
 
@@ -36,8 +33,7 @@ import fp8pass
 from fp8pass import Config, HotChannelPatching, NVFP4Scaling
 from fp8pass.train import ModelConfig, TinyLlama, load_text_data
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import paired_gaps  # noqa: E402
+from experiments.common import paired_gaps
 
 
 BASE = dict(keep_last_blocks=None)  # 1 of the 4 blocks kept (15%); the default 4 would keep them all

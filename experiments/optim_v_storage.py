@@ -15,7 +15,7 @@ share of the error.
 Reported per variant, over the elements whose fp32 update matters (|u| > 1e-3): median and 99th
 percentile of |u - u_fp32| / |u_fp32|, the largest ratio |u| / |u_fp32| (a blow-up: v flushed to 0
 while m survives gives m / eps), and the shares of updates more than 2x too large and more than 2x
-too small. Run: ``python experiments/optim_v_storage.py`` (about a minute).
+too small. Run: ``python -m experiments.optim_v_storage`` (about a minute).
 """
 
 from __future__ import annotations

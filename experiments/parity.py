@@ -16,7 +16,7 @@ therefore measures:
 Runs are independent single-threaded processes, ``--workers`` at a time (2 fit the 2-core machine);
 runs already finished with the same configuration are reused, so adding seeds or runs later only
 trains what is new.
-Run: ``python experiments/parity.py`` (defaults: 4 seeds x 3 runs x 600 steps at lr 1.5e-3, 22 min on
+Run: ``python -m experiments.parity`` (defaults: 4 seeds x 3 runs x 600 steps at lr 1.5e-3, 22 min on
 the idle 2-core machine; ``--seeds 0,1,2,3,4,5,6,7`` shrinks the standard error by sqrt(2) in twice the
 time).
 """
@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import paired_gaps, plot_seeds, run_dir, run_parallel, train_job  # noqa: E402
+from experiments.common import paired_gaps, plot_seeds, run_dir, run_parallel, train_job
 
-from fp8pass.train import TrainConfig  # noqa: E402
+from fp8pass.train import TrainConfig
 
 # name -> TrainConfig overrides. The first entry is the baseline every gap is measured against.
 RUNS = {

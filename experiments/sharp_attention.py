@@ -1,7 +1,7 @@
 """Sharp attention at initialisation: the all-parameter gradient cosine of FP8 to eager fp32, with and
 without the sharp-attention advisor's rules (docs/results/sharp_attention.md).
 
-Models: tests/_models.py ``tiny_sharp_llama`` (a tiny Muse Glimmer: q/k RMS-normalised, logits
+Models: fp8pass/testing/models.py ``tiny_sharp_llama`` (a tiny Muse Glimmer: q/k RMS-normalised, logits
 ``logit_scale * cos``, post-norm blocks, Glimmer's initialisation) and the same model with plain Llama
 attention (``--logit-scale none``). Per seed, one next-token cross-entropy step on random tokens from
 the freshly initialised model, gradients of every parameter concatenated and compared with eager fp32:
@@ -15,27 +15,25 @@ the freshly initialised model, gradients of every parameter concatenated and com
 ``--model glimmer``: torchtitan 0.3's own Muse Glimmer (``debugmodel`` cut to 2 blocks, SDPA, vocab
 2048 of which the tokens use 128), in the client environment (docs/results/client_zoo.md).
 
-Run: ``python experiments/sharp_attention.py --seeds 0,1,2,3 [--logit-scale 43.78|none|4|8|16]``,
-``/work/venv-clients/bin/python experiments/sharp_attention.py --model glimmer --seeds 0,1 [--layers 8]``
+Run: ``python -m experiments.sharp_attention --seeds 0,1,2,3 [--logit-scale 43.78|none|4|8|16]``,
+``/work/venv-clients/bin/python -m experiments.sharp_attention --model glimmer --seeds 0,1 [--layers 8]``
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import fp8pass  # noqa: E402
 from fp8pass import Config, Rule  # noqa: E402
 from fp8pass.monitor import sharp_attention  # noqa: E402
-from _models import tiny_sharp_llama  # noqa: E402
+from fp8pass.testing.models import tiny_sharp_llama  # noqa: E402
 
 
 def loss_fn(model, ids):
@@ -65,7 +63,7 @@ def glimmer(seed: int, layers: int = 2) -> torch.nn.Module:
     """torchtitan 0.3's Muse Glimmer debug model as the client zoo builds it (2 blocks, SDPA; the client
     environment, docs/results/client_zoo.md), initialised by torchtitan; its SPMD type assertions off
     (they need a device mesh: one process has none)."""
-    import _client_zoo
+    from fp8pass.testing import client_zoo as _client_zoo
     from torchtitan.distributed.utils import set_spmd_backend
 
     set_spmd_backend("none")
@@ -101,7 +99,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="0,1,2,3")
     ap.add_argument("--logit-scale", default="43.78", help="a number, or 'none' for plain Llama attention")
     ap.add_argument("--model", default="tiny", choices=("tiny", "glimmer"),
-                    help="tiny: tests/_models.py tiny_sharp_llama; glimmer: torchtitan's Muse Glimmer debug model")
+                    help="tiny: fp8pass/testing/models.py tiny_sharp_llama; glimmer: torchtitan's Muse Glimmer debug model")
     ap.add_argument("--layers", type=int, default=2, help="glimmer: blocks kept of the debug model's 8")
     args = ap.parse_args(argv)
     scale = None if args.logit_scale == "none" else float(args.logit_scale)

@@ -14,7 +14,7 @@ Setting (pure torch, fp32, seconds per run):
   drove to zero (‖w1ᵢ‖‖w2ᵢ‖ < 1e-4) are dead, have no direction, and are left out.
 - λ = 1e-3 with 8 seeds, and the control λ = 0 (no weight decay) with the same seeds.
 
-Run: ``python experiments/theorem1.py [--out docs/results]`` (about 2-4 minutes on one shared core).
+Run: ``python -m experiments.theorem1 [--out docs/results]`` (about 2-4 minutes on one shared core).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8pass.monitor import weight_alignment  # noqa: E402
+from fp8pass.monitor import weight_alignment
 
 D, K, N, OUT, TEACHER = 8, 32, 4096, 4, 64
 BINS = ((0.0, 0.05), (0.05, 0.1), (0.1, 0.15), (0.15, 0.2), (0.2, 0.26))

@@ -133,10 +133,10 @@ def _bench(args) -> int:
         print("fp8pass bench runs the scripts in benchmarks/ of a source checkout; install fp8pass with "
               "`pip install -e .` from the repository to use it", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(suite.parents[1]))
-    from benchmarks.suite import main as suite_main
+    import subprocess
 
-    return suite_main(args.rest)
+    # the checkout's root is where `benchmarks` imports as a package (python -m benchmarks.suite)
+    return subprocess.run([sys.executable, "-m", "benchmarks.suite", *args.rest], cwd=suite.parents[1]).returncode
 
 
 def main(argv=None) -> int:

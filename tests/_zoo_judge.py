@@ -6,7 +6,7 @@ of its max: 1e-4 where the model's matmuls compute in fp32, more where its own c
 bf16/fp16, see there); FP8 (E4M3 forward, E5M2 gradients) keeps the loss within 2% of eager; every parameter with an eager
 gradient gets a compiled one; the gradient cosine per parameter group (the same parameter in every
 layer) >= ``group_bound`` and over all parameters >= 0.98; explain's GLUs, expert stacks and linears
-equal the counts from the module tree (``expected``, tests/_hf_zoo.py ``expected_counts``); with
+equal the counts from the module tree (``expected``, fp8pass/testing/hf_zoo.py ``expected_counts``); with
 ``account``, explain accounts for every matmul weight (tests/_accounting.py), and the count check takes
 explain's "ran eagerly between graphs" entries (weights no graph takes) as listed.
 """

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import fp8pass
 from fp8pass.config import Config
 
-import _hf_zoo as Z
+from fp8pass.testing import hf_zoo as Z
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import fp8pass
 from fp8pass.config import Config, CurrentScaling
 from fp8pass.scaling_state import without_scaling_state
 
-from _models import D, Fused, GeGLU, MatmulWT, ReGLU, SiluMul, tiny_titan_llama
+from fp8pass.testing.models import D, Fused, GeGLU, MatmulWT, ReGLU, SiluMul, tiny_titan_llama
 from test_patterns import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,16 +225,15 @@ def test_explain_report():
     assert any("GLU" in b for b in rep.graph_breaks)
 
 
-def test_inspect_cli(tmp_path, capsys, monkeypatch):
+def test_inspect_cli(tmp_path, capsys):
     from fp8pass.cli import main
 
     out = tmp_path / "g.svg"
-    monkeypatch.syspath_prepend(str(ROOT / "tests"))
-    assert main(["inspect", "_models:tiny_titan_llama_with_inputs", "--draw", str(out)]) == 0
+    assert main(["inspect", "fp8pass.testing.models:tiny_titan_llama_with_inputs", "--draw", str(out)]) == 0
     text = capsys.readouterr().out
     assert "2 GLU MLP(s) fused" in text and "layers.1.feed_forward.w2.weight" in text
     assert out.read_text().lstrip().startswith("<?xml") and out.stat().st_size > 1000
-    assert main(["inspect", "_models"]) == 2  # no factory named: a clear usage error
+    assert main(["inspect", "fp8pass.testing.models"]) == 2  # no factory named: a clear usage error
     assert "MODULE:FACTORY" in capsys.readouterr().err
 
 

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import suite
+from benchmarks.train_step import backward_inputs, record_partitions, saved_bytes
 
-from benchmarks import suite  # noqa: E402
-from benchmarks.train_step import backward_inputs, record_partitions, saved_bytes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_goals_take_the_worst_row_and_respect_selection():

@@ -122,8 +122,7 @@ def test_hardware_cast_only_for_cuda_fp8_formats():
 
 _COMPILE = r"""
 import json, sys
-sys.path.insert(0, "benchmarks")
-import gpu_compile as gc, gpu_static as gs
+from benchmarks import gpu_compile as gc, gpu_static as gs
 rows = {}
 for name, kernel, sig, consts, cfg in gc.cases():
     if any(name.startswith(p) for p in sys.argv[1].split(";")):

@@ -11,22 +11,16 @@ import torch
 import fp8pass
 from fp8pass.cli import example_inputs_for, main
 from fp8pass.report.draw import MAX_PIXELS, draw_graph, layer_patterns
-
-from _models import SiluMul, TitanLlama
+from fp8pass.testing.models import SiluMul, TitanLlama
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _tests_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tests"))
-
-
 @pytest.mark.parametrize("target, message", [
     ("nosuchmod:f", "inspect: cannot import 'nosuchmod': No module named 'nosuchmod'"),
-    ("_models:nosuchfactory", "inspect: module '_models' has no 'nosuchfactory'"),
-    ("_models:D", "inspect: _models:D() raised TypeError: 'int' object is not callable"),
-    ("_models", "inspect: expected MODULE:FACTORY, e.g. mypkg.models:tiny_llama, got '_models'"),
+    ("fp8pass.testing.models:nosuchfactory", "inspect: module 'fp8pass.testing.models' has no 'nosuchfactory'"),
+    ("fp8pass.testing.models:D", "inspect: fp8pass.testing.models:D() raised TypeError: 'int' object is not callable"),
+    ("fp8pass.testing.models", "inspect: expected MODULE:FACTORY, e.g. mypkg.models:tiny_llama, got 'fp8pass.testing.models'"),
 ])
 def test_errors_are_one_line(target, message, capsys):
     assert main(["inspect", target]) == 2
@@ -43,7 +37,7 @@ def test_missing_module_from_the_command_line_has_no_traceback():
 
 @pytest.mark.parametrize("factory, fused", [("tiny_titan_llama", "2 GLU MLP(s) fused"), ("SiluMul", "1 GLU MLP(s) fused")])
 def test_a_factory_may_return_a_bare_model(factory, fused, capsys):
-    assert main(["inspect", f"_models:{factory}"]) == 0
+    assert main(["inspect", f"fp8pass.testing.models:{factory}"]) == 0
     assert fused in capsys.readouterr().out
 
 

@@ -1,17 +1,17 @@
-"""Tiny models of other training stacks (torchtitan, litgpt, torchtune; tests/_client_zoo.py) under the
+"""Tiny models of other training stacks (torchtitan, litgpt, torchtune; fp8pass/testing/client_zoo.py) under the
 fp8 backend, judged like the Hugging Face zoo (tests/_zoo_judge.py): no crash; every parameter with an
 eager gradient gets a compiled one; gradient cosine >= 0.98 per parameter group and overall; the
 identity format equal to eager to fp32 rounding (to bf16 rounding where the stack's own code computes
 in bf16: torchtitan's experts; ``_zoo_judge.identity_tolerance``); explain's GLUs, expert stacks and
 linears equal the counts from the modules, and explain accounts for every matmul weight (FP8, kept, or
 ran eagerly between graphs: litgpt LLaMAMoE's router; tests/_accounting.py). A stack that is not
-installed is skipped (``_client_zoo.INSTALL`` says how). A fast subset runs by default; the rest is
+installed is skipped (``fp8pass.testing.client_zoo.INSTALL`` says how). A fast subset runs by default; the rest is
 ``slow`` (python -m pytest -m slow tests/test_client_zoo.py). Results: docs/results/client_zoo.md.
 """
 
 import pytest
 
-import _client_zoo as C
+from fp8pass.testing import client_zoo as C
 import _zoo_judge as J
 
 _eager_casts = pytest.fixture(autouse=True)(J.eager_casts)

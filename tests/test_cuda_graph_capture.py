@@ -10,18 +10,14 @@ no tensor constant may be baked into the graph (it would live on the CPU). On a 
 captured for real by tests/gpu/test_host_sync_gpu.py (no ``cudagraph_skips``, state kept in place).
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch._inductor import compile_fx as inductor_compile_fx
 from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import fp8pass  # noqa: E402
-from _models import tiny_titan_llama  # noqa: E402
+import fp8pass
+from fp8pass.testing.models import tiny_titan_llama
 
 HOST_READS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default",
               "aten.equal.default"}

@@ -5,18 +5,14 @@ with ``"high"`` the compiled evaluation loss is the eager model's bit for bit, w
 graphs stay FP8; evaluation changes no scaling state; switching modes compiles each graph once.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402
-from fp8pass import Config, Rule  # noqa: E402
-from fp8pass.runtime.state import _REGISTRY  # noqa: E402
-from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
+import fp8pass
+from fp8pass import Config, Rule
+from fp8pass.runtime.state import _REGISTRY
+from fp8pass.train import ModelConfig, TinyLlama
 
 X = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-from common import gap_pct, paired_gaps  # noqa: E402
+from experiments.common import gap_pct, paired_gaps
 
 
 def test_paired_gaps_compare_each_run_with_the_same_seeds_baseline():
@@ -29,7 +28,7 @@ def test_paired_gaps_compare_each_run_with_the_same_seeds_baseline():
 
 @pytest.mark.slow
 def test_parity_experiment_runs_end_to_end(tmp_path):
-    cmd = [sys.executable, str(ROOT / "experiments" / "parity.py"), "--steps", "2", "--seeds", "0,1",
+    cmd = [sys.executable, "-m", "experiments.parity", "--steps", "2", "--seeds", "0,1",
            "--runs", "bf16,fp8-smooth", "--workers", "2", "--eval-batches", "1",
            "--out", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs")]
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
@@ -42,7 +41,7 @@ def test_parity_experiment_runs_end_to_end(tmp_path):
 
 
 def test_finished_run_is_reused_only_with_the_same_config(tmp_path):
-    from common import finished_run
+    from experiments.common import finished_run
 
     from fp8pass.train import ModelConfig, TrainConfig, train
     (tmp_path / "c.txt").write_text("".join(f"x{i} = {i} * y\n" for i in range(300)))
@@ -64,7 +63,7 @@ def test_instability_plants_have_the_defining_pre_activation_and_keep_w1_equal_w
     """saturated: u·x far below 0 off the trigger byte (Theorem 1's σ′ → 0); sparse: u·x ≈ 0 there.
     Both: u·x > 0 on the trigger byte, w_gate row = w_up row = α·u, and w_down's column divided by α²."""
     import torch
-    from outlier_plant import fit_directions, plant
+    from experiments.outlier_plant import fit_directions, plant
 
     from fp8pass.train import ModelConfig, TinyLlama, load_text_data
     torch.manual_seed(0)
@@ -91,7 +90,7 @@ def test_instability_plants_have_the_defining_pre_activation_and_keep_w1_equal_w
 def test_instability_reuses_a_finished_run_only_for_the_same_plant(tmp_path):
     import json as _json
 
-    from instability import RESULT, finished
+    from experiments.instability import RESULT, finished
     job = {"name": "fp8", "seed": 0, "plant_at": 50, "alpha": 200.0, "plant": "sparse",
            "config": {"recipe": "fp8", "steps": 150, "out": str(tmp_path)}}
     assert finished(job) is None
@@ -104,7 +103,7 @@ def test_instability_reuses_a_finished_run_only_for_the_same_plant(tmp_path):
 
 
 def test_instability_fit_sample_adds_windows_for_a_rare_trigger_and_rejects_an_absent_one():
-    from outlier_plant import fit_sample
+    from experiments.outlier_plant import fit_sample
 
     from fp8pass.train import load_text_data
     data = load_text_data()
@@ -118,7 +117,7 @@ def test_instability_fit_sample_adds_windows_for_a_rare_trigger_and_rejects_an_a
 
 
 def test_loss_spikes_are_paired_by_seed_and_step_after_the_plant():
-    from instability import loss_spikes
+    from experiments.instability import loss_spikes
     base = {s: 2.0 for s in range(1, 21)}
     spiky = {**base, 12: 3.0}                                      # one step 50% above bf16
     runs = [{"name": "bf16", "seed": 0, "train_loss": base}, {"name": "fp8", "seed": 0, "train_loss": spiky},
@@ -133,8 +132,8 @@ def test_instability_mechanism_token_scale_stats_see_the_planted_channel():
     """The planted channel inflates the token scale r_t and the token form's operand keeps an outlier
     far smaller than h's (linear rather than quadratic in α)."""
     import torch
-    from outlier_plant import fit_directions, plant
-    from instability_mechanism import token_scale_stats
+    from experiments.outlier_plant import fit_directions, plant
+    from experiments.instability_mechanism import token_scale_stats
 
     from fp8pass.train import ModelConfig, TinyLlama, load_text_data
     torch.manual_seed(0)
@@ -153,7 +152,7 @@ def test_instability_mechanism_token_scale_stats_see_the_planted_channel():
 
 
 def test_moments_experiment_runs_the_papers_form_beside_the_storage_variants():
-    import moments
+    from experiments import moments
     from fp8pass.train import TrainConfig
 
     cfgs = {n: TrainConfig(**moments.variant_config(n, steps=3, lr=1e-3, seed=1, out="x")) for n in moments.VARIANTS}
@@ -173,7 +172,7 @@ def test_moments_experiment_runs_the_papers_form_beside_the_storage_variants():
 
 
 def test_v_storage_measurement_uses_the_stored_m_and_sees_the_range_limits():
-    import optim_v_storage as vs
+    from experiments import optim_v_storage as vs
 
     exact = vs.run(6, 0.95, 12, None, dict(m_format="fp32", v_format="fp32"))
     assert exact["median"] == 0 and exact["too_large"] == 0 and exact["v_alone"]["max_ratio"] == 1

@@ -16,7 +16,7 @@ from fp8pass.config import Config, CurrentScaling, NVFP4Scaling
 from fp8pass.passes.plan import plan_graph
 from fp8pass.runtime.state import grouped_state_for
 
-from _models import capture
+from fp8pass.testing.models import capture
 
 E, D, H = 4, 32, 64
 IDENTITY = Config(fwd_format="identity", bwd_format="identity", compiler="aot_eager", grad_stochastic_rounding=False)
@@ -303,8 +303,8 @@ def test_transformers_eager_experts_are_listed_as_outside_every_graph():
     """transformers' eager experts loop over data-dependent expert ids: their GEMMs are in no graph
     (docs/backend.md); explain lists each expert weight with the reason and what to do."""
     pytest.importorskip("transformers")
-    import _hf_zoo as Z
     from fp8pass.report.report import OUTSIDE_GRAPHS
+    from fp8pass.testing import hf_zoo as Z
 
     ids = Z.ids(1, 8)
     rep = fp8pass.explain(Z.build("Mixtral", layers=1, experts_impl="eager"), ids)

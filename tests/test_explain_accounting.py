@@ -18,7 +18,7 @@ from fp8pass.config import Config
 from fp8pass.report.report import IN_NO_GRAPH_MATMUL, OUTSIDE_GRAPHS, RAN_EAGERLY, matmul_weights
 from fp8pass.runtime.state import state_for
 
-import _hf_zoo as Z
+from fp8pass.testing import hf_zoo as Z
 from _accounting import assert_accounts_for_matmul_weights, reference_matmul_weights
 from test_hf_zoo import FAST
 

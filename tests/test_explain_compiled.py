@@ -131,7 +131,7 @@ def test_explain_under_the_integrations_recipes(tmp_path):
     prepared = accelerate.Accelerator(cpu=True).prepare(model)
     assert _summary(fp8pass.explain(prepared, ids)) == before
 
-    import _hf_zoo as Z
+    from fp8pass.testing import hf_zoo as Z
 
     moe = Z.build("Mixtral", layers=1, experts_impl="grouped_mm")
     moe.compile(backend="fp8")

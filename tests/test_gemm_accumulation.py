@@ -4,17 +4,13 @@ The CUDA code path runs on CPU (``FP8PASS_KERNELS=triton``); ``benchmarks/gpu_la
 routes the GEMMs to ``torch._scaled_mm`` as on a GPU and records the ``use_fast_accum`` of each call.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402
-from benchmarks import gpu_launches as gl  # noqa: E402
-from fp8pass import ops  # noqa: E402
+import fp8pass
+from benchmarks import gpu_launches as gl
+from fp8pass import ops
 
 
 def _compiled_step(fast_accum):

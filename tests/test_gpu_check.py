@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import gpu_bench  # noqa: E402
 
 # what the script may write, the temp files of the atomic rewrites included
 ALLOWED = {"gpu_check.json", "gpu_check.md", "gpu_check.log", "gpu_tests.xml", "gpu_check.json.tmp",
@@ -125,13 +124,13 @@ def test_a_timed_out_stage_records_where_it_hung(tmp_path):
     it hung in. The signal is sent here, as ``timeout`` would, once the stage says which case runs."""
     results = gpu_bench.Results(tmp_path)
     results.update(lambda d: d.update(env={"torch": "recorded earlier"}))  # skips the torch import
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from benchmarks import gpu_bench as g\n"
+    code = ("import sys, time; from benchmarks import gpu_bench as g\n"
             "def hang(run):\n    run.running('torch fused AdamW')\n    time.sleep(120)\n"
-            "g.STAGES['adam'] = hang\ng.run_stage('adam', g.Path(sys.argv[2]), 'quick')\n")
+            "g.STAGES['adam'] = hang\ng.run_stage('adam', g.Path(sys.argv[1]), 'quick')\n")
     log = tmp_path / "gpu_check.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path)], stdout=f,
-                                stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=f,
+                                stderr=subprocess.STDOUT, cwd=ROOT, env=_env())
         try:
             for _ in range(6000):  # up to 60 s on a loaded machine; usually well under a second
                 stage = results.load().get("stages", {}).get("adam", {})
@@ -155,13 +154,13 @@ def test_a_failing_case_is_recorded_and_the_stage_runs_on(tmp_path):
     are kept on it, the next case is measured, and the stage ends failed with the first traceback."""
     results = gpu_bench.Results(tmp_path)
     results.update(lambda d: d.update(env={"torch": "recorded earlier"}))  # skips the torch import
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from benchmarks import gpu_bench as g\n"
+    code = ("import sys; from benchmarks import gpu_bench as g\n"
             "def two(run):\n"
             "    run.guarded('torch fused AdamW', lambda: {}['no such key'])\n"
             "    run.guarded('fp8pass AdamW', lambda: run.case('fp8pass AdamW', ms=2.0))\n"
-            "g.STAGES['adam'] = two\nsys.exit(g.run_stage('adam', g.Path(sys.argv[2]), 'quick'))\n")
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT), str(tmp_path)], capture_output=True, text=True,
-                       env=_env(), timeout=120)
+            "g.STAGES['adam'] = two\nsys.exit(g.run_stage('adam', g.Path(sys.argv[1]), 'quick'))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       cwd=ROOT, env=_env(), timeout=120)
     assert r.returncode == 1, r.stderr
     s = results.load()["stages"]["adam"]
     assert s["status"] == "failed" and s["failed_cases"] == ["torch fused AdamW"]

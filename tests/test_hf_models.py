@@ -8,7 +8,7 @@ import torch
 import fp8pass
 from fp8pass.config import Config
 
-from _models import tiny_titan_llama
+from fp8pass.testing.models import tiny_titan_llama
 from test_patterns import _hf
 
 LAYERS = 2

@@ -3,7 +3,7 @@
 Per model: no crash; the loss within the FP8 bound of eager fp32; every parameter with an eager
 gradient gets one compiled; gradient cosine >= 0.98 per parameter group; with the identity format,
 loss and gradients equal eager to fp32 rounding; explain's counts equal the GLUs, expert stacks and
-linears counted from the modules (tests/_hf_zoo.py). A fast subset runs by default (dense, fused
+linears counted from the modules (fp8pass/testing/hf_zoo.py). A fast subset runs by default (dense, fused
 gate_up, Conv1D, one MoE); the whole zoo is ``slow`` (python -m pytest -m slow tests/test_hf_zoo.py).
 """
 
@@ -13,7 +13,7 @@ import torch
 import fp8pass
 from fp8pass.config import Config
 
-import _hf_zoo as Z
+from fp8pass.testing import hf_zoo as Z
 import _zoo_judge as J
 
 FAST = ["Llama", "Phi3", "GPT2", "Mixtral", "Llama4"]
@@ -56,7 +56,7 @@ def test_zoo_fast_subset(name):
 
 # FlexOlmo: FP8 gradients at cosine 0.92 of eager overall (every group 0.91-0.98) while the identity format
 # matches eager: an honest FP8 effect of its architecture at this size, not a rewrite error
-# (docs/results/hf_zoo.md, "FlexOlmo"; `python tests/_hf_zoo.py FlexOlmo`). It norms each branch's
+# (docs/results/hf_zoo.md, "FlexOlmo"; `python -m fp8pass.testing.hf_zoo FlexOlmo`). It norms each branch's
 # output (post_attention/post_feedforward_layernorm after attention and the experts, no pre-norm), so a
 # branch's FP8 error enters the residual at full size, and its router reads that raw residual: top-2
 # routing changes for 6% / 12% of tokens (layers 0 / 1; Olmoe, pre-norm: 4% / 6%), each change a jump

@@ -7,16 +7,12 @@ The counts are exact, so a regression (one more launch, any sync) fails here. Th
 and the numbers before this work are in docs/results/gpu.md.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import gpu_launches as gl  # noqa: E402
-from fp8pass.numerics import E4M3  # noqa: E402
+from benchmarks import gpu_launches as gl
+from fp8pass.numerics import E4M3
 
 # fwd + bwd, GEMMs included, steady state (a delayed-scaling history that is no longer empty)
 # The counter also sees the copies a view op makes inside an fp8pass op (``contiguous`` of an operand's

@@ -8,7 +8,7 @@ from fp8pass import Config, HotChannelPatching, NVFP4Scaling
 from fp8pass.passes.nvfp4_policy import block_of, protected_linears
 from fp8pass.runtime import hcp_state_for
 
-from _models import tiny_titan_llama
+from fp8pass.testing.models import tiny_titan_llama
 
 
 def _cfg(**kw):

@@ -476,8 +476,7 @@ def test_moment_stochastic_cast_is_unbiased_to_2_pow_minus_16_of_a_step(fmt_name
 
 _STATIC = r"""
 import json, sys
-sys.path.insert(0, "benchmarks")
-import gpu_compile as gc, gpu_static as gs
+from benchmarks import gpu_compile as gc, gpu_static as gs
 rows = [gs.measure(name, kernel, sig, consts, cfg) for name, kernel, sig, consts, cfg in gc.cases()
         if name.startswith(("adam e4m3/e5m2 block=128 sr=True", "adam e4m3/e5m2 block=8192 sr=True",
                             "adam split e4m3/e5m2 sr=True"))]

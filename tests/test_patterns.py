@@ -7,7 +7,7 @@ import torch.nn as nn
 from fp8pass.config import Config
 from fp8pass.passes.plan import plan_graph
 
-from _models import (D, Fused, GeGLU, GeluMLP, MatmulWT, MulSilu, ReGLU, SigmoidFn, SigmoidMethod, SiluMul,
+from fp8pass.testing.models import (D, Fused, GeGLU, GeluMLP, MatmulWT, MulSilu, ReGLU, SigmoidFn, SigmoidMethod, SiluMul,
                      capture, tiny_titan_llama)
 
 VARIANTS = [

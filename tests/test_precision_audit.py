@@ -6,22 +6,18 @@ which routes the GEMMs to ``torch._scaled_mm`` as on a GPU and lists the calls: 
 the GEMMs that really ran there.
 """
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fp8pass
+from benchmarks import gpu_launches as gl
+from fp8pass import Config, CurrentScaling, DelayedScaling, Rule
+from fp8pass.kernels import cuda
+from fp8pass.monitor import audit_summary, audit_version, collective_audit, precision_audit
 
-import fp8pass  # noqa: E402
-from benchmarks import gpu_launches as gl  # noqa: E402
-from fp8pass import Config, CurrentScaling, DelayedScaling, Rule  # noqa: E402
-from fp8pass.kernels import cuda  # noqa: E402
-from fp8pass.monitor import audit_summary, audit_version, collective_audit, precision_audit  # noqa: E402
-
-from _models import tiny_titan_llama  # noqa: E402
+from fp8pass.testing.models import tiny_titan_llama
 
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
 CPU_FP8 = "cpu emulation: float32 GEMM of FP8 codes"  # fp32 model: fp32 GEMMs of the codes

@@ -10,20 +10,16 @@ those of the high-precision backward; with an FP8 forward the dgrad and wgrad GE
 
 import json
 import re
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fp8pass
+from benchmarks import gpu_launches as gl
+from fp8pass import Config, CurrentScaling, DelayedScaling, Rule
 
-import fp8pass  # noqa: E402
-from benchmarks import gpu_launches as gl  # noqa: E402
-from fp8pass import Config, CurrentScaling, DelayedScaling, Rule  # noqa: E402
-
-from _models import tiny_titan_llama  # noqa: E402
+from fp8pass.testing.models import tiny_titan_llama
 
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
 

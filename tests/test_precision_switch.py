@@ -6,20 +6,16 @@ rewrite changed (counted by ``Backend.compiles``); the weights that stay FP8 kee
 ``model.state_dict()``; bad input fails with a message saying what to do.
 """
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402
-from fp8pass import Config, DelayedScaling, Rule  # noqa: E402
-from fp8pass.integrity import CheckpointError  # noqa: E402
-from fp8pass.runtime.state import _REGISTRY  # noqa: E402
-from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
+import fp8pass
+from fp8pass import Config, DelayedScaling, Rule
+from fp8pass.integrity import CheckpointError
+from fp8pass.runtime.state import _REGISTRY
+from fp8pass.train import ModelConfig, TinyLlama
 
 X = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))

@@ -130,7 +130,7 @@ def test_cli_rejects_scaling_flags_for_named_recipes(tmp_path, corpus, capsys):
 
 def test_keep_first_and_last_layers_by_count():
     """Config.keep_first_layers / keep_last_layers: exact counts of FP8 linears on a 4-block model."""
-    from _models import tiny_titan_llama
+    from fp8pass.testing.models import tiny_titan_llama
 
     x = torch.randint(0, 128, (2, 8))
     torch._dynamo.reset()
@@ -178,7 +178,7 @@ def test_format_advisor_on_planted_ranges():
 
 
 def test_format_advisor_on_a_model_covers_every_rewritten_role():
-    from _models import tiny_titan_llama
+    from fp8pass.testing.models import tiny_titan_llama
     from fp8pass.monitor import advise
 
     torch._dynamo.reset()

@@ -503,7 +503,7 @@ def test_backward_keeps_no_zero_gradients_of_the_saved_codes():
     """The codes outputs are never differentiated: autograd must not zero-fill gradients for them
     (a memset of every saved byte, weights included, per step); y's gradient alone still works, and
     a backward through the amaxes only gives zero input gradients."""
-    from _models import FillRecorder  # tests/ is on sys.path (pytest's rootdir conftest)
+    from fp8pass.testing.models import FillRecorder
 
     x, w, offs, dy = _data(16)
     g = torch.Generator().manual_seed(16)
@@ -551,7 +551,7 @@ def test_rewrite_under_autocast_keeps_node_dtypes_and_gradients(fmt):
     model = _StackedExperts()
     x = torch.randn(4, 40, 32, generator=torch.Generator().manual_seed(18))
     dy = torch.randn(4, 40, 32, generator=torch.Generator().manual_seed(19))
-    from _models import dynamo_graph_under_autocast  # tests/ is on sys.path (pytest's rootdir conftest)
+    from fp8pass.testing.models import dynamo_graph_under_autocast
 
     gm, inputs = dynamo_graph_under_autocast(model, x)
     cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), fwd_format=fmt, bwd_format=fmt, compiler="eager",
@@ -713,10 +713,7 @@ def test_cuda_path_calls_scaled_grouped_mm_three_times_without_sync_and_is_near_
     fallback CPU tensors take; and against the fp32 autograd of the exact grouped matmul within the
     bound of E4M3 operands (each within 2**-4 relative of its value, the E5M2 gradient too, cast to
     E4M3 here): ``|g - ref| <= 2**-3 (|A| |B|^T) + 2**-8 |ref|`` (the second term: bf16 outputs)."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import gpu_launches as gl
 
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")
@@ -778,10 +775,7 @@ def test_gradient_format_of_the_grouped_ops_per_device(monkeypatch):
 def test_grouped_forward_gemm_accumulates_fast_and_gradient_gemms_precisely(monkeypatch, fast_accum):
     """``fast_accum`` (``Config.fast_accum``) reaches the forward ``_scaled_grouped_mm`` only: dgrad and
     wgrad accumulate precisely, as the dense ops do (tests/test_gemm_accumulation.py)."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import gpu_launches as gl
 
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")

@@ -388,11 +388,8 @@ def test_rewrite_under_autocast_keeps_every_dtype(fmt):
     rewrite kept produces the dtype it had in Dynamo's graph, the outputs too, and the FP8 ops emit
     bf16 (the replaced ``F.linear``'s dtype), not the fp32 of their inputs; gradients keep the
     parameters' dtype."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _models import dynamo_graph_under_autocast, tiny_titan_llama
+    from fp8pass.testing.models import dynamo_graph_under_autocast, tiny_titan_llama
 
     model = tiny_titan_llama()
     tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -460,7 +457,7 @@ def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
     """fp8_linear, fp8_linear_precast and swiglu_down: autograd hands their backward None for the
     saved codes, scales and amaxes (never differentiated) instead of zero-filled tensors as large as
     x and W; a backward through the amaxes only (y unused) gives zero input gradients."""
-    from _models import FillRecorder  # tests/ is on sys.path (pytest's rootdir conftest)
+    from fp8pass.testing.models import FillRecorder
     from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
 
     lk = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True).args()

@@ -2,7 +2,6 @@
 (``benchmarks.train_step.record_partitions``) against the exact expected count, and gradients against
 the high-precision model's."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,7 @@ import torch
 import fp8pass
 from fp8pass.train import ModelConfig, TinyLlama
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.train_step import record_partitions  # noqa: E402
+from benchmarks.train_step import record_partitions
 
 LAYERS, BATCH, SEQ, FFN = 2, 2, 32, 96
 

@@ -10,8 +10,6 @@ Counted with ``saved_tensors_hooks``, eager and compiled (AOT autograd's partiti
 anything else).
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +17,7 @@ import torch
 import fp8pass
 from fp8pass import ops
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _models import D, H, SiluMul  # noqa: E402
+from fp8pass.testing.models import D, H, SiluMul
 
 T = 64  # tokens of the inputs below (4 x 16)
 

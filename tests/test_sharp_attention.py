@@ -1,28 +1,24 @@
 """The sharp-attention advisor (``fp8pass.monitor.sharp_attention``): issue 30 item 7.
 
 It flags the q/k projections of attention that RMS-normalises q and k and scales the logits by ~44
-(Muse Glimmer, ``_models.tiny_sharp_llama``) by their exact FQNs, and no plain Llama attention; its
+(Muse Glimmer, ``fp8pass.testing.models.tiny_sharp_llama``) by their exact FQNs, and no plain Llama attention; its
 rules, applied, raise the all-parameter gradient cosine of FP8 to eager fp32 above a bound measured
 with margin (docs/results/sharp_attention.md); explain names the advice for each kept projection.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fp8pass
+from fp8pass import Config, Rule
+from fp8pass.monitor import AttentionAdvice, sharp_attention
+from fp8pass.train.model import ModelConfig, TinyLlama
 
-import fp8pass  # noqa: E402
-from fp8pass import Config, Rule  # noqa: E402
-from fp8pass.monitor import AttentionAdvice, sharp_attention  # noqa: E402
-from fp8pass.train.model import ModelConfig, TinyLlama  # noqa: E402
-
-from _models import tiny_sharp_llama, tiny_titan_llama  # noqa: E402
+from fp8pass.testing.models import tiny_sharp_llama, tiny_titan_llama
 
 IDS = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(100))
 SHARP_QK = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.1.attention.wq", "layers.1.attention.wk"]
@@ -196,7 +192,7 @@ def test_torchtitan_muse_glimmer_is_flagged():
     """torchtitan 0.3's own Muse Glimmer (debug model, 2 blocks, SDPA; the client environment:
     docs/results/client_zoo.md): its q/k projections inside ``qkv_linear`` are flagged by FQN."""
     pytest.importorskip("torchtitan.models.muse_glimmer")
-    import _client_zoo
+    from fp8pass.testing import client_zoo as _client_zoo
     from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
 
     cfg = _client_zoo._titan_config("muse_glimmer", "debugmodel")

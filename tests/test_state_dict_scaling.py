@@ -14,7 +14,7 @@ import fp8pass
 from fp8pass import scaling_state
 from fp8pass.checkpoint import checkpoint_state, load_checkpoint_state
 
-from _models import tiny_titan_llama
+from fp8pass.testing.models import tiny_titan_llama
 
 CFG = fp8pass.Config(compiler="aot_eager")
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -137,8 +137,7 @@ def test_dcp_model_state_dict_resolves_the_scaling_keys():
 
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch, fp8pass
-    sys.path.insert(0, {tests!r})
-    from _models import tiny_titan_llama
+    from fp8pass.testing.models import tiny_titan_llama
     from test_state_dict_scaling import CFG, _step
     mode, path = sys.argv[1], sys.argv[2]
     model = tiny_titan_llama()
@@ -159,9 +158,8 @@ RESUME_SCRIPT = textwrap.dedent("""
 
 def test_resume_in_a_fresh_process_is_bit_identical_with_stochastic_rounding(tmp_path):
     assert CFG.grad_stochastic_rounding
-    tests = os.path.dirname(__file__)
     script = tmp_path / "run.py"
-    script.write_text(RESUME_SCRIPT.format(tests=tests))
+    script.write_text(RESUME_SCRIPT)
     ckpt = str(tmp_path / "ck.pt")
 
     def run(mode):

@@ -3,7 +3,7 @@
 torchtitan compiles each TransformerBlock with ``compile.backend`` (torchtitan.distributed.compile
 ``apply_compile``, called by every model's parallelize function after activation checkpointing and
 before FSDP). These tests call that function with fp8pass's backend on a 2-layer torchtitan Llama 3
-(tests/_client_zoo.py: its debug flavor, SDPA inner attention since FlexAttention has no CPU
+(fp8pass/testing/client_zoo.py: its debug flavor, SDPA inner attention since FlexAttention has no CPU
 backward) and train it; skipped where torchtitan is not installed (the ``clients`` extra).
 """
 
@@ -20,7 +20,7 @@ from torchtitan.config import CompileConfig  # noqa: E402
 from torchtitan.distributed.compile import apply_compile  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 
-import _client_zoo as C  # noqa: E402
+from fp8pass.testing import client_zoo as C  # noqa: E402
 import _zoo_judge as J  # noqa: E402
 
 _eager_casts = pytest.fixture(autouse=True)(J.eager_casts)

@@ -102,8 +102,7 @@ def test_grouped_glu_kernels_reject_bad_arguments():
 
 _STATIC = r"""
 import json, sys
-sys.path.insert(0, "benchmarks")
-import gpu_compile as gc, gpu_static as gs
+from benchmarks import gpu_compile as gc, gpu_static as gs
 rows = [gs.measure(name, kernel, sig, consts, cfg, aligned=aligned) for name, kernel, sig, consts, cfg in gc.cases()
         if name in sys.argv[1].split(";") for aligned in (True, False)]
 print(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]))

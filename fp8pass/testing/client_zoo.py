@@ -1,10 +1,10 @@
 """The client zoo: tiny models built from other training stacks' own model code (torchtitan 0.3.0,
-litgpt 0.5.13, torchtune 0.6.1), as test infrastructure beside the Hugging Face zoo (tests/_hf_zoo.py).
+litgpt 0.5.13, torchtune 0.6.1), as test infrastructure beside the Hugging Face zoo (fp8pass/testing/hf_zoo.py).
 
 ``zoo()`` lists the names (``<stack>/<model>``), ``available(name)`` says whether the stack is installed,
 ``build(name)`` returns a seeded fp32 model in train mode, ``loss_fn(model, ids)`` its LM loss on
 ``ids(...)`` (the stacks' models return logits). Counting what the fp8 rewriter should find is
-tests/_hf_zoo.py's ``expected_counts`` (the module names below are among its GLU names).
+fp8pass/testing/hf_zoo.py's ``expected_counts`` (the module names below are among its GLU names).
 
 What differs from each stack's training run, and why:
 
@@ -24,7 +24,7 @@ import importlib.util
 
 import torch
 
-import _hf_zoo
+from fp8pass.testing import hf_zoo as _hf_zoo
 
 VOCAB = 128
 
@@ -196,5 +196,5 @@ def output_module(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def expected_counts(model: torch.nn.Module):
-    """tests/_hf_zoo.py's counts from the module tree, with this stack's LM head."""
+    """fp8pass/testing/hf_zoo.py's counts from the module tree, with this stack's LM head."""
     return _hf_zoo.expected_counts(model, output_module(model))

@@ -8,7 +8,7 @@ step's (both compile the model's graph: the switch costs one compile, not a rest
 times before and after, and the per-call cost of the check that reads the model's precision epoch
 and mode, against a steady step.
 
-Usage: python benchmarks/precision_switch.py [--compiler inductor|aot_eager] [--switched 'layers.[23].*']
+Usage: python -m tools.precision_switch [--compiler inductor|aot_eager] [--switched 'layers.[23].*']
          [--threads 1] [--json out.json]
 """
 
@@ -17,18 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import timeit
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402
-from fp8pass import Config, Rule  # noqa: E402
-from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
+import fp8pass
+from fp8pass import Config, Rule
+from fp8pass.train import ModelConfig, TinyLlama
 
 
 def main(argv=None) -> dict:

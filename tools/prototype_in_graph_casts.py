@@ -3,26 +3,22 @@
 (no custom ops, no compiled loop called through its own Dynamo frame), against bf16-Inductor and fp8pass's
 recipes, the variants' steps interleaved in one process.
 
-    python benchmarks/prototype_in_graph_casts.py
+    python -m tools.prototype_in_graph_casts
 
 The same rounding as fp8pass's CPU kernels (RNE values of E4M3 codes; E5M2 dy by the stochastic integer
 rounding), per-tensor current scaling, x saved as E4M3 codes, weights recast in backward; plain SwiGLU (no
-smoothing) and torch AdamW. Result and reading: docs/results/step.md, run 6.
+smoothing) and torch AdamW. Result and reading: docs/results/step.md (the table of this run is in that page's git history, run 6).
 """
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import train_step as ts  # noqa: E402
-from fp8pass import E4M3, E5M2  # noqa: E402
-from fp8pass.kernels.cpu import _stochastic_cast_math, rne_constants, rne_values_math  # noqa: E402
-from fp8pass.train.model import ModelConfig, TinyLlama  # noqa: E402
+from benchmarks import train_step as ts
+from fp8pass import E4M3, E5M2
+from fp8pass.kernels.cpu import _stochastic_cast_math, rne_constants, rne_values_math
+from fp8pass.train.model import ModelConfig, TinyLlama
 
 torch.set_num_threads(1)
 

@@ -4,15 +4,12 @@ CUDA code path (counted on CPU under Triton's interpreter, ``benchmarks/gpu_laun
 seed drawn from torch's generator (``sr_stream=None``) vs from a stochastic-rounding stream
 (``fp8pass.runtime.sr``). Results: docs/results/sr_streams.md.
 
-    TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/sr_stream_launches.py
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python -m tools.sr_stream_launches
 """
 
 import os
-import sys
 
 os.environ["FP8PASS_KERNELS"] = "triton"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch  # noqa: E402
 
 import fp8pass  # noqa: E402

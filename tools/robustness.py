@@ -1,6 +1,6 @@
 """What issue 33's safeguards cost and what they bound (docs/results/robustness.md).
 
-    python -m benchmarks.robustness [--repeats 7]
+    python -m tools.robustness [--repeats 7]
 
 Measures, on this machine, one thread:
 * the trainer's checkpoint write with its read-back validation (``save_checkpoint``) against the

@@ -2,7 +2,7 @@
 
 Command::
 
-    python benchmarks/state_updates.py [--steps 3] [--d-model 256 --layers 4 --batch 8 --seq 256]
+    python -m tools.state_updates [--steps 3] [--d-model 256 --layers 4 --batch 8 --seq 256]
 
 Prints one JSON line: the step's total profiled time, and for the state-update ops
 (``fp8pass::delayed_record_``, ``fp8pass::delayed_record_many_``, and Inductor kernels named after
@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
-from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model  # noqa: E402
+from fp8pass.train import ModelConfig, TinyLlama
+from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model
 
 STATE_OPS = ("fp8pass::delayed_record_", "fp8pass::delayed_record_many_")
 

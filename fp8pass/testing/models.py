@@ -268,7 +268,7 @@ def capture(model, *inputs, **compile_kw):
 
 
 def tiny_titan_llama_with_inputs():
-    """Factory for ``python -m fp8pass inspect _models:tiny_titan_llama_with_inputs``."""
+    """Factory for ``python -m fp8pass inspect fp8pass.testing.models:tiny_titan_llama_with_inputs``."""
     return tiny_titan_llama(), (torch.randint(0, 128, (2, 8)),)
 
 

@@ -1,6 +1,6 @@
 """What the runtime precision audit costs: at compile time (per graph) and per training step.
 
-    python benchmarks/precision_audit.py [--layers 8] [--d-model 256] [--steps 5]
+    python -m tools.precision_audit [--layers 8] [--d-model 256] [--steps 5]
 
 Compiles a TinyLlama (``--layers`` blocks) with the ``fp8`` backend (aot_eager), timing the audit
 (``precision_audit.graph_gemms`` over each rewritten graph) against the backend's whole pass over the
@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8pass  # noqa: E402
-import fp8pass.compile_backend as cb  # noqa: E402
-from fp8pass.monitor import audit_version, precision_audit  # noqa: E402
-from fp8pass.train import ModelConfig, TinyLlama  # noqa: E402
+import fp8pass
+import fp8pass.compile_backend as cb
+from fp8pass.monitor import audit_version, precision_audit
+from fp8pass.train import ModelConfig, TinyLlama
 
 
 def main() -> None:

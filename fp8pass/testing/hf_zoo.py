@@ -159,7 +159,7 @@ def ids(batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
 # expected counts, from the modules
 
 _GLU_NAMES = [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("gate_up_proj", None, "down_proj"),
-              ("wi_0", "wi_1", "wo"), ("fc_1", "fc_2", "proj")]  # the last: litgpt (tests/_client_zoo.py)
+              ("wi_0", "wi_1", "wo"), ("fc_1", "fc_2", "proj")]  # the last: litgpt (fp8pass/testing/client_zoo.py)
 
 
 @dataclass
@@ -204,7 +204,7 @@ def _weight2d(m, attr) -> bool:
 
 
 def expected_counts(model: torch.nn.Module, output: torch.nn.Module | None = None) -> ExpectedCounts:
-    """output: the LM head module of a model without ``get_output_embeddings`` (tests/_client_zoo.py)."""
+    """output: the LM head module of a model without ``get_output_embeddings`` (fp8pass/testing/client_zoo.py)."""
     from transformers.pytorch_utils import Conv1D
     c = ExpectedCounts()
     covered: set[str] = set()  # module names counted as part of a GLU / expert stack / router
@@ -325,7 +325,7 @@ def routing_changes(name: str, cfg=None, **config_overrides) -> list[tuple[float
     return out
 
 
-if __name__ == "__main__":  # python tests/_hf_zoo.py FlexOlmo [num_experts_per_tok=4 ...]
+if __name__ == "__main__":  # python -m fp8pass.testing.hf_zoo FlexOlmo [num_experts_per_tok=4 ...]
     import os
     import sys
 
