@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..config import Config, DelayedScaling, NVFP4Scaling
+from ..config import Config, DelayedScaling
 from ..numerics import DelayedScalingState
 from .annotate import facts, value_dtype
 
-__all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "recipe_kwargs", "record_params", "is_nvfp4",
+__all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "recipe_kwargs", "record_params", "smooth_knob",
            "keep_meta", "finish", "ROLES", "STATE_FIELDS"]
 
 ROLES = ("input", "weight", "grad_output")
@@ -89,9 +89,8 @@ def recipe_kwargs(cfg: Config, backward: str = "fp8") -> dict:
     )
 
 
-def is_nvfp4(site) -> bool:
-    """Whether a plan site's recipe is NVFP4 (the NVFP4 rewriter's) rather than FP8."""
-    return isinstance(site.recipe.cfg.recipe, NVFP4Scaling)
+def smooth_knob(smooth_swiglu: str | None) -> str:
+    return smooth_swiglu or "none"
 
 
 def record_params(kw: dict) -> tuple:
