@@ -3,11 +3,11 @@
 from .casts import ROUNDINGS, decode, e8m0_encode, encode, pack_e2m1, saturating_cast, unpack_e2m1
 from .formats import E2M1, E4M3, E4M3_GAUDI, E5M2, E8M0, FORMATS, Format, get_format
 from .quantized import Quantized, normalize_block, quantize, quantize_delayed
-from .scaling import DelayedScalingState, delayed_scaling_update, scale_from_amax
+from .scaling import ROLES, DelayedScalingState, delayed_scaling_update, scale_from_amax
 
 __all__ = [
     "ROUNDINGS", "decode", "e8m0_encode", "encode", "pack_e2m1", "saturating_cast", "unpack_e2m1",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "FORMATS", "Format", "get_format",
     "Quantized", "normalize_block", "quantize", "quantize_delayed",
-    "DelayedScalingState", "delayed_scaling_update", "scale_from_amax",
+    "ROLES", "DelayedScalingState", "delayed_scaling_update", "scale_from_amax",
 ]

@@ -79,7 +79,7 @@ class ExpertLoopRewriter(FP8Rewriter):
             return
         full, stack, e = row
         entry = self._loop_records.setdefault(tuple(id(n) for n in full),
-                                              (full, stack, fmt, {}, params or record_params(self.kw)))
+                                              (full, stack, fmt, {}, params or record_params(self.knobs)))
         entry[3].setdefault(e, []).append(amax)
 
     def _record_stacks(self) -> None:

@@ -34,9 +34,11 @@ import operator
 
 import torch
 
+from ..numerics import ROLES
+from ..runtime.op_schema import GLUKnobs
 from .annotate import facts, value_dtype
 from .plan import GLUSite, LinearSite, Plan, is_nvfp4
-from .rewrite_base import ROLES, GraphRewriter, keep_meta, smooth_knob
+from .rewrite_base import GraphRewriter, keep_meta
 
 __all__ = ["FP8Rewriter"]
 
@@ -58,7 +60,7 @@ class FP8Rewriter(GraphRewriter):
         (SwiGLU, GeGLU, ReGLU) become one ``swiglu_down`` with the matched activation
         (Smooth-SwiGLU per ``Config.smooth_swiglu``; its argument holds for any GLU).
         """
-        if self.kw["granularity"] == "mx":
+        if self.knobs.granularity == "mx":
             return self.replace_glu_mx(site)
         for p in site.projections()[:-1]:  # gate_up, or gate and up
             self.replace(p.call, self.fp8_linear(p.x, p.w, p.b, p.call, p.w_t))
@@ -66,19 +68,19 @@ class FP8Rewriter(GraphRewriter):
         w = down.w
         a_s, b_s, g_s = (self.state(w, r) for r in ROLES)
         sr = self.sr_stream(w)
-        k = self.kw
-        smooth = smooth_knob(self.cfg.smooth_swiglu)
+        glu = GLUKnobs.from_linear(self.knobs, site.act, self.cfg.smooth_swiglu, not facts(w).regathered,
+                                   self.cfg.recompute_glu_output)
         with self.graph.inserting_before(down.call):
             w_down = self.graph.call_function(torch.t, (w,)) if down.w_t else w
             out = self.graph.call_function(
                 self.ops.swiglu_down.default, (self.r(site.gate_out), self.r(site.up_out), w_down, a_s, b_s, g_s, sr),
-                dict(k, out_dtype=value_dtype(down.call), activation=site.act, smooth=smooth,
-                     recast_weight=not facts(w).regathered, recompute_output=self.cfg.recompute_glu_output))
+                self.kwargs(value_dtype(down.call), activation=glu.activation, smooth=glu.smooth,
+                            recast_weight=glu.recast_weight, recompute_output=glu.recompute_output))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
-                self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])
-                if smooth != "channel":  # channel mode casts W_down / c with current scaling
-                    self.record(b_s, self.graph.call_function(operator.getitem, (out, 2)), k["fwd_format"])
+                self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), glu.fwd_format)
+                if glu.smooth != "channel":  # channel mode casts W_down / c with current scaling
+                    self.record(b_s, self.graph.call_function(operator.getitem, (out, 2)), glu.fwd_format)
             if down.b is not None:
                 y = self.graph.call_function(operator.add, (y, down.b))
         keep_meta(y, down.call)

@@ -23,6 +23,7 @@ import operator
 import torch
 from torch import fx
 
+from ..runtime.op_schema import NVFP4Knobs
 from .plan import Plan, nvfp4_projections
 from .rewrite_base import GraphRewriter, keep_meta
 
@@ -48,16 +49,14 @@ class NVFP4Rewriter(GraphRewriter):
         return self.state_placeholders(w, "grad_output", "sr", 1)[0]
 
     def nvfp4_linear(self, x, w: fx.Node, b, before: fx.Node, w_t: bool = False) -> fx.Node:
-        r, hcp = self.cfg.recipe, self.cfg.recipe.hcp
+        hcp = self.cfg.recipe.hcp
         hs = self.hcp_state(w)
         sr = self.nvfp4_sr_stream(w)
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
             out = self.graph.call_function(
                 self.ops.nvfp4_linear.default,
-                (self.r(x), weight, b, hs, r.weight_2d, r.rht, r.rht_seed, r.grad_stochastic_rounding,
-                 True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
-                 False if hcp is None else hcp.backward, sr))
+                (self.r(x), weight, b, hs, *NVFP4Knobs.from_recipe(self.cfg.recipe).args(), sr))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if hs:
                 err = self.graph.call_function(operator.getitem, (out, 1))
