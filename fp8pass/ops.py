@@ -58,11 +58,13 @@ def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, out_dtype, fast
         xs, ws, gs = state.op_args()
         if not torch.is_grad_enabled():
             gs = []  # no backward will run: do not hand grad_output state to the op
-        return xs, ws, gs, LinearKnobs.from_recipe(recipe, fwd, bwd, grad_rounding, fast_accum, out_dtype=out_dtype), state
+        knobs = LinearKnobs.from_recipe(recipe, fwd, bwd, grad_rounding, fast_accum, out_dtype=out_dtype)
+        return xs, ws, gs, knobs, state
     if isinstance(recipe, CurrentScaling):
         if state is not None:
             raise ValueError("state= is for DelayedScaling recipes; CurrentScaling keeps no state")
-        return [], [], [], LinearKnobs.from_recipe(recipe, fwd, bwd, grad_rounding, fast_accum, out_dtype=out_dtype), None
+        knobs = LinearKnobs.from_recipe(recipe, fwd, bwd, grad_rounding, fast_accum, out_dtype=out_dtype)
+        return [], [], [], knobs, None
     raise TypeError(f"recipe must be None, fp8pass.CurrentScaling or fp8pass.DelayedScaling; got {recipe!r}")
 
 

@@ -21,8 +21,9 @@ import torch
 from ..config import DelayedScaling
 from .formats import Format, get_format
 
-__all__ = ["ROLES", "MAX_SCALE", "HUGE_AMAX", "NO_PENDING", "scale_from_amax", "power_of_two_floor", "DelayedScalingState",
-           "delayed_scaling_update", "record_update", "commit_update", "amax_is_usable", "outgrew", "scale_to_cast"]
+__all__ = ["ROLES", "MAX_SCALE", "HUGE_AMAX", "NO_PENDING", "scale_from_amax", "power_of_two_floor",
+           "DelayedScalingState", "delayed_scaling_update", "record_update", "commit_update", "amax_is_usable",
+           "outgrew", "scale_to_cast"]
 
 # The tensors of a linear that each have a scaling state (LinearScalingState, the ops' x/w/g state
 # arguments and the rewriters' state placeholders, in this order; checkpoints key them by these names)

@@ -334,12 +334,14 @@ def _tp_layout_problem(m: Match) -> str | None:
     return None
 
 
-def _projection(m: Match, role: str, x: fx.Node, fqn: str | None = None, call: fx.Node | None = None) -> Projection:
+def _projection(m: Match, role: str, x: fx.Node, fqn: str | None = None,
+                call: fx.Node | None = None) -> Projection:
     """The projection a match binds under ``role`` (``gate_up``, ``gate``, ``up``, ``down``, ``lin``;
     ``call``: the matched node, where the match was made at it)."""
     w = m[f"{role}_w"]
-    return Projection(call=m[role] if call is None else call, x=x, w=w, b=m.get(f"{role}_b"), fqn=fqn or weight_fqn(w) or w.name,
-                      layout=m.get(f"{role}_layout") or "out_in", expert=expert_slices(m).get(w))
+    return Projection(call=m[role] if call is None else call, x=x, w=w, b=m.get(f"{role}_b"),
+                      fqn=fqn or weight_fqn(w) or w.name, layout=m.get(f"{role}_layout") or "out_in",
+                      expert=expert_slices(m).get(w))
 
 
 def _glu_site(m: Match, cls=GLUSite) -> GLUSite:
