@@ -21,7 +21,6 @@ from .numerics import E4M3, E5M2, Format, get_format
 from .runtime import (
     ACTIVATIONS,
     IDENTITY,
-    SMOOTH_MODES,
     HCPState,
     hcp_state_for,
     LinearScalingState,
@@ -30,7 +29,7 @@ from .runtime import (
     state_for,
 )
 from .passes.annotate import weight_may_be_regathered
-from .runtime.op_schema import GLUKnobs, LinearKnobs
+from .runtime.op_schema import GLUKnobs, LinearKnobs, NVFP4Knobs, smooth_knob
 from .runtime.precast import shares_input_cast
 
 __all__ = ["fp8_linear", "fp8_linears", "swiglu_mlp", "nvfp4_linear", "LinearScalingState", "channel_scales",
@@ -59,14 +58,12 @@ def _recipe_args(recipe, weight, state, fwd, bwd, grad_rounding, out_dtype, fast
         xs, ws, gs = state.op_args()
         if not torch.is_grad_enabled():
             gs = []  # no backward will run: do not hand grad_output state to the op
-        knobs = LinearKnobs(fwd, bwd, "tensor", 128, bool(recipe.power_of_two), grad_rounding, float(recipe.margin),
-                            int(recipe.interval), recipe.algo, out_dtype, fast_accum)
+        knobs = LinearKnobs.from_recipe(recipe, fwd, bwd, grad_rounding, fast_accum, out_dtype=out_dtype)
         return xs, ws, gs, knobs, state
     if isinstance(recipe, CurrentScaling):
         if state is not None:
             raise ValueError("state= is for DelayedScaling recipes; CurrentScaling keeps no state")
-        knobs = LinearKnobs(fwd, bwd, recipe.granularity, int(recipe.block), bool(recipe.power_of_two),
-                            grad_rounding, 0.0, 1, "max", out_dtype, fast_accum)
+        knobs = LinearKnobs.from_recipe(recipe, fwd, bwd, grad_rounding, fast_accum, out_dtype=out_dtype)
         return [], [], [], knobs, None
     raise TypeError(f"recipe must be None, fp8pass.CurrentScaling or fp8pass.DelayedScaling; got {recipe!r}")
 
@@ -182,7 +179,7 @@ def fp8_linears(
 def _swiglu_down(gate, up, w_down, activation, smooth, recipe, state, fwd, bwd, grad_rounding):
     xs, ws, gs, knobs, st = _recipe_args(recipe, w_down, state, fwd, bwd, grad_rounding, _autocast_dtype(gate))
     # W_down recast in backward (not its codes kept) unless FSDP2 may rebuild it in between
-    knobs = GLUKnobs(*knobs.args(), activation, smooth, not weight_may_be_regathered(w_down))
+    knobs = GLUKnobs.from_linear(knobs, activation, smooth, not weight_may_be_regathered(w_down))
     out = torch.ops.fp8pass.swiglu_down(gate, up, w_down, xs, ws, gs, None, *knobs.args())
     if st is not None:
         st.record_forward(out[1], out[2])
@@ -221,9 +218,7 @@ def swiglu_mlp(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown GLU activation {activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
-    mode = "none" if smooth is None else smooth
-    if mode not in SMOOTH_MODES:
-        raise ValueError(f"unknown smooth mode {smooth!r}; valid: 'channel', 'token', None")
+    smooth_knob(smooth)  # a bad mode fails here, before any GEMM
     states = states or {}
     kw = dict(fwd_format=fwd_format, bwd_format=bwd_format, grad_rounding=grad_rounding)
     if w_up is None:
@@ -231,7 +226,7 @@ def swiglu_mlp(
         gate, up = gu.chunk(2, dim=-1)
     else:
         gate, up = fp8_linears(x, [w_gate, w_up], None, recipe, states=[states.get("gate"), states.get("up")], **kw)
-    return _swiglu_down(gate, up, w_down, activation, mode, recipe, states.get("down"), _fmt_name(fwd_format),
+    return _swiglu_down(gate, up, w_down, activation, smooth, recipe, states.get("down"), _fmt_name(fwd_format),
                         _fmt_name(bwd_format), grad_rounding)
 
 
@@ -258,9 +253,8 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         hcp_state = hcp_state_for(weight, hcp)
     args = [] if hcp is None else hcp_state.op_args()
     y, chan_err, _ = torch.ops.fp8pass.nvfp4_linear(
-        x, weight, bias, args, recipe.weight_2d, recipe.rht, recipe.rht_seed, recipe.grad_stochastic_rounding,
-        True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
-        False if hcp is None else hcp.backward, None)  # no stream: torch's generator (docs/backend.md)
+        x, weight, bias, args, *NVFP4Knobs.from_recipe(recipe).args(),
+        None)  # no stream: torch's generator (docs/backend.md)
     if hcp is not None:
         hcp_state.update(chan_err)
     return y

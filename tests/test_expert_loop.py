@@ -117,8 +117,8 @@ def _plan(model, x, cfg=None):
 def test_every_constant_index_form_is_one_fp8_linear_per_expert(how):
     torch.manual_seed(0)
     p = _plan(LoopLinears(how), torch.randn(6, D))
-    assert [(s.fqn, s.expert[1]) for s in p.loop_linears] == [("w", e) for e in range(E)]
-    assert all((s.b is not None) == (how == "bias") for s in p.loop_linears)   # b[e] is the expert's bias
+    assert [(s.fqn, s.proj.expert[1]) for s in p.loop_linears] == [("w", e) for e in range(E)]
+    assert all((s.proj.b is not None) == (how == "bias") for s in p.loop_linears)   # b[e] is the expert's bias
     assert p.linears == [] and p.glus == [] and p.loop_glus == []
     assert p.skipped == [("router.weight", "weight (4, 32) has a dim below min_dim=16")]
 

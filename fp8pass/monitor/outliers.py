@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..numerics import ROLES
+
 __all__ = ["outlier_stats", "hot_set", "overlap", "OutlierStats", "OutlierMonitor", "ROLES"]
 
-ROLES = ("input", "weight", "grad_output")
 
 
 @dataclass

@@ -6,10 +6,10 @@ pyproject.toml). ``quantize`` picks a device kernel, so it lives above, in ``fp8
 
 from .casts import ROUNDINGS, decode, e8m0_encode, encode, pack_e2m1, saturating_cast, unpack_e2m1
 from .formats import E2M1, E4M3, E4M3_GAUDI, E5M2, E8M0, FORMATS, Format, get_format
-from .scaling import DelayedScalingState, delayed_scaling_update, scale_from_amax
+from .scaling import ROLES, DelayedScalingState, delayed_scaling_update, scale_from_amax
 
 __all__ = [
     "ROUNDINGS", "decode", "e8m0_encode", "encode", "pack_e2m1", "saturating_cast", "unpack_e2m1",
     "E2M1", "E4M3", "E4M3_GAUDI", "E5M2", "E8M0", "FORMATS", "Format", "get_format",
-    "DelayedScalingState", "delayed_scaling_update", "scale_from_amax",
+    "ROLES", "DelayedScalingState", "delayed_scaling_update", "scale_from_amax",
 ]

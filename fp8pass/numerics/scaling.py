@@ -24,8 +24,13 @@ from .formats import Format, get_format
 if TYPE_CHECKING:  # annotations only: the recipe's fields are read; numerics imports nothing of fp8pass's at run time
     from ..scaling_recipes import DelayedScaling
 
-__all__ = ["MAX_SCALE", "HUGE_AMAX", "NO_PENDING", "scale_from_amax", "power_of_two_floor", "DelayedScalingState",
-           "delayed_scaling_update", "record_update", "commit_update", "amax_is_usable", "outgrew", "scale_to_cast"]
+__all__ = ["ROLES", "MAX_SCALE", "HUGE_AMAX", "NO_PENDING", "scale_from_amax", "power_of_two_floor",
+           "DelayedScalingState", "delayed_scaling_update", "record_update", "commit_update", "amax_is_usable",
+           "outgrew", "scale_to_cast"]
+
+# The tensors of a linear that each have a scaling state (LinearScalingState, the ops' x/w/g state
+# arguments and the rewriters' state placeholders, in this order; checkpoints key them by these names)
+ROLES = ("input", "weight", "grad_output")
 
 MAX_SCALE = 2.0**126
 HUGE_AMAX = 2.0**64

@@ -1,11 +1,18 @@
 """Analysis of one Dynamo graph: which GLU MLPs, MoE experts and linears become FP8, what stays, breaks.
 
+The plan is typed: ``Plan.sites`` holds one site per rewrite (:class:`GLUSite`, :class:`LinearSite`
+and their expert / per-expert-loop kinds), each with one :class:`Projection` per role (call node,
+``x``, ``w``, ``b``, layout, fused rows, expert index). This module is the only reader of the
+patterns' matches; the rewriters read the sites' fields.
+
 ``plan_graph`` only reads the graph (and its annotations, :mod:`.annotate`); ``rewrite.apply_plan``
 changes a copy of it. Explain uses the plan alone, so ``fp8pass.explain`` works on any model without
 running FP8 ops. A GLU or linear whose weights are single experts of a 3-D expert weight (``W[e]``
-with a constant ``e``: a per-expert Python loop) goes to ``loop_glus`` / ``loop_linears``: FP8 per
+with a constant ``e``: a per-expert Python loop) is a ``LoopGLUSite`` / ``LoopLinearSite``: FP8 per
 expert, with one scale per (expert weight, expert), one expert stack in the report. Every
-matmul-like call the plan leaves in high precision is listed in ``skipped`` with its reason;
+matmul-like call the plan leaves in high precision is listed in ``skipped`` with its reason (the
+NVFP4 recipe's protected linears too, :func:`_protect_nvfp4`: their :class:`Projection` carries the
+:class:`Protection` the NVFP4 rewriter follows);
 attention's score and value products (SDPA, FlexAttention, explicit matmuls in an attention module)
 are one "attention, kept" line per module.
 
@@ -16,90 +23,167 @@ Higher-order ops' bodies (:mod:`.hops`) are planned like any graph: an activatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ..config import Config, NVFP4Scaling
+from ..config import Config, CurrentScaling, NVFP4Scaling
 from . import hops
 from .annotate import META_KEY, annotate
 from .matcher import MUL, Match, caller_fqn, example_value, is_call, param_fqn, weight_fqn
+from .nvfp4_policy import protected_linears
 from .patterns import (
     GLU_PRODUCT_LOOSE, GROUPED_LINEAR, LINEAR, MATMUL_LIKE, activation, expert_slices, find_expert_glus,
     find_glu_mlps, grouped_mm_targets, linear, variant_name,
 )
 from .policy import Decision, SiteRecipe, decide_linear
 
-__all__ = ["GLUSite", "LinearSite", "ExpertGLUSite", "ExpertLinearSite", "BodyPlan", "Plan", "plan_graph"]
+__all__ = ["Projection", "Protection", "GLUSite", "ExpertGLUSite", "LoopGLUSite", "LinearSite", "LoopLinearSite",
+           "ExpertLinearSite", "Site", "BodyPlan", "Plan", "plan_graph", "is_nvfp4", "nvfp4_projections"]
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class Protection:
+    """A projection of an NVFP4 site that the recipe keeps out of 4 bits (:mod:`.nvfp4_policy`).
+
+    ``recipe``: the FP8 recipe (current scaling, no state) it runs in instead
+    (``NVFP4Scaling.protected_precision="fp8"``), or None: it stays in high precision.
+    """
+
+    reason: str
+    recipe: SiteRecipe | None = None
+
+
+@dataclass(slots=True)
+class Projection:
+    """One projection ``x @ w.T (+ b)`` of a site: what the rewrite reads and replaces."""
+
+    call: fx.Node            # the matched call the rewrite replaces
+    x: fx.Node               # its input (a GLU's down projection: the GLU product)
+    w: fx.Node               # its weight: a parameter, or the slice ``W[e]`` in a per-expert loop
+    b: fx.Node | None
+    fqn: str                 # the weight's name in reports
+    layout: str = "out_in"   # "out_in": ``w`` is [out, in] (nn.Linear); "in_out": stored transposed (Conv1D)
+    rows: slice | None = None   # a fused gate_up projection: the rows of its weight that are this role's
+    expert: tuple[fx.Node, int] | None = None   # ``(W, e)`` where ``w`` is ``W[e]`` (a per-expert loop)
+    protection: Protection | None = None        # NVFP4 sites: kept out of 4 bits, decided by the plan
+
+    @property
+    def w_t(self) -> bool:
+        """The weight is stored [in, out]: the op gets its transpose."""
+        return self.layout == "in_out"
+
+
+@dataclass(slots=True)
 class GLUSite:
-    """One matched GLU MLP ``down(act(gate(x)) * up(x))``."""
+    """One matched GLU MLP ``down(act(gate(x)) * up(x))``.
 
-    match: Match
+    A fused gate/up projection is one call: ``gate_proj`` and ``up_proj`` then share it (and its
+    weight) and differ in ``rows``.
+    """
+
+    kind: ClassVar[str] = "glu"
+
     variant: str
     act: str
-    gate: str                 # weight FQNs (for a fused projection, gate and up are the same FQN)
-    up: str
-    down: str
-    gate_rows: slice | None = None   # rows of the fused weight that are the gate / the up projection
-    up_rows: slice | None = None
+    gate_proj: Projection
+    up_proj: Projection
+    down_proj: Projection      # its ``x`` is the GLU product
+    gate_out: fx.Node          # the values the product multiplies: gate's output (a fused one's slice)
+    up_out: fx.Node
+    nodes: list[fx.Node] = field(default_factory=list)   # the match's nodes (erasable once dead)
     recipe: SiteRecipe | None = None  # the recipe every projection of it runs in (policy.SiteRecipe)
 
     @property
     def fused(self) -> bool:
-        return self.gate_rows is not None
+        return self.gate_proj.rows is not None
+
+    @property
+    def gate(self) -> str:
+        """Weight FQNs (for a fused projection, gate and up are the same FQN)."""
+        return self.gate_proj.fqn
+
+    @property
+    def up(self) -> str:
+        return self.up_proj.fqn
+
+    @property
+    def down(self) -> str:
+        return self.down_proj.fqn
+
+    @property
+    def gate_rows(self) -> slice | None:
+        """Rows of the fused weight that are the gate / the up projection (None: separate projections)."""
+        return self.gate_proj.rows
+
+    @property
+    def up_rows(self) -> slice | None:
+        return self.up_proj.rows
+
+    def projections(self) -> list[Projection]:
+        """Its distinct calls, in order: gate_up and down (fused), or gate, up and down."""
+        return [self.gate_proj, self.down_proj] if self.fused else [self.gate_proj, self.up_proj, self.down_proj]
 
 
-@dataclass
-class LinearSite:
-    """One linear op ``x @ w.T (+ b)`` that becomes an FP8 linear (``w`` stored [in, out]: ``w_t``).
-
-    In a per-expert loop ``w`` is the slice ``W[e]`` and ``expert`` is ``(W, e)``.
-    """
-
-    node: fx.Node
-    x: fx.Node
-    w: fx.Node
-    b: fx.Node | None
-    fqn: str
-    nodes: list[fx.Node] = field(default_factory=list)   # the match's nodes (erasable once dead)
-    w_t: bool = False
-    expert: tuple[fx.Node, int] | None = None
-    recipe: SiteRecipe | None = None
-
-
-@dataclass
+@dataclass(slots=True)
 class ExpertGLUSite(GLUSite):
     """One MoE expert stack whose experts are GLUs: grouped gate/up and down projections."""
 
+    kind: ClassVar[str] = "expert_glu"
 
-@dataclass
-class ExpertLinearSite:
+    offs: fx.Node | None = None   # the group offsets; None: batched form, x [E, C, in]
+
+
+@dataclass(slots=True)
+class LoopGLUSite(GLUSite):
+    """A GLU over single experts ``W[e]`` of 3-D expert weights (a per-expert loop): each projection's
+    ``expert`` names its ``(W, e)``."""
+
+    kind: ClassVar[str] = "loop_glu"
+
+
+@dataclass(slots=True)
+class LinearSite:
+    """One linear op ``x @ w.T (+ b)`` that becomes an FP8 (or NVFP4) linear."""
+
+    kind: ClassVar[str] = "linear"
+
+    proj: Projection
+    nodes: list[fx.Node] = field(default_factory=list)   # the match's nodes (erasable once dead)
+    recipe: SiteRecipe | None = None
+
+    @property
+    def fqn(self) -> str:
+        return self.proj.fqn
+
+
+@dataclass(slots=True)
+class LoopLinearSite(LinearSite):
+    """A linear over a single expert ``W[e]`` of a 3-D expert weight (``proj.expert`` is ``(W, e)``)."""
+
+    kind: ClassVar[str] = "loop_linear"
+
+
+@dataclass(slots=True)
+class ExpertLinearSite(LinearSite):
     """One grouped expert projection that becomes an FP8 grouped linear."""
 
-    node: fx.Node
-    x: fx.Node
-    w: fx.Node
-    offs: fx.Node | None   # None: batched form, x [E, C, in]
-    layout: str
-    fqn: str
-    nodes: list[fx.Node] = field(default_factory=list)
-    recipe: SiteRecipe | None = None
+    kind: ClassVar[str] = "expert_linear"
+
+    offs: fx.Node | None = None   # None: batched form, x [E, C, in]
+
+
+Site = GLUSite | LinearSite
 
 
 @dataclass
 class Plan:
-    glus: list[GLUSite] = field(default_factory=list)
-    linears: list[LinearSite] = field(default_factory=list)
-    expert_glus: list[ExpertGLUSite] = field(default_factory=list)
-    expert_linears: list[ExpertLinearSite] = field(default_factory=list)
-    # per-expert loops: GLUs / linears over single experts ``W[e]`` of 3-D expert weights
-    loop_glus: list[GLUSite] = field(default_factory=list)
-    loop_linears: list[LinearSite] = field(default_factory=list)
+    """What becomes FP8 in one graph: ``sites`` in plan order, what stays and why (``skipped``)."""
+
+    sites: list[Site] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)   # (where, reason)
     graph_breaks: list[str] = field(default_factory=list)
     # MLP module FQN cut by a break -> where: "act" (after the activation) or "glu" (after the product)
@@ -107,10 +191,38 @@ class Plan:
     # rewritten higher-order op bodies (activation checkpointing, wrap), each with its own plan
     bodies: list["BodyPlan"] = field(default_factory=list)
 
+    def of_kind(self, cls: type) -> list:
+        """The sites of exactly this kind (``cls.kind``), in plan order."""
+        return [s for s in self.sites if s.kind == cls.kind]
+
+    @property
+    def glus(self) -> list[GLUSite]:
+        return self.of_kind(GLUSite)
+
+    @property
+    def linears(self) -> list[LinearSite]:
+        return self.of_kind(LinearSite)
+
+    @property
+    def expert_glus(self) -> list[ExpertGLUSite]:
+        return self.of_kind(ExpertGLUSite)
+
+    @property
+    def expert_linears(self) -> list[ExpertLinearSite]:
+        return self.of_kind(ExpertLinearSite)
+
+    @property
+    def loop_glus(self) -> list[LoopGLUSite]:
+        """Per-expert loops: GLUs over single experts ``W[e]`` of 3-D expert weights."""
+        return self.of_kind(LoopGLUSite)
+
+    @property
+    def loop_linears(self) -> list[LoopLinearSite]:
+        return self.of_kind(LoopLinearSite)
+
     def empty(self) -> bool:
         """Nothing to rewrite (in this graph or any body)."""
-        return not (self.glus or self.linears or self.expert_glus or self.expert_linears or self.loop_glus
-                    or self.loop_linears or self.bodies)
+        return not (self.sites or self.bodies)
 
     def walk(self):
         """This plan and its bodies' plans, depth first."""
@@ -222,16 +334,27 @@ def _tp_layout_problem(m: Match) -> str | None:
     return None
 
 
+def _projection(m: Match, role: str, x: fx.Node, fqn: str | None = None,
+                call: fx.Node | None = None) -> Projection:
+    """The projection a match binds under ``role`` (``gate_up``, ``gate``, ``up``, ``down``, ``lin``;
+    ``call``: the matched node, where the match was made at it)."""
+    w = m[f"{role}_w"]
+    return Projection(call=m[role] if call is None else call, x=x, w=w, b=m.get(f"{role}_b"),
+                      fqn=fqn or weight_fqn(w) or w.name, layout=m.get(f"{role}_layout") or "out_in",
+                      expert=expert_slices(m).get(w))
+
+
 def _glu_site(m: Match, cls=GLUSite) -> GLUSite:
-    fused = m.get("proj") == "fused"
-    gw = m["gate_up_w"] if fused else m["gate_w"]
-    uw = m["gate_up_w"] if fused else m["up_w"]
-    return cls(
-        match=m, variant=variant_name(m), act=m["act"],
-        gate=weight_fqn(gw) or gw.name, up=weight_fqn(uw) or uw.name,
-        down=weight_fqn(m["down_w"]) or m["down_w"].name,
-        gate_rows=m.get("gate_rows") if fused else None, up_rows=m.get("up_rows") if fused else None,
-    )
+    """The typed site of a GLU match (the only place a GLU's match is read by key)."""
+    if m.get("proj") == "fused":
+        fused = _projection(m, "gate_up", m["x"])
+        gate, up = replace(fused, rows=m["gate_rows"]), replace(fused, rows=m["up_rows"])
+    else:
+        gate, up = _projection(m, "gate", m["x"]), _projection(m, "up", m["x"])
+    extra = {"offs": m.get("offs")} if cls is ExpertGLUSite else {}
+    return cls(variant=variant_name(m), act=m["act"], gate_proj=gate, up_proj=up,
+               down_proj=_projection(m, "down", m["h"]), gate_out=m["gate"], up_out=m["up"], nodes=m.nodes,
+               **extra)
 
 
 def _weight_name(w: fx.Node) -> str:
@@ -407,19 +530,18 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
     plan = Plan()
     covered: set[fx.Node] = set()
     # MoE expert GLUs first: their projections are grouped GEMMs no dense pattern matches
-    for experts, found, cls, sites in ((True, find_expert_glus(graph), ExpertGLUSite, plan.expert_glus),
-                                       (False, find_glu_mlps(graph), GLUSite, plan.glus)):
+    for experts, found in ((True, find_expert_glus(graph)), (False, find_glu_mlps(graph))):
         what = "experts" if experts else "GLU"
         matches, rejected = found
         for m in matches:
             d = _glu_kind_decision(cfg, m, experts)
-            site = _glu_site(m, cls)
-            site.recipe = d.site
             loop = not experts and bool(expert_slices(m))
+            site = _glu_site(m, ExpertGLUSite if experts else LoopGLUSite if loop else GLUSite)
+            site.recipe = d.site
             if d.fp8 and loop and isinstance(d.site.cfg.recipe, NVFP4Scaling):
                 d = Decision(False, _NO_LOOP_NVFP4)
             if d.fp8:
-                (plan.loop_glus if loop else sites).append(site)
+                plan.sites.append(site)
                 covered |= set(m.nodes)
             else:
                 plan.skipped.append((f"{what} {_module_of(site.down)}", f"not fused: {d.reason}"))
@@ -448,9 +570,9 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
             if d.fp8 and expert is not None and isinstance(d.site.cfg.recipe, NVFP4Scaling):
                 d = Decision(False, _NO_LOOP_NVFP4)
             if d.fp8:
-                site = LinearSite(node, m["lin_x"], w, m.get("lin_b"), weight_fqn(w) or where,
-                                  list(dict.fromkeys(m.nodes)), m.get("lin_layout") == "in_out", expert, d.site)
-                (plan.loop_linears if expert is not None else plan.linears).append(site)
+                cls = LinearSite if expert is None else LoopLinearSite
+                plan.sites.append(cls(_projection(m, "lin", m["lin_x"], weight_fqn(w) or where, node),
+                                      list(dict.fromkeys(m.nodes)), d.site))
             else:
                 plan.skipped.append((where, d.reason))
             break
@@ -465,8 +587,8 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                     d = Decision(False, why)
                 d = _grouped_ok(d)
                 if d.fp8:
-                    plan.expert_linears.append(ExpertLinearSite(node, m["lin_x"], w, m.get("offs"), m["lin_layout"],
-                                                                where, list(dict.fromkeys(m.nodes)), d.site))
+                    plan.sites.append(ExpertLinearSite(_projection(m, "lin", m["lin_x"], where, node),
+                                                       list(dict.fromkeys(m.nodes)), d.site, offs=m.get("offs")))
                 else:
                     plan.skipped.append((where, d.reason))
                 break
@@ -479,7 +601,53 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
         else:
             plan.skipped += [(w, why) for w in sub.planned_weights()]
         plan.skipped += sub.skipped
+    if not body:  # a body with NVFP4 sites is kept whole (_why_body_kept)
+        plan.skipped += _protect_nvfp4(plan)
     return plan
+
+
+def is_nvfp4(site: Site) -> bool:
+    """Whether a site's recipe is NVFP4 (the NVFP4 rewriter's) rather than FP8."""
+    return isinstance(site.recipe.cfg.recipe, NVFP4Scaling)
+
+
+def nvfp4_projections(plan: Plan) -> dict[SiteRecipe, list[tuple[Projection, list[fx.Node]]]]:
+    """The projections of the plan's NVFP4 sites with their match's nodes, by recipe (GLUs' first, in plan order).
+
+    Each NVFP4 recipe protects among its own projections, and the NVFP4 rewriter emits them in this order.
+    """
+    out: dict[SiteRecipe, list[tuple[Projection, list[fx.Node]]]] = {}
+    for glu in plan.glus:
+        if is_nvfp4(glu):
+            # the activation and product stay (the NVFP4 down linear reads them): covering the whole
+            # match erases only what died, the replaced projections and their weight transposes
+            out.setdefault(glu.recipe, []).extend((p, glu.nodes) for p in glu.projections())
+    for lin in plan.linears:
+        if is_nvfp4(lin):
+            out.setdefault(lin.recipe, []).append((lin.proj, lin.nodes))
+    return out
+
+
+def _protect_nvfp4(plan: Plan) -> list[tuple[str, str]]:
+    """Mark the NVFP4 projections each NVFP4 recipe keeps out of 4 bits (:mod:`.nvfp4_policy`) with their
+    :class:`Protection`: FP8 with current scaling (``protected_precision="fp8"``, no state) or high
+    precision. Returns their (where, reason) entries for ``Plan.skipped``."""
+    kept: list[tuple[str, str]] = []
+    for site, parts in nvfp4_projections(plan).items():
+        recipe = site.cfg.recipe
+        protected = protected_linears([p.fqn for p, _ in parts], recipe)
+        as_fp8 = SiteRecipe(replace(site.cfg, recipe=CurrentScaling()), site.backward, site.rule)
+        by = f" ({site.rule})" if site.rule else ""
+        for p, _ in parts:
+            if p.fqn not in protected:
+                continue
+            if recipe.protected_precision == "fp8":
+                p.protection = Protection(protected[p.fqn], as_fp8)
+                kept.append((p.fqn, protected[p.fqn] + ": FP8 linear (current scaling)" + by))
+            else:
+                p.protection = Protection(protected[p.fqn])
+                kept.append((p.fqn, protected[p.fqn] + ": kept in high precision" + by))
+    return list(dict.fromkeys(kept))
 
 
 def _why_body_kept(b: hops.Body, sub: Plan) -> str | None:
@@ -498,8 +666,7 @@ def _why_body_kept(b: hops.Body, sub: Plan) -> str | None:
 def _has_nvfp4_site(plan: Plan) -> bool:
     """Whether any site of ``plan`` (bodies included) has the NVFP4 recipe (Config.recipe or a rule's)."""
     return any(site.recipe is not None and isinstance(site.recipe.cfg.recipe, NVFP4Scaling)
-               for p in plan.walk()
-               for site in p.glus + p.linears + p.expert_glus + p.expert_linears + p.loop_glus + p.loop_linears)
+               for p in plan.walk() for site in p.sites)
 
 
 _TOPK = (torch.topk, "topk")

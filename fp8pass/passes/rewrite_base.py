@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..config import Config, DelayedScaling, NVFP4Scaling
-from ..numerics import DelayedScalingState
+from ..config import Config, DelayedScaling
+from ..numerics import ROLES, DelayedScalingState
+from ..runtime.op_schema import LinearKnobs
 from .annotate import facts, value_dtype
 
-__all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "recipe_kwargs", "record_params", "is_nvfp4",
-           "keep_meta", "finish", "ROLES", "STATE_FIELDS"]
+__all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "record_params",
+           "keep_meta", "finish", "STATE_FIELDS"]
 
-ROLES = ("input", "weight", "grad_output")
 STATE_FIELDS = len(DelayedScalingState.OP_FIELDS)  # the op list of one delayed-scaling state
 
 
@@ -72,31 +72,9 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
-def recipe_kwargs(cfg: Config, backward: str = "fp8") -> dict:
-    """The recipe as the runtime ops' scalar arguments (``backward``: the site's ``Rule.backward``)."""
-    r = cfg.recipe
-    delayed = isinstance(r, DelayedScaling)
-    return dict(
-        fwd_format=cfg.fwd_format, bwd_format=cfg.bwd_format,
-        granularity=r.granularity, block=getattr(r, "block", 128),
-        power_of_two=bool(r.power_of_two),
-        grad_rounding="stochastic" if cfg.grad_stochastic_rounding else "nearest",
-        margin=float(getattr(r, "margin", 0.0)) if delayed else 0.0,
-        interval=int(getattr(r, "interval", 1)) if delayed else 1,
-        algo=getattr(r, "algo", "max") if delayed else "max",
-        fast_accum=cfg.fast_accum,
-        backward=backward,
-    )
-
-
-def is_nvfp4(site) -> bool:
-    """Whether a plan site's recipe is NVFP4 (the NVFP4 rewriter's) rather than FP8."""
-    return isinstance(site.recipe.cfg.recipe, NVFP4Scaling)
-
-
-def record_params(kw: dict) -> tuple:
+def record_params(knobs: LinearKnobs) -> tuple:
     """The recipe fields a delayed-scaling record takes (states recorded together must share them)."""
-    return kw["margin"], kw["interval"], kw["algo"], kw["power_of_two"]
+    return knobs.margin, knobs.interval, knobs.algo, knobs.power_of_two
 
 
 class GraphRewriter:
@@ -117,14 +95,14 @@ class GraphRewriter:
     def __init__(self, gm: fx.GraphModule, cfg: Config):
         self.gm, self.graph, self.cfg = gm, gm.graph, cfg
         self.delayed = isinstance(cfg.recipe, DelayedScaling)
-        self.kw = recipe_kwargs(cfg)
+        self.knobs = LinearKnobs.from_config(cfg)   # the site being emitted's (:meth:`at`)
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.pos = {n: i for i, n in enumerate(self.placeholders)}
         self.last_ph = self.placeholders[-1] if self.placeholders else None
         self.extra: list[StateInput] = []
         self._state_nodes: dict[tuple[int, str, str], list[fx.Node]] = {}
-        # the runtime's ops by name: passes never import the runtime (numerics -> passes ->
-        # runtime -> backend); the backend imports it, which registers them
+        # the runtime's ops by name: passes import only the ops' knob declarations (runtime.op_schema),
+        # never their implementations; the backend imports those, which registers the ops
         self.ops = torch.ops.fp8pass
         self.replaced: dict[fx.Node, fx.Node] = {}  # planned nodes replaced earlier in this rewrite
         # forward records of this graph, per state: (state placeholders, fmt, [amax nodes], record_params);
@@ -137,14 +115,21 @@ class GraphRewriter:
     def at(self, recipe):
         """Emit the ops of one site with its ``policy.SiteRecipe`` (the plan site's ``recipe``): the
         Config and backward of the rule that decided it (``Config.rules``), or the backend's Config."""
-        saved = self.cfg, self.kw, self.delayed
+        saved = self.cfg, self.knobs, self.delayed
         self.cfg = recipe.cfg
-        self.kw = recipe_kwargs(self.cfg, recipe.backward)
+        self.knobs = LinearKnobs.from_config(self.cfg, recipe.backward)
         self.delayed = isinstance(self.cfg.recipe, DelayedScaling)
         try:
             yield
         finally:
-            self.cfg, self.kw, self.delayed = saved
+            self.cfg, self.knobs, self.delayed = saved
+
+    def kwargs(self, out_dtype, **more) -> dict:
+        """The emitted op's knobs by name: the site's recipe (:attr:`knobs`), then ``out_dtype`` (the
+        replaced node's dtype) and ``more`` (a GLU op's own knobs), in the order the graph prints them."""
+        kw = self.knobs.kwargs()
+        del kw["out_dtype"]
+        return dict(kw, out_dtype=out_dtype, **more)
 
     def r(self, value):
         """``value`` as it is now: the plan's nodes may have been replaced by an earlier site."""
@@ -196,7 +181,7 @@ class GraphRewriter:
     def sr_stream(self, w: fx.Node) -> fx.Node | None:
         """The placeholder of ``w``'s stochastic-rounding stream (``runtime.sr``), or None where the
         gradient cast rounds to nearest or is the identity."""
-        if self.kw["grad_rounding"] != "stochastic" or self.cfg.bwd_format == "identity" or w not in self.pos:
+        if self.knobs.grad_rounding != "stochastic" or self.cfg.bwd_format == "identity" or w not in self.pos:
             return None
         return self.state_placeholders(w, "grad_output", "sr", 1)[0]
 
@@ -210,7 +195,7 @@ class GraphRewriter:
         if not state or fmt == "identity":
             return
         key = tuple(id(n) for n in state)
-        self.records.setdefault(key, (state, fmt, [], params or record_params(self.kw)))[2].append(amax)
+        self.records.setdefault(key, (state, fmt, [], params or record_params(self.knobs)))[2].append(amax)
 
     def fp8_linear(self, x, w: fx.Node, b, before: fx.Node, w_t: bool = False) -> fx.Node:
         """Emit an FP8 linear ``x @ w.T + b`` (with its records) before ``before``; returns ``y``.
@@ -219,18 +204,18 @@ class GraphRewriter:
         With :attr:`share_input_casts` (and not MX granularity), ``x`` is cast once by a shared
         ``fp8_cast_input`` (:meth:`input_cast`) and the linear is an ``fp8_linear_precast``.
         """
-        if self.share_input_casts and self.kw["granularity"] != "mx" and not facts(w).regathered:
+        if self.share_input_casts and self.knobs.granularity != "mx" and not facts(w).regathered:
             return self._fp8_linear_precast(x, w, b, before, w_t)
         xs, ws, gs = (self.state(w, r) for r in ROLES)
         with self.graph.inserting_before(before):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
             out = self.graph.call_function(self.ops.fp8_linear.default,
                                            (self.r(x), weight, b, xs, ws, gs, self.sr_stream(w)),
-                                           dict(self.kw, out_dtype=value_dtype(before)))
+                                           self.kwargs(value_dtype(before)))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
-                self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
-                self.record(ws, self.graph.call_function(operator.getitem, (out, 2)), self.kw["fwd_format"])
+                self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.knobs.fwd_format)
+                self.record(ws, self.graph.call_function(operator.getitem, (out, 2)), self.knobs.fwd_format)
         keep_meta(y, before)
         return y
 
@@ -241,7 +226,7 @@ class GraphRewriter:
         (and its ``xs`` is not read: the first consumer's state scales the shared cast) unless a
         node with side effects (an in-place write, possibly into ``x``) lies between the two, in
         which case this linear gets its own cast."""
-        casts = self._input_casts.setdefault((x, out_dtype, tuple(self.kw.items())), [])
+        casts = self._input_casts.setdefault((x, out_dtype, self.knobs), [])
         for nodes in casts:
             head = nodes[0]
             after = _clear_between(head, before)  # before comes later: nothing may write in between
@@ -258,7 +243,7 @@ class GraphRewriter:
             # detached: the cast is forward-only; dx reaches x through the linears' own x input
             xd = self.graph.call_method("detach", (x,))
             cast = self.graph.call_function(self.ops.fp8_cast_input.default, (xd, xs),
-                                            dict(self.kw, out_dtype=out_dtype))
+                                            self.kwargs(out_dtype))
             # x_amax only where delayed scaling records it
             outs = tuple(self.graph.call_function(operator.getitem, (cast, i)) if i != 2 or self.delayed else None
                          for i in range(4))
@@ -279,11 +264,11 @@ class GraphRewriter:
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
             out = self.graph.call_function(self.ops.fp8_linear_precast.default,
                                            (x, data, scale, up, weight, b, ws, gs, sr),
-                                           dict(self.kw, out_dtype=dt))
+                                           self.kwargs(dt))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:  # every consumer's input state records the shared cast's amax
-                self.record(xs, amax, self.kw["fwd_format"])
-                self.record(ws, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
+                self.record(xs, amax, self.knobs.fwd_format)
+                self.record(ws, self.graph.call_function(operator.getitem, (out, 1)), self.knobs.fwd_format)
         keep_meta(y, before)
         return y
 

@@ -22,7 +22,6 @@ from torch import fx
 
 from ..numerics import DelayedScalingState
 from .matcher import example_value
-from .patterns import expert_slices
 from .plan import Plan
 from .rewrite_base import STATE_FIELDS, record_params
 from .rewrite_fp8 import FP8Rewriter
@@ -80,7 +79,7 @@ class ExpertLoopRewriter(FP8Rewriter):
             return
         full, stack, e = row
         entry = self._loop_records.setdefault(tuple(id(n) for n in full),
-                                              (full, stack, fmt, {}, params or record_params(self.kw)))
+                                              (full, stack, fmt, {}, params or record_params(self.knobs)))
         entry[3].setdefault(e, []).append(amax)
 
     def _record_stacks(self) -> None:
@@ -113,9 +112,9 @@ class ExpertLoopRewriter(FP8Rewriter):
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
         """Rewrite the plan's per-expert loop GLUs and linears; returns (expert weights made FP8, [])."""
         for site in plan.loop_glus:
-            self.slices.update(expert_slices(site.match))
+            self.slices.update((p.w, p.expert) for p in site.projections() if p.expert is not None)
         for site in plan.loop_linears:
-            self.slices[site.w] = site.expert
+            self.slices[site.proj.w] = site.proj.expert
         done = self.replace_sites(plan.loop_glus, plan.loop_linears)
         self._record_stacks()
         return list(dict.fromkeys(done)), []

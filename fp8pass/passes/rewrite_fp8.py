@@ -34,9 +34,11 @@ import operator
 
 import torch
 
+from ..numerics import ROLES
+from ..runtime.op_schema import GLUKnobs
 from .annotate import facts, value_dtype
-from .plan import GLUSite, LinearSite, Plan
-from .rewrite_base import ROLES, GraphRewriter, is_nvfp4, keep_meta
+from .plan import GLUSite, LinearSite, Plan, is_nvfp4
+from .rewrite_base import GraphRewriter, keep_meta
 
 __all__ = ["FP8Rewriter"]
 
@@ -47,7 +49,8 @@ class FP8Rewriter(GraphRewriter):
     share_input_casts = True  # q/k/v, gate/up: one cast of their input, its codes saved once
 
     def replace_linear(self, site: LinearSite) -> None:
-        self.replace(site.node, self.fp8_linear(site.x, site.w, site.b, site.node, site.w_t), site.nodes)
+        p = site.proj
+        self.replace(p.call, self.fp8_linear(p.x, p.w, p.b, p.call, p.w_t), site.nodes)
 
     def replace_glu(self, site: GLUSite) -> list[str]:
         """Rewrite a GLU; returns the FQNs of the weights made FP8.
@@ -57,53 +60,40 @@ class FP8Rewriter(GraphRewriter):
         (SwiGLU, GeGLU, ReGLU) become one ``swiglu_down`` with the matched activation
         (Smooth-SwiGLU per ``Config.smooth_swiglu``; its argument holds for any GLU).
         """
-        if self.kw["granularity"] == "mx":
+        if self.knobs.granularity == "mx":
             return self.replace_glu_mx(site)
-        m = site.match
-        if site.fused:
-            fused_call = m["gate_up"]
-            self.replace(fused_call, self.fp8_linear(m["x"], m["gate_up_w"], m.get("gate_up_b"), fused_call,
-                                                     m.get("gate_up_layout") == "in_out"))
-            done = [site.gate]
-        else:
-            for p in ("gate", "up"):
-                self.replace(m[p], self.fp8_linear(m["x"], m[f"{p}_w"], m.get(f"{p}_b"), m[p],
-                                                   m.get(f"{p}_layout") == "in_out"))
-            done = [site.gate, site.up]
-        down, w = m["down"], m["down_w"]
+        for p in site.projections()[:-1]:  # gate_up, or gate and up
+            self.replace(p.call, self.fp8_linear(p.x, p.w, p.b, p.call, p.w_t))
+        down = site.down_proj
+        w = down.w
         a_s, b_s, g_s = (self.state(w, r) for r in ROLES)
         sr = self.sr_stream(w)
-        k = self.kw
-        smooth = self.cfg.smooth_swiglu or "none"
-        with self.graph.inserting_before(down):
-            w_down = self.graph.call_function(torch.t, (w,)) if m.get("down_layout") == "in_out" else w
+        glu = GLUKnobs.from_linear(self.knobs, site.act, self.cfg.smooth_swiglu, not facts(w).regathered,
+                                   self.cfg.recompute_glu_output)
+        with self.graph.inserting_before(down.call):
+            w_down = self.graph.call_function(torch.t, (w,)) if down.w_t else w
             out = self.graph.call_function(
-                self.ops.swiglu_down.default, (self.r(m["gate"]), self.r(m["up"]), w_down, a_s, b_s, g_s, sr),
-                dict(k, out_dtype=value_dtype(down), activation=site.act, smooth=smooth,
-                     recast_weight=not facts(w).regathered, recompute_output=self.cfg.recompute_glu_output))
+                self.ops.swiglu_down.default, (self.r(site.gate_out), self.r(site.up_out), w_down, a_s, b_s, g_s, sr),
+                self.kwargs(value_dtype(down.call), activation=glu.activation, smooth=glu.smooth,
+                            recast_weight=glu.recast_weight, recompute_output=glu.recompute_output))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if self.delayed:
-                self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])
-                if smooth != "channel":  # channel mode casts W_down / c with current scaling
-                    self.record(b_s, self.graph.call_function(operator.getitem, (out, 2)), k["fwd_format"])
-            if m.get("down_b") is not None:
-                y = self.graph.call_function(operator.add, (y, m["down_b"]))
-        keep_meta(y, down)
-        self.replace(down, y, m.nodes)
-        return done + [site.down]
+                self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), glu.fwd_format)
+                if glu.smooth != "channel":  # channel mode casts W_down / c with current scaling
+                    self.record(b_s, self.graph.call_function(operator.getitem, (out, 2)), glu.fwd_format)
+            if down.b is not None:
+                y = self.graph.call_function(operator.add, (y, down.b))
+        keep_meta(y, down.call)
+        self.replace(down.call, y, site.nodes)
+        return ([site.gate] if site.fused else [site.gate, site.up]) + [site.down]
 
     def replace_glu_mx(self, site: GLUSite) -> list[str]:
         """MX: gate, up (or the fused projection) and down become MX ``fp8_linear`` calls; the
         activation and product stay as they are. No Smooth-SwiGLU: MX scales are current, per 32
         channels of each token, so a hot GLU channel coarsens only its own block (docs/numerics.md, MX).
         """
-        m = site.match
-        parts = [("gate_up", m["x"])] if site.fused else [("gate", m["x"]), ("up", m["x"])]
-        parts.append(("down", m["h"]))
-        for p, x in parts:
-            call = m[p]
-            self.replace(call, self.fp8_linear(x, m[f"{p}_w"], m.get(f"{p}_b"), call,
-                                               m.get(f"{p}_layout") == "in_out"), m.nodes)
+        for p in site.projections():
+            self.replace(p.call, self.fp8_linear(p.x, p.w, p.b, p.call, p.w_t), site.nodes)
         return ([site.gate] if site.fused else [site.gate, site.up]) + [site.down]
 
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:

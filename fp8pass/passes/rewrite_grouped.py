@@ -29,10 +29,12 @@ import operator
 import torch
 from torch import fx
 
+from ..numerics import ROLES
+from ..runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
 from .annotate import value_dtype
 from .matcher import example_value
 from .plan import ExpertGLUSite, Plan
-from .rewrite_base import ROLES, GraphRewriter, keep_meta
+from .rewrite_base import GraphRewriter, keep_meta
 
 __all__ = ["GroupedRewriter", "EXPERTS_KIND"]
 
@@ -45,7 +47,7 @@ def _split_in_halves(site: ExpertGLUSite) -> bool:
     takes whole (``up=None``)."""
     if not site.fused:
         return False
-    width = example_value(site.match["gate_up"]).shape[-1]
+    width = example_value(site.gate_proj.call).shape[-1]
     if not isinstance(width, int) or width % 2:
         return False
     half = width // 2
@@ -54,14 +56,6 @@ def _split_in_halves(site: ExpertGLUSite) -> bool:
 
 class GroupedRewriter(GraphRewriter):
     """MoE expert stacks in FP8 with per-expert scales (FP8 recipes only)."""
-
-    def _kw(self, out_dtype) -> dict:
-        """The recipe as the grouped ops' knobs, by name (``runtime.op_schema.GroupedLinearKnobs``: the
-        recipe's knobs less granularity/block; passes never import the runtime, so by name, not by class)."""
-        k = self.kw
-        return dict(fwd_format=k["fwd_format"], bwd_format=k["bwd_format"], power_of_two=k["power_of_two"],
-                    grad_rounding=k["grad_rounding"], margin=k["margin"], interval=k["interval"], algo=k["algo"],
-                    out_dtype=out_dtype, fast_accum=k["fast_accum"])
 
     def rows_and_offsets(self, x: fx.Node, w: fx.Node, offs):
         """``(x2d, offs, shape_back)``: the grouped op's operands for either expert form.
@@ -88,47 +82,40 @@ class GroupedRewriter(GraphRewriter):
             x2d, offs, back = self.rows_and_offsets(self.r(x), w, offs)
             out = self.graph.call_function(self.ops.fp8_grouped_linear.default,
                                            (x2d, w, offs, layout == "in_out", xs, ws, gs, self.sr_stream(w)),
-                                           self._kw(value_dtype(before)))
+                                           GroupedLinearKnobs.from_config(self.cfg, value_dtype(before)).kwargs())
             y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
-                self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.kw["fwd_format"])
-                self.record(ws, self.graph.call_function(operator.getitem, (out, 2)), self.kw["fwd_format"])
+                self.record(xs, self.graph.call_function(operator.getitem, (out, 1)), self.knobs.fwd_format)
+                self.record(ws, self.graph.call_function(operator.getitem, (out, 2)), self.knobs.fwd_format)
         keep_meta(y, before)
         return y
 
     def replace_expert_glu(self, site: ExpertGLUSite) -> list[str]:
-        m = site.match
-        if site.fused:
-            call = m["gate_up"]
-            self.replace(call, self.grouped_linear(m["x"], m["gate_up_w"], m.get("offs"), m["gate_up_layout"], call))
-            done = [site.gate]
-        else:
-            for p in ("gate", "up"):
-                self.replace(m[p], self.grouped_linear(m["x"], m[f"{p}_w"], m.get("offs"), m[f"{p}_layout"], m[p]))
-            done = [site.gate, site.up]
-        down, w = m["down"], m["down_w"]
+        for p in site.projections()[:-1]:  # gate_up, or gate and up
+            self.replace(p.call, self.grouped_linear(p.x, p.w, site.offs, p.layout, p.call))
+        down = site.down_proj
+        w = down.w
         a_s, b_s, g_s = (self.state(w, r, EXPERTS_KIND) for r in ROLES)
-        smooth = self.cfg.smooth_swiglu or "none"
-        k = dict(self._kw(value_dtype(down)), activation=site.act, smooth=smooth)  # GroupedGLUKnobs
-        with self.graph.inserting_before(down):
+        knobs = GroupedGLUKnobs.from_config(self.cfg, value_dtype(down.call), site.act)
+        with self.graph.inserting_before(down.call):
             if _split_in_halves(site):  # the op takes gate_up itself: its backward writes d(gate_up), no cat
-                gate, offs, back = self.rows_and_offsets(self.r(m["gate_up"]), w, m.get("offs"))
+                gate, offs, back = self.rows_and_offsets(self.r(site.gate_proj.call), w, site.offs)
                 up = None
             else:
-                gate, offs, back = self.rows_and_offsets(self.r(m["gate"]), w, m.get("offs"))
-                up = self.r(m["up"]) if m.get("offs") is not None else self.graph.call_method(
-                    "reshape", (self.r(m["up"]), (-1, self.graph.call_method("size", (self.r(m["up"]), -1)))))
+                gate, offs, back = self.rows_and_offsets(self.r(site.gate_out), w, site.offs)
+                up = self.r(site.up_out) if site.offs is not None else self.graph.call_method(
+                    "reshape", (self.r(site.up_out), (-1, self.graph.call_method("size", (self.r(site.up_out), -1)))))
             out = self.graph.call_function(
                 self.ops.fp8_grouped_swiglu_down.default,
-                (gate, up, w, offs, m["down_layout"] == "in_out", a_s, b_s, g_s, self.sr_stream(w)), k)
+                (gate, up, w, offs, down.w_t, a_s, b_s, g_s, self.sr_stream(w)), knobs.kwargs())
             y = back(self.graph.call_function(operator.getitem, (out, 0)))
             if self.delayed:
-                self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), k["fwd_format"])
-                if smooth != "channel":  # channel mode casts W_down / c with current scaling
-                    self.record(b_s, self.graph.call_function(operator.getitem, (out, 2)), k["fwd_format"])
-        keep_meta(y, down)
-        self.replace(down, y, m.nodes)
-        return done + [site.down]
+                self.record(a_s, self.graph.call_function(operator.getitem, (out, 1)), knobs.fwd_format)
+                if knobs.smooth != "channel":  # channel mode casts W_down / c with current scaling
+                    self.record(b_s, self.graph.call_function(operator.getitem, (out, 2)), knobs.fwd_format)
+        keep_meta(y, down.call)
+        self.replace(down.call, y, site.nodes)
+        return ([site.gate] if site.fused else [site.gate, site.up]) + [site.down]
 
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
         """Rewrite the plan's expert GLUs and expert linears; returns (weights made FP8, [])."""
@@ -137,7 +124,8 @@ class GroupedRewriter(GraphRewriter):
             with self.at(site.recipe):
                 done += self.replace_expert_glu(site)
         for lin in plan.expert_linears:
+            p = lin.proj
             with self.at(lin.recipe):
-                self.replace(lin.node, self.grouped_linear(lin.x, lin.w, lin.offs, lin.layout, lin.node), lin.nodes)
+                self.replace(p.call, self.grouped_linear(p.x, p.w, lin.offs, p.layout, p.call), lin.nodes)
             done.append(lin.fqn)
         return done, []

@@ -18,8 +18,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "knob_op", "SR_STREAM",
-           "SR_SEED"]
+from ..config import Config, CurrentScaling, DelayedScaling, NVFP4Scaling
+
+__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "NVFP4Knobs", "knob_op",
+           "smooth_knob", "SR_STREAM", "SR_SEED"]
 
 # The stochastic-rounding stream of the op's weight (``fp8pass.runtime.sr``): the last tensor argument of
 # ``fp8_linear``, ``fp8_linear_precast`` and ``swiglu_down`` (None: gradient casts draw from torch's
@@ -84,7 +86,11 @@ class Knobs:
         return tuple(getattr(self, f.name) for f in fields(self))
 
     def replace(self, **changes) -> "Knobs":
-        return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+        return type(self)(**{**self.kwargs(), **changes})
+
+    def kwargs(self) -> dict:
+        """The knobs by name, in schema order (a graph node's keyword arguments)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 # Knobs.of's instances by (class, values); bounded: graphs pass a handful of distinct tuples, and a
@@ -125,6 +131,41 @@ class LinearKnobs(Knobs):
     fast_accum: bool
     backward: str = "fp8"
 
+    @classmethod
+    def from_recipe(cls, recipe: CurrentScaling | DelayedScaling, fwd_format: str, bwd_format: str,
+                    grad_rounding: str, fast_accum: bool, backward: str = "fp8",
+                    out_dtype: torch.dtype | None = None) -> "LinearKnobs":
+        """The FP8 linear ops' knobs for a scaling recipe (the one recipe-to-knobs mapping of the FP8 ops:
+        the compile backend's rewriters and ``fp8pass.ops`` both build their knobs here)."""
+        delayed = isinstance(recipe, DelayedScaling)
+        return LinearKnobs(
+            fwd_format=fwd_format, bwd_format=bwd_format,
+            granularity=recipe.granularity, block=int(getattr(recipe, "block", 128)),
+            power_of_two=bool(recipe.power_of_two), grad_rounding=grad_rounding,
+            margin=float(recipe.margin) if delayed else 0.0,
+            interval=int(recipe.interval) if delayed else 1,
+            algo=recipe.algo if delayed else "max",
+            out_dtype=out_dtype, fast_accum=fast_accum, backward=backward)
+
+    @classmethod
+    def from_config(cls, cfg: Config, backward: str = "fp8", out_dtype: torch.dtype | None = None) -> "LinearKnobs":
+        """:meth:`from_recipe` of a Config (its recipe, formats, gradient rounding and ``fast_accum``;
+        ``backward``: the site's ``Rule.backward``)."""
+        return LinearKnobs.from_recipe(cfg.recipe, cfg.fwd_format, cfg.bwd_format,
+                                       "stochastic" if cfg.grad_stochastic_rounding else "nearest",
+                                       cfg.fast_accum, backward, out_dtype)
+
+
+def smooth_knob(smooth: str | None) -> str:
+    """The GLU ops' ``smooth`` knob for a Smooth-SwiGLU mode as users spell it (``Config.smooth_swiglu``,
+    ``fp8pass.ops.swiglu_mlp``): "channel", "token", or None for no smoothing, which the ops' string
+    schema spells "none" (here only)."""
+    if smooth is None:
+        return "none"
+    if smooth not in ("channel", "token"):
+        raise ValueError(f"unknown smooth mode {smooth!r}; valid: 'channel', 'token', None (no smoothing)")
+    return smooth
+
 
 @dataclass(frozen=True)
 class GLUKnobs(LinearKnobs):
@@ -146,6 +187,12 @@ class GLUKnobs(LinearKnobs):
     recast_weight: bool = False
     recompute_output: bool = False
 
+    @classmethod
+    def from_linear(cls, k: LinearKnobs, activation: str, smooth: str | None, recast_weight: bool,
+                    recompute_output: bool = False) -> "GLUKnobs":
+        """The GLU's knobs over its linear's (``smooth`` as users spell it: None is off)."""
+        return GLUKnobs(*k.args(), activation, smooth_knob(smooth), recast_weight, recompute_output)
+
 
 
 @dataclass(frozen=True)
@@ -164,6 +211,12 @@ class GroupedLinearKnobs(Knobs):
     out_dtype: typing.Optional[torch.dtype]
     fast_accum: bool
 
+    @classmethod
+    def from_config(cls, cfg: Config, out_dtype: torch.dtype | None = None) -> "GroupedLinearKnobs":
+        """:meth:`LinearKnobs.from_config` less the knobs the grouped ops do not take."""
+        k = LinearKnobs.from_config(cfg, out_dtype=out_dtype)
+        return GroupedLinearKnobs(**{f.name: getattr(k, f.name) for f in fields(GroupedLinearKnobs)})
+
 
 @dataclass(frozen=True)
 class GroupedGLUKnobs(GroupedLinearKnobs):
@@ -172,6 +225,41 @@ class GroupedGLUKnobs(GroupedLinearKnobs):
 
     activation: str
     smooth: str
+
+    @classmethod
+    def from_config(cls, cfg: Config, out_dtype: torch.dtype | None = None,
+                    activation: str = "silu") -> "GroupedGLUKnobs":
+        """The grouped linear's knobs of ``cfg`` plus the GLU's (``Config.smooth_swiglu``)."""
+        k = GroupedLinearKnobs.from_config(cfg, out_dtype)
+        return GroupedGLUKnobs(*k.args(), activation, smooth_knob(cfg.smooth_swiglu))
+
+
+@dataclass(frozen=True)
+class NVFP4Knobs(Knobs):
+    """The recipe knobs of ``nvfp4_linear`` (its arguments after ``hcp_state``, in order; the op's
+    schema is declared in ``runtime.nvfp4``) and, but ``hcp_mode``/``hcp_backward``, of its backward.
+
+    Attributes:
+        weight_2d, rht, rht_seed: ``NVFP4Scaling``'s fields.
+        grad_sr: ``NVFP4Scaling.grad_stochastic_rounding``.
+        hcp_second_order, hcp_mode, hcp_backward: ``HotChannelPatching``'s ``second_order``, ``mode``,
+            ``backward`` (True, "split", False without HCP).
+    """
+
+    weight_2d: bool
+    rht: bool
+    rht_seed: int
+    grad_sr: bool
+    hcp_second_order: bool
+    hcp_mode: str
+    hcp_backward: bool
+
+    @classmethod
+    def from_recipe(cls, recipe: NVFP4Scaling) -> "NVFP4Knobs":
+        hcp = recipe.hcp
+        return NVFP4Knobs(recipe.weight_2d, recipe.rht, recipe.rht_seed, recipe.grad_stochastic_rounding,
+                          True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
+                          False if hcp is None else hcp.backward)
 
 
 def knob_op(name: str, tensors: str, knobs: type[Knobs], returns: str):

@@ -32,14 +32,13 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..config import DelayedScaling
-from ..numerics import E4M3, E5M2, DelayedScalingState, Format, get_format
+from ..numerics import E4M3, E5M2, ROLES, DelayedScalingState, Format, get_format
 from ..numerics.scaling import commit_update, record_update
 from ..kernels import uses_triton
 
 __all__ = ["delayed_record_", "delayed_record_many_", "state_snapshot", "commit_states", "record", "LinearScalingState", "state_for",
            "grouped_state_for", "ROLES"]
 
-ROLES = ("input", "weight", "grad_output")
 
 
 # The record is a composite op: Dynamo and AOT autograd see its few aten ops (a max, a roll, a

@@ -57,7 +57,7 @@ __all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad
            "swiglu_down_op", "channel_scales", "token_scales", "swiglu_operand",
            "fold_channel_scales"]
 
-SMOOTH_MODES = ("channel", "token", "none")
+SMOOTH_MODES = ("channel", "token", "none")  # the ops' smooth knob; users spell "none" None (op_schema.smooth_knob)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _SQRT_2_OVER_PI = 0.7978845608028654
 _INV_SQRT_2PI = 0.3989422804014327
@@ -278,7 +278,8 @@ def _check(gate, up, w_down, k: GLUKnobs):
     if k.activation not in ACTIVATIONS:
         raise ValueError(f"unknown GLU activation {k.activation!r}; valid: {', '.join(map(repr, ACTIVATIONS))}")
     if k.smooth not in SMOOTH_MODES:
-        raise ValueError(f"unknown smooth mode {k.smooth!r}; valid: 'channel', 'token', None/'none'")
+        raise ValueError(f"unknown smooth mode {k.smooth!r}; valid: {', '.join(map(repr, SMOOTH_MODES))} "
+                         f"(the op's spelling; fp8pass.ops.swiglu_mlp and Config spell 'none' None)")
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate and up must have the same shape and dtype, got {tuple(gate.shape)} "
                          f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
