@@ -351,7 +351,7 @@ def _grouped_offs(tokens: int, experts: int) -> torch.Tensor:
 def _grouped_case(tokens: int = 64, experts: int = 4, d_in: int = 64, d_out: int = 96):
     """One MoE expert projection (``fp8pass::fp8_grouped_linear``, current scaling, tokens sorted by
     expert) fwd+bwd: three grouped GEMMs, whatever the number of experts."""
-    from fp8pass.runtime.op_schema import GroupedLinearKnobs
+    from fp8pass.op_schema import GroupedLinearKnobs
 
     torch.manual_seed(0)
     x = torch.randn(tokens, d_in, dtype=torch.bfloat16, requires_grad=True)
@@ -370,7 +370,7 @@ def _grouped_case(tokens: int = 64, experts: int = 4, d_in: int = 64, d_out: int
 
 def _grouped_swiglu_case(smooth: str, tokens: int = 64, experts: int = 4, d: int = 64, ffn: int = 32):
     """The GLU tail of an expert MLP (``fp8pass::fp8_grouped_swiglu_down``, fused gate_up input) fwd+bwd."""
-    from fp8pass.runtime.op_schema import GroupedGLUKnobs
+    from fp8pass.op_schema import GroupedGLUKnobs
 
     torch.manual_seed(0)
     gate_up = torch.randn(tokens, 2 * ffn, dtype=torch.bfloat16, requires_grad=True)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import fp8pass  # noqa: F401  (registers the ops)
 from fp8pass.runtime import LinearScalingState
-from fp8pass.runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
+from fp8pass.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
 from benchmarks.common import machine
 from benchmarks.common import time_rounds
 

@@ -29,7 +29,7 @@ from .runtime import (
     state_for,
 )
 from .passes.annotate import weight_may_be_regathered
-from .runtime.op_schema import GLUKnobs, LinearKnobs, NVFP4Knobs, smooth_knob
+from .op_schema import GLUKnobs, LinearKnobs, NVFP4Knobs, smooth_knob
 from .runtime.precast import shares_input_cast
 
 __all__ = ["fp8_linear", "fp8_linears", "swiglu_mlp", "nvfp4_linear", "LinearScalingState", "channel_scales",

@@ -39,7 +39,7 @@ from .passes.annotate import facts
 from .runtime.casting import resolve_format
 from .runtime.grouped_casting import grad_format
 from .runtime.linear import _mx_mm_dtype
-from .runtime.op_schema import GLUKnobs, GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs
+from .op_schema import GLUKnobs, GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs
 
 __all__ = ["GemmRecord", "CollectiveRecord", "GEMMS", "PrecisionFallbackError", "graph_gemms", "kept_gemms", "check_fallbacks",
            "register", "records_of", "version", "ON_FALLBACK"]

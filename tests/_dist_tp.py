@@ -209,7 +209,7 @@ def single_process() -> dict:
 
 
 def _knobs(fmt: str, glu: bool = False) -> tuple:
-    from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
+    from fp8pass.op_schema import GLUKnobs, LinearKnobs
 
     base = dict(fwd_format=fmt, bwd_format=fmt if fmt == "identity" else "e5m2", granularity="tensor", block=128,
                 power_of_two=False, grad_rounding="nearest", margin=0.0, interval=1, algo="max", out_dtype=None,

@@ -13,7 +13,7 @@ import torch
 import fp8pass
 from fp8pass import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling
 from fp8pass.passes.plan import GLUSite, Plan, Projection, plan_graph
-from fp8pass.runtime.op_schema import (
+from fp8pass.op_schema import (
     GLUKnobs, GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs, NVFP4Knobs, smooth_knob,
 )
 

@@ -363,7 +363,7 @@ def test_bad_arguments_raise_clear_errors():
 
 def test_knobs_are_the_schemas_last_arguments():
     """Each grouped op (and its backward) ends with its knob dataclass's fields, in order."""
-    from fp8pass.runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
+    from fp8pass.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
 
     for op, knobs in ((LIN, GroupedLinearKnobs), (GLU, GroupedGLUKnobs),
                       (torch.ops.fp8pass.fp8_grouped_linear_backward, GroupedLinearKnobs),

@@ -458,7 +458,7 @@ def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
     saved codes, scales and amaxes (never differentiated) instead of zero-filled tensors as large as
     x and W; a backward through the amaxes only (y unused) gives zero input gradients."""
     from fp8pass.testing.models import FillRecorder
-    from fp8pass.runtime.op_schema import GLUKnobs, LinearKnobs
+    from fp8pass.op_schema import GLUKnobs, LinearKnobs
 
     lk = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True).args()
     gk = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "fp8", "silu", "channel").args()

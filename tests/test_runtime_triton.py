@@ -247,7 +247,7 @@ def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
     import fp8pass  # noqa: F401  (registers the ops)
     from fp8pass.config import DelayedScaling
     from fp8pass.numerics import DelayedScalingState, get_format
-    from fp8pass.runtime.op_schema import LinearKnobs
+    from fp8pass.op_schema import LinearKnobs
 
     from fp8pass.kernels import cuda
 

@@ -264,7 +264,7 @@ def test_shared_cast_placement(model_cls, casts, monkeypatch):
 
 def test_shared_cast_ops_opcheck():
     """The two forward ops and the backward op: fake kernels, schemas and autograd as torch checks them."""
-    from fp8pass.runtime.op_schema import LinearKnobs
+    from fp8pass.op_schema import LinearKnobs
 
     x = torch.randn(4, 16, D, requires_grad=True)
     w = torch.randn(24, D, requires_grad=True)
@@ -283,7 +283,7 @@ def test_shared_cast_ops_opcheck():
 
 
 def test_shared_cast_ops_clear_errors():
-    from fp8pass.runtime.op_schema import LinearKnobs
+    from fp8pass.op_schema import LinearKnobs
 
     k = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True)
     x = torch.randn(4, 16, D)

@@ -164,7 +164,7 @@ def test_weight_casts_of_the_precast_linear_write_no_codes_on_cpu(monkeypatch):
     """fp8_linear_precast casts W (forward, delayed and current) and recasts it (backward) with
     cast_values only: cpu.cast never sees a tensor of W's shape, and y, dx, dW equal fp8_linear's bit for bit."""
     import fp8pass  # noqa: F401  (registers the ops)
-    from fp8pass.runtime.op_schema import LinearKnobs
+    from fp8pass.op_schema import LinearKnobs
 
     seen = []
     real_cast = cpu.cast
@@ -197,7 +197,7 @@ def test_gradient_casts_write_no_codes_on_cpu(monkeypatch):
     of dy's shape are written or upcast, and dx, dW equal the codes-then-upcast path's bit for bit.
     (Stochastic rounding keeps codes + upcast: a values-only loop measured slower.)"""
     import fp8pass  # noqa: F401  (registers the ops)
-    from fp8pass.runtime.op_schema import LinearKnobs
+    from fp8pass.op_schema import LinearKnobs
 
     torch.manual_seed(2)
     x = torch.randn(4, 64, 128, dtype=torch.bfloat16)
@@ -239,7 +239,7 @@ def test_saved_gate_and_up_from_the_operand_loops_amax_equal_casting_them_alone(
     with NaN/Inf inside and in a bf16 and an fp32 input."""
     import fp8pass  # noqa: F401  (registers the ops)
     from fp8pass.kernels import torch_family
-    from fp8pass.runtime.op_schema import GLUKnobs
+    from fp8pass.op_schema import GLUKnobs
 
     g = torch.Generator().manual_seed(8)
     for dtype in (torch.bfloat16, torch.float32):

@@ -456,7 +456,7 @@ def test_scaling_state_dict_carries_streams_beside_delayed_state_and_load_checks
 
 def test_the_public_op_with_a_stream_draws_from_it_at_every_granularity():
     """``torch.ops.fp8pass.fp8_linear`` given ``sr_stream``: the stream's bits, not torch's generator's."""
-    from fp8pass.runtime.op_schema import LinearKnobs
+    from fp8pass.op_schema import LinearKnobs
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(16, 64, generator=g), torch.randn(32, 64, generator=g)

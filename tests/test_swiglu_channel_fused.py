@@ -23,7 +23,7 @@ from fp8pass.kernels import triton_scaling as ts  # noqa: E402
 from fp8pass.numerics import DelayedScalingState, saturating_cast, scale_from_amax  # noqa: E402
 from fp8pass.numerics.scaling import scale_to_cast  # noqa: E402
 from fp8pass.runtime import swiglu  # noqa: E402
-from fp8pass.runtime.op_schema import GLUKnobs  # noqa: E402
+from fp8pass.op_schema import GLUKnobs  # noqa: E402
 
 _C_MIN, _C_MAX = swiglu._C_MIN, swiglu._C_MAX
 

@@ -181,7 +181,7 @@ def test_rule_positions_come_from_the_schema_extra_tensor_arguments_replicate():
     name, the new one Replicate."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from fp8pass.runtime.op_schema import LinearKnobs
+    from fp8pass.op_schema import LinearKnobs
 
     lib = torch.library.Library("fp8pass_tp_test", "FRAGMENT")
     lib.define("linear_seeded(Tensor seed, Tensor x, Tensor weight, Tensor? bias, Tensor[] x_state, "

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 import fp8pass  # noqa: E402
 from benchmarks import gpu_launches  # noqa: E402
-from fp8pass.runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs  # noqa: E402
+from fp8pass.op_schema import GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs  # noqa: E402
 from fp8pass.runtime.state import LinearScalingState  # noqa: E402
 
 

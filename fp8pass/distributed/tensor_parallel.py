@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..runtime.casting import resolve_format, saved_transposed
 from ..runtime.linear import compute_dtype
-from ..runtime.op_schema import LinearKnobs
+from ..op_schema import LinearKnobs
 from ..runtime.precast import _up_dtype
 
 __all__ = ["register_sharding_rules", "replicated", "check_reduction_group", "RULES"]

@@ -24,7 +24,7 @@ from torch import fx
 
 from ..config import Config, DelayedScaling
 from ..numerics import ROLES, DelayedScalingState
-from ..runtime.op_schema import LinearKnobs
+from ..op_schema import LinearKnobs
 from .annotate import facts, value_dtype
 
 __all__ = ["StateInput", "GraphRewriter", "copy_graph_module", "record_params",
@@ -101,7 +101,7 @@ class GraphRewriter:
         self.last_ph = self.placeholders[-1] if self.placeholders else None
         self.extra: list[StateInput] = []
         self._state_nodes: dict[tuple[int, str, str], list[fx.Node]] = {}
-        # the runtime's ops by name: passes import only the ops' knob declarations (runtime.op_schema),
+        # the runtime's ops by name: passes import only the ops' knob declarations (fp8pass.op_schema),
         # never their implementations; the backend imports those, which registers the ops
         self.ops = torch.ops.fp8pass
         self.replaced: dict[fx.Node, fx.Node] = {}  # planned nodes replaced earlier in this rewrite

@@ -15,7 +15,7 @@ backward once (``fp8pass.runtime.precast``). Under MX granularity each linear is
 
 The ``*_state`` lists are the op lists (``DelayedScalingState.OP_FIELDS``) of the weight's
 ``LinearScalingState`` (fp8pass.runtime.state), extra placeholders (:mod:`.rewrite_base`). The knobs
-are passed by name (the op's schema is declared once, in ``fp8pass.runtime.op_schema``); ``out_dtype``
+are passed by name (the op's schema is declared once, in ``fp8pass.op_schema``); ``out_dtype``
 is the dtype the replaced node produced (under autocast the autocast dtype, so the rewritten graph
 computes in the same dtypes as the original). AOT
 autograd functionalizes the records into copies onto those inputs, so the state survives recompiles
@@ -35,7 +35,7 @@ import operator
 import torch
 
 from ..numerics import ROLES
-from ..runtime.op_schema import GLUKnobs
+from ..op_schema import GLUKnobs
 from .annotate import facts, value_dtype
 from .plan import GLUSite, LinearSite, Plan, is_nvfp4
 from .rewrite_base import GraphRewriter, keep_meta

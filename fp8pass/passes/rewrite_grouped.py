@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from ..numerics import ROLES
-from ..runtime.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
+from ..op_schema import GroupedGLUKnobs, GroupedLinearKnobs
 from .annotate import value_dtype
 from .matcher import example_value
 from .plan import ExpertGLUSite, Plan

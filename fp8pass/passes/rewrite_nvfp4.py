@@ -23,7 +23,7 @@ import operator
 import torch
 from torch import fx
 
-from ..runtime.op_schema import NVFP4Knobs
+from ..op_schema import NVFP4Knobs
 from .plan import Plan, nvfp4_projections
 from .rewrite_base import GraphRewriter, keep_meta
 

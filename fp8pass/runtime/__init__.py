@@ -86,7 +86,7 @@ hcp_mode, hcp_backward, sr_stream) -> (y, chan_err, hot)``
     ``fp8_linear``'s (two draws per backward: dgrad's and wgrad's stochastic casts of ``dy``), or None.
 
 Knobs (the scalar arguments)
-    Declared once per op in :mod:`fp8pass.runtime.op_schema` (``LinearKnobs``; ``GLUKnobs`` adds
+    Declared once per op in :mod:`fp8pass.op_schema` (``LinearKnobs``; ``GLUKnobs`` adds
     ``activation`` and ``smooth``) and flattened into the schema as the op's last arguments, in
     field order: ``fwd_format, bwd_format, granularity, block, power_of_two, grad_rounding, margin,
     interval, algo, out_dtype`` (then ``activation, smooth``). Pass them positionally

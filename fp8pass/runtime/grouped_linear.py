@@ -13,12 +13,12 @@ likewise. Delayed scaling keeps a stack of E states per role (history [E, H], sc
 ``fp8pass::delayed_record_`` op as the dense ops (it broadcasts over the expert dim). Saved for
 backward: the FP8 codes (1 byte/element) and the [E] scales.
 
-The static knobs are :class:`~.op_schema.GroupedLinearKnobs` (the schema's last arguments, declared
+The static knobs are :class:`~fp8pass.op_schema.GroupedLinearKnobs` (the schema's last arguments, declared
 once). ``out_dtype`` (the replaced node's dtype, passed by the rewrite; None: the input's) is the dtype
 the op computes and outputs in, as for ``fp8_linear``: under autocast(bf16) the outputs are bf16
 whatever the inputs' dtype, the GEMMs of both passes round to it (CPU: bf16 GEMMs of the codes where
 this CPU's bf16 matmul is native, :func:`fp8pass.kernels.cpu.gemm_dtype`), each gradient takes
-its input's dtype, and autocast is off inside the op (:func:`~.op_schema.knob_op`).
+its input's dtype, and autocast is off inside the op (:func:`~fp8pass.op_schema.knob_op`).
 
 Kernels (:mod:`fp8pass.kernels`): CPU = compiled per-row casts + one GEMM per group on the
 upcast codes; CUDA = one ``torch._scaled_grouped_mm`` per GEMM (forward, dgrad, wgrad; E4M3 gradients,
@@ -37,7 +37,7 @@ from .. import kernels
 from .casting import as_bytes, from_bytes, resolve_format, unaliased
 from .grouped_casting import cast_experts, cast_grouped_rows, grad_format
 from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax
-from .op_schema import SR_SEED, SR_STREAM, GroupedLinearKnobs, knob_op
+from ..op_schema import SR_SEED, SR_STREAM, GroupedLinearKnobs, knob_op
 from .sr import draw_seed
 
 __all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "record_grouped_grad_amax", "check_grouped_tensors",

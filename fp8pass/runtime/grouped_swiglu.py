@@ -10,7 +10,7 @@ after it), ``offs`` int32 [E], ``w_down`` [E, D, F]
 expert's own rows and are folded into that expert's ``W_down`` columns (``B = W_down / c``, cast with
 current scaling since it changes every call); ``token`` gives ``r`` [S, 1], ``none`` []. Saved for
 backward: A's and B's codes and [E] scales, the smoothing scales, and ``gate``/``up`` for the
-activation derivative. The static knobs are :class:`~.op_schema.GroupedGLUKnobs`; ``out_dtype`` as in
+activation derivative. The static knobs are :class:`~fp8pass.op_schema.GroupedGLUKnobs`; ``out_dtype`` as in
 :mod:`.grouped_linear`.
 
 CPU, ``channel``/``none``: A's codes, B's codes and the GLU backward run in compiled passes that never
@@ -34,7 +34,7 @@ from .grouped_linear import (check_grouped_knobs, check_grouped_tensors, check_s
                              record_grouped_grad_amax, wgrad)
 from ..kernels import cpu
 from .linear import compute_dtype
-from .op_schema import SR_SEED, SR_STREAM, GroupedGLUKnobs, knob_op
+from ..op_schema import SR_SEED, SR_STREAM, GroupedGLUKnobs, knob_op
 from .sr import draw_seed
 from .swiglu import (_C_MAX, _C_MIN, ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math,
                      channel_scales, swiglu_operand)

@@ -29,7 +29,7 @@ from .casting import (MX_COLS, Operand, as_bytes, cast_operand, column_major, co
                       from_bytes, gemm, resolve_format, saved_transposed, tile_for, unaliased)
 from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
-from .op_schema import SR_SEED, SR_STREAM, LinearKnobs, knob_op
+from ..op_schema import SR_SEED, SR_STREAM, LinearKnobs, knob_op
 from .sr import draw_seed, draws_per_backward, seed_of
 
 __all__ = ["fp8_linear_op", "check_linear_args", "check_linear_tensors", "check_knobs", "knobs_of", "compute_dtype",
@@ -87,7 +87,7 @@ def check_recipe_knobs(k) -> None:
 
 def knobs_of(args: tuple) -> LinearKnobs:
     """An op's ``*knobs`` as validated :class:`LinearKnobs` (:func:`check_knobs`), built once per
-    distinct tuple (:meth:`Knobs.of <fp8pass.runtime.op_schema.Knobs.of>`)."""
+    distinct tuple (:meth:`Knobs.of <fp8pass.op_schema.Knobs.of>`)."""
     return LinearKnobs.of(args, check_knobs)
 
 

@@ -50,7 +50,7 @@ from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
 from .linear import (_scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad,
                      record_grad_amax)
-from .op_schema import SR_SEED, SR_STREAM, GLUKnobs, knob_op
+from ..op_schema import SR_SEED, SR_STREAM, GLUKnobs, knob_op
 from .sr import draw_seed
 
 __all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad",

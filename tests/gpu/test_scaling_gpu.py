@@ -152,7 +152,7 @@ def test_fused_channel_swiglu_equals_the_launch_plan_it_replaced_on_cuda(w_dtype
     import dataclasses
 
     from fp8pass.runtime import swiglu
-    from fp8pass.runtime.op_schema import GLUKnobs
+    from fp8pass.op_schema import GLUKnobs
 
     values = dict(fwd_format="e4m3", bwd_format="e5m2", granularity="tensor", block=128, power_of_two=False,
                   grad_rounding="nearest", margin=0.0, interval=1, algo="max", out_dtype=None, fast_accum=True,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import Config, CurrentScaling, DelayedScaling, NVFP4Scaling
+from .config import Config, CurrentScaling, DelayedScaling, NVFP4Scaling
 
 __all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "NVFP4Knobs", "knob_op",
            "smooth_knob", "SR_STREAM", "SR_SEED"]
