@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import fp8pass
-from fp8pass import scaling_state
-from fp8pass.checkpoint import load_file, save_file
+from fp8pass.checkpoint import (ALLOW_UNVERIFIED_ENV, CheckpointError, load_file, manifest_path, read_verified, save_file,
+                                write_with_manifest)
 from fp8pass.cli import main
-from fp8pass.integrity import ALLOW_UNVERIFIED_ENV, CheckpointError, manifest_path, read_verified, write_with_manifest
+from fp8pass.runtime.state import delayed_state_of
 from fp8pass.train import ModelConfig, TrainConfig, train
 from fp8pass.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from fp8pass.train.cli import EXIT_CHECKPOINT
@@ -228,19 +228,19 @@ def test_a_resaved_unchanged_checkpoint_loads(run_copy):
 # ---- write order: fsync before rename, kills between the renames --------------------------------
 
 def test_fsync_precedes_every_rename(tmp_path, monkeypatch):
-    import fp8pass.integrity as integrity
+    import fp8pass.checkpoint.files as files
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(integrity.os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
-    monkeypatch.setattr(integrity.os, "replace", lambda a, b: (events.append(f"replace {Path(b).name}"),
+    monkeypatch.setattr(files.os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(files.os, "replace", lambda a, b: (events.append(f"replace {Path(b).name}"),
                                                                real_replace(a, b))[1])
     write_with_manifest(tmp_path / "x.pt", lambda f: f.write(b"payload"))
     assert events == ["fsync", "fsync", "replace x.pt", "fsync", "replace x.pt.manifest.json", "fsync"]
 
 
 def test_kill_between_the_two_renames_still_loads_the_new_file(tmp_path, monkeypatch):
-    import fp8pass.integrity as integrity
+    import fp8pass.checkpoint.files as files
 
     path = tmp_path / "x.pt"
     save_file(path, {"v": torch.tensor(1)})
@@ -253,20 +253,20 @@ def test_kill_between_the_two_renames_still_loads_the_new_file(tmp_path, monkeyp
             raise KeyboardInterrupt("killed")
         return real(a, b)
 
-    monkeypatch.setattr(integrity.os, "replace", dies_on_second)
+    monkeypatch.setattr(files.os, "replace", dies_on_second)
     with pytest.raises(KeyboardInterrupt):
         save_file(path, {"v": torch.tensor(2)})
-    monkeypatch.setattr(integrity.os, "replace", real)
+    monkeypatch.setattr(files.os, "replace", real)
     assert int(load_file(path)["v"]) == 2  # new data, new manifest still in its temp file
     calls.clear()
 
     def dies_on_first(a, b):
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(integrity.os, "replace", dies_on_first)
+    monkeypatch.setattr(files.os, "replace", dies_on_first)
     with pytest.raises(KeyboardInterrupt):  # the next save, killed before its first rename
         save_file(path, {"v": torch.tensor(3)})
-    monkeypatch.setattr(integrity.os, "replace", real)
+    monkeypatch.setattr(files.os, "replace", real)
     assert int(load_file(path)["v"]) == 2  # the previous pair, intact (committed by the interrupted save)
     save_file(path, {"v": torch.tensor(4)})
     assert int(load_file(path)["v"]) == 4  # and no temp file is left behind
@@ -405,7 +405,7 @@ def _load_into_fresh(path, **kw):
 
 def _reseal(folder: Path) -> None:
     """Rewrite manifest.json for the files as they are now (what an attacker can do)."""
-    from fp8pass.integrity import write_manifest
+    from fp8pass.checkpoint import write_manifest
 
     names = json.loads((folder / "manifest.json").read_text())["files"]
     write_manifest(folder, sorted(names))
@@ -535,7 +535,7 @@ def test_checkpoint_save_load_verifies_and_validates(tmp_path):
     fresh = _tiny()
     with pytest.raises(CheckpointError, match=rf"{Q}\.fp8_scaling\.input\.scale.*finite and > 0"):
         fp8pass.load_checkpoint_state(fresh, None, state, config=CFG)
-    assert scaling_state._delayed_state(fresh.layers[0].self_attn.q_proj.weight) is None  # nothing loaded
+    assert delayed_state_of(fresh.layers[0].self_attn.q_proj.weight) is None  # nothing loaded
 
 
 def test_fp8_adam_load_state_dict_rejects_bad_scales_and_steps():
@@ -648,7 +648,7 @@ def test_two_ranks_verify_in_shares_and_fail_together(tmp_path):
 
 def test_hot_channel_state_entries_are_checked():
     """NVFP4 hot-channel-patching state (``<param>.hcp.<field>``), as the trainer saves it under ``scaling``."""
-    from fp8pass.scaling_checks import check_scaling_state_dict
+    from fp8pass.checkpoint import check_scaling_state_dict
 
     shapes = {"l.weight": (32, 64)}
     good = {"l.weight.hcp.err": torch.rand(64), "l.weight.hcp.hot": torch.tensor([1, 5]),
@@ -770,14 +770,14 @@ class _FullDisk:
 
 
 def _fill_disk(monkeypatch, room: int = 1000) -> None:
-    import fp8pass.integrity as integrity
+    import fp8pass.checkpoint.files as files
 
     real = os.fdopen
-    monkeypatch.setattr(integrity.os, "fdopen", lambda fd, *a, **k: _FullDisk(real(fd, *a, **k), room))
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, *a, **k: _FullDisk(real(fd, *a, **k), room))
 
 
 def test_full_disk_during_torch_save_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    from fp8pass.integrity import DiskFullError
+    from fp8pass.checkpoint import DiskFullError
 
     path = tmp_path / "x.pt"
     save_file(path, {"w": torch.arange(10)})
@@ -792,7 +792,7 @@ def test_full_disk_during_torch_save_names_the_file_and_keeps_the_previous_check
 
 
 def test_interrupted_write_is_a_checkpoint_error_and_leaves_no_temp_file(tmp_path):
-    from fp8pass.integrity import atomic_write
+    from fp8pass.checkpoint import atomic_write
 
     path = tmp_path / "x.bin"
     atomic_write(path, lambda f: f.write(b"old"))

@@ -111,7 +111,7 @@ def test_explain_under_the_integrations_recipes(tmp_path):
     transformers = pytest.importorskip("transformers")
     accelerate = pytest.importorskip("accelerate")
     from fp8pass.report.report import OUTSIDE_GRAPHS
-    from fp8pass.scaling_state import attach
+    from fp8pass.checkpoint import attach
 
     def llama():
         torch.manual_seed(0)
