@@ -18,8 +18,15 @@ import pytest
 import torch
 
 import fp8pass
-from fp8pass.checkpoint import (ALLOW_UNVERIFIED_ENV, CheckpointError, load_file, manifest_path, read_verified, save_file,
-                                write_with_manifest)
+from fp8pass.checkpoint import (
+    ALLOW_UNVERIFIED_ENV,
+    CheckpointError,
+    load_file,
+    manifest_path,
+    read_verified,
+    save_file,
+    write_with_manifest,
+)
 from fp8pass.cli import main
 from fp8pass.runtime.state import delayed_state_of
 from fp8pass.train import ModelConfig, TrainConfig, train
@@ -675,9 +682,8 @@ def test_load_scaling_state_dict_validates_before_loading():
 # ---- two ranks: the manifest is verified in shares and a failure on one rank raises on both ----
 
 def _two_rank_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
     import _dist
+    import torch.distributed as dist
 
     _dist.init(rank, world, init_file)
     model = _dist.make_model()

@@ -46,8 +46,10 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..config import Config, DelayedScaling, HotChannelPatching, NVFP4Scaling
 from ..numerics import get_format
-from ..runtime.hcp import _REGISTRY as _HCP_REGISTRY, HCP_FIELDS, hcp_state_for
-from ..runtime.sr import _REGISTRY as _SR_REGISTRY, SRStream
+from ..runtime.hcp import _REGISTRY as _HCP_REGISTRY
+from ..runtime.hcp import HCP_FIELDS, hcp_state_for
+from ..runtime.sr import _REGISTRY as _SR_REGISTRY
+from ..runtime.sr import SRStream
 from ..runtime.state import delayed_state_of, grouped_state_for, state_for
 from ..switch_history import HISTORY_KEY, history, history_from_tensor, history_to_tensor, set_history, switched_config
 from .errors import CheckpointError

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..checkpoint import check_optimizer_state, saved_param_shapes
+from ..checkpoint.optimizer_checks import check_optimizer_state, saved_param_shapes
 from ..kernels import family_name, forced
 from . import compiled_step
 from .moments import MomentSpec, init_moment, num_blocks, read_moment, write_moment
