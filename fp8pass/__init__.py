@@ -24,8 +24,8 @@ from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp
 from . import optim  # noqa: E402
 from .compile_backend import backend  # noqa: E402
 from .model_report import explain  # noqa: E402
-from .scaling_state import accumulate_scaling, commit_scaling, load_scaling_state_dict, scaling_state_dict  # noqa: E402
-from .checkpoint import checkpoint_state, load_checkpoint_state  # noqa: E402
+from .runtime.state import accumulate_scaling, commit_scaling  # noqa: E402
+from .checkpoint import checkpoint_state, load_checkpoint_state, load_scaling_state_dict, scaling_state_dict  # noqa: E402
 from . import recipes  # noqa: E402  (the recipe registry: fp8pass.recipes.RECIPES)
 from .precision_file import load_rules  # noqa: E402
 from .precision_switch import PrecisionSwitch, apply_schedule, precision_switches, switch_precision  # noqa: E402

@@ -41,7 +41,7 @@ from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
 from .runtime.sr import stream_for, stream_key
 from .runtime.state import grouped_state_for, state_for
-from .scaling_state import attach_weights
+from .checkpoint import attach_weights
 from .switch_history import epoch as switch_epoch, eval_config, mark_compiled, switched_config
 from .precision_audit import check_fallbacks, graph_gemms, kept_gemms, register
 

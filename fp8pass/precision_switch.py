@@ -21,7 +21,7 @@ from .passes.names import _unwrapped
 from .passes.policy import module_fqn, unmatched_rules
 from .runtime.state import _REGISTRY as _DELAYED_STATES
 from .passes.uncompiled import compile_backend_of
-from .scaling_state import hook_precision_history
+from .checkpoint import hook_precision_history
 from .switch_history import PrecisionSwitch, history, record, was_compiled
 
 __all__ = ["switch_precision", "precision_switches", "apply_schedule", "schedule_tag", "PrecisionSwitch"]

@@ -13,7 +13,7 @@ import torch
 
 import fp8pass
 from fp8pass.config import Config, CurrentScaling
-from fp8pass.scaling_state import without_scaling_state
+from fp8pass.checkpoint import without_scaling_state
 
 from fp8pass.testing.models import D, Fused, GeGLU, MatmulWT, ReGLU, SiluMul, tiny_titan_llama
 from test_patterns import VARIANTS

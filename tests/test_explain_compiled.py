@@ -110,8 +110,8 @@ def test_explain_under_the_integrations_recipes(tmp_path):
     model before compiling, and a tiny Mixtral's grouped experts are seen (no grouped_mm advice)."""
     transformers = pytest.importorskip("transformers")
     accelerate = pytest.importorskip("accelerate")
+    from fp8pass.checkpoint import attach
     from fp8pass.report.report import OUTSIDE_GRAPHS
-    from fp8pass.scaling_state import attach
 
     def llama():
         torch.manual_seed(0)

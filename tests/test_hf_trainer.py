@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer needs it
 
 import fp8pass  # noqa: E402
-from fp8pass import scaling_state  # noqa: E402
+from fp8pass import checkpoint  # noqa: E402
 
 CFG = fp8pass.Config(compiler="aot_eager")
 
@@ -30,7 +30,7 @@ def _model():
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2))
-    scaling_state.attach(model, CFG)  # the recipe: hooks before Trainer may load a checkpoint
+    checkpoint.attach(model, CFG)  # the recipe: hooks before Trainer may load a checkpoint
     model.compile(backend=fp8pass.backend(CFG))
     return model
 

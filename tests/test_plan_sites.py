@@ -17,7 +17,7 @@ from fp8pass.op_schema import (
     GLUKnobs, GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs, NVFP4Knobs, smooth_knob,
 )
 
-from _models import SiluMul, capture, tiny_titan_llama
+from fp8pass.testing.models import SiluMul, capture, tiny_titan_llama
 
 
 def _plan(model, *inputs, cfg=None) -> Plan:

@@ -312,9 +312,9 @@ def test_train_precision_config_flag(tmp_path, capsys):
 
 
 def test_rule_state_round_trips_through_state_dict():
-    """``scaling_state.attach(model, cfg)`` with rules makes each module's state with its rule's recipe,
+    """``fp8pass.checkpoint.attach(model, cfg)`` with rules makes each module's state with its rule's recipe,
     so a state dict holding 1024- and 16-entry histories loads into a fresh model (a resume)."""
-    from fp8pass.scaling_state import attach
+    from fp8pass.checkpoint import attach
 
     cfg = Config(compiler="aot_eager", rules=[Rule("layers.0.*", "delayed")])
     model = tiny_titan_llama()

@@ -13,7 +13,7 @@ import torch
 
 import fp8pass
 from fp8pass import Config, DelayedScaling, Rule
-from fp8pass.integrity import CheckpointError
+from fp8pass.checkpoint import CheckpointError
 from fp8pass.runtime.state import _REGISTRY
 from fp8pass.train import ModelConfig, TinyLlama
 
@@ -158,7 +158,7 @@ def test_history_in_state_dict_and_in_place_compile(tmp_path):
     sd = m.state_dict()
     assert sd["fp8_precision_switches"].dtype == torch.uint8
     fresh = _model(1)
-    fp8pass.scaling_state.attach(fresh)  # what fp8pass.checkpoint.load / the trainer do before loading
+    fp8pass.checkpoint.attach(fresh)  # what fp8pass.checkpoint.load / the trainer do before loading
     fresh.load_state_dict(sd)
     got, want = fp8pass.precision_switches(fresh), fp8pass.precision_switches(m)
     assert [(s.step, s.reason) for s in got] == [(0, "a"), (None, "b")]
@@ -183,7 +183,7 @@ def test_history_in_state_dict_and_in_place_compile(tmp_path):
         fp8pass.load_checkpoint_state(_model(2), None, {"model": bad, "optimizer": None,
                                                         "rng": fp8pass.checkpoint.torch_rng_state()})
     # a model that is not to train in FP8 loads the state dict without it
-    assert "fp8_precision_switches" not in fp8pass.scaling_state.without_scaling_state(sd)
+    assert "fp8_precision_switches" not in fp8pass.checkpoint.without_scaling_state(sd)
 
 
 def test_bad_switches_fail_clearly():
@@ -225,7 +225,7 @@ def test_schedule_makes_each_due_switch_once():
     assert [s.reason for s in fp8pass.precision_switches(f)] == ["schedule[1]", "schedule[0]: tail in high precision"]
     # a model restored from a state dict holds the history: nothing due is made again
     fresh = _model()
-    fp8pass.scaling_state.attach(fresh)
+    fp8pass.checkpoint.attach(fresh)
     fresh.load_state_dict(f._orig_mod.state_dict())
     g = torch.compile(fresh, backend=fp8pass.backend(cfg))
     assert fp8pass.apply_schedule(g, 9, 10) == []

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fp8pass
-from fp8pass import scaling_state
+from fp8pass import checkpoint
 from fp8pass.checkpoint import checkpoint_state, load_checkpoint_state
 
 from fp8pass.testing.models import tiny_titan_llama
@@ -45,7 +45,7 @@ def _trained(steps: int, config=CFG):
 
 
 def _scaling_keys(sd):
-    return sorted(k for k in sd if f".{scaling_state.SCALING_KEY}." in k or f".{scaling_state.HCP_KEY}." in k)
+    return sorted(k for k in sd if f".{checkpoint.SCALING_KEY}." in k or f".{checkpoint.HCP_KEY}." in k)
 
 
 def test_state_dict_holds_the_scaling_state_as_plain_tensors():
@@ -80,10 +80,10 @@ def test_fresh_model_loads_strictly_and_continues_bit_identically():
 
     fresh = tiny_titan_llama()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    scaling_state.attach(fresh, CFG)
+    checkpoint.attach(fresh, CFG)
     fresh.load_state_dict(state["model"], strict=True)  # before compile
     fresh_opt.load_state_dict(state["optimizer"])
-    fp8pass.checkpoint.set_torch_rng_state(state["rng"])
+    checkpoint.set_torch_rng_state(state["rng"])
     fresh.compile(backend=fp8pass.backend(CFG))
     assert _step(fresh, fresh_opt) == uninterrupted[2]
     fresh.load_state_dict(state["model"], strict=True)  # after compile: into the live state
@@ -103,7 +103,7 @@ def test_model_without_hooks_rejects_the_state_and_takes_the_weights_alone():
     plain = tiny_titan_llama()  # e.g. a bf16 reference copy
     with pytest.raises(RuntimeError, match=r"Unexpected key.*weight\.fp8_scaling\.input\.amax_history"):
         plain.load_state_dict(model.state_dict(), strict=True)
-    plain.load_state_dict(scaling_state.without_scaling_state(model.state_dict()), strict=True)
+    plain.load_state_dict(checkpoint.without_scaling_state(model.state_dict()), strict=True)
     assert fp8pass.scaling_state_dict(plain) == {}
     assert torch.equal(plain.output.weight, model.output.weight)
 
@@ -112,7 +112,7 @@ def test_state_loaded_without_a_config_takes_the_compile_configs_recipe():
     model, _, _ = _trained(1)
     sd = model.state_dict()
     other = fp8pass.Config(recipe=fp8pass.DelayedScaling(margin=1), compiler="aot_eager")
-    fresh = scaling_state.attach(tiny_titan_llama())  # default Config
+    fresh = checkpoint.attach(tiny_titan_llama())  # default Config
     fresh.load_state_dict(sd)
     fresh.compile(backend=fp8pass.backend(other))
     fresh(TOKENS)
@@ -120,7 +120,7 @@ def test_state_loaded_without_a_config_takes_the_compile_configs_recipe():
     assert int(st.input.steps) == 2  # the loaded step plus this one
 
     short = fp8pass.Config(recipe=fp8pass.DelayedScaling(history_len=4), compiler="aot_eager")
-    fresh = scaling_state.attach(tiny_titan_llama())
+    fresh = checkpoint.attach(tiny_titan_llama())
     fresh.load_state_dict(sd)
     fresh.compile(backend=fp8pass.backend(short))
     with pytest.raises(Exception, match="history_len=16.*4"):
@@ -184,8 +184,8 @@ def test_nvfp4_hot_channel_state_travels_in_the_state_dict():
     model.compile(backend=fp8pass.backend(cfg))
     model(TOKENS)
     sd = model.state_dict()
-    assert sum(f".{scaling_state.HCP_KEY}." in k for k in sd) == 3 * 10  # err, hot, step of 10 NVFP4 linears
-    fresh = scaling_state.attach(tiny_titan_llama(), cfg)
+    assert sum(f".{checkpoint.HCP_KEY}." in k for k in sd) == 3 * 10  # err, hot, step of 10 NVFP4 linears
+    fresh = checkpoint.attach(tiny_titan_llama(), cfg)
     fresh.load_state_dict(sd, strict=True)
     st = hcp_state_for(fresh.layers["0"].attention.wq.weight, hcp)
     assert torch.equal(st.hot, sd["layers.0.attention.wq.weight.fp8_hcp.hot"]) and int(st.step) == 1

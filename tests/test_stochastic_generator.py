@@ -10,7 +10,7 @@ from torch import nn
 
 import fp8pass
 from fp8pass.runtime import sr
-from fp8pass.scaling_state import attach
+from fp8pass.checkpoint import attach
 
 D, H = 32, 64  # FP8 linears need dims >= Config.min_dim (16) and divisible by 16
 
@@ -187,8 +187,8 @@ def test_a_bad_saved_stream_is_refused_naming_its_key(stream, match):
     with pytest.raises(RuntimeError, match=match):
         model.load_state_dict(sd)
     assert sr._REGISTRY.get(model.up.weight) is None  # nothing was loaded
-    with pytest.raises(fp8pass.integrity.CheckpointError, match=match):
-        fp8pass.scaling_checks.check_model_state_dict(sd)
+    with pytest.raises(fp8pass.checkpoint.CheckpointError, match=match):
+        fp8pass.checkpoint.check_model_state_dict(sd)
 
 
 def test_the_stream_seed_is_the_same_hash_on_both_kernel_paths(monkeypatch):
@@ -431,7 +431,7 @@ def test_scaling_state_dict_carries_streams_beside_delayed_state_and_load_checks
     assert torch.equal(sd["up.weight.sr.stream"], stream) and sd["up.weight.sr.stream"] is not stream  # a copy
     before = stream.clone()
     bad = dict(sd, **{"up.weight.sr.stream": torch.tensor([5, -1])})
-    with pytest.raises(fp8pass.integrity.CheckpointError, match=r"up\.weight\.sr\.stream: a draw count"):
+    with pytest.raises(fp8pass.checkpoint.CheckpointError, match=r"up\.weight\.sr\.stream: a draw count"):
         fp8pass.load_scaling_state_dict(run.model, bad, config=_cfg(3, fp8pass.DelayedScaling()))
     assert torch.equal(stream, before)
     without = {k: v for k, v in sd.items() if k != "down.weight.sr.stream"}
@@ -447,10 +447,10 @@ def test_scaling_state_dict_carries_streams_beside_delayed_state_and_load_checks
     assert torch.equal(stream, before)  # the streams load last: nothing was loaded
     fp8pass.load_scaling_state_dict(run.model, without, config=_cfg(3, fp8pass.DelayedScaling()), strict=False)
     # the streams are in the file the trainer validates too
-    fp8pass.scaling_checks.check_scaling_state_dict(sd, {n: p.shape for n, p in run.model.named_parameters()},
+    fp8pass.checkpoint.check_scaling_state_dict(sd, {n: p.shape for n, p in run.model.named_parameters()},
                                                     kinds=("delayed",))
-    with pytest.raises(fp8pass.integrity.CheckpointError, match=r"up\.weight\.sr\.stream: a stream key"):
-        fp8pass.scaling_checks.check_scaling_state_dict({"up.weight.sr.stream": torch.tensor([-2, 0])},
+    with pytest.raises(fp8pass.checkpoint.CheckpointError, match=r"up\.weight\.sr\.stream: a stream key"):
+        fp8pass.checkpoint.check_scaling_state_dict({"up.weight.sr.stream": torch.tensor([-2, 0])},
                                                         {"up.weight": (64, 32)}, kinds=())
 
 

@@ -77,7 +77,7 @@ def test_compiled_identity_pipeline_tracks_eager_across_optimizer_steps(tmp_path
     smoothing scale from an earlier step."""
     import fp8pass
     from fp8pass.train import TinyLlama, load_text_data
-    from fp8pass.scaling_state import without_scaling_state
+    from fp8pass.checkpoint import without_scaling_state
     from fp8pass.train.recipes import param_groups
 
     warnings.simplefilter("ignore")

@@ -67,7 +67,7 @@ def test_resume_after_a_scheduled_switch_is_bit_identical(tmp_path, corpus, kw):
     ck = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
     model = TinyLlama(SMALL)
     # the run's Config; loading the history re-attaches the modules under the switched rules (1024 entries)
-    fp8pass.scaling_state.attach(model, cfg(tmp_path, corpus, "part", **kw).fp8_config())
+    fp8pass.checkpoint.attach(model, cfg(tmp_path, corpus, "part", **kw).fp8_config())
     model.load_state_dict(ck["model"])
     assert [(s.step, s.reason) for s in fp8pass.precision_switches(model)] == [(3, reason)]
 
@@ -79,7 +79,7 @@ def test_eval_recipe_high_validates_like_the_eager_model(tmp_path, corpus):
     (rec,) = _records(tmp_path / "ev", "eval")
     assert rec["eval_recipe"] == "high" and rec["val_loss_eval_recipe"] == res.final_val_loss_eval_recipe
     model = TinyLlama(SMALL)
-    model.load_state_dict(fp8pass.scaling_state.without_scaling_state(
+    model.load_state_dict(fp8pass.checkpoint.without_scaling_state(
         torch.load(tmp_path / "ev" / "checkpoint.pt", weights_only=True)["model"]))
     eager = evaluate(lambda x, y: model(x, y), load_text_data(corpus), c)
     assert rec["val_loss_eval_recipe"] == eager  # the same weights in high precision, exactly

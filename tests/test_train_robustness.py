@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp8pass.cli import main
-from fp8pass.integrity import CheckpointError, DiskFullError
+from fp8pass.checkpoint import CheckpointError, DiskFullError
 from fp8pass.train import ModelConfig, TrainConfig, train
 from fp8pass.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from fp8pass.train.cli import EXIT_DISK_FULL, EXIT_IN_USE
@@ -98,13 +98,13 @@ def test_planted_links_in_the_run_folder_are_never_written_through(tmp_path, cor
 
 
 def test_a_full_disk_exits_with_its_own_code_and_one_line(tmp_path, corpus, monkeypatch, capsys):
-    import fp8pass.integrity as integrity
+    import fp8pass.checkpoint.files as files
 
     def full(fd, *a, **k):
         os.close(fd)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(integrity.os, "fdopen", full)
+    monkeypatch.setattr(files.os, "fdopen", full)
     rc = main(["train", "--recipe", "bf16", "--steps", "2", "--out", str(tmp_path / "runs"), "--data", corpus,
                "--batch-size", "2", "--seq-len", "16", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
                "--ffn", "64", "--monitor-every", "0", "--no-progress", "--no-plots"])
@@ -113,7 +113,7 @@ def test_a_full_disk_exits_with_its_own_code_and_one_line(tmp_path, corpus, monk
     assert err.startswith(f"error: {tmp_path / 'runs' / 'bf16'}") and "no space left on device" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     with pytest.raises(DiskFullError):
-        integrity.atomic_write(tmp_path / "x", lambda f: f.write(b"x"))
+        files.atomic_write(tmp_path / "x", lambda f: f.write(b"x"))
     assert not list(tmp_path.glob("**/*.tmp"))
 
 

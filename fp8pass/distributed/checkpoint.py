@@ -31,14 +31,14 @@ Safety and integrity (see docs/distributed.md):
   a folder that is, or holds, a symbolic link (a link planted in a shared folder would make the
   save overwrite the file it points at), and its writer creates every file (``__<rank>_<n>.distcp``,
   ``.metadata.tmp``) with ``O_NOFOLLOW``, so a link planted at one of those names after that check
-  fails the save (:class:`~fp8pass.integrity.CheckpointError` naming the file) instead of being
+  fails the save (:class:`~fp8pass.checkpoint.CheckpointError` naming the file) instead of being
   written through; ``.metadata`` itself is renamed into place (a link there is replaced, not
   followed). Left open: the checkpoint folder itself swapped for a link between the check and
   the writes (``O_NOFOLLOW`` guards a path's last component only).
 * Every failure of DCP's save or load reaches the caller as a
-  :class:`~fp8pass.integrity.CheckpointError` with a one-line cause (DCP raises a
+  :class:`~fp8pass.checkpoint.CheckpointError` with a one-line cause (DCP raises a
   ``CheckpointException``, a ``BaseException`` that ``except Exception`` does not catch), a lack of
-  space as :class:`~fp8pass.integrity.DiskFullError`.
+  space as :class:`~fp8pass.checkpoint.DiskFullError`.
 """
 
 from __future__ import annotations
@@ -59,11 +59,10 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..checkpoint import (DELAYED_FIELDS, SR_KEY, CheckpointError, check_delayed_state, check_model_state_dict,
+                          check_optimizer_state, group_delayed_keys, load_delayed_state, load_sr_stream,
+                          missing_delayed_keys, verify_files, write_failed, write_manifest)
 from ..config import Config, DelayedScaling
-from ..integrity import CheckpointError, verify_files, write_failed, write_manifest
-from ..optim.state_check import check_optimizer_state
-from ..scaling_checks import _FIELDS, SR_KEY, check_delayed_state, check_model_state_dict
-from ..scaling_state import _load_delayed, _load_sr_one
 from ..runtime.state import ROLES
 from .amax_sync import _module_params, scaling_states
 
@@ -95,7 +94,7 @@ def load_distributed_scaling_state_dict(model: torch.nn.Module, sd: dict[str, to
                                         config: Config | None = None) -> None:
     """Load a :func:`distributed_scaling_state_dict` into ``model``'s weights (creating missing state).
 
-    Every entry is validated first (:func:`fp8pass.scaling_state.check_delayed_state`, against the
+    Every entry is validated first (:func:`fp8pass.checkpoint.check_delayed_state`, against the
     weight's shape and the config's history length); nothing is loaded when one fails.
 
     Under FSDP2 the state belongs to the unsharded parameters; they exist after the first
@@ -104,7 +103,7 @@ def load_distributed_scaling_state_dict(model: torch.nn.Module, sd: dict[str, to
     """
     cfg = config or Config()
     for p, name, d in _checked_scaling_state(model, sd, cfg):
-        _load_delayed(p, d, cfg, name)
+        load_delayed_state(p, d, cfg, name)
 
 
 def _checked_scaling_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], cfg: Config) -> list:
@@ -117,15 +116,12 @@ def _checked_scaling_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], 
     params = {}
     for name, p in _module_params(model):
         params[_clean(name)] = p  # unsharded (FSDP2) ones come last and win
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
-    for key, v in sd.items():
-        parts = key.rsplit(".", 2)
-        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in _FIELDS or parts[0] not in params:
-            raise KeyError(f"scaling state key {key!r} names no parameter role of this model")
-        grouped.setdefault(parts[0], {})[f"{parts[1]}.{parts[2]}"] = v
+    grouped, unknown = group_delayed_keys(sd, params)
+    if unknown:
+        raise KeyError(f"scaling state key {unknown[0]!r} names no parameter role of this model")
     out = []
     for name, d in grouped.items():
-        miss = [f"{r}.{f}" for r in ROLES for f in _FIELDS if f"{r}.{f}" not in d]
+        miss = missing_delayed_keys(d)
         if miss:
             raise CheckpointError(f"fp8.{name}: incomplete delayed-scaling state, missing {miss}")
         check_delayed_state(d, f"fp8.{name}", params[name].shape, cfg.recipe.history_len)
@@ -206,7 +202,7 @@ class _ManifestWriter(FileSystemWriter):
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` unpickles with an allow-list (see
     :class:`_MetadataUnpickler`) and checks that every data file it names is a plain file name in the
-    checkpoint folder. A crafted ``.metadata`` raises :class:`~fp8pass.integrity.CheckpointError`
+    checkpoint folder. A crafted ``.metadata`` raises :class:`~fp8pass.checkpoint.CheckpointError`
     and runs nothing."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -324,7 +320,7 @@ def _fp8_templates(meta: Metadata, model: torch.nn.Module, cfg: Config) -> dict[
     out = {}
     for key, m in saved.items():
         parts = key.rsplit(".", 2)
-        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in _FIELDS or parts[0] not in params:
+        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in DELAYED_FIELDS or parts[0] not in params:
             raise CheckpointError(f"fp8.{key}: names no parameter role of this model")
         p = params[parts[0]]
         lead = (int(p.shape[0]),) if p.dim() == 3 else ()
@@ -526,6 +522,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=sd["model"],
                    optim_state_dict=sd.get("optim", {}))
     for key, t in new_streams.items():
-        _load_sr_one(streams[key][0], t, key)
+        load_sr_stream(streams[key][0], t, key)
     for p, name, d in scaling:
-        _load_delayed(p, d, cfg, name)
+        load_delayed_state(p, d, cfg, name)

@@ -49,7 +49,7 @@ from ..quantized import quantize
 from ..passes import compile_backend_of, inplace_compile_suspended, original_callable
 from ..precision_switch import switch_precision
 from ..runtime.swiglu import channel_scales, token_scales
-from ..scaling_state import restart_history
+from ..runtime.state import restart_history
 from ..switch_history import switched_config
 from .swiglu import find_swiglus
 

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..checkpoint.optimizer_checks import check_optimizer_state, saved_param_shapes
 from ..kernels import family_name, forced
 from . import compiled_step
 from .moments import MomentSpec, init_moment, num_blocks, read_moment, write_moment
 from .options import FP8_GROUP_KEYS, check_bf16_sr, check_options, check_param, moment_specs
-from .state_check import check_optimizer_state, saved_param_shapes
 from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
 from .sharded import init_sharded_moment, is_dtensor, local_view
 from .torch_state_dict import from_torch_state_dict, is_torch_state_dict
@@ -151,8 +151,8 @@ class Adam(torch.optim.Optimizer):
 
         A torch state dict (its groups lack ``m_format``) is converted with
         ``from_torch_state_dict`` using this optimizer's storage options. Values are checked first
-        (``step`` in range, FP8 block scales finite and > 0; see ``state_check``): a bad entry raises
-        ``fp8pass.integrity.CheckpointError`` naming it, and nothing is loaded.
+        (``step`` in range, FP8 block scales finite and > 0; see ``fp8pass.checkpoint.optimizer_checks``): a bad entry raises
+        ``fp8pass.checkpoint.CheckpointError`` naming it, and nothing is loaded.
         """
         check_optimizer_state(state_dict, params=saved_param_shapes(self, state_dict))  # shapes before values
         if is_torch_state_dict(state_dict):

@@ -13,7 +13,7 @@ import io
 import re
 from dataclasses import dataclass, field
 
-from ..integrity import atomic_write
+from ..checkpoint import atomic_write
 
 __all__ = ["draw_graph", "layer_patterns", "MAX_PIXELS"]
 

@@ -16,9 +16,16 @@ host read:
   state. That op is composite (CompositeImplicitAutograd): AOT autograd traces its few aten ops into
   the backward graph, and Inductor fuses them into generated kernels instead of calling out.
 
-Gradient accumulation: while a state's ``accumulate`` flag is set (``fp8pass.accumulate_scaling``)
-a record only raises ``pending`` (the max of the micro-batches' amaxes); :func:`commit_states`
-enters it into the history once. Non-finite amaxes are skipped and counted on the device; nothing
+Gradient accumulation: while a state's ``accumulate`` flag is set (:func:`accumulate_scaling`,
+exported as ``fp8pass.accumulate_scaling``) a record only raises ``pending`` (the max of the
+micro-batches' amaxes); :func:`commit_states` (per model: :func:`commit_scaling`) enters it into the
+history once.
+
+Per model (the state is keyed by weight; a compiled model's ``parameters()`` are its module's):
+:func:`delayed_state_of` finds a weight's state, :func:`kept_scaling_state` runs a region (an
+evaluation) without it changing any state of the model's weights (hot-channel patching and
+stochastic-rounding streams included), :func:`restart_history` empties a weight's histories (a
+precision switch). Checkpointing the state is :mod:`fp8pass.checkpoint`'s. Non-finite amaxes are skipped and counted on the device; nothing
 here warns (reading the counters is a sync): ``fp8pass.monitor.check_scaling`` and the trainer do.
 
 Under ``torch.no_grad`` / ``inference_mode`` no backward runs, so no grad_output amax is recorded.
@@ -26,6 +33,7 @@ Under ``torch.no_grad`` / ``inference_mode`` no backward runs, so no grad_output
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +43,12 @@ from ..config import DelayedScaling
 from ..numerics import E4M3, E5M2, ROLES, DelayedScalingState, Format, get_format
 from ..numerics.scaling import commit_update, record_update
 from ..kernels import uses_triton
+from .hcp import _REGISTRY as _HCP_REGISTRY
+from .sr import _REGISTRY as _SR_REGISTRY
 
 __all__ = ["delayed_record_", "delayed_record_many_", "state_snapshot", "commit_states", "record", "LinearScalingState", "state_for",
-           "grouped_state_for", "ROLES"]
+           "grouped_state_for", "ROLES", "delayed_state_of", "kept_scaling_state", "commit_scaling", "accumulate_scaling",
+           "restart_history"]
 
 
 
@@ -355,3 +366,137 @@ def grouped_state_for(weight: torch.Tensor, recipe: DelayedScaling, fwd_format=E
         return st
     _check_same(st, recipe, fwd_format, bwd_format, weight)
     return st
+
+
+# ---- per model: the state of its weights --------------------------------------------------------
+
+def delayed_state_of(weight: torch.Tensor) -> LinearScalingState | None:
+    """The LinearScalingState of ``weight`` (per-expert for a stacked expert weight), or None."""
+    st = _REGISTRY.get(weight)
+    return st if st is not None else _GROUPED_REGISTRY.get(weight)
+
+
+# ---- a region that leaves the state as it found it ---------------------------------------------
+
+
+def _live_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every live state tensor of ``model``'s weights: delayed scaling (all ``OP_FIELDS``, the counters and
+    flags included), hot-channel patching and stochastic-rounding streams."""
+    tensors = {}
+    for p in model.parameters():
+        st = delayed_state_of(p)
+        for s in st.roles().values() if st is not None else ():
+            tensors.update((id(t), t) for t in s.op_tensors())
+        hcp = _HCP_REGISTRY.get(p)
+        if hcp is not None:
+            tensors.update((id(t), t) for t in hcp.op_args())
+        sr = _SR_REGISTRY.get(p)
+        if sr is not None:
+            tensors[id(sr.stream)] = sr.stream
+    return list(tensors.values())
+
+
+@contextlib.contextmanager
+def kept_scaling_state(model: torch.nn.Module):
+    """Run a region (an evaluation in training mode) without it changing ``model``'s scaling state.
+
+    A forward pass in training mode records its amaxes into the delayed-scaling histories (and updates
+    hot-channel patching), so without this an evaluation between two optimizer steps would change the
+    next step's scales: a run that evaluates at step N would train differently from one that does not.
+    On exit every live state tensor gets back its value from the entry (in place: compiled graphs keep
+    reading the same tensors). States first created inside the region are left as they are.
+
+    Args:
+        model: the model (compiled or not) whose weights own the states.
+    """
+    live = _live_state_tensors(model)
+    saved = [t.clone() for t in live]
+    try:
+        yield
+    finally:
+        if live:  # (a model without FP8 state: _foreach_copy_ refuses empty lists)
+            with torch.no_grad():
+                torch._foreach_copy_(live, saved)
+
+
+# ---- gradient accumulation: one history entry per optimizer step -------------------------------
+
+def _model_states(model: torch.nn.Module) -> list:
+    states = {}
+    for p in model.parameters():
+        st = delayed_state_of(p)
+        if st is not None:
+            for s in st.roles().values():
+                states[id(s)] = s
+    return list(states.values())
+
+
+def commit_scaling(model: torch.nn.Module) -> None:
+    """Enter the amaxes accumulated in ``model``'s delayed-scaling states into their histories.
+
+    A no-op for states with nothing pending. :func:`accumulate_scaling` calls it on exit; call it
+    yourself only if you set the states' ``accumulate`` flags by hand. One batched update per
+    (format, recipe), no host read.
+    """
+    commit_states(_model_states(model))
+
+
+@contextlib.contextmanager
+def accumulate_scaling(model: torch.nn.Module, enabled: bool = True):
+    """Gradient accumulation for delayed scaling: the micro-batches run inside record one amax.
+
+    Inside the context every record into ``model``'s delayed-scaling states (forward and backward,
+    compiled or eager) only raises the state's pending amax; the scales the casts use stay as they
+    were. On exit the max over all micro-batches enters each history once (:func:`commit_scaling`),
+    so the scales change once per optimizer step, as if the micro-batches were one batch. States
+    created inside the context (a weight's first compiled step) accumulate too. A NaN/Inf in any
+    micro-batch makes that step's amax non-finite: it is skipped and counted, as a single record is.
+
+    Usage::
+
+        for step in range(steps):
+            with fp8pass.accumulate_scaling(model):
+                for x, y in micro_batches:
+                    loss_fn(model(x), y).backward()
+            optimizer.step()
+
+    Args:
+        model: the model (compiled or not) whose weights own the states.
+        enabled: False makes the context a no-op (``enabled=grad_accum > 1``).
+    """
+    if not enabled:
+        yield
+        return
+    states = _model_states(model)
+    for s in states:
+        s.accumulate.fill_(True)
+    _ACCUMULATING.append(states)
+    try:
+        yield
+    finally:
+        _ACCUMULATING.remove(states)
+        open_elsewhere = {id(s) for other in _ACCUMULATING for s in other}
+        mine = [s for s in states if id(s) not in open_elsewhere]
+        for s in mine:
+            s.accumulate.fill_(False)
+        commit_states(mine)
+
+
+def restart_history(weight: torch.Tensor, roles=("input",)) -> bool:
+    """Empty the delayed-scaling history of ``weight``'s ``roles``: their next cast scales from its own amax.
+
+    For a precision switch that changes what a role's tensor is while the weight stays FP8 (a GLU's down
+    projection switched to Smooth-SwiGLU: its input becomes ``h * c`` instead of ``h``, 1e5x smaller
+    under an outlier), the old amaxes would set the first ``history_len`` scales. Returns False when the
+    weight has no delayed-scaling state.
+    """
+    st = delayed_state_of(weight)
+    if st is None:
+        return False
+    for role in roles:
+        s = getattr(st, role)
+        s.amax_history.zero_()
+        s.scale.fill_(1.0)
+        s.steps.zero_()
+        s.skipped.zero_()
+    return True

@@ -6,60 +6,38 @@ reads it. The data position is the number of completed steps (batches are a func
 
 ``checkpoint.pt`` is written to a temp file, fsynced, read back and validated like a resume would
 (:func:`validate_checkpoint`: finite weights and moments too), and only then renamed over the
-previous one, with its SHA-256 manifest ``checkpoint.pt.manifest.json`` (see :mod:`fp8pass.integrity`). :func:`load_checkpoint` verifies the
-manifest, then validates everything it can before a model exists: the step against the saved
-configuration, weight names and shapes against the model that configuration builds, the scaling
-state and the optimizer state (:func:`validate_checkpoint`). Every failure is a
-:class:`~fp8pass.integrity.CheckpointError` naming the file and the key.
+previous one, with its SHA-256 manifest ``checkpoint.pt.manifest.json`` (see :mod:`fp8pass.checkpoint.files`).
+:func:`load_checkpoint` verifies the manifest, then validates everything it can before a model exists: the step
+against the saved configuration, weight names and shapes against the model that configuration builds, the
+scaling state and the optimizer state (:func:`validate_checkpoint`). Every failure is a
+:class:`~fp8pass.checkpoint.CheckpointError` naming the file and the key.
+
+This module holds what is the trainer's own: the file's entries and their validation against the model
+its configuration builds (:mod:`fp8pass.train.model`, :mod:`fp8pass.train.recipes`). Everything else
+(files and manifests, the RNG state, the checks of weights, scaling and optimizer state) is
+:mod:`fp8pass.checkpoint`'s.
 """
 
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from ..checkpoint import check_weights, load_file, save_file, set_torch_rng_state, torch_rng_state
+from ..checkpoint import (HCP_KEY, SCALING_KEY, SR_KEY, CheckpointError, check_model_state_dict,
+                          check_optimizer_state, check_rng_state, check_scaling_state_dict, check_weights, load_file,
+                          rng_state, save_file)
 from ..config import DelayedScaling, NVFP4Scaling
-from ..integrity import CheckpointError
 from ..precision_file import rules_from_data, schedule_from_data
 from ..switch_history import HISTORY_KEY, history_from_tensor
-from ..optim.state_check import check_optimizer_state
-from ..scaling_checks import HCP_KEY, SCALING_KEY, SR_KEY, check_model_state_dict, check_scaling_state_dict
 from .model import ModelConfig, TinyLlama
 from .recipes import fp8_config, get_recipe, param_groups
 
-__all__ = ["save_checkpoint", "load_checkpoint", "validate_checkpoint", "CHECKPOINT_NAME", "rng_state",
-           "set_rng_state"]
+__all__ = ["save_checkpoint", "load_checkpoint", "validate_checkpoint", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT_VERSION = 1
-
-
-def rng_state() -> dict:
-    """torch's generators (what stochastic rounding draws from), Python's and NumPy's."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    torch_state = torch_rng_state()
-    return {"torch": torch_state["cpu"], "torch_cuda": torch_state["cuda"], "python": random.getstate(),
-            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached": float(cached)}}
-
-
-def _unpack_rng(state: dict) -> tuple:
-    """(torch CPU state, python state, numpy state) in the forms the setters take."""
-    py, n = state["python"], state["numpy"]
-    return (state["torch"], (py[0], tuple(py[1]), py[2]),
-            (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-
-
-def set_rng_state(state: dict) -> None:
-    set_torch_rng_state({"cpu": state["torch"], "cuda": state.get("torch_cuda", [])})
-    _, py, n = _unpack_rng(state)
-    random.setstate(py)
-    np.random.set_state(n)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, *, step: int, config: dict, model_state: dict,
@@ -75,7 +53,7 @@ def save_checkpoint(run_dir: str | os.PathLike, *, step: int, config: dict, mode
 
     Raises:
         CheckpointError: the new checkpoint is invalid (e.g. a non-finite weight) or could not be
-            written (:class:`~fp8pass.integrity.DiskFullError`); the previous checkpoint is intact.
+            written (:class:`~fp8pass.checkpoint.DiskFullError`); the previous checkpoint is intact.
     """
     ckpt = {"format": FORMAT_VERSION, "step": step, "config": config, "model": model_state,
             "optimizer": optimizer_state, "scaling": scaling_state, "rng": rng_state(),
@@ -100,7 +78,7 @@ def load_checkpoint(run_dir: str | os.PathLike, allow_unverified: bool | None = 
     Args:
         run_dir: the run folder, or the checkpoint file.
         allow_unverified: load a checkpoint without manifest (with a warning); default: the
-            ``FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT`` environment variable (see :mod:`fp8pass.integrity`).
+            ``FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT`` environment variable (see :mod:`fp8pass.checkpoint.files`).
 
     Raises:
         FileNotFoundError: no checkpoint there.
@@ -133,9 +111,10 @@ def validate_checkpoint(ckpt) -> None:
     the weights exactly the keys and shapes of ``TinyLlama(config.model)`` (shapes checked before any
     value is read), the parameters finite; ``grad_skips`` in ``[0, step]``; the delayed-scaling state
     (in the model state and under ``"scaling"``) valid for those weights and the recipe's history
-    length (:func:`fp8pass.scaling_state.check_delayed_state`); the optimizer's state one entry per
+    length (:func:`fp8pass.checkpoint.check_delayed_state`); the optimizer's state one entry per
     parameter at most, its ``step`` <= the checkpoint's step, FP8 moment scales finite and > 0, moment
-    shapes the parameters' (:func:`fp8pass.optim.state_check.check_optimizer_state`).
+    shapes the parameters' (:func:`fp8pass.checkpoint.check_optimizer_state`); the generator states
+    valid (:func:`fp8pass.checkpoint.check_rng_state`).
 
     Raises:
         CheckpointError: naming the key.
@@ -224,26 +203,7 @@ def validate_checkpoint(ckpt) -> None:
     if len(ids) != len(order):
         raise CheckpointError(f"optimizer: {len(ids)} parameters in its param_groups, the model has {len(order)}")
     check_optimizer_state(opt, params={i: (n, shapes[n]) for i, n in zip(ids, order)}, max_step=step)
-    _check_rng(ckpt["rng"])
-
-
-def _check_rng(state) -> None:
-    """The generator states, tried on scratch generators (their own checks, nothing global changes)."""
-    want = {"torch": tuple(torch.get_rng_state().shape), "numpy keys": (624,)}  # MT19937: 624 words
-    got = {"torch": state.get("torch") if isinstance(state, dict) else None,
-           "numpy keys": state["numpy"].get("keys") if isinstance(state, dict) and isinstance(state.get("numpy"), dict)
-           else None}
-    for what, t in got.items():  # shapes first: a crafted view may claim billions of elements
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[what]:
-            raise CheckpointError(f"rng: {what} state must be a tensor of shape {want[what]}, got "
-                                  f"{tuple(getattr(t, 'shape', ())) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    try:
-        t, py, n = _unpack_rng(state)
-        torch.Generator().set_state(t)
-        random.Random().setstate(py)
-        np.random.RandomState().set_state(n)
-    except Exception as e:  # each library raises its own types for a malformed state
-        raise CheckpointError(f"rng: not a valid generator state ({type(e).__name__}: {e})") from None
+    check_rng_state(ckpt["rng"])
 
 
 def _prefixed(prefix: str, check, *args) -> None:

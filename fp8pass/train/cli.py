@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..integrity import CheckpointError, DiskFullError
+from ..checkpoint import CheckpointError, DiskFullError
 from ..optim import MOMENT_FORMATS
 from ..precision_file import read_rules_data, read_schedule_data
 from .checkpoint import load_checkpoint

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..integrity import atomic_write, open_append, write_failed
+from ..checkpoint import atomic_write, open_append, write_failed
 
 __all__ = ["MetricsWriter", "ProgressBar", "read_metrics"]
 
@@ -43,7 +43,7 @@ class MetricsWriter:
     def truncate_after(self, step: int) -> None:
         """Keep records of steps <= ``step`` (minus old "end" records), so a resumed run logs each step once.
 
-        Writes the kept records to a new temp file (:func:`fp8pass.integrity.atomic_write`: fsynced,
+        Writes the kept records to a new temp file (:func:`fp8pass.checkpoint.atomic_write`: fsynced,
         renamed over the old file): at any kill point the file holds either all old records or the kept ones.
         """
         self._f.close()

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import (SCALING_KEY, CheckpointError, atomic_write, attach as attach_scaling_state,
+                          load_scaling_state_dict, scaling_state_dict, set_rng_state)
 from ..config import DriftCheck
-from ..integrity import CheckpointError, atomic_write
 from ..kernels.cpu import cpu_capability
 from ..monitor.callback import MonitorCallback
 from ..monitor.precision import audit_summary, audit_version, collective_audit, precision_audit
@@ -20,9 +21,8 @@ from ..monitor.drift import DriftMonitor
 from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..precision_file import rules_from_data, rules_to_data, schedule_from_data
 from ..precision_switch import apply_schedule
-from ..scaling_checks import SCALING_KEY
-from ..scaling_state import accumulate_scaling, attach as attach_scaling_state, kept_scaling_state
-from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from ..runtime.state import accumulate_scaling, kept_scaling_state
+from .checkpoint import load_checkpoint, save_checkpoint
 from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
 from .loss_scale import LossScaler, parse_loss_scale
@@ -305,17 +305,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return lo + 0.5 * (cfg.lr - lo) * (1 + math.cos(math.pi * frac))
 
 
-def _scaling_state(model):
-    """Delayed-scaling state keyed by the (uncompiled) model's parameter FQNs."""
-    from .. import scaling_state_dict
-    return scaling_state_dict(model)
-
-
-def _load_scaling_state(model, sd, cfg: TrainConfig):
-    from .. import load_scaling_state_dict
-    load_scaling_state_dict(model, sd, config=cfg.fp8_config())
-
-
 def log_precision_audit(model, log, step: int, seen: int) -> int:
     """Log a ``"precision"`` record when ``model``'s precision audit changed since version ``seen`` (its
     first compiled steps, a recompile, a precision switch); returns the version logged. Costs an integer
@@ -363,7 +352,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, data: TextData | None = Non
 
     Raises:
         CheckpointError: the resume's checkpoint is invalid, or a new one could not be written or
-            verified (:class:`~fp8pass.integrity.DiskFullError` for lack of space); the previous
+            verified (:class:`~fp8pass.checkpoint.DiskFullError` for lack of space); the previous
             checkpoint is intact. The run's end record says ``status: "error: <type>"``.
     """
     out = Path(cfg.out)
@@ -424,7 +413,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
         # the model state carries the scaling state, each weight's under its own rule's recipe (loaded above);
         # the separate copy is read only from checkpoints whose model state lacks it
         if ckpt.get("scaling") and not any(f".{SCALING_KEY}." in k for k in ckpt["model"]):
-            _load_scaling_state(model, ckpt["scaling"], cfg)
+            load_scaling_state_dict(model, ckpt["scaling"], config=cfg.fp8_config())
         set_rng_state(ckpt["rng"])
 
     config_text = __import__("json").dumps(cfg.to_dict(), indent=2)
@@ -463,7 +452,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
 
     def write_checkpoint(done: int) -> None:
         save_checkpoint(out, step=done, config=cfg.to_dict(), model_state=model.state_dict(),
-                        optimizer_state=opt.state_dict(), scaling_state=_scaling_state(model) if fp8_on else None,
+                        optimizer_state=opt.state_dict(), scaling_state=scaling_state_dict(model) if fp8_on else None,
                         data_fingerprint=data.fingerprint,
                         loss_scaler_state=None if scaler is None else scaler.state_dict(), grad_skips=grad_skips)
     telemetry_warned: set[str] = set()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..integrity import atomic_write
+from ..checkpoint import atomic_write
 from .logging import read_metrics
 
 __all__ = ["plot_runs", "find_runs", "have_matplotlib", "run_label"]

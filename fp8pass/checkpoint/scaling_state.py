@@ -1,7 +1,7 @@
 """The scaling state of a model's weights as plain tensors: in ``model.state_dict()`` and on its own.
 
 The state lives beside the weights (``fp8pass.runtime.state``, keyed by the Parameter object). It
-travels two ways:
+travels two ways (the key names are :mod:`fp8pass.checkpoint.keys`):
 
 * **in ``model.state_dict()``** (so Trainer, Lightning, DCP or a plain ``torch.save`` carry it):
   state-dict hooks on the modules that own weights with state add
@@ -24,40 +24,40 @@ model that is not to train in FP8 (a bf16 reference copy, an inference export), 
 :func:`without_scaling_state` of it. A checkpoint without the keys loads into any model and leaves
 the state as it is.
 
-Every loaded value is validated first (:mod:`fp8pass.scaling_checks`: scales finite and > 0,
+Every loaded value is validated first (:mod:`fp8pass.checkpoint.scaling_checks`: scales finite and > 0,
 histories finite and >= 0, counters in range, shapes the weight's); a violation raises
-:class:`~fp8pass.integrity.CheckpointError` naming the key. :func:`load_scaling_state_dict` with
+:class:`~fp8pass.checkpoint.CheckpointError` naming the key. :func:`load_scaling_state_dict` with
 ``strict=True`` reports unexpected and missing keys like ``nn.Module.load_state_dict``.
 
 Usage::
 
-    fp8pass.scaling_state.attach(model, cfg)        # only needed before the first compiled step
+    fp8pass.checkpoint.attach(model, cfg)           # only needed before the first compiled step
     model.load_state_dict(torch.load(path, weights_only=True))
     model.compile(backend=fp8pass.backend(cfg))
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .config import Config, DelayedScaling, HotChannelPatching, NVFP4Scaling
-from .integrity import CheckpointError
-from .numerics import get_format
-from .runtime import state as _linear_state
-from .runtime.hcp import _REGISTRY as _HCP_REGISTRY, HCP_FIELDS, hcp_state_for
-from .runtime.sr import _REGISTRY as _SR_REGISTRY, SRStream
-from .runtime.state import _ACCUMULATING, ROLES, _REGISTRY, commit_states, state_for
-from .switch_history import HISTORY_KEY, history, history_from_tensor, history_to_tensor, set_history, switched_config
-from .scaling_checks import (_FIELDS, HCP_KEY, SCALING_KEY, SR_KEY, _group_flat, check_delayed_state, check_hcp_state,
-                             check_sr_stream)
+from ..config import Config, DelayedScaling, HotChannelPatching, NVFP4Scaling
+from ..numerics import get_format
+from ..runtime.hcp import _REGISTRY as _HCP_REGISTRY
+from ..runtime.hcp import HCP_FIELDS, hcp_state_for
+from ..runtime.sr import _REGISTRY as _SR_REGISTRY
+from ..runtime.sr import SRStream
+from ..runtime.state import delayed_state_of, grouped_state_for, state_for
+from ..switch_history import HISTORY_KEY, history, history_from_tensor, history_to_tensor, set_history, switched_config
+from .errors import CheckpointError
+from .keys import DELAYED_FIELDS, DELAYED_KEYS, HCP_KEY, SCALING_KEY, SR_KEY, group_delayed_keys, missing_delayed_keys
+from .scaling_checks import check_delayed_state, check_hcp_state, check_sr_stream
 
 __all__ = ["scaling_state_dict", "load_scaling_state_dict", "attach", "attach_weights", "without_scaling_state",
-           "accumulate_scaling", "commit_scaling", "kept_scaling_state", "SCALING_KEY", "HCP_KEY"]
+           "hook_precision_history", "load_delayed_state", "load_sr_stream"]
 
 _HOOKED = "_fp8pass_state_dict_config"  # module attribute: hooks registered, and the Config they create state with
 
@@ -67,15 +67,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
         model = model._orig_mod
     return model
-
-
-def _delayed_state(weight: torch.Tensor):
-    """The LinearScalingState of ``weight`` (per-expert for a stacked expert weight), or None."""
-    st = _REGISTRY.get(weight)
-    grouped = getattr(_linear_state, "_GROUPED_REGISTRY", None)  # per-expert state, where the runtime has it
-    if st is None and grouped is not None:
-        st = grouped.get(weight)
-    return st
 
 
 def _formats(cfg: Config) -> tuple[str, str]:
@@ -89,12 +80,12 @@ def _save_hook(module, state_dict, prefix, local_metadata) -> None:
     for name, p in module._parameters.items():
         if p is None:
             continue
-        st = _delayed_state(p)
+        st = delayed_state_of(p)
         if st is not None:
             # DCP maps every key to an object by getattr along its dotted path; make the path real.
             setattr(p, SCALING_KEY, st)
             for role, s in st.roles().items():
-                for field in _FIELDS:
+                for field in DELAYED_FIELDS:
                     state_dict[f"{prefix}{name}.{SCALING_KEY}.{role}.{field}"] = getattr(s, field)
         hcp = _HCP_REGISTRY.get(p)
         if hcp is not None:
@@ -114,11 +105,11 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
         if p is None:
             continue
         base = f"{prefix}{name}.{SCALING_KEY}."
-        keys = {f"{role}.{field}": base + f"{role}.{field}" for role in ROLES for field in _FIELDS}
+        keys = {k: base + k for k in DELAYED_KEYS}
         found = {k: state_dict.pop(full) for k, full in keys.items() if full in state_dict}
         if found:
             try:
-                _load_delayed(p, found, cfg, base[:-1])
+                load_delayed_state(p, found, cfg, base[:-1])
             except (KeyError, ValueError) as e:
                 error_msgs.append(str(e.args[0]) if e.args else repr(e))
         base = f"{prefix}{name}.{HCP_KEY}."
@@ -131,12 +122,12 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
         key = f"{prefix}{name}.{SR_KEY}.stream"
         if key in state_dict:
             try:
-                _load_sr_one(p, state_dict.pop(key), key)
+                load_sr_stream(p, state_dict.pop(key), key)
             except ValueError as e:
                 error_msgs.append(str(e.args[0]) if e.args else repr(e))
 
 
-def _load_sr_one(p: torch.Tensor, t: torch.Tensor, key: str) -> None:
+def load_sr_stream(p: torch.Tensor, t: torch.Tensor, key: str) -> None:
     """Validate and load one weight's stochastic-rounding stream (made with the saved key if the
     weight has none yet: its graphs then continue the saved stream)."""
     check_sr_stream(t, key)
@@ -147,12 +138,12 @@ def _load_sr_one(p: torch.Tensor, t: torch.Tensor, key: str) -> None:
     st.load_state_dict({"sr.stream": t})
 
 
-def _load_delayed(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config, name: str) -> None:
+def load_delayed_state(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config, name: str) -> None:
     """Validate and load one weight's delayed-scaling state (creating it with ``cfg``'s recipe)."""
-    missing = [f"{r}.{f}" for r in ROLES for f in _FIELDS if f"{r}.{f}" not in sd]
+    missing = missing_delayed_keys(sd)
     if missing:
         raise KeyError(f"{name}: incomplete delayed-scaling state, missing {missing}")
-    st = _delayed_state(p)
+    st = delayed_state_of(p)
     recipe = st.recipe if st is not None else (cfg.recipe if isinstance(cfg.recipe, DelayedScaling)
                                                  else DelayedScaling())
     hist = sd["input.amax_history"]
@@ -163,8 +154,8 @@ def _load_delayed(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config, nam
                               "saved with")
     check_delayed_state(sd, name, p.shape, recipe.history_len)
     if st is None:
-        if p.dim() == 3 and hasattr(_linear_state, "grouped_state_for"):
-            st = _linear_state.grouped_state_for(p, recipe, *_formats(cfg))
+        if p.dim() == 3:
+            st = grouped_state_for(p, recipe, *_formats(cfg))
         else:
             st = state_for(p, recipe, *_formats(cfg))
     st.load_state_dict({k: t.to(p.device) for k, t in sd.items()})
@@ -292,7 +283,7 @@ def attach_weights(weights: list, config: Config) -> None:
     a checkpoint created before this compile (see :func:`attach`) take ``config``'s recipe.
     """
     if isinstance(config.recipe, DelayedScaling):
-        missing = sorted({_EXPECTS_STATE[w] for w in weights if w in _EXPECTS_STATE and _delayed_state(w) is None})
+        missing = sorted({_EXPECTS_STATE[w] for w in weights if w in _EXPECTS_STATE and delayed_state_of(w) is None})
         if missing:
             raise KeyError(f"fp8pass: weights {missing[:5]}{' ...' if len(missing) > 5 else ''} run in FP8, but "
                            "the scaling state loaded into this model with load_scaling_state_dict(strict=True) "
@@ -317,7 +308,7 @@ def _adopt_recipe(weight: torch.Tensor, cfg: Config) -> None:
 
     The state tensors do not depend on the recipe beyond the history length, so only that must match.
     """
-    st = _delayed_state(weight)
+    st = delayed_state_of(weight)
     if st is None or not isinstance(cfg.recipe, DelayedScaling):
         return
     fwd, bwd = (get_format(f) for f in _formats(cfg))
@@ -326,7 +317,7 @@ def _adopt_recipe(weight: torch.Tensor, cfg: Config) -> None:
     if st.recipe.history_len != cfg.recipe.history_len:
         raise ValueError(f"fp8pass: a weight's loaded scaling state has history_len={st.recipe.history_len}, "
                          f"the compile Config's recipe {cfg.recipe.history_len}; load the checkpoint with "
-                         f"fp8pass.scaling_state.attach(model, config) using the Config it was saved with")
+                         f"fp8pass.checkpoint.attach(model, config) using the Config it was saved with")
     st.recipe = cfg.recipe
     st.fwd_format, st.bwd_format = fwd, bwd
     for role, s in st.roles().items():
@@ -353,7 +344,7 @@ def scaling_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model = _unwrap(model)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        st = _delayed_state(p)
+        st = delayed_state_of(p)
         if st is not None:
             for k, v in st.state_dict().items():
                 out[f"{name}.{k}"] = v
@@ -427,23 +418,23 @@ def load_scaling_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.
     else:
         _load_delayed_states(model, state_dict, cfg, strict)
     for p, t, key in streams:  # last: a bad entry above left everything as it was
-        _load_sr_one(p, t, key)
+        load_sr_stream(p, t, key)
 
 
 def _load_delayed_states(model, state_dict, cfg: Config, strict: bool) -> None:
     """The delayed-scaling half of :func:`load_scaling_state_dict`."""
     params = dict(model.named_parameters())
-    grouped, unknown = _group_flat(state_dict, params)
-    missing = sorted(n for n, p in params.items() if n not in grouped and _delayed_state(p) is not None)
+    grouped, unknown = group_delayed_keys(state_dict, params)
+    missing = sorted(n for n, p in params.items() if n not in grouped and delayed_state_of(p) is not None)
     if strict and (unknown or missing):
         raise KeyError(_key_report(unknown, missing, "weights with delayed-scaling state in this model"))
     for name, sd in grouped.items():  # all first: a bad entry leaves the model untouched
         p = params[name]
-        miss = [f"{r}.{f}" for r in ROLES for f in _FIELDS if f"{r}.{f}" not in sd]
+        miss = missing_delayed_keys(sd)
         if miss:
             raise KeyError(f"{name}: incomplete delayed-scaling state, missing {miss}")
-        if _delayed_state(p) is not None:  # an existing state must have this recipe (else ValueError)
-            (_linear_state.grouped_state_for if p.dim() == 3 else state_for)(p, cfg.recipe, *_formats(cfg))
+        if delayed_state_of(p) is not None:  # an existing state must have this recipe (else ValueError)
+            (grouped_state_for if p.dim() == 3 else state_for)(p, cfg.recipe, *_formats(cfg))
         hist = sd["input.amax_history"]
         if not isinstance(hist, torch.Tensor) or hist.shape[-1:] != (cfg.recipe.history_len,):
             raise CheckpointError(f"{name}: saved amax_history has shape "
@@ -451,10 +442,10 @@ def _load_delayed_states(model, state_dict, cfg: Config, strict: bool) -> None:
                                   f"{cfg.recipe.history_len}; pass the config the state was saved with")
         check_delayed_state(sd, name, p.shape, cfg.recipe.history_len)
     for name, sd in grouped.items():
-        _load_delayed(params[name], sd, cfg, name)
+        load_delayed_state(params[name], sd, cfg, name)
     if strict and grouped:
         for name, p in params.items():
-            if name not in grouped and _delayed_state(p) is None:
+            if name not in grouped and delayed_state_of(p) is None:
                 _EXPECTS_STATE[p] = name
 
 
@@ -493,128 +484,3 @@ def _load_hcp(model, state_dict, recipe: NVFP4Scaling, strict: bool) -> None:
             hcp_state_for(p, recipe.hcp).load_state_dict({k: t.to(p.device) for k, t in sd.items()})
         except ValueError as e:
             raise CheckpointError(f"{name}.hcp: {e}") from None
-
-
-# ---- a region that leaves the state as it found it ---------------------------------------------
-
-def _live_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every live state tensor of ``model``'s weights: delayed scaling (all ``OP_FIELDS``, the counters and
-    flags included), hot-channel patching and stochastic-rounding streams."""
-    tensors = {}
-    for p in _unwrap(model).parameters():
-        st = _delayed_state(p)
-        for s in st.roles().values() if st is not None else ():
-            tensors.update((id(t), t) for t in s.op_tensors())
-        hcp = _HCP_REGISTRY.get(p)
-        if hcp is not None:
-            tensors.update((id(t), t) for t in hcp.op_args())
-        sr = _SR_REGISTRY.get(p)
-        if sr is not None:
-            tensors[id(sr.stream)] = sr.stream
-    return list(tensors.values())
-
-
-@contextlib.contextmanager
-def kept_scaling_state(model: torch.nn.Module):
-    """Run a region (an evaluation in training mode) without it changing ``model``'s scaling state.
-
-    A forward pass in training mode records its amaxes into the delayed-scaling histories (and updates
-    hot-channel patching), so without this an evaluation between two optimizer steps would change the
-    next step's scales: a run that evaluates at step N would train differently from one that does not.
-    On exit every live state tensor gets back its value from the entry (in place: compiled graphs keep
-    reading the same tensors). States first created inside the region are left as they are.
-
-    Args:
-        model: the model (compiled or not) whose weights own the states.
-    """
-    live = _live_state_tensors(model)
-    saved = [t.clone() for t in live]
-    try:
-        yield
-    finally:
-        if live:  # (a model without FP8 state: _foreach_copy_ refuses empty lists)
-            with torch.no_grad():
-                torch._foreach_copy_(live, saved)
-
-
-# ---- gradient accumulation: one history entry per optimizer step -------------------------------
-
-def _model_states(model: torch.nn.Module) -> list:
-    states = {}
-    for p in _unwrap(model).parameters():
-        st = _delayed_state(p)
-        if st is not None:
-            for s in st.roles().values():
-                states[id(s)] = s
-    return list(states.values())
-
-
-def commit_scaling(model: torch.nn.Module) -> None:
-    """Enter the amaxes accumulated in ``model``'s delayed-scaling states into their histories.
-
-    A no-op for states with nothing pending. :func:`accumulate_scaling` calls it on exit; call it
-    yourself only if you set the states' ``accumulate`` flags by hand. One batched update per
-    (format, recipe), no host read.
-    """
-    commit_states(_model_states(model))
-
-
-@contextlib.contextmanager
-def accumulate_scaling(model: torch.nn.Module, enabled: bool = True):
-    """Gradient accumulation for delayed scaling: the micro-batches run inside record one amax.
-
-    Inside the context every record into ``model``'s delayed-scaling states (forward and backward,
-    compiled or eager) only raises the state's pending amax; the scales the casts use stay as they
-    were. On exit the max over all micro-batches enters each history once (:func:`commit_scaling`),
-    so the scales change once per optimizer step, as if the micro-batches were one batch. States
-    created inside the context (a weight's first compiled step) accumulate too. A NaN/Inf in any
-    micro-batch makes that step's amax non-finite: it is skipped and counted, as a single record is.
-
-    Usage::
-
-        for step in range(steps):
-            with fp8pass.accumulate_scaling(model):
-                for x, y in micro_batches:
-                    loss_fn(model(x), y).backward()
-            optimizer.step()
-
-    Args:
-        model: the model (compiled or not) whose weights own the states.
-        enabled: False makes the context a no-op (``enabled=grad_accum > 1``).
-    """
-    if not enabled:
-        yield
-        return
-    states = _model_states(model)
-    for s in states:
-        s.accumulate.fill_(True)
-    _ACCUMULATING.append(states)
-    try:
-        yield
-    finally:
-        _ACCUMULATING.remove(states)
-        open_elsewhere = {id(s) for other in _ACCUMULATING for s in other}
-        mine = [s for s in states if id(s) not in open_elsewhere]
-        for s in mine:
-            s.accumulate.fill_(False)
-        commit_states(mine)
-
-
-def restart_history(weight: torch.Tensor, roles=("input",)) -> bool:
-    """Empty the delayed-scaling history of ``weight``'s ``roles``: their next cast scales from its own amax.
-
-    For a precision switch that changes what a role's tensor is while the weight stays FP8 (a GLU's down
-    projection switched to Smooth-SwiGLU: its input becomes ``h * c`` instead of ``h``, 1e5x smaller
-    under an outlier), the old amaxes would set the first ``history_len`` scales. Returns False when the
-    weight has no delayed-scaling state.
-    """
-    st = _delayed_state(weight)
-    if st is None:
-        return False
-    for role in roles:
-        s = getattr(st, role)
-        s.amax_history.zero_()
-        s.scale.fill_(1.0)
-        s.steps.zero_()
-        s.skipped.zero_()
-    return True

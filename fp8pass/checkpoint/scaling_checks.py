@@ -1,9 +1,10 @@
 """Validation of FP8 scaling state before it is loaded: every rule in one place, every failure named.
 
-The loaders (``model.load_state_dict`` through :mod:`fp8pass.scaling_state`'s hooks,
+The loaders (``model.load_state_dict`` through :mod:`fp8pass.checkpoint.scaling_state`'s hooks,
 :func:`fp8pass.load_scaling_state_dict`, :func:`fp8pass.load_checkpoint_state`, the trainer's resume,
 :func:`fp8pass.distributed.load_checkpoint`) call these before they copy a value into a live state,
-and raise :class:`~fp8pass.integrity.CheckpointError` naming the key:
+and raise :class:`~fp8pass.checkpoint.CheckpointError` naming the key (the key names are
+:mod:`fp8pass.checkpoint.keys`):
 
 * delayed scaling (per role ``input`` / ``weight`` / ``grad_output``): ``scale`` finite and > 0,
   ``amax_history`` finite and >= 0 with the recipe's length, ``steps`` / ``skipped`` integers with
@@ -20,19 +21,16 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .integrity import CheckpointError
-from .runtime.hcp import HCP_FIELDS
-from .runtime.sr import KEY_LIMIT
-from .runtime.state import ROLES
-from .switch_history import HISTORY_KEY, history_from_tensor
+from ..runtime.hcp import HCP_FIELDS
+from ..runtime.sr import KEY_LIMIT
+from ..runtime.state import ROLES
+from ..switch_history import HISTORY_KEY, history_from_tensor
+from .errors import CheckpointError
+from .keys import DELAYED_FIELDS, DELAYED_KEYS, HCP_KEY, SCALING_KEY, SR_KEY, group_delayed_keys, missing_delayed_keys
 
 __all__ = ["check_delayed_state", "check_hcp_state", "check_sr_stream", "check_model_state_dict",
-           "check_scaling_state_dict", "SCALING_KEY", "HCP_KEY", "SR_KEY", "MAX_COUNTER"]
+           "check_scaling_state_dict", "MAX_COUNTER"]
 
-_FIELDS = ("amax_history", "scale", "steps", "skipped")
-SCALING_KEY = "fp8_scaling"  # "<param FQN>.fp8_scaling.<role>.<field>"
-HCP_KEY = "fp8_hcp"  # "<param FQN>.fp8_hcp.<field>"
-SR_KEY = "fp8_sr"  # "<param FQN>.fp8_sr.stream"
 MAX_DRAWS = 2**62  # a stream's draw count: below it the seed hash's int64 products cannot overflow
 # Largest step / skipped count a checkpoint may hold: 2**31 - 1 casts of one tensor (a 1 ms step for 24
 # days); larger values are corruption or a foreign producer, and reject sign flips of the int64 counters.
@@ -89,7 +87,7 @@ def check_delayed_state(sd: Mapping[str, torch.Tensor], name: str, weight_shape:
     lead = None if weight_shape is None else ((int(weight_shape[0]),) if len(weight_shape) == 3 else ())
     for role in ROLES:
         key = f"{name}.{role}."
-        hist, scale, steps, skipped = (sd[f"{role}.{f}"] for f in _FIELDS)
+        hist, scale, steps, skipped = (sd[f"{role}.{f}"] for f in DELAYED_FIELDS)
         if not isinstance(hist, torch.Tensor) or hist.dim() < 1:
             raise CheckpointError(f"{key}amax_history: expected a tensor [history_len] (or [experts, history_len])")
         if lead is None:
@@ -164,7 +162,7 @@ def check_model_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Mappi
                 groups.setdefault((param, kind), {})[rest if kind == SCALING_KEY else f"hcp.{rest}"] = v
     for (param, kind), sd in groups.items():
         shape = shapes.get(param) if shapes is not None else None
-        need = ([f"{r}.{f}" for r in ROLES for f in _FIELDS] if kind == SCALING_KEY
+        need = (DELAYED_KEYS if kind == SCALING_KEY
                 else [f"hcp.{f}" for f in HCP_FIELDS])
         miss = [k for k in need if k not in sd]
         if miss:
@@ -173,19 +171,6 @@ def check_model_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Mappi
             check_delayed_state(sd, f"{param}.{kind}", shape, history_len)
         else:
             check_hcp_state(sd, f"{param}.{kind}", int(shape[1]) if shape is not None and len(shape) == 2 else None)
-
-
-def _group_flat(state_dict: Mapping[str, torch.Tensor], params) -> tuple[dict[str, dict], list[str]]:
-    """``{"<param>.<role>.<field>": t}`` -> ({param: {"<role>.<field>": t}}, keys naming no role of ``params``)."""
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
-    unknown = []
-    for key, v in state_dict.items():
-        parts = key.rsplit(".", 2)
-        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in _FIELDS or parts[0] not in params:
-            unknown.append(key)
-            continue
-        grouped.setdefault(parts[0], {})[f"{parts[1]}.{parts[2]}"] = v
-    return grouped, unknown
 
 
 def check_sr_stream(t, key: str) -> None:
@@ -224,12 +209,12 @@ def check_scaling_state_dict(state_dict: Mapping[str, torch.Tensor], shapes: Map
             check_sr_stream(v, key)
         else:
             rest[key] = v
-    grouped, unknown = _group_flat(rest, shapes) if "delayed" in kinds else ({}, sorted(rest))
+    grouped, unknown = group_delayed_keys(rest, shapes) if "delayed" in kinds else ({}, sorted(rest))
     if unknown:
         raise CheckpointError(f"keys that name no {' or '.join(kinds) or 'scaling'} state of a parameter of this model: "
                               f"{unknown[:5]}")
     for name, sd in grouped.items():
-        miss = [f"{r}.{f}" for r in ROLES for f in _FIELDS if f"{r}.{f}" not in sd]
+        miss = missing_delayed_keys(sd)
         if miss:
             raise CheckpointError(f"{name}: incomplete delayed-scaling state, missing {miss}")
         check_delayed_state(sd, name, shapes[name], history_len)

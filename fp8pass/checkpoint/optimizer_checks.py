@@ -24,9 +24,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..integrity import CheckpointError
+from ..kernels.adam_layout import num_blocks
 from ..numerics import decode, get_format
-from .moments import num_blocks
+from .errors import CheckpointError
 
 __all__ = ["check_optimizer_state", "saved_param_shapes", "MAX_FP32_STEP"]
 

@@ -14,7 +14,7 @@ reads it)::
 Call it between steps (after ``optimizer.step()``), like any checkpoint.
 
 :func:`save` / :func:`load` do the file part too: an fsynced temp file renamed into place, a
-SHA-256 manifest beside it (``path.manifest.json``, see :mod:`fp8pass.integrity`) verified before
+SHA-256 manifest beside it (``path.manifest.json``, see :mod:`fp8pass.checkpoint.files`) verified before
 anything is unpickled, and errors that name the file::
 
     fp8pass.checkpoint.save("ckpt.pt", model, optimizer)
@@ -22,81 +22,39 @@ anything is unpickled, and errors that name the file::
 
 Every load path validates the state before loading it (shapes equal to the model's, checked before
 any value is computed on; weights and moments finite, scales finite and > 0, amax histories finite
-and >= 0, counters in range) and raises :class:`~fp8pass.integrity.CheckpointError` naming the key.
+and >= 0, counters in range) and raises :class:`~fp8pass.checkpoint.CheckpointError` naming the key.
 """
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 
 import torch
 
-from .config import Config, DelayedScaling
-from .integrity import CheckpointError, read_verified, write_with_manifest
-from .optim.state_check import check_optimizer_state, saved_param_shapes
+from ..config import Config, DelayedScaling
+from .errors import CheckpointError
+from .files import load_file, save_file
+from .optimizer_checks import check_optimizer_state, saved_param_shapes
+from .rng import set_torch_rng_state, torch_rng_state
 from .scaling_checks import check_model_state_dict
 from .scaling_state import _unwrap, attach
+from .weight_checks import check_weights
 
-__all__ = ["checkpoint_state", "load_checkpoint_state", "torch_rng_state", "set_torch_rng_state", "save", "load",
-           "load_file", "save_file", "check_weights"]
-
-
-def torch_rng_state() -> dict:
-    """The states of torch's default generators: CPU, and every CUDA device once CUDA is in use."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return {"cpu": torch.get_rng_state(), "cuda": list(cuda)}
-
-
-def set_torch_rng_state(state: dict) -> None:
-    """Restore :func:`torch_rng_state` (CUDA states only where they were saved)."""
-    cpu = state.get("cpu") if isinstance(state, dict) else None
-    want = torch.get_rng_state()
-    if not isinstance(cpu, torch.Tensor) or cpu.dtype != want.dtype or cpu.shape != want.shape:
-        raise CheckpointError(f"rng.cpu: expected a {want.dtype} tensor of shape {tuple(want.shape)} (torch's CPU "
-                              f"generator state), got {getattr(cpu, 'dtype', type(cpu).__name__)} "
-                              f"{tuple(getattr(cpu, 'shape', ()))}")
-    torch.set_rng_state(cpu)
-    if state.get("cuda"):
-        if not torch.cuda.is_available() or torch.cuda.device_count() < len(state["cuda"]):
-            raise RuntimeError(f"the checkpoint holds the RNG state of {len(state['cuda'])} CUDA devices; "
-                               f"this process sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
-        torch.cuda.set_rng_state_all(state["cuda"])
+__all__ = ["checkpoint_state", "load_checkpoint_state", "save", "load"]
 
 
 def checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Everything an exact resume needs: ``{"model", "optimizer", "rng"}``.
 
     ``"model"`` is ``model.state_dict()`` of the module under a ``torch.compile`` wrapper (no
-    ``_orig_mod.`` prefix), which carries the FP8 scaling state (see :mod:`fp8pass.scaling_state`);
+    ``_orig_mod.`` prefix), which carries the FP8 scaling state (see :mod:`fp8pass.checkpoint.scaling_state`);
     ``"rng"`` is :func:`torch_rng_state`.
     """
     attach(model)  # the hooks, also where no compiled step registered them yet
     return {"model": _unwrap(model).state_dict(),
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "rng": torch_rng_state()}
-
-
-def check_weights(state_dict: dict, shapes: dict, prefix: str = "model") -> None:
-    """The parameters of ``state_dict`` (keys of ``shapes``, the model's parameter shapes by FQN):
-    each a tensor of the model's shape (checked before any value is read) and finite.
-
-    Buffers are left out: a buffer may legitimately hold -inf (an attention mask).
-
-    Raises:
-        CheckpointError: naming the key.
-    """
-    present = [(k, state_dict[k]) for k in shapes if k in state_dict]
-    for k, v in present:
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(shapes[k]):
-            raise CheckpointError(f"{prefix}.{k}: shape {tuple(getattr(v, 'shape', ()))}, the model has "
-                                  f"{tuple(shapes[k])}")
-    for k, v in present:
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            bad = v.reshape(-1)[~torch.isfinite(v.reshape(-1))][0].item()
-            raise CheckpointError(f"{prefix}.{k}: weights must be finite, got {bad!r}; the state was saved after "
-                                  "training diverged or a non-finite gradient reached the optimizer")
 
 
 def load_checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
@@ -134,43 +92,13 @@ def load_checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     set_torch_rng_state(state["rng"])
 
 
-def save_file(path: str | os.PathLike, obj, verify=None) -> Path:
-    """``torch.save(obj)`` to ``path`` with a SHA-256 manifest, both fsynced and renamed into place.
-
-    ``verify(temp_path)`` may check the written file first (the previous ``path`` stays until it
-    passes). Raises :class:`~fp8pass.integrity.CheckpointError` naming the file and the cause when
-    the write fails (:class:`~fp8pass.integrity.DiskFullError` for lack of space).
-    """
-    return write_with_manifest(path, lambda f: torch.save(obj, f), verify)
-
-
-def load_file(path: str | os.PathLike, allow_unverified: bool | None = None):
-    """``torch.load(path, weights_only=True)`` of a :func:`save_file`, verified against its manifest.
-
-    Raises:
-        FileNotFoundError: no such file.
-        CheckpointError: the file differs from its manifest, has none (unless ``allow_unverified``,
-            see :mod:`fp8pass.integrity`), or is not a readable checkpoint (truncated, empty,
-            corrupted); the message names the file.
-    """
-    path = Path(path)
-    data = read_verified(path, allow_unverified)
-    if not data:
-        raise CheckpointError(f"{path}: empty file, not a checkpoint")
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises many types for damaged files (RuntimeError, UnpicklingError, ...)
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); it is truncated or corrupted, or not "
-                              "written by torch.save") from None
-
-
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Path:
-    """Write :func:`checkpoint_state` to ``path`` with its manifest (see :func:`save_file`). Returns ``path``.
+    """Write :func:`checkpoint_state` to ``path`` with its manifest (see
+    :func:`~fp8pass.checkpoint.files.save_file`). Returns ``path``.
 
     Raises:
         CheckpointError: a weight or an optimizer moment is not finite (nothing is written, a previous
-            ``path`` stays as it was), or the write failed (see :func:`save_file`).
+            ``path`` stays as it was), or the write failed (see :func:`~fp8pass.checkpoint.files.save_file`).
     """
     state = checkpoint_state(model, optimizer)
     names = {id(p): n for n, p in _unwrap(model).named_parameters()}
@@ -185,5 +113,6 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
          config: Config | None = None, strict: bool = True, allow_unverified: bool | None = None) -> None:
-    """Verify, validate and restore a :func:`save` (see :func:`load_file`, :func:`load_checkpoint_state`)."""
+    """Verify, validate and restore a :func:`save` (see :func:`~fp8pass.checkpoint.files.load_file`,
+    :func:`load_checkpoint_state`)."""
     load_checkpoint_state(model, optimizer, load_file(path, allow_unverified), config=config, strict=strict)

@@ -25,12 +25,17 @@ replaces a link, never its target). A write that fails raises :class:`Checkpoint
 file and the cause (:class:`DiskFullError` for "no space left on device"), removes its temp file and
 says the previous version is intact; torch's own message for a failed write (``unexpected pos``)
 is replaced by the OS error that caused it.
+
+:func:`save_file` / :func:`load_file` are the torch side: ``torch.save`` of an object through
+:func:`write_with_manifest`, and ``torch.load(weights_only=True)`` of the bytes :func:`read_verified`
+checked.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -38,24 +43,20 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["CheckpointError", "DiskFullError", "atomic_write", "open_append", "write_failed",
+import torch
+
+from .errors import CheckpointError, DiskFullError
+
+__all__ = ["atomic_write", "open_append", "write_failed",
            "ALLOW_UNVERIFIED_ENV", "MANIFEST_SUFFIX", "manifest_path", "write_with_manifest",
-           "write_manifest", "read_verified", "verify_files", "file_digest", "fsync_dir", "allow_unverified"]
+           "write_manifest", "read_verified", "verify_files", "file_digest", "fsync_dir", "allow_unverified",
+           "save_file", "load_file"]
 
 ALLOW_UNVERIFIED_ENV = "FP8PASS_ALLOW_UNVERIFIED_CHECKPOINT"
 MANIFEST_SUFFIX = ".manifest.json"
 _FORMAT = "fp8pass.manifest"
 _VERSION = 1
 _CHUNK = 1 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint failed verification (manifest, format) or validation (a value out of range), or a
-    file could not be written (the message names the file and the cause)."""
-
-
-class DiskFullError(CheckpointError):
-    """A write failed for lack of space (ENOSPC, or EDQUOT: over quota); its temp file was removed."""
 
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -397,3 +398,34 @@ def verify_files(folder: str | os.PathLike, manifest_name: str = "manifest.json"
         if why is not None:
             raise CheckpointError(f"{why}; refusing to load the checkpoint in {folder}.")
     return files
+
+
+def save_file(path: str | os.PathLike, obj, verify=None) -> Path:
+    """``torch.save(obj)`` to ``path`` with a SHA-256 manifest, both fsynced and renamed into place.
+
+    ``verify(temp_path)`` may check the written file first (the previous ``path`` stays until it
+    passes). Raises :class:`CheckpointError` naming the file and the cause when the write fails
+    (:class:`DiskFullError` for lack of space).
+    """
+    return write_with_manifest(path, lambda f: torch.save(obj, f), verify)
+
+
+def load_file(path: str | os.PathLike, allow_unverified: bool | None = None):
+    """``torch.load(path, weights_only=True)`` of a :func:`save_file`, verified against its manifest.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file differs from its manifest, has none (unless ``allow_unverified``,
+            see the module docstring), or is not a readable checkpoint (truncated, empty, corrupted);
+            the message names the file.
+    """
+    path = Path(path)
+    data = read_verified(path, allow_unverified)
+    if not data:
+        raise CheckpointError(f"{path}: empty file, not a checkpoint")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for damaged files (RuntimeError, UnpicklingError, ...)
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); it is truncated or corrupted, or not "
+                              "written by torch.save") from None
