@@ -26,7 +26,7 @@ Every case carries the cost model's prediction (benchmarks/gpu_cost.py) beside i
 
 Modes: ``gpu`` (the H200's shapes), ``smoke`` (tiny shapes on the CPU, compiled, Triton interpreted: the
 full CPU check of the script) and ``quick`` (tiny shapes on the CPU, eager, the fewest rounds: the
-harness check tests/test_gpu_check.py runs in CI). CPU numbers mean nothing.
+harness check tests/project/test_gpu_check.py runs in CI). CPU numbers mean nothing.
 
 ``FP8PASS_GPU_CHECK_FAIL=STAGE`` makes that stage raise right after its first case is recorded (a test
 hook: the failure must land in gpu_check.json with its traceback while the other stages still run).

@@ -7,7 +7,7 @@
 #                                                               # for sm_90 without a GPU, every stage on tiny
 #                                                               # shapes compiled, the GPU tests collected and skipped)
 #   FP8PASS_GPU_CHECK_CPU=quick bash benchmarks/gpu_check.sh    # the harness alone: ~30-40 s of CPU time
-#                                                               # (tiny eager stages; tests/test_gpu_check.py)
+#                                                               # (tiny eager stages; tests/project/test_gpu_check.py)
 #
 # Order: install, the goal stages (train, gemm, adam, mlp, moe; benchmarks/gpu_bench.py), then the GPU
 # tests (tests/gpu, -n 8 -v --timeout 120) in the time left.

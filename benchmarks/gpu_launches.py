@@ -21,10 +21,10 @@ Host syncs are counted beside: ``aten._local_scalar_dense`` / ``aten.item`` (``.
 host data (``aten.lift_fresh``: ``torch.tensor(...)`` on a device is a pageable H2D copy). On a GPU the
 same run is checked by ``torch.cuda.set_sync_debug_mode("error")`` (tests/gpu).
 
-Counts are exact (no timing), so tests assert them: tests/test_launch_budget.py. The numbers and the
+Counts are exact (no timing), so tests assert them: tests/kernels/test_launch_budget.py. The numbers and the
 goals of issue 28 are recorded in docs/results/gpu.md. Compiled graphs are not counted here: Dynamo does
 not run a compiled frame under a dispatch mode (it falls back to eager), so a compiled step's host reads
-are checked by tests/test_host_sync.py instead, and its launches on a GPU by the device run.
+are checked by tests/passes/test_host_sync.py instead, and its launches on a GPU by the device run.
 """
 
 from __future__ import annotations

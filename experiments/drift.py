@@ -16,7 +16,7 @@ Reported per seed: the first check that saw the drift (``pending``) and the one 
 blamed layers, the step at which the control's training loss first exceeds bf16's by more than 2% (the
 departure), and the final validation-loss gaps to bf16 of the control and of the fallback run. The drift
 run's records before its first switch are those of a plain FP8 run with the check on ("warn"): the check
-changes no state (tests/test_drift.py), so until it acts that run is the control, step for step.
+changes no state (tests/monitor/test_drift.py), so until it acts that run is the control, step for step.
 
 Run: ``python -m experiments.drift`` (4 seeds, 150 steps, N = 5, 2 worker processes); results in
 docs/results/drift.json and the table printed (docs/results/drift.md).

@@ -1,4 +1,4 @@
-"""Multi-process helpers for tests/test_distributed.py: gloo on CPU, one thread per rank, tiny model.
+"""Multi-process helpers for tests/distributed/test_distributed.py: gloo on CPU, one thread per rank, tiny model.
 
 Each worker trains a tiny Llama compiled with backend fp8 (aot_eager, round-to-nearest gradients so
 runs are deterministic) on its slice of a fixed global batch and writes its per-step losses and

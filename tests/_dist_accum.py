@@ -1,4 +1,4 @@
-"""2-rank worker for the gradient-accumulation agreement test (tests/test_scaling.py): DDP over the
+"""2-rank worker for the gradient-accumulation agreement test (tests/numerics/test_scaling.py): DDP over the
 tiny Llama of tests/_dist.py compiled with backend fp8, micro-batches inside
 ``fp8pass.accumulate_scaling``, each rank on its own rows; writes the scaling state after every
 optimizer step."""

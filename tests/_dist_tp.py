@@ -1,4 +1,4 @@
-"""Tensor parallel helpers for tests/test_tensor_parallel.py: FSDP2 x TP on a (dp, tp) mesh of gloo ranks.
+"""Tensor parallel helpers for tests/distributed/test_tensor_parallel.py: FSDP2 x TP on a (dp, tp) mesh of gloo ranks.
 
 A tiny Llama-like model (embedding, blocks of attention + SwiGLU MLP, final norm, LM head) whose
 attention reshapes to ``-1`` heads, as tensor-parallel model code does (each TP rank holds

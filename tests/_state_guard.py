@@ -1,6 +1,6 @@
 """A pytest plugin that records every test leaving process-wide state changed.
 
-Used by tests/test_isolation.py: tests that change Dynamo/Inductor config, torch's threads or dtype,
+Used by tests/project/test_isolation.py: tests that change Dynamo/Inductor config, torch's threads or dtype,
 or environment variables must put them back, or a later test runs under settings it never asked for
 (pytest >= 9.2's monkeypatch even deletes a torch config entry on undo instead of restoring it).
 """

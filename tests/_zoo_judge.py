@@ -1,5 +1,5 @@
-"""How a zoo model is judged under the fp8 backend: the Hugging Face zoo (tests/test_hf_zoo.py) and the
-client zoo (torchtitan / litgpt / torchtune, tests/test_client_zoo.py) both call ``judge``.
+"""How a zoo model is judged under the fp8 backend: the Hugging Face zoo (tests/integrations/test_hf_zoo.py) and the
+client zoo (torchtitan / litgpt / torchtune, tests/integrations/test_client_zoo.py) both call ``judge``.
 
 Per model: the identity format equals eager (loss to 1e-4, every gradient to ``identity_tolerance``
 of its max: 1e-4 where the model's matmuls compute in fp32, more where its own code computes some in
@@ -105,7 +105,7 @@ def judge(model, loss_fn, ids, *, group_bound: float = 0.98, expected=None, acco
     expected: the module tree's counts (``ExpectedCounts``); ``None`` skips the count checks.
     account: also assert that ``fp8pass.explain(model, ids)`` accounts for every matmul weight
         (``model(ids)`` must be the forward ``loss_fn`` runs); the HF zoo's is
-        tests/test_explain_accounting.py.
+        tests/passes/test_explain_accounting.py.
     """
     with _MatmulDtypes() as seen:
         loss0 = loss_fn(model, ids)

@@ -58,7 +58,35 @@ def _check_interpreter(config):
     config.fp8pass_fused_fma = probe.fma_is_fused()
 
 
+# The two tiers. `python -m pytest -q` runs the fast loop (<= 3 minutes on 2 cores: numerics, kernels under
+# the interpreter, single ops); the modules listed here (torch.compile of whole models, trainings, model
+# zoos, subprocesses: seconds per test) are the `full` tier. .ci/run runs both (-m "not slow"), so CI
+# still runs everything but the `slow` sweeps. Move a module here when it makes the fast loop slow.
+FULL_TIER = {
+    "integrations": "*",
+    "distributed": "*",
+    "train": "*",
+    "monitor": "test_drift.py test_precision_audit.py test_sharp_attention.py test_telemetry.py test_monitor.py",
+    "project": "test_isolation.py test_docs_code.py test_bench_suite.py test_gpu_check.py test_cli_inspect.py",
+    "passes": "*",
+    "checkpoint": "test_checkpoint_integrity.py",
+    "optim": "test_optim_bf16_sr.py test_optim_triton.py",
+    "runtime": "test_runtime_compile.py test_runtime_grouped.py test_saved_for_backward.py test_gemm_accumulation.py",
+    "kernels": "test_launch_budget.py test_runtime_triton.py test_kernel_families.py test_step_kernels.py",
+}
+
+
+def in_full_tier(path: Path) -> bool:
+    names = FULL_TIER.get(path.parent.name, "")
+    return names == "*" or path.name in names.split()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    full = pytest.mark.full
+    for item in items:
+        if in_full_tier(Path(str(item.fspath))):
+            item.add_marker(full)
     if not getattr(config, "fp8pass_fused_fma", True):
         fma = pytest.mark.skip(reason="this Triton interpreter's tl.fma rounds twice (triton 3.6); the Adam "
                                       "kernels' bit-exactness needs the fused one (GPUs, triton >= 3.9's interpreter)")

@@ -2,7 +2,7 @@
 
 Every device module (:mod:`.cpu`, :mod:`.cuda`) provides the :data:`COMMON` functions. Beyond them it
 declares an :class:`Offers`; each offer stands for the functions in :data:`OFFER_FUNCTIONS`, which the
-module has exactly when it declares the offer (tests/test_kernel_families.py checks both ways), so a
+module has exactly when it declares the offer (tests/kernels/test_kernel_families.py checks both ways), so a
 caller asks ``kern.OFFERS.transpose_cast`` where it once asked ``hasattr(kern, "transpose_cast")``.
 """
 

@@ -140,7 +140,7 @@ def _div_by_row(a, s, inv_s):
     exact (one FMA) and q + residual * inv_s rounds to the quotient (Markstein's correction; no IEEE
     division per element). Where the residual is 0 (exact quotients, +-0) or not finite (a Inf/NaN,
     or a*inv_s overflowing: the quotient is then Inf too) q is the result. Checked against IEEE division
-    for every E4M3 and E5M2 code and 866k scales over the whole fp32 range (tests/test_optim_triton.py
+    for every E4M3 and E5M2 code and 866k scales over the whole fp32 range (tests/optim/test_optim_triton.py
     repeats it on fewer scales through this function)."""
     q = a * inv_s
     r = tl.fma(-q, s, a)

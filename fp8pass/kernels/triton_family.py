@@ -8,7 +8,7 @@ bits first (``stochastic_grid``) so that conversion is exact. Everywhere else (t
 fp32 -> fp8 conversion drops the mantissa carry and rounds ties away from zero: docs/background.md,
 Traps; E2M1; E4M3_GAUDI) ``encode`` computes the codes with the integer algorithm documented in
 ``fp8pass/numerics/casts.py`` (``encode`` there is its torch reference). Both paths give the same codes
-for the same random bits (tests/test_cast_hw.py, tests/gpu). Scales use the correctly rounded
+for the same random bits (tests/kernels/test_cast_hw.py, tests/gpu). Scales use the correctly rounded
 ``div_rn`` as torch does.
 
 Kernels:

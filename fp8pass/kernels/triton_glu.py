@@ -12,7 +12,7 @@ Reference: ``fp8pass.runtime.swiglu._glu_backward_from_saved`` (torch ops, the C
 its ~8 elementwise kernels on a GPU, one. ``exp`` is the GPU's approximate ``ex2``-based one (numpy's
 under the interpreter) where torch uses its own, so ``sig`` may differ in the last fp32 bits: the
 gradients agree to within one step of their output dtype, nearly all bit for bit
-(tests/test_triton_glu.py bounds it); divisions are correctly rounded, as torch's are. A code's value
+(tests/kernels/test_triton_glu.py bounds it); divisions are correctly rounded, as torch's are. A code's value
 comes from a 256-entry fp32 table of its format (made once per device with torch's own float8
 conversion; a cached gather), so the kernel reads the codes as bytes. In channel mode the same launch
 can also make ``dW_down = dB / c`` (``UNSMOOTH_W``: extra programs, bit for bit as torch divides). The

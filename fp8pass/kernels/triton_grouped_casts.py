@@ -25,7 +25,7 @@ grouped operands yet). Round to nearest only: a stochastically rounded gradient 
 
 The torch reference of both (:func:`reference`) is what the grouped ops computed on CUDA before these
 kernels: ``group_amax`` of the row maxima, ``expert_scales``, ``(x * scale[ids]).clamp(-max, max)``
-cast; codes, amaxes, scales and decode scales are bit-identical to it (tests/test_triton_grouped_casts.py).
+cast; codes, amaxes, scales and decode scales are bit-identical to it (tests/kernels/test_triton_grouped_casts.py).
 """
 
 from __future__ import annotations

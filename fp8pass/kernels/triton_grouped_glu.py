@@ -23,7 +23,7 @@ per-expert channel scales of ``runtime.grouped_swiglu`` (the same ops in the sam
 contraction off). Activations: ``relu`` (bit-identical: every op is exact or correctly rounded) and
 ``silu`` (``g / (1 + exp(-g))``: ``tl.exp`` is the GPU's approximate ``ex2``, numpy's ``exp`` under the
 interpreter, where torch has its own ``exp``, so ``h`` may differ in its last bits, exactly as in the
-dense SwiGLU kernels of :mod:`.triton_operand_casts`; tests/test_triton_grouped_glu.py bounds it and
+dense SwiGLU kernels of :mod:`.triton_operand_casts`; tests/kernels/test_triton_grouped_glu.py bounds it and
 checks the exact cases). Other activations keep the torch ops.
 """
 

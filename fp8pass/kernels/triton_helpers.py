@@ -211,7 +211,7 @@ def cast_codes(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.c
     bit into bit 7 fixes that and changes nothing else (every other code carries v's sign already).
     Stochastic rounding first moves v onto the grid (``stochastic_grid``), so the conversion is exact.
     HW = 2: HW = 1's algorithm with the conversion done by ``encode`` (exact for on-grid values): the
-    interpreter's check of the stochastic path (tests/test_cast_hw.py).
+    interpreter's check of the stochastic path (tests/kernels/test_cast_hw.py).
     """
     if HW:
         w = v
@@ -240,7 +240,7 @@ def random_bits(seed, offs):
 @triton.jit
 def philox4(seed, k):
     """The four 32-bit outputs of Philox4x32-10 at counter ``k`` (int64: low word, high word, 0, 0) under
-    ``seed``: ``tl.philox(seed, lo, hi, 0, 0)`` bit for bit (tests/test_cast_hw.py), with each round's
+    ``seed``: ``tl.philox(seed, lo, hi, 0, 0)`` bit for bit (tests/kernels/test_cast_hw.py), with each round's
     two 32 x 32-bit products taken as 64-bit ones, which ptxas issues as one IMAD.WIDE.U32 each where
     ``tl.philox``'s umulhi + mul pairs are often two IMADs."""
     s = seed.to(tl.uint64, bitcast=True)

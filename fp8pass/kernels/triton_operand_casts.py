@@ -24,7 +24,7 @@ docs/background.md, Traps). Both are bit-identical to ``saturating_cast`` and to
 What is exact and what is bounded against the torch references (``fp8pass.numerics``'s
 ``saturating_cast`` / ``quantize`` and ``fp8pass.runtime.swiglu.swiglu_operand``):
 
-* ``_transpose_cast_kernel``: codes and amax bit-identical (tests/test_runtime_triton.py on CPU,
+* ``_transpose_cast_kernel``: codes and amax bit-identical (tests/kernels/test_runtime_triton.py on CPU,
   tests/gpu on CUDA).
 * the SwiGLU kernels: ``silu(g) = g / (1 + exp(-g))`` uses ``tl.exp``, which is an approximate
   ``ex2`` on NVIDIA GPUs (numpy's ``exp`` under the interpreter) while torch uses its own ``exp``: the

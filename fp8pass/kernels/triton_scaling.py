@@ -26,7 +26,7 @@ host-bound (docs/runtime.md, Launches).
                            the last program to arrive reducing the programs' maxima
 =========================  ===========================================================================
 
-Bit-identical to the torch references (tests/test_triton_scaling.py): divisions are correctly rounded
+Bit-identical to the torch references (tests/kernels/test_triton_scaling.py): divisions are correctly rounded
 (``div_rn``), as torch's tensor divisions are.
 """
 

@@ -21,7 +21,7 @@ naming the layers to blame: those whose local error exceeds ``max_local_error``,
 ``min_grad_cosine``; with ``on_drift="fallback"`` they switch precision for the rest of the run
 (``fp8pass.switch_precision``: a GLU MLP that ran without Smooth-SwiGLU gets the per-channel form,
 any other linear high precision). Nothing else changes: weights, ``.grad``, optimizer, scaling
-state, stochastic-rounding streams and the RNG are as they were (tests/test_drift.py checks each).
+state, stochastic-rounding streams and the RNG are as they were (tests/monitor/test_drift.py checks each).
 
 Usage in a plain loop (the trainer: ``--drift-check N``)::
 

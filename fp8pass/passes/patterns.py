@@ -3,7 +3,7 @@
 Each form real model code uses is one alternative below; adding a form is a few lines. The
 replacements (what a match becomes) are in :mod:`fp8pass.passes.rewrite`, next to the policy checks.
 
-Forms covered (all verified on real Dynamo graphs in tests/test_patterns.py):
+Forms covered (all verified on real Dynamo graphs in tests/passes/test_patterns.py):
 
 * activation: ``F.silu(g)`` (also ``nn.SiLU`` and HF ``ACT2FN["silu"]``, which Dynamo inlines to
   it), ``g * torch.sigmoid(g)`` / ``g * g.sigmoid()`` in either operand order, ``F.gelu(g)`` and

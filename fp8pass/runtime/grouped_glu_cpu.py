@@ -5,7 +5,7 @@ The generic path materialises ``h = act(gate) up``, ``|h|``, the gathered per-ro
 aligned chunk of rows (the experts' channel amaxes follow from those, max being exact in any order),
 one compiled pass casts ``((act(g) u) c) s`` straight to codes (and their GEMM values), ``B = W_down / c``
 is cast without being written out, and the GLU backward gathers ``c`` per row inside its own loop.
-The same operations in the same order as the generic path: the same bits (tests/test_runtime_grouped.py).
+The same operations in the same order as the generic path: the same bits (tests/runtime/test_runtime_grouped.py).
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def _fused_channel_operands(g2, u2, w_down, fmt, a_state, margin, power_of_two):
     writing the codes of A, gate and up (:func:`saved_glu_input`'s copies). With W_down in fp32 or bf16,
     B is cast with the division in the cast (one launch, no ``W_down / c`` written), else B is None.
     The same codes, scales and amaxes as :func:`_fused_operand`, ``W_down / c`` cast by
-    :func:`cast_operand` and :func:`saved_glu_input` (tests/test_runtime_swiglu.py). The cast pass
+    :func:`cast_operand` and :func:`saved_glu_input` (tests/runtime/test_runtime_swiglu.py). The cast pass
     writes A's codes in both layouts (``data_t``: what the op saves, :func:`~.casting.column_major`).
 
     Returns:

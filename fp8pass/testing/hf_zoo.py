@@ -329,7 +329,7 @@ if __name__ == "__main__":  # python -m fp8pass.testing.hf_zoo FlexOlmo [num_exp
     import os
     import sys
 
-    os.environ.setdefault("FP8PASS_CPU_FUSED", "0")  # as tests/test_hf_zoo.py runs
+    os.environ.setdefault("FP8PASS_CPU_FUSED", "0")  # as tests/integrations/test_hf_zoo.py runs
     arch = sys.argv[1]
     overrides = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
     groups, total = gradient_cosines(arch, **overrides)

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import gpu_bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 # what the script may write, the temp files of the atomic rewrites included

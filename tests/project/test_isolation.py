@@ -12,20 +12,20 @@ import sys
 import textwrap
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # The tests that change global state (config patches, thread counts, env vars, patched module
 # attributes), each followed by one that reads what the other changed.
 MUTATING_TESTS = [
-    "test_train_fp8.py::test_recompile_limit_raises_instead_of_training_without_fp8",
-    "test_train_loop.py::test_cli_trains_plots_and_resumes",
-    "test_backend.py::test_mode_and_options_passed_through_torch_compile",
-    "test_optim.py::test_state_bytes_per_parameter",
-    "test_kernel_families.py::test_quantize_dispatch_uses_triton",
-    "test_kernel_families.py::test_bad_family_name",
-    "test_runtime_linear.py::test_gemm_dtype_follows_cpu_capability_and_override",
-    "test_train_loop.py::test_precision_follows_the_cpu_and_is_recorded",
-    "test_train_fp8.py::test_compiled_identity_pipeline_tracks_eager_across_optimizer_steps",
+    "train/test_train_fp8.py::test_recompile_limit_raises_instead_of_training_without_fp8",
+    "train/test_train_loop.py::test_cli_trains_plots_and_resumes",
+    "passes/test_backend.py::test_mode_and_options_passed_through_torch_compile",
+    "optim/test_optim.py::test_state_bytes_per_parameter",
+    "kernels/test_kernel_families.py::test_quantize_dispatch_uses_triton",
+    "kernels/test_kernel_families.py::test_bad_family_name",
+    "runtime/test_runtime_linear.py::test_gemm_dtype_follows_cpu_capability_and_override",
+    "train/test_train_loop.py::test_precision_follows_the_cpu_and_is_recorded",
+    "train/test_train_fp8.py::test_compiled_identity_pipeline_tracks_eager_across_optimizer_steps",
 ]
 
 RUNNER = textwrap.dedent("""

@@ -247,7 +247,7 @@ def _zoo_case(name):
     return acc
 
 
-# architectures whose own code breaks the graph (tests/test_hf_zoo.py: NOT_A_GLU)
+# architectures whose own code breaks the graph (tests/integrations/test_hf_zoo.py: NOT_A_GLU)
 NOT_WHOLE_GRAPH = {"JetMoe"}
 
 

@@ -12,7 +12,7 @@ import torch
 from benchmarks import suite
 from benchmarks.train_step import backward_inputs, record_partitions, saved_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_goals_take_the_worst_row_and_respect_selection():

@@ -31,7 +31,7 @@ from fp8pass.kernels import triton_family as R
 from fp8pass.kernels import triton_helpers
 from fp8pass.kernels import triton_operand_casts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _special_fp32() -> torch.Tensor:

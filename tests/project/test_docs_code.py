@@ -7,7 +7,7 @@ mark it (an HTML comment, invisible on the rendered page):
 * ``<!-- docs-test: skip: REASON -->``: not runnable here (torchrun, several processes); skipped with REASON.
 * ``<!-- docs-test: gpu -->``: needs CUDA; skipped without it.
 * ``<!-- docs-test: slow -->``: compiles with Inductor and trains (a minute or more on a CPU): runs
-  with ``python -m pytest -m slow tests/test_docs_code.py``.
+  with ``python -m pytest -m slow tests/project/test_docs_code.py``.
 """
 
 import re
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"^<!--\s*docs-test:\s*(skip|gpu|slow)\s*(?::\s*(.*?))?\s*-->$")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import fp8pass
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dir_is_the_public_api():

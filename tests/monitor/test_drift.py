@@ -174,7 +174,7 @@ def test_the_fallback_switches_the_blamed_glus_to_smooth_swiglu_and_the_drift_go
     assert [recs[s]["action"] for s in (5, 6)] == ["none", "none"]
     assert recs[4]["min_grad_cosine"] < 0.5 and min(recs[s]["min_grad_cosine"] for s in (5, 6)) > 0.9
     ckpt = torch.load(tmp_path / "fallback" / "checkpoint.pt", weights_only=True)
-    assert "fp8_precision_switches" in ckpt["model"]  # a resume continues switched (tests/test_precision_switch.py)
+    assert "fp8_precision_switches" in ckpt["model"]  # a resume continues switched (tests/train/test_precision_switch.py)
 
 
 def test_a_run_resumed_after_the_fallback_continues_switched(tmp_path, corpus):

@@ -307,7 +307,7 @@ def test_regathered_weights_keep_the_weight_codes_of_the_per_linear_op(monkeypat
     from fp8pass.passes import annotate
 
     assert not annotate.weight_may_be_regathered(model_cls().p.weight)  # no FSDP2 here
-    # (the FSDP2 runs of tests/test_distributed.py and tests/test_tensor_parallel.py take this path for real)
+    # (the FSDP2 runs of tests/distributed/test_distributed.py and tests/distributed/test_tensor_parallel.py take this path for real)
     monkeypatch.setattr(annotate, "weight_may_be_regathered", lambda w: isinstance(w, torch.nn.Parameter))
     torch._dynamo.reset()
     ranks = fp8pass.explain(model_cls(), torch.randn(2, 8, D)).graph_after

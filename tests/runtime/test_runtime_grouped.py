@@ -774,7 +774,7 @@ def test_gradient_format_of_the_grouped_ops_per_device(monkeypatch):
 @pytest.mark.parametrize("fast_accum", [True, False])
 def test_grouped_forward_gemm_accumulates_fast_and_gradient_gemms_precisely(monkeypatch, fast_accum):
     """``fast_accum`` (``Config.fast_accum``) reaches the forward ``_scaled_grouped_mm`` only: dgrad and
-    wgrad accumulate precisely, as the dense ops do (tests/test_gemm_accumulation.py)."""
+    wgrad accumulate precisely, as the dense ops do (tests/runtime/test_gemm_accumulation.py)."""
 
     from benchmarks import gpu_launches as gl
 

@@ -4,7 +4,7 @@ The forward casts A, B = W_down / c and the saved gate/up copies in four launche
 the inputs' maxima; ``c`` and every scale; A, gate and up codes in one pass; B with the division in
 the cast), backward recasts B the same way and makes dW = dB / c in the SwiGLU backward's launch.
 Each new kernel mode is checked bit for bit against the torch reference, and the op against the
-launch plan it replaces (whose equality with the torch path tests/test_runtime_triton.py asserts).
+launch plan it replaces (whose equality with the torch path tests/kernels/test_runtime_triton.py asserts).
 """
 
 import dataclasses

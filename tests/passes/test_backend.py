@@ -1,6 +1,6 @@
 """The fp8 backend end to end: numerics vs eager, scaling state across steps/recompiles/reset and
 checkpoints, explain, registration. Compiled with aot_eager (AOT autograd, no code generation) to
-stay fast on CPU; tests/test_backend.py::test_inductor_* covers Inductor (slow)."""
+stay fast on CPU; tests/passes/test_backend.py::test_inductor_* covers Inductor (slow)."""
 
 import os
 import subprocess
@@ -18,7 +18,7 @@ from fp8pass.checkpoint import without_scaling_state
 from fp8pass.testing.models import D, Fused, GeGLU, MatmulWT, ReGLU, SiluMul, tiny_titan_llama
 from test_patterns import VARIANTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -490,7 +490,7 @@ def test_sm90_stochastic_adam_meets_the_issue_goal():
     blocks and of the widest fused block (8192: one pass), and both phases of the split-block kernel
     (benchmarks/gpu_static.py, built with the installed Triton; docs/results/gpu.md has both versions)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a compiled build
-    proc = subprocess.run([sys.executable, "-c", _STATIC], cwd=Path(__file__).resolve().parents[1], env=env,
+    proc = subprocess.run([sys.executable, "-c", _STATIC], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])

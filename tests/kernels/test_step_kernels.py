@@ -17,7 +17,7 @@ SLOW = pytest.mark.slow
 
 def _sweep(values, default):
     """``values`` as parameters, all but ``default`` under the ``slow`` marker (the default suite keeps
-    one case of each sweep; ``python -m pytest -m slow tests/test_step_kernels.py`` runs the rest)."""
+    one case of each sweep; ``python -m pytest -m slow tests/kernels/test_step_kernels.py`` runs the rest)."""
     return [v if v == default else pytest.param(v, marks=SLOW) for v in values]
 
 

@@ -1,7 +1,7 @@
 """Non-finite and huge values, delayed-scaling lag: counted on device, warned once, guarded on request.
 
 Also the state's device following its weight, and the automatic cross-rank amax reduction's
-hook/callback mechanics (the 2-rank runs are in tests/test_distributed.py).
+hook/callback mechanics (the 2-rank runs are in tests/distributed/test_distributed.py).
 """
 
 import warnings

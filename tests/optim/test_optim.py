@@ -277,7 +277,7 @@ def test_blocks_larger_than_a_chunk_take_two_passes_with_the_same_result(monkeyp
 def test_per_tensor_scales_route_large_blocks_away_from_fused_kernels(monkeypatch):
     """kernels="compiled"/"triton" fuse whole blocks per chunk/program; blocks too large for them
     (one scale for a large tensor) take the torch path (compiled) or the split-block Triton kernels
-    (triton; tested in tests/test_optim_triton.py), smaller ones still reach the fused entry points."""
+    (triton; tested in tests/optim/test_optim_triton.py), smaller ones still reach the fused entry points."""
     from fp8pass.optim import adam as adam_mod
     from fp8pass.kernels import triton_adam
     from fp8pass.optim import compiled_step

@@ -1,7 +1,7 @@
 """Tensor parallel (DTensor) with backend fp8: the ops' sharding rules, and FSDP2 x TP on a 2 x 2 mesh.
 
 The 4-process test carries the ``distributed`` and ``slow`` markers (``python -m pytest -m distributed
-tests/test_tensor_parallel.py``); its single-process twin (a 1 x 1 mesh: every op dispatched through
+tests/distributed/test_tensor_parallel.py``); its single-process twin (a 1 x 1 mesh: every op dispatched through
 DTensor) and the rule checks run in the default suite.
 """
 

@@ -223,7 +223,7 @@ def test_grad_accum_equals_the_full_batch_bf16_recipe(tmp_path, corpus):
 def test_grad_accum_fp8_delayed_records_once_per_optimizer_step(tmp_path, corpus):
     """fp8-smooth (delayed scaling): N=2 of half the batch matches N=1 within FP8 noise, and the
     scales are updated once per optimizer step (the max over the micro-batches: as many records per
-    role as the full-batch run; exact amaxes in tests/test_scaling.py)."""
+    role as the full-batch run; exact amaxes in tests/numerics/test_scaling.py)."""
     torch._dynamo.reset()
     kw = dict(recipe="fp8-smooth", monitor_every=0, steps=2, precision="fp32", compiler="aot_eager",
               eval_every=2, ckpt_every=2)

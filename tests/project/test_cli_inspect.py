@@ -13,7 +13,7 @@ from fp8pass.cli import example_inputs_for, main
 from fp8pass.report.draw import MAX_PIXELS, draw_graph, layer_patterns
 from fp8pass.testing.models import SiluMul, TitanLlama
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("target, message", [

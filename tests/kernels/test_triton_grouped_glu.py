@@ -123,7 +123,7 @@ def test_sm90_builds_spill_nothing():
     names = ";".join(f"grouped_glu {kind} act=silu experts=128" for kind in ("amax", "operand channel",
                                                                               "backward channel"))
     proc = subprocess.run([sys.executable, "-c", _STATIC, names],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,7 +6,7 @@ in bf16: torchtitan's experts; ``_zoo_judge.identity_tolerance``); explain's GLU
 linears equal the counts from the modules, and explain accounts for every matmul weight (FP8, kept, or
 ran eagerly between graphs: litgpt LLaMAMoE's router; tests/_accounting.py). A stack that is not
 installed is skipped (``fp8pass.testing.client_zoo.INSTALL`` says how). A fast subset runs by default; the rest is
-``slow`` (python -m pytest -m slow tests/test_client_zoo.py). Results: docs/results/client_zoo.md.
+``slow`` (python -m pytest -m slow tests/integrations/test_client_zoo.py). Results: docs/results/client_zoo.md.
 """
 
 import pytest

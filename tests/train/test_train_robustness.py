@@ -21,7 +21,7 @@ from fp8pass.train.cli import EXIT_DISK_FULL, EXIT_IN_USE
 from fp8pass.train.logging import read_metrics
 
 SMALL = ModelConfig(d_model=32, n_layers=1, n_heads=2, ffn=64, max_seq_len=32)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ Per model: no crash; the loss within the FP8 bound of eager fp32; every paramete
 gradient gets one compiled; gradient cosine >= 0.98 per parameter group; with the identity format,
 loss and gradients equal eager to fp32 rounding; explain's counts equal the GLUs, expert stacks and
 linears counted from the modules (fp8pass/testing/hf_zoo.py). A fast subset runs by default (dense, fused
-gate_up, Conv1D, one MoE); the whole zoo is ``slow`` (python -m pytest -m slow tests/test_hf_zoo.py).
+gate_up, Conv1D, one MoE); the whole zoo is ``slow`` (python -m pytest -m slow tests/integrations/test_hf_zoo.py).
 """
 
 import pytest
@@ -23,7 +23,7 @@ FAST = ["Llama", "Phi3", "GPT2", "Mixtral", "Llama4"]
 # Llama4's routed experts and router land at cosine 0.974-0.98 (0.969-0.975 at hidden 256): every token
 # goes to every expert scaled by its sigmoid score, so E5M2 noise on the many small rows dominates
 # those gradients. Not a rewrite error: the identity format matches eager, and one grouped op equals
-# per-expert FP8 linears (tests/test_runtime_grouped.py). A known gap, bounded here rather than hidden.
+# per-expert FP8 linears (tests/runtime/test_runtime_grouped.py). A known gap, bounded here rather than hidden.
 COSINE_BOUND = {"Llama4": 0.965}
 # Forms explain lists as kept, not as the modules' GLUs / stacks: BitNet normalises the GLU product
 # before its down projection (no Smooth-SwiGLU form; its three projections are FP8 linears), JetMoe's
