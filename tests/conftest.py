@@ -66,7 +66,7 @@ FULL_TIER = {
     "integrations": "*",
     "distributed": "*",
     "train": "*",
-    "monitor": "test_drift.py test_precision_audit.py test_sharp_attention.py test_telemetry.py test_monitor.py",
+    "monitor": "test_drift.py test_sharp_attention.py test_telemetry.py test_monitor.py",
     "project": "test_isolation.py test_docs_code.py test_bench_suite.py test_gpu_check.py test_cli_inspect.py",
     "passes": "*",
     "checkpoint": "test_checkpoint_integrity.py",

@@ -85,6 +85,11 @@ EXCLUDED = {
 }
 
 
+# The fast subset, one of each form the zoo covers (gated MLP, fused gate_up, Conv1D, two MoEs): the
+# zoo tests and the explain accounting run these by default, the rest under the slow marker.
+FAST = ["Llama", "Phi3", "GPT2", "Mixtral", "Llama4"]
+
+
 def zoo(moe: bool | None = None) -> list[str]:
     """Architecture names (``build`` takes them); ``moe=True``/``False`` filters."""
     if moe is None:

@@ -20,7 +20,6 @@ from fp8pass.runtime.state import state_for
 
 from fp8pass.testing import hf_zoo as Z
 from _accounting import assert_accounts_for_matmul_weights, reference_matmul_weights
-from test_hf_zoo import FAST
 
 D, H, E, V = 32, 64, 4, 64
 
@@ -251,14 +250,14 @@ def _zoo_case(name):
 NOT_WHOLE_GRAPH = {"JetMoe"}
 
 
-@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("name", Z.FAST)
 def test_zoo_fast_subset_adds_up(name):
     acc = _zoo_case(name)
     assert acc.fp8 and acc.expected == acc.fp8 | acc.kept | acc.outside, acc.report
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in Z.zoo() if n not in FAST])
+@pytest.mark.parametrize("name", [n for n in Z.zoo() if n not in Z.FAST])
 def test_zoo_whole_adds_up(name):
     acc = _zoo_case(name)
     assert acc.fp8 and acc.expected == acc.fp8 | acc.kept | acc.outside, acc.report
