@@ -143,6 +143,22 @@ class DriftCheck:
             cosine of 0.48, docs/results/drift.md); False acts on the first.
         top_k: layers named in the warning and, when only the loss crossed its threshold, the lowest-
             cosine layers the fallback switches.
+        blame_pending: a confirming check blames the union of its own layers past ``max_local_error`` and
+            those of the check it confirms (a GLU's local error can dip under the threshold on one batch
+            and pass it on the next; docs/results/drift.md). False: the confirming check's alone.
+        cosine_blame: whom a drift with no layer past ``max_local_error`` blames among the layers below
+            ``min_grad_cosine`` (a gradient error spreads to every layer below its origin, so after an
+            outlier most layers are low): "glu_first" (default) the GLU MLPs among them that still run
+            without Smooth-SwiGLU (their switch keeps them in FP8), else the ``top_k`` lowest; "lowest" the
+            ``top_k`` lowest; "all" every one of them.
+        act_at_once: a check whose worst local error exceeds this many times ``max_local_error`` acts
+            without waiting for confirmation (clean runs: local errors <= 3%, so the default 3.0 means >=
+            30%); 0: always wait when ``confirm``. A drift after a fallback is a new drift: it is confirmed
+            (or acts at once) on its own.
+        reset_moments: when the fallback switches layers, the optimizer state (Adam's moments, which hold
+            the FP8 steps' gradients) of their weights is dropped, so they restart as at step 0. Needs the
+            optimizer (``DriftMonitor(..., optimizer=opt)``; the trainer passes it). Default False
+            (docs/results/drift.md).
     """
 
     every: int = 100
@@ -152,6 +168,10 @@ class DriftCheck:
     max_local_error: float = 0.1
     confirm: bool = True
     top_k: int = 3
+    blame_pending: bool = True
+    cosine_blame: str = "glu_first"
+    act_at_once: float = 3.0
+    reset_moments: bool = False
 
     def __post_init__(self):
         _check_int("DriftCheck.every", self.every, 1, " (optimizer steps between checks)")
@@ -162,6 +182,11 @@ class DriftCheck:
         _check_number("DriftCheck.max_local_error", self.max_local_error, 0, 1e9)
         _check_bool("DriftCheck.confirm", self.confirm)
         _check_int("DriftCheck.top_k", self.top_k, 1, " (layers named per check)")
+        _check_bool("DriftCheck.blame_pending", self.blame_pending)
+        _check_choice("DriftCheck.cosine_blame", self.cosine_blame, ("glu_first", "lowest", "all"))
+        _check_number("DriftCheck.act_at_once", self.act_at_once, 0, 1e9,
+                      meaning=" (a multiple of max_local_error; 0: always wait for confirmation)")
+        _check_bool("DriftCheck.reset_moments", self.reset_moments)
 
 
 @dataclass(frozen=True)

@@ -15,18 +15,21 @@ draw) on the micro-batch the FP8 step just trained on, with the same weights, an
   A gradient error spreads to every layer below (and a forward error to every layer above); this
   names the layer where it starts.
 
-A check past ``max_loss_diff``, ``min_grad_cosine`` or ``max_local_error`` (confirmed by the next
-step's check) warns,
-naming the layers to blame: those whose local error exceeds ``max_local_error``, else those below
-``min_grad_cosine``; with ``on_drift="fallback"`` they switch precision for the rest of the run
-(``fp8pass.switch_precision``: a GLU MLP that ran without Smooth-SwiGLU gets the per-channel form,
-any other linear high precision). Nothing else changes: weights, ``.grad``, optimizer, scaling
-state, stochastic-rounding streams and the RNG are as they were (tests/monitor/test_drift.py checks each).
+A check past ``max_loss_diff``, ``min_grad_cosine`` or ``max_local_error`` warns when the next step's
+check confirms it (or at once when a local error is past ``act_at_once`` times its threshold), naming
+the layers to blame: those whose local error exceeds ``max_local_error`` in the confirming check or in
+the check it confirms (``blame_pending``); when there are none, among the layers below
+``min_grad_cosine`` the GLUs that can still be smoothed, else the ``top_k`` lowest (``cosine_blame``).
+With ``on_drift="fallback"`` they switch precision for the rest of the run (``fp8pass.switch_precision``:
+a GLU MLP that ran without Smooth-SwiGLU gets the per-channel form, any other linear high precision),
+and with ``reset_moments`` their optimizer state restarts. Otherwise nothing changes: weights, ``.grad``,
+optimizer, scaling state, stochastic-rounding streams and the RNG are as they were (tests/monitor/test_drift.py
+checks each).
 
 Usage in a plain loop (the trainer: ``--drift-check N``)::
 
     fwd = torch.compile(model, backend=fp8pass.backend(Config(drift_check=DriftCheck(every=100))))
-    drift = fp8pass.monitor.DriftMonitor(fwd)
+    drift = fp8pass.monitor.DriftMonitor(fwd, optimizer=opt)  # the optimizer: for DriftCheck.reset_moments
     for step in range(1, steps + 1):
         loss = fwd(x, y)
         loss.backward()
@@ -194,10 +197,12 @@ class DriftMonitor:
             itself when scalar, else its ``.loss``).
         log: ``fn(record)`` receiving each check's ``{"kind": "drift", ...}`` record (the trainer's
             metrics writer), or None.
+        optimizer: the training loop's optimizer; needed (only) by ``DriftCheck.reset_moments``, which
+            drops the state of the switched layers' weights.
     """
 
     def __init__(self, model, check: DriftCheck | None = None, *, loss_fn: Callable | None = None,
-                 log: Callable | None = None):
+                 log: Callable | None = None, optimizer: torch.optim.Optimizer | None = None):
         be = compile_backend_of(model)
         self.config: Config | None = getattr(be, "config", None) if isinstance(getattr(be, "config", None), Config) else None
         check = check if check is not None else getattr(self.config, "drift_check", None)
@@ -205,7 +210,11 @@ class DriftMonitor:
             raise ValueError("DriftMonitor needs a DriftCheck: pass check=fp8pass.DriftCheck(...), or compile the "
                              "model with fp8pass.backend(Config(drift_check=fp8pass.DriftCheck(...)))"
                              if check is None else f"DriftMonitor: check must be an fp8pass.DriftCheck, got {check!r}")
+        if check.reset_moments and check.on_drift == "fallback" and optimizer is None:
+            raise ValueError("DriftCheck(reset_moments=True) resets the optimizer state of the layers the fallback "
+                             "switches: pass the optimizer, DriftMonitor(model, optimizer=opt)")
         self.check_cfg = check
+        self.optimizer = optimizer
         self.model = model
         self.backend = be
         self.eager = original_callable(model)
@@ -215,7 +224,8 @@ class DriftMonitor:
         self.log = log
         self.reports: list[DriftReport] = []
         self._pending: int | None = None     # the step of a drift awaiting confirmation
-        self._last_drift: int | None = None  # the step of the last check past a threshold
+        self._last_drift: int | None = None  # the step of the last check past a threshold that did not act
+        self._pending_origin: dict[str, float] = {}  # that check's layers past max_local_error: their local errors
         self._linears = {f"{name}.weight": m.weight for name, m in self.eager.named_modules()
                          if isinstance(m, torch.nn.Linear) and m.weight.requires_grad}
         self._glu_of: dict[str, str] = {}  # a GLU projection's module FQN -> the GLU MLP's
@@ -332,33 +342,70 @@ class DriftMonitor:
         lf = float(fp8_loss.detach().float() if isinstance(fp8_loss, torch.Tensor) else fp8_loss)
         lh = float(loss_high.float())
         rel = (lf - lh) / abs(lh) if lh != 0 else float("inf") if lf != lh else 0.0
-        c = self.check_cfg
         report = DriftReport(step, lf, lh, rel, cos, self.fp8_weights(), local)
-        low = [w for w, v in report.worst(len(report.fp8_weights)) if not v >= c.min_grad_cosine]
-        origin = sorted((w for w, e in local.items() if not e <= c.max_local_error), key=lambda w: -local[w])
-        if not abs(rel) <= c.max_loss_diff:
-            report.reasons.append("loss")
-        if low:
-            report.reasons.append("grad_cosine")
-        if origin:
-            report.reasons.append("local_error")
-        if report.reasons:
-            report.flagged = origin or low or [w for w, _ in report.worst(c.top_k)]
-            confirmed = not c.confirm or self._last_drift == step - 1
-            report.action = c.on_drift if confirmed else "pending"
-            self._pending = None if confirmed else step
-            self._last_drift = step
-            if report.action == "fallback":
-                report.switched = self._fallback(report)
-        else:
-            self._pending = None
+        self.decide(report)
+        if report.action == "fallback":
+            report.switched = self._fallback(report)
         report.seconds = time.perf_counter() - t0
         if report.action in ("warn", "fallback"):
-            warnings.warn(report.message(c), RuntimeWarning, stacklevel=2)
+            warnings.warn(report.message(self.check_cfg), RuntimeWarning, stacklevel=2)
         self.reports.append(report)
         if self.log is not None:
             self.log(report.record())
         return report
+
+    def decide(self, report: DriftReport) -> None:
+        """Set ``report``'s reasons, flagged layers and action from its measurements and the previous checks
+        (DriftCheck's thresholds, ``confirm``, ``act_at_once``, ``blame_pending``, ``cosine_blame``)."""
+        c, step, local = self.check_cfg, report.step, report.local_error
+        low = [w for w, v in report.worst(len(report.fp8_weights)) if not v >= c.min_grad_cosine]
+        over = {w: e for w, e in local.items() if not e <= c.max_local_error}
+        if not abs(report.loss_rel_diff) <= c.max_loss_diff:
+            report.reasons.append("loss")
+        if low:
+            report.reasons.append("grad_cosine")
+        if over:
+            report.reasons.append("local_error")
+        if not report.reasons:
+            self._pending, self._last_drift, self._pending_origin = None, None, {}
+            return
+        at_once = c.act_at_once > 0 and any(not e <= c.act_at_once * c.max_local_error for e in over.values())
+        confirms = self._last_drift == step - 1
+        acts = not c.confirm or confirms or at_once
+        origin = dict(over)
+        if acts and confirms and c.blame_pending:  # the pending check's layers, at their worse local error
+            fp8 = set(report.fp8_weights)
+            for w, e in self._pending_origin.items():
+                if w in fp8:
+                    origin[w] = max(e, origin.get(w, e))
+        report.flagged = sorted(origin, key=lambda w: -origin[w]) or self._cosine_blame(low, report)
+        report.action = c.on_drift if acts else "pending"
+        self._pending = None if acts else step
+        # after a fallback the layers run in another precision: a drift past it is a new one, confirmed on its own
+        self._last_drift = None if report.action == "fallback" else step
+        self._pending_origin = {} if acts else over
+
+    def _cosine_blame(self, low: list[str], report: DriftReport) -> list[str]:
+        """The layers blamed when none is past ``max_local_error``: ``low`` is those below ``min_grad_cosine``,
+        lowest first (empty: only the loss crossed its threshold, and the ``top_k`` lowest are blamed)."""
+        c = self.check_cfg
+        if not low:
+            return [w for w, _ in report.worst(c.top_k)]
+        if c.cosine_blame == "all":
+            return low
+        if c.cosine_blame == "glu_first":
+            glus = [w for w in low if self.smoothable(w)]
+            if glus:
+                return glus
+        return low[:c.top_k]
+
+    def smoothable(self, weight: str) -> bool:
+        """Whether ``weight`` belongs to a GLU MLP that runs in an FP8 recipe with the Smooth-SwiGLU form but
+        without it now (the fallback gives it the per-channel form and keeps it in FP8)."""
+        cfg = self.site_config(weight)
+        return (self._glu_of.get(weight.rsplit(".", 1)[0]) is not None and cfg is not None
+                and cfg.smooth_swiglu is None and not isinstance(cfg.recipe, NVFP4Scaling)
+                and cfg.recipe.granularity != "mx")
 
     def fallback_rules(self, weights) -> tuple[list[Rule], dict[str, str]]:
         """The rules that switch the linears of ``weights``: a GLU MLP that runs without Smooth-SwiGLU (an
@@ -371,8 +418,7 @@ class DriftMonitor:
             cfg = self.site_config(w)
             if cfg is None:
                 continue  # already high precision
-            if (site is not None and cfg.smooth_swiglu is None and not isinstance(cfg.recipe, NVFP4Scaling)
-                    and cfg.recipe.granularity != "mx"):
+            if self.smoothable(w):
                 if site in switched:
                     continue
                 recipe = Config(**{f: getattr(cfg, f) for f in RECIPE_FIELDS if f != "smooth_swiglu"},
@@ -393,4 +439,12 @@ class DriftMonitor:
             if to.startswith("Smooth-SwiGLU"):  # its down projection's input becomes h * c: old amaxes would scale it
                 down = next(d for d in self._down if self._glu_of.get(d) == site)
                 restart_history(self._linears[down + ".weight"])
+        if self.check_cfg.reset_moments and self.optimizer is not None:
+            for p in self.switched_parameters(switched):
+                self.optimizer.state.pop(p, None)  # Adam (torch's and fp8pass.optim's) starts it again at step 0
         return switched
+
+    def switched_parameters(self, switched: dict[str, str]) -> list[torch.nn.Parameter]:
+        """The parameters of what ``switched`` names (a GLU MLP: all its projections; a linear: its weight and bias)."""
+        modules = dict(self.eager.named_modules())
+        return [p for name in switched for p in modules[name].parameters()]

@@ -41,7 +41,7 @@ _TYPES = {"steps": int, "seed": int, "batch_size": int, "seq_len": int, "lr": fl
           "eval_batches": int, "ckpt_every": int, "monitor_every": int, "max_data_bytes": int,
           "d_model": int, "n_layers": int, "n_heads": int, "ffn": int, "grad_accum": int, "loss_scale": str, "fp8_start_step": int,
           "drift_check": int, "drift_max_loss_diff": float, "drift_min_grad_cosine": float,
-          "drift_max_local_error": float}
+          "drift_max_local_error": float, "drift_act_at_once": float}
 _CHOICES = {"schedule": ("cosine", "linear", "constant"), "scaling": ("delayed", "current"),
             "smooth": ("channel", "token"), "compiler": ("inductor", "aot_eager", "eager"), "precision": PRECISIONS,
             "on_drift": ("warn", "fallback")}
@@ -78,6 +78,8 @@ _HELP = {
     "drift_min_grad_cosine": "drift threshold on each FP8 layer's gradient cosine FP8 vs high precision",
     "drift_max_local_error": "drift threshold on each FP8 layer's local error (what its FP8 input cast changes in "
                              "its output)",
+    "drift_act_at_once": "act on a drift without waiting for the next step's confirmation when a layer's local "
+                         "error exceeds this many times --drift-max-local-error (0: always confirm)",
     "schedule": "learning-rate decay after the warm-up",
     "scaling": "FP8 scaling of the fp8* recipes: from an amax history (delayed) or from each tensor (current)",
     "smooth": "Smooth-SwiGLU of the -smooth recipes: one scale per channel (the paper) or per token",
@@ -157,6 +159,9 @@ def add_train_parser(sub) -> None:
                    help="-fp8adam recipes: bf16 parameters and gradients, no fp32 master; the FP8 AdamW rounds "
                         "each updated weight stochastically (fp8pass.optim.AdamW(bf16_stochastic_round=True), "
                         "docs/optim.md)")
+    p.add_argument("--drift-reset-moments", action="store_true", default=None,
+                   help="with --on-drift fallback: the optimizer state of the layers it switches restarts "
+                        "(fp8pass.DriftCheck.reset_moments, docs/precision.md)")
     p.add_argument("--fused-gate-up", action="store_true", help="one gate_up_proj linear in the MLP")
     p.add_argument("--compile-bf16", action="store_true", help="compile the bf16 recipe with Inductor too")
     p.add_argument("--threads", type=int, default=1,

@@ -100,8 +100,9 @@ class TrainConfig:
         drift_check: the online drift check (``fp8pass.DriftCheck``, docs/precision.md): every this many
             steps the step's first micro-batch is replayed in high precision (``precision``) and compared
             with the FP8 step (``"drift"`` records in metrics.jsonl); 0 (default): off. fp8 recipes only.
-        on_drift, drift_max_loss_diff, drift_min_grad_cosine, drift_max_local_error: the check's
-            ``on_drift`` ("warn" | "fallback"), ``max_loss_diff``, ``min_grad_cosine`` and ``max_local_error``.
+        on_drift, drift_max_loss_diff, drift_min_grad_cosine, drift_max_local_error, drift_act_at_once,
+            drift_reset_moments: the check's ``on_drift`` ("warn" | "fallback"), ``max_loss_diff``,
+            ``min_grad_cosine``, ``max_local_error``, ``act_at_once`` and ``reset_moments``.
         precision_schedule: scheduled precision switches (``fp8pass.Config.schedule``) as plain data, the
             ``switch`` list of a precision config file: ``[{"at_step": 500 or "at_fraction": 0.9, "rules":
             [...], "reason": "..."}]``. Before each step the trainer makes the due ones
@@ -156,6 +157,8 @@ class TrainConfig:
     drift_max_loss_diff: float = DriftCheck.max_loss_diff
     drift_min_grad_cosine: float = DriftCheck.min_grad_cosine
     drift_max_local_error: float = DriftCheck.max_local_error
+    drift_act_at_once: float = DriftCheck.act_at_once
+    drift_reset_moments: bool = DriftCheck.reset_moments
     precision_schedule: list = field(default_factory=list)
     eval_recipe: str | None = None
     recompute_glu_output: bool = False
@@ -238,7 +241,8 @@ class TrainConfig:
     def drift(self) -> DriftCheck | None:
         """The ``fp8pass.DriftCheck`` of ``drift_check`` and its options (None when off)."""
         check = DriftCheck(every=max(1, self.drift_check), on_drift=self.on_drift, max_loss_diff=self.drift_max_loss_diff,
-                           min_grad_cosine=self.drift_min_grad_cosine, max_local_error=self.drift_max_local_error)
+                           min_grad_cosine=self.drift_min_grad_cosine, max_local_error=self.drift_max_local_error,
+                           act_at_once=self.drift_act_at_once, reset_moments=self.drift_reset_moments)
         return check if self.drift_check else None  # the options are validated even when off
 
     def fp8_schedule(self) -> tuple:
@@ -430,7 +434,7 @@ def _train_locked(out: Path, cfg: TrainConfig, resume: bool, data, callbacks, gr
     callbacks = list(callbacks)
 
     def drift_monitor():  # the check of the FP8 model (None: off, or not yet in FP8)
-        return DriftMonitor(fwd, log=log) if fp8_on and cfg.drift_check else None
+        return DriftMonitor(fwd, log=log, optimizer=opt) if fp8_on and cfg.drift_check else None
 
     drift = drift_monitor()
     if monitor and cfg.monitor_every > 0:
