@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 import fp8pass
-from fp8pass.testing.models import TitanLlama
 from benchmarks.common import baseline_dtype, dtype_name
 from fp8pass.compile_backend import Backend
 from fp8pass.config import Config
+from fp8pass.testing.models import TitanLlama
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -513,8 +513,7 @@ def _cast_bandwidth(run: StageRun, repeat: int) -> None:
     from fp8pass.numerics import E4M3
 
     try:  # off the GPU: in the interpreter (TRITON_INTERPRET=1)
-        from fp8pass.kernels import triton_family
-        from fp8pass.kernels import triton_operand_casts
+        from fp8pass.kernels import triton_family, triton_operand_casts
         cast_scaled, transpose_cast = triton_family.cast_scaled, triton_operand_casts.transpose_cast
     except (ImportError, AttributeError) as e:  # the kernels moved: the GEMM numbers still count
         run.note(f"cast kernels not timed: {type(e).__name__}: {e}")

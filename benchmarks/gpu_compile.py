@@ -25,14 +25,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fp8pass.numerics import E2M1, E4M3, E5M2  # noqa: E402
+from fp8pass.kernels import triton_adam as ts  # noqa: E402
+from fp8pass.kernels import triton_adam_split as tsplit  # noqa: E402
 from fp8pass.kernels import triton_family as tf  # noqa: E402
 from fp8pass.kernels import triton_helpers
-from fp8pass.numerics.scaling import MAX_SCALE  # noqa: E402
-from fp8pass.kernels import triton_adam_split as tsplit  # noqa: E402
-from fp8pass.kernels import triton_adam as ts  # noqa: E402
-from fp8pass.optim.moments import MomentSpec  # noqa: E402
 from fp8pass.kernels import triton_operand_casts as tk  # noqa: E402
+from fp8pass.numerics import E2M1, E4M3, E5M2  # noqa: E402
+from fp8pass.numerics.scaling import MAX_SCALE  # noqa: E402
+from fp8pass.optim.moments import MomentSpec  # noqa: E402
 
 
 def _jit(kernel):
@@ -229,9 +229,9 @@ _EPILOGUE_SIG = {"held_ptr": "*fp32", "steps_ptr": "*i64", "skipped_ptr": "*i64"
 
 def _scaling_cases():
     """The one-program scalar kernels (kernels/triton_scaling.py) and the SwiGLU backward."""
-    from fp8pass.numerics.scaling import HUGE_AMAX, NO_PENDING, OVERFLOW_FACTOR
     from fp8pass.kernels import triton_glu as tg
     from fp8pass.kernels import triton_scaling as tsc
+    from fp8pass.numerics.scaling import HUGE_AMAX, NO_PENDING, OVERFLOW_FACTOR
 
     fmt = dict(TARGET=448.0, FMT_MAX=448.0, MAX_SCALE_C=MAX_SCALE, HUGE=HUGE_AMAX, POW2=False, NAN_SCALE=False)
     out = []

@@ -66,8 +66,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # triton prints ptxas -v (registers, spills) to stdout
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from benchmarks import gpu_compile  # noqa: E402
 import triton  # noqa: E402
+
+from benchmarks import gpu_compile  # noqa: E402
 
 # H200 SXM (docs/results/gpu.md, /work/.library/device/H200.md): measured copy bandwidth; issue rate.
 COPY_BW = 4.3e12  # bytes / s

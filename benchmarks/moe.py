@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 
 import fp8pass  # noqa: F401  (registers the ops)
-from fp8pass.runtime import LinearScalingState
+from benchmarks.common import machine, time_rounds
 from fp8pass.op_schema import GroupedGLUKnobs, GroupedLinearKnobs
-from benchmarks.common import machine
-from benchmarks.common import time_rounds
+from fp8pass.runtime import LinearScalingState
 
 # out_dtype None: the input's (bf16)
 FP8 = GroupedLinearKnobs("e4m3", "e5m2", False, "nearest", 0.0, 1, "max", None, True)

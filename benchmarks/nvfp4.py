@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
 import fp8pass
-from fp8pass import Config, HotChannelPatching, NVFP4Scaling
 from benchmarks.common import baseline_dtype, dtype_name
+from fp8pass import Config, HotChannelPatching, NVFP4Scaling
 from fp8pass.runtime import HCPState
 
 

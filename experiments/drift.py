@@ -35,12 +35,11 @@ from pathlib import Path
 
 import torch
 
+from experiments.common import gap_pct, run_dir, run_parallel
+from experiments.outlier_plant import Planter
 from fp8pass import DriftCheck
 from fp8pass.train import TrainConfig, load_text_data, train
 from fp8pass.train.logging import read_metrics
-
-from experiments.common import gap_pct, run_dir, run_parallel
-from experiments.outlier_plant import Planter
 
 DEPART_PCT = 2.0   # "the loss departs from bf16": the control's training loss more than 2% above bf16's
 GOAL_PCT = 1.0     # the fallback run's final validation gap to bf16

@@ -52,12 +52,11 @@ from pathlib import Path
 import torch
 
 import fp8pass
+from experiments.common import paired_gaps, plot_seeds, run_dir, run_parallel
+from experiments.outlier_plant import PLANTS, Planter, plant
 from fp8pass.train import ModelConfig, TinyLlama, TrainConfig, load_text_data, train
 from fp8pass.train.logging import read_metrics
 from fp8pass.train.plots import plot_runs
-
-from experiments.common import paired_gaps, plot_seeds, run_dir, run_parallel
-from experiments.outlier_plant import PLANTS, Planter, plant
 
 GOAL_PCT = 1.0  # Smooth-SwiGLU (both forms) within 1% of bf16
 RUNS = (("bf16", "bf16", "channel"), ("fp8", "fp8", "channel"), ("fp8-smooth-channel", "fp8-smooth", "channel"),

@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fp8pass.train import ModelConfig, TinyLlama, load_text_data
-
 from experiments.instability import RUNS, forward_for, val_loss
 from experiments.outlier_plant import plant
+from fp8pass.train import ModelConfig, TinyLlama, load_text_data
 
 
 def planted_model(weights, plant_info, alpha):

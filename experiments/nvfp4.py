@@ -30,11 +30,9 @@ from pathlib import Path
 import torch
 
 import fp8pass
+from experiments.common import paired_gaps
 from fp8pass import Config, HotChannelPatching, NVFP4Scaling
 from fp8pass.train import ModelConfig, TinyLlama, load_text_data
-
-from experiments.common import paired_gaps
-
 
 BASE = dict(keep_last_blocks=None)  # 1 of the 4 blocks kept (15%); the default 4 would keep them all
 RUNS = {

@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 from experiments.common import paired_gaps, plot_seeds, run_dir, run_parallel, train_job
-
 from fp8pass.train import TrainConfig
 
 # name -> TrainConfig overrides. The first entry is the baseline every gap is measured against.

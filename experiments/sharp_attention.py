@@ -63,8 +63,9 @@ def glimmer(seed: int, layers: int = 2) -> torch.nn.Module:
     """torchtitan 0.3's Muse Glimmer debug model as the client zoo builds it (2 blocks, SDPA; the client
     environment, docs/results/client_zoo.md), initialised by torchtitan; its SPMD type assertions off
     (they need a device mesh: one process has none)."""
-    from fp8pass.testing import client_zoo as _client_zoo
     from torchtitan.distributed.utils import set_spmd_backend
+
+    from fp8pass.testing import client_zoo as _client_zoo
 
     set_spmd_backend("none")
     cfg = _client_zoo._titan_config("muse_glimmer", "debugmodel", layers=layers)

@@ -7,7 +7,15 @@ which a ``backend="fp8"`` compile never needs.
 
 import importlib
 
+from . import (
+    ops,  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
+    optim,  # noqa: E402
+    recipes,  # noqa: E402  (the recipe registry: fp8pass.recipes.RECIPES)
+)
+from .checkpoint import checkpoint_state, load_checkpoint_state, load_scaling_state_dict, scaling_state_dict  # noqa: E402
+from .compile_backend import backend  # noqa: E402
 from .config import Config, CurrentScaling, DelayedScaling, DriftCheck, HotChannelPatching, NVFP4Scaling, Rule, Switch
+from .model_report import explain  # noqa: E402
 from .numerics import (
     E2M1,
     E4M3,
@@ -18,17 +26,10 @@ from .numerics import (
     Format,
     get_format,
 )
-from .quantized import Quantized, quantize, quantize_delayed
-
-from . import ops  # noqa: E402  (fp8pass.ops.fp8_linear, fp8pass.ops.swiglu_mlp; registers the ops)
-from . import optim  # noqa: E402
-from .compile_backend import backend  # noqa: E402
-from .model_report import explain  # noqa: E402
-from .runtime.state import accumulate_scaling, commit_scaling  # noqa: E402
-from .checkpoint import checkpoint_state, load_checkpoint_state, load_scaling_state_dict, scaling_state_dict  # noqa: E402
-from . import recipes  # noqa: E402  (the recipe registry: fp8pass.recipes.RECIPES)
 from .precision_file import load_rules  # noqa: E402
 from .precision_switch import PrecisionSwitch, apply_schedule, precision_switches, switch_precision  # noqa: E402
+from .quantized import Quantized, quantize, quantize_delayed
+from .runtime.state import accumulate_scaling, commit_scaling  # noqa: E402
 
 __version__ = "0.1.0"
 

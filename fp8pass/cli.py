@@ -10,7 +10,6 @@ import argparse
 import sys
 import time
 
-
 # what `python -m fp8pass --help` says (the module docstring above is for developers)
 DESCRIPTION = """FP8 training of PyTorch models as a one-line change: torch.compile(model, backend="fp8").
 
@@ -25,8 +24,8 @@ def _selfcheck(args) -> int:
     import torch
 
     from . import E2M1, E4M3, E5M2, quantize
-    from .numerics import decode, saturating_cast
     from .kernels import family_name
+    from .numerics import decode, saturating_cast
 
     torch.manual_seed(0)
     print(f"fp8pass selfcheck: torch {torch.__version__}, kernels={family_name('cpu')}")

@@ -31,19 +31,30 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
+from .checkpoint import attach_weights
 from .config import Config, DelayedScaling
 from .passes import (
-    FrameNames, StateInput, annotate_graph, apply_plan, copy_graph_module, frame_names, frame_root, names_for,
-    plan_graph, relative_param_names, top_module, unmatched_rules,
+    FrameNames,
+    StateInput,
+    annotate_graph,
+    apply_plan,
+    copy_graph_module,
+    frame_names,
+    frame_root,
+    names_for,
+    plan_graph,
+    relative_param_names,
+    top_module,
+    unmatched_rules,
 )
+from .precision_audit import check_fallbacks, graph_gemms, kept_gemms, register
 from .report import Report, SwiGLUEntry, decided_by, expert_entries, merge_reports, no_fp8_message
-from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .runtime.hcp import hcp_state_for
 from .runtime.sr import stream_for, stream_key
 from .runtime.state import grouped_state_for, state_for
-from .checkpoint import attach_weights
-from .switch_history import epoch as switch_epoch, eval_config, mark_compiled, switched_config
-from .precision_audit import check_fallbacks, graph_gemms, kept_gemms, register
+from .switch_history import epoch as switch_epoch
+from .switch_history import eval_config, mark_compiled, switched_config
 
 __all__ = ["Backend", "backend", "fp8_backend", "GraphBreakError"]
 

@@ -15,8 +15,17 @@ from dataclasses import dataclass, replace
 from .numerics.formats import get_format
 from .recipes import get_named_recipe, named_recipe_names
 from .scaling_recipes import (
-    ALGOS, GRANULARITIES, HCP_MODES, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling, _check_bool,
-    _check_choice, _check_int, _check_number,
+    ALGOS,
+    GRANULARITIES,
+    HCP_MODES,
+    CurrentScaling,
+    DelayedScaling,
+    HotChannelPatching,
+    NVFP4Scaling,
+    _check_bool,
+    _check_choice,
+    _check_int,
+    _check_number,
 )
 
 __all__ = ["CurrentScaling", "DelayedScaling", "NVFP4Scaling", "HotChannelPatching", "Config", "Rule", "Switch",

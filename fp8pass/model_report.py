@@ -15,11 +15,18 @@ from torch import fx
 
 from .compile_backend import Backend, fp8_backend
 from .config import Config
-from .passes import compile_backend_of, frame_root, inplace_compile_suspended, names_for, original_callable, \
-    relative_param_names
-from .switch_history import epoch as switch_epoch, switched_config
+from .passes import (
+    compile_backend_of,
+    frame_root,
+    inplace_compile_suspended,
+    names_for,
+    original_callable,
+    relative_param_names,
+)
 from .report.from_plan import merge_reports
 from .report.report import Report, graph_tensors, matmul_weights, planned_weights, weights_outside_graphs
+from .switch_history import epoch as switch_epoch
+from .switch_history import switched_config
 
 __all__ = ["explain"]
 

@@ -18,18 +18,18 @@ import torch
 
 from .config import CurrentScaling, DelayedScaling, NVFP4Scaling
 from .numerics import E4M3, E5M2, Format, get_format
+from .op_schema import GLUKnobs, LinearKnobs, NVFP4Knobs, smooth_knob
+from .passes.annotate import weight_may_be_regathered
 from .runtime import (
     ACTIVATIONS,
     IDENTITY,
     HCPState,
-    hcp_state_for,
     LinearScalingState,
     channel_scales,
     fold_channel_scales,
+    hcp_state_for,
     state_for,
 )
-from .passes.annotate import weight_may_be_regathered
-from .op_schema import GLUKnobs, LinearKnobs, NVFP4Knobs, smooth_knob
 from .runtime.precast import shares_input_cast
 
 __all__ = ["fp8_linear", "fp8_linears", "swiglu_mlp", "nvfp4_linear", "LinearScalingState", "channel_scales",

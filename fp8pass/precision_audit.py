@@ -35,11 +35,11 @@ from torch import fx
 
 from . import kernels
 from .kernels import cpu as cpu_kernels
+from .op_schema import GLUKnobs, GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs
 from .passes.annotate import facts
 from .runtime.casting import resolve_format
 from .runtime.grouped_casting import grad_format
 from .runtime.linear import _mx_mm_dtype
-from .op_schema import GLUKnobs, GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs
 
 __all__ = ["GemmRecord", "CollectiveRecord", "GEMMS", "PrecisionFallbackError", "graph_gemms", "kept_gemms", "check_fallbacks",
            "register", "records_of", "version", "ON_FALLBACK"]

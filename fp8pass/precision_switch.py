@@ -15,13 +15,13 @@ import warnings
 
 import torch
 
+from .checkpoint import hook_precision_history
 from .compile_backend import Backend, fp8_backend
 from .config import Config, DelayedScaling, Rule, Switch
 from .passes.names import _unwrapped
 from .passes.policy import module_fqn, unmatched_rules
-from .runtime.state import _REGISTRY as _DELAYED_STATES
 from .passes.uncompiled import compile_backend_of
-from .checkpoint import hook_precision_history
+from .runtime.state import _REGISTRY as _DELAYED_STATES
 from .switch_history import PrecisionSwitch, history, record, was_compiled
 
 __all__ = ["switch_precision", "precision_switches", "apply_schedule", "schedule_tag", "PrecisionSwitch"]

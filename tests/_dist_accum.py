@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 
+import _dist
 import torch
 import torch.distributed as dist
 
 import fp8pass
 from fp8pass.distributed import scaling_states
-
-import _dist
 
 
 def accumulate_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int, micro: int):

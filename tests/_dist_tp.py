@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import _dist
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -18,8 +19,6 @@ import torch.nn.functional as F
 import fp8pass
 from fp8pass.distributed import scaling_states
 from fp8pass.train.model import RMSNorm
-
-import _dist
 
 D, FFN, HEADS, VOCAB, LAYERS = 32, 64, 4, 64, 2
 STEPS = 3
@@ -92,8 +91,7 @@ def fp8_config():
 
 def tp_plan(sequence_parallel: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     plan = {}
     if sequence_parallel:  # norms on sequence shards; the linears' inputs gathered before them

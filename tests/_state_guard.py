@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 
 def _config_copy(module_name: str) -> dict:

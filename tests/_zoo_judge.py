@@ -16,13 +16,11 @@ from __future__ import annotations
 import re
 
 import torch
+from _accounting import assert_accounts_for_matmul_weights
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8pass
 from fp8pass.config import Config
-
-from _accounting import assert_accounts_for_matmul_weights
-
 
 # The whole zoos (slow, HF and client) ask 0.98 of the concatenated gradient and 0.9 of each group: in tiny random
 # models some groups' gradients are sums over many tokens of a small quantity (routers and gates that

@@ -40,8 +40,8 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def main(argv=None) -> dict:
-    from fp8pass.checkpoint import save_file
     from fp8pass import quantize
+    from fp8pass.checkpoint import save_file
     from fp8pass.train import TrainConfig, train
     from fp8pass.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 

@@ -59,9 +59,21 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..checkpoint import (DELAYED_FIELDS, SR_KEY, CheckpointError, check_delayed_state, check_model_state_dict,
-                          check_optimizer_state, group_delayed_keys, load_delayed_state, load_sr_stream,
-                          missing_delayed_keys, verify_files, write_failed, write_manifest)
+from ..checkpoint import (
+    DELAYED_FIELDS,
+    SR_KEY,
+    CheckpointError,
+    check_delayed_state,
+    check_model_state_dict,
+    check_optimizer_state,
+    group_delayed_keys,
+    load_delayed_state,
+    load_sr_stream,
+    missing_delayed_keys,
+    verify_files,
+    write_failed,
+    write_manifest,
+)
 from ..config import Config, DelayedScaling
 from ..runtime.state import ROLES
 from .amax_sync import _module_params, scaling_states
@@ -144,8 +156,8 @@ def _unshard_once(model: torch.nn.Module) -> None:
 def _plain(sd):
     """``sd`` with FP8ShardWeight shards replaced by their plain data (same storage): DCP pickles
     local tensors, and the wrapper is only FSDP2's all-gather hook."""
-    from .fp8_all_gather import FP8ShardWeight
     from ..optim.sharded import is_dtensor
+    from .fp8_all_gather import FP8ShardWeight
 
     def conv(t):
         if is_dtensor(t) and isinstance(t._local_tensor, FP8ShardWeight):

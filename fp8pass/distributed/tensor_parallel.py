@@ -41,9 +41,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from ..op_schema import LinearKnobs
 from ..runtime.casting import resolve_format, saved_transposed
 from ..runtime.linear import compute_dtype
-from ..op_schema import LinearKnobs
 from ..runtime.precast import _up_dtype
 
 __all__ = ["register_sharding_rules", "replicated", "check_reduction_group", "RULES"]

@@ -29,7 +29,16 @@ more device module declaring its ``OFFERS``; none ships untested.
 from __future__ import annotations
 
 from .interface import COMMON, Offers
-from .selection import FAMILIES, family_name, for_device, forced, kernel_family, requested, triton_available, uses_triton
+from .selection import (
+           FAMILIES,
+           family_name,
+           for_device,
+           forced,
+           kernel_family,
+           requested,
+           triton_available,
+           uses_triton,
+)
 
 __all__ = ["COMMON", "FAMILIES", "Offers", "family_name", "for_device", "forced", "kernel_family", "requested",
            "triton_available", "uses_triton"]

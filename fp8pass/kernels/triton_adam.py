@@ -52,21 +52,21 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics.scaling import MAX_SCALE
+from .adam_layout import HP_FIELDS, MomentSpec, init_moment
 from .triton_helpers import (  # the exact in-kernel casts and the shared helpers
     INTERPRETED,
     INTERPRETING,
+    autotune,
     cast_codes,
+    check_interpretable,
+    hardware_cast,
     on_grid_codes,
     philox4,
     philox_at,
-    autotune,
-    check_interpretable,
-    hardware_cast,
     random_seed,
     size_class,
 )
-from ..numerics.scaling import MAX_SCALE
-from .adam_layout import HP_FIELDS, MomentSpec, init_moment
 
 __all__ = ["adam_step_triton", "adam_step_triton_multi", "MAX_SPAN", "ONE_PASS_MAX"]
 

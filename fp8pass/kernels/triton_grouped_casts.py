@@ -37,9 +37,15 @@ import triton.language as tl
 from ..numerics.formats import Format
 from ..numerics.scaling import scale_from_amax, scale_to_cast
 from . import triton_scaling
+from .triton_helpers import (
+    INTERPRETED,
+    INTERPRETING,
+    cast_codes,
+    check_interpretable,
+    hardware_cast,
+    max_propagating_nan,
+)
 from .triton_operand_casts import _fmt_kw  # the format's constexprs, cached (max_code is computed)
-from .triton_helpers import (INTERPRETED, INTERPRETING, cast_codes, check_interpretable, hardware_cast,
-                             max_propagating_nan)
 from .triton_scaling import max_of_uncached, scale_epilogue
 
 __all__ = ["cast_grouped", "reference", "aligned_transpose"]

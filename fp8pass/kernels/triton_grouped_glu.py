@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_scaling
 from .triton_glu import _round_for
 from .triton_grouped_casts import _expert_of
-from . import triton_scaling
 from .triton_helpers import check_interpretable
 from .triton_operand_casts import _silu
 

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..numerics.formats import E4M3, Format
 from ..numerics.scaling import scale_from_amax
-from . import torch_family
+from . import torch_family, triton_scaling
 from .triton_helpers import (  # the one exact in-kernel cast, shared tuning helpers
     abs_max_2d,
     autotune,
@@ -60,7 +60,7 @@ from .triton_helpers import (  # the one exact in-kernel cast, shared tuning hel
     random_seed,
     size_class,
 )
-from . import triton_scaling
+
 # the scale a delayed cast's last program picks; W_down / c divided in the cast
 from .triton_scaling import divided_in, max_of_uncached, reciprocal_rn, scale_epilogue
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model_report import explain
 from ..numerics import get_format
 from ..quantized import quantize
-from ..model_report import explain
 
 __all__ = ["FormatStats", "RoleAdvice", "FormatAdvice", "measure_formats", "format_advice", "advise"]
 

@@ -39,9 +39,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..config import HIGH, Config, Rule
 from ..numerics import get_format
+from ..passes.uncompiled import inplace_compile_suspended, original_callable
 from ..quantized import quantize
 from ..report.report import _state_kept
-from ..passes.uncompiled import inplace_compile_suspended, original_callable
 
 __all__ = ["AttentionSite", "AttentionAdvice", "sharp_attention", "DEFAULT_THRESHOLD", "NORMALISED_SPREAD"]
 

@@ -48,11 +48,11 @@ from typing import Callable
 import torch
 
 from ..config import HIGH, RECIPE_FIELDS, Config, DriftCheck, NVFP4Scaling, Rule
-from ..quantized import quantize
 from ..passes import compile_backend_of, inplace_compile_suspended, original_callable
 from ..precision_switch import switch_precision
-from ..runtime.swiglu import channel_scales, token_scales
+from ..quantized import quantize
 from ..runtime.state import restart_history
+from ..runtime.swiglu import channel_scales, token_scales
 from ..switch_history import switched_config
 from .swiglu import find_swiglus
 

@@ -7,9 +7,9 @@ Adam/AdamW in place. See docs/optim.md.
 
 from .adam import Adam, AdamW, state_nbytes
 from .convert import to_fp8
+from .moments import MOMENT_FORMATS, MomentSpec, read_moment, write_moment
 from .options import KERNELS, moment_specs
 from .torch_state_dict import from_torch_state_dict, is_torch_state_dict, to_torch_state_dict
-from .moments import MOMENT_FORMATS, MomentSpec, read_moment, write_moment
 
 __all__ = [
     "Adam", "AdamW", "to_fp8", "to_torch_state_dict", "from_torch_state_dict", "is_torch_state_dict",

@@ -28,9 +28,9 @@ from ..kernels import family_name, forced
 from . import compiled_step
 from .moments import MomentSpec, init_moment, num_blocks, read_moment, write_moment
 from .options import FP8_GROUP_KEYS, check_bf16_sr, check_options, check_param, moment_specs
-from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
 from .sharded import init_sharded_moment, is_dtensor, local_view
 from .torch_state_dict import from_torch_state_dict, is_torch_state_dict
+from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
 
 __all__ = ["Adam", "AdamW", "state_nbytes"]
 

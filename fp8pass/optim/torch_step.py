@@ -23,9 +23,9 @@ import math
 import numpy as np
 import torch
 
+from ..kernels.adam_layout import HP_FIELDS, MomentSpec
 from ..numerics import saturating_cast, scale_from_amax
 from ..numerics.casts import stochastic_round_bf16
-from ..kernels.adam_layout import HP_FIELDS, MomentSpec
 from .moments import finite_block_amax
 
 __all__ = ["CHUNK", "HP_FIELDS", "host_hyper_params", "device_hyper_params", "hyper_params", "as_tensor_hp",

@@ -46,7 +46,20 @@ import torch.nn.functional as F
 from torch import fx
 
 from .matcher import (
-    ANY, FROM_LOCAL, MUL, Bind, Const, Match, OneOf, Op, Pattern, Tag, Where, example_value, is_call, is_cast,
+    ANY,
+    FROM_LOCAL,
+    MUL,
+    Bind,
+    Const,
+    Match,
+    OneOf,
+    Op,
+    Pattern,
+    Tag,
+    Where,
+    example_value,
+    is_call,
+    is_cast,
     is_param_placeholder,
 )
 

@@ -36,8 +36,17 @@ from .annotate import META_KEY, annotate
 from .matcher import MUL, Match, caller_fqn, example_value, is_call, param_fqn, weight_fqn
 from .nvfp4_policy import protected_linears
 from .patterns import (
-    GLU_PRODUCT_LOOSE, GROUPED_LINEAR, LINEAR, MATMUL_LIKE, activation, expert_slices, find_expert_glus,
-    find_glu_mlps, grouped_mm_targets, linear, variant_name,
+    GLU_PRODUCT_LOOSE,
+    GROUPED_LINEAR,
+    LINEAR,
+    MATMUL_LIKE,
+    activation,
+    expert_slices,
+    find_expert_glus,
+    find_glu_mlps,
+    grouped_mm_targets,
+    linear,
+    variant_name,
 )
 from .policy import Decision, SiteRecipe, decide_linear
 

@@ -94,7 +94,7 @@ def layer_patterns(report) -> list[Box]:
     for where, label, kind in _entries(report):
         m = _BLOCK.match(where)
         if m:
-            stack, index, rest = m.group(1), int(m.group(2)), m.group(3)
+            stack, index = m.group(1), int(m.group(2))
             label = label.replace(f"{stack}.{index}.", "")
             if units and units[-1][0] == stack and units[-1][1] == index:
                 units[-1][2].append((label, kind))

@@ -133,16 +133,17 @@ Kernels
 """
 
 from .casting import IDENTITY
-from .linear import fp8_linear_op
-from .precast import fp8_cast_input_op, fp8_linear_precast_op
-from .state import ROLES, LinearScalingState, delayed_record_, grouped_state_for, record, state_for
-from .hcp import HCPState, hcp_state_for
-from .nvfp4 import nvfp4_linear_op, nvfp4_values
-from .swiglu import ACTIVATIONS, SMOOTH_MODES, channel_scales, fold_channel_scales, swiglu_down_op, token_scales
 from .grouped_linear import fp8_grouped_linear_op
 from .grouped_swiglu import fp8_grouped_swiglu_down_op
+from .hcp import HCPState, hcp_state_for
+from .linear import fp8_linear_op
+from .nvfp4 import nvfp4_linear_op, nvfp4_values
+from .precast import fp8_cast_input_op, fp8_linear_precast_op
+from .state import ROLES, LinearScalingState, delayed_record_, grouped_state_for, record, state_for
+from .swiglu import ACTIVATIONS, SMOOTH_MODES, channel_scales, fold_channel_scales, swiglu_down_op, token_scales
 
 __all__ = ["IDENTITY", "fp8_linear_op", "swiglu_down_op", "delayed_record_", "record", "ROLES",
            "LinearScalingState", "state_for", "SMOOTH_MODES", "ACTIVATIONS", "channel_scales", "token_scales",
            "fold_channel_scales", "nvfp4_linear_op", "nvfp4_values", "HCPState", "hcp_state_for",
-           "fp8_grouped_linear_op", "fp8_grouped_swiglu_down_op", "grouped_state_for"]
+           "fp8_grouped_linear_op", "fp8_grouped_swiglu_down_op", "grouped_state_for", "fp8_cast_input_op",
+           "fp8_linear_precast_op"]

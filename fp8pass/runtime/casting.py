@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import Format, get_format, scale_from_amax
-from ..quantized import quantize
-from ..numerics.scaling import outgrew, scale_to_cast
-from ..kernels import torch_family
 from .. import kernels
+from ..kernels import torch_family
+from ..numerics import Format, get_format, scale_from_amax
+from ..numerics.scaling import outgrew, scale_to_cast
+from ..quantized import quantize
 
 __all__ = ["IDENTITY", "Operand", "unaliased", "resolve_format", "cast_operand", "cast_with_scale", "state_scale", "tile_for", "dequantize", "dequantized",
            "gemm", "as_bytes", "from_bytes", "MX_ROWS", "MX_COLS"]

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import Format, get_format, scale_from_amax
-from ..numerics.scaling import scale_to_cast
 from .. import kernels
 from ..kernels import cpu
+from ..numerics import Format, get_format, scale_from_amax
+from ..numerics.scaling import scale_to_cast
 
 __all__ = ["grad_format", "scaled_grouped_mm_grad_format", "group_ids", "group_amax", "expert_scales", "GroupedOperand", "gemm_up", "with_ones",
            "cast_grouped_rows", "cast_experts", "held_scales"]

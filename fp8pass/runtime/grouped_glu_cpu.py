@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import scale_from_amax
 from .. import kernels
-from .grouped_casting import GroupedOperand, expert_scales, gemm_up, with_ones
 from ..kernels import cpu
+from ..numerics import scale_from_amax
+from .grouped_casting import GroupedOperand, expert_scales, gemm_up, with_ones
 from .swiglu import channel_scales, glu_activation, glu_activation_backward
 
 __all__ = ["cpu_fast", "fused_glu_operand", "fused_smoothed_weight_operand", "glu_backward_rows",

@@ -32,12 +32,12 @@ import dataclasses
 
 import torch
 
-from ..numerics import DelayedScalingState
 from .. import kernels
+from ..numerics import DelayedScalingState
+from ..op_schema import SR_SEED, SR_STREAM, GroupedLinearKnobs, knob_op
 from .casting import as_bytes, from_bytes, resolve_format, unaliased
 from .grouped_casting import cast_experts, cast_grouped_rows, grad_format
 from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax
-from ..op_schema import SR_SEED, SR_STREAM, GroupedLinearKnobs, knob_op
 from .sr import draw_seed
 
 __all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "record_grouped_grad_amax", "check_grouped_tensors",

@@ -26,18 +26,42 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..kernels import cpu
+from ..op_schema import SR_SEED, SR_STREAM, GroupedGLUKnobs, knob_op
 from .casting import as_bytes, from_bytes, resolve_format, unaliased
 from .grouped_casting import cast_experts, cast_grouped_rows, grad_format, group_ids, with_ones
-from .grouped_glu_cpu import (cpu_fast, fused_glu_operand, fused_smoothed_weight_operand, glu_backward_rows,
-                              glu_backward_rows_joined, scaled_values, times)
-from .grouped_linear import (check_grouped_knobs, check_grouped_tensors, check_states, dgrad_b, fwd_b, out_features,
-                             record_grouped_grad_amax, wgrad)
-from ..kernels import cpu
+from .grouped_glu_cpu import (
+    cpu_fast,
+    fused_glu_operand,
+    fused_smoothed_weight_operand,
+    glu_backward_rows,
+    glu_backward_rows_joined,
+    scaled_values,
+    times,
+)
+from .grouped_linear import (
+    check_grouped_knobs,
+    check_grouped_tensors,
+    check_states,
+    dgrad_b,
+    fwd_b,
+    out_features,
+    record_grouped_grad_amax,
+    wgrad,
+)
 from .linear import compute_dtype
-from ..op_schema import SR_SEED, SR_STREAM, GroupedGLUKnobs, knob_op
 from .sr import draw_seed
-from .swiglu import (_C_MAX, _C_MIN, ACTIVATIONS, SMOOTH_MODES, _glu_backward_math, _on_cpu, _swiglu_backward_math,
-                     channel_scales, swiglu_operand)
+from .swiglu import (
+    _C_MAX,
+    _C_MIN,
+    ACTIVATIONS,
+    SMOOTH_MODES,
+    _glu_backward_math,
+    _on_cpu,
+    _swiglu_backward_math,
+    channel_scales,
+    swiglu_operand,
+)
 
 __all__ = ["fp8_grouped_swiglu_down_op", "check_grouped_glu_knobs", "check_grouped_swiglu_args"]
 

@@ -23,13 +23,26 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import ROUNDINGS
-from ..config import GRANULARITIES, ALGOS, BACKWARDS
-from .casting import (MX_COLS, Operand, as_bytes, cast_operand, column_major, column_major_like, dequantized,
-                      from_bytes, gemm, resolve_format, saved_transposed, tile_for, unaliased)
+from ..config import ALGOS, BACKWARDS, GRANULARITIES
 from ..kernels import cpu as cpu_kernels
 from ..kernels import uses_triton
+from ..numerics import ROUNDINGS
 from ..op_schema import SR_SEED, SR_STREAM, LinearKnobs, knob_op
+from .casting import (
+    MX_COLS,
+    Operand,
+    as_bytes,
+    cast_operand,
+    column_major,
+    column_major_like,
+    dequantized,
+    from_bytes,
+    gemm,
+    resolve_format,
+    saved_transposed,
+    tile_for,
+    unaliased,
+)
 from .sr import draw_seed, draws_per_backward, seed_of
 
 __all__ = ["fp8_linear_op", "check_linear_args", "check_linear_tensors", "check_knobs", "knobs_of", "compute_dtype",

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 
 from ..config import HCP_MODES
+from ..kernels import torch_family
 from ..numerics import E2M1, decode
 from ..quantized import quantize
-from ..kernels import torch_family
 from .hcp import channel_error, select_hot
 from .rht import pad_last_dim, rht_last_dim
 from .sr import seed_of

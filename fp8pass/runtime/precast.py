@@ -37,11 +37,32 @@ from __future__ import annotations
 
 import torch
 
-from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, column_major, column_major_like, from_bytes,
-                      gemm, resolve_format, saved_transposed, tile_for, unaliased)
-from .linear import (_scale_shape, _up, check_linear_tensors, compute_dtype, keep_output_grad_only, knobs_of,
-                     linear_backward, output_grad, record_grad_amax)
 from ..op_schema import SR_SEED, SR_STREAM, LinearKnobs, knob_op
+from .casting import (
+    Operand,
+    as_bytes,
+    cast_operand,
+    cast_with_scale,
+    column_major,
+    column_major_like,
+    from_bytes,
+    gemm,
+    resolve_format,
+    saved_transposed,
+    tile_for,
+    unaliased,
+)
+from .linear import (
+    _scale_shape,
+    _up,
+    check_linear_tensors,
+    compute_dtype,
+    keep_output_grad_only,
+    knobs_of,
+    linear_backward,
+    output_grad,
+    record_grad_amax,
+)
 from .sr import draw_seed
 
 __all__ = ["fp8_cast_input_op", "fp8_linear_precast_op", "shares_input_cast"]

@@ -40,9 +40,9 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..config import DelayedScaling
+from ..kernels import uses_triton
 from ..numerics import E4M3, E5M2, ROLES, DelayedScalingState, Format, get_format
 from ..numerics.scaling import commit_update, record_update
-from ..kernels import uses_triton
 from .hcp import _REGISTRY as _HCP_REGISTRY
 from .sr import _REGISTRY as _SR_REGISTRY
 

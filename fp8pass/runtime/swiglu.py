@@ -41,16 +41,26 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import cpu as cpu_kernels
+from ..kernels import torch_family, uses_triton
 from ..numerics import scale_from_amax
 from ..numerics.scaling import power_of_two_floor
-from ..kernels import torch_family
-from .casting import (Operand, as_bytes, cast_operand, cast_with_scale, column_major, column_major_like, dequantized,
-                      from_bytes, gemm, resolve_format, tile_for, unaliased)
-from ..kernels import cpu as cpu_kernels
-from ..kernels import uses_triton
-from .linear import (_scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad,
-                     record_grad_amax)
 from ..op_schema import SR_SEED, SR_STREAM, GLUKnobs, knob_op
+from .casting import (
+    Operand,
+    as_bytes,
+    cast_operand,
+    cast_with_scale,
+    column_major,
+    column_major_like,
+    dequantized,
+    from_bytes,
+    gemm,
+    resolve_format,
+    tile_for,
+    unaliased,
+)
+from .linear import _scale_shape, _up, check_knobs, compute_dtype, keep_output_grad_only, output_grad, record_grad_amax
 from .sr import draw_seed
 
 __all__ = ["SMOOTH_MODES", "ACTIVATIONS", "glu_activation", "glu_activation_grad",

@@ -25,9 +25,20 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import (HCP_KEY, SCALING_KEY, SR_KEY, CheckpointError, check_model_state_dict,
-                          check_optimizer_state, check_rng_state, check_scaling_state_dict, check_weights, load_file,
-                          rng_state, save_file)
+from ..checkpoint import (
+    HCP_KEY,
+    SCALING_KEY,
+    SR_KEY,
+    CheckpointError,
+    check_model_state_dict,
+    check_optimizer_state,
+    check_rng_state,
+    check_scaling_state_dict,
+    check_weights,
+    load_file,
+    rng_state,
+    save_file,
+)
 from ..config import DelayedScaling, NVFP4Scaling
 from ..precision_file import rules_from_data, schedule_from_data
 from ..switch_history import HISTORY_KEY, history_from_tensor

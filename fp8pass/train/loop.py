@@ -11,13 +11,20 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import (SCALING_KEY, CheckpointError, atomic_write, attach as attach_scaling_state,
-                          load_scaling_state_dict, scaling_state_dict, set_rng_state)
+from ..checkpoint import (
+    SCALING_KEY,
+    CheckpointError,
+    atomic_write,
+    load_scaling_state_dict,
+    scaling_state_dict,
+    set_rng_state,
+)
+from ..checkpoint import attach as attach_scaling_state
 from ..config import DriftCheck
 from ..kernels.cpu import cpu_capability
 from ..monitor.callback import MonitorCallback
-from ..monitor.precision import audit_summary, audit_version, collective_audit, precision_audit
 from ..monitor.drift import DriftMonitor
+from ..monitor.precision import audit_summary, audit_version, collective_audit, precision_audit
 from ..monitor.telemetry import scaling_telemetry, warn_once
 from ..precision_file import rules_from_data, rules_to_data, schedule_from_data
 from ..precision_switch import apply_schedule
@@ -27,9 +34,18 @@ from .data import TextData, load_text_data
 from .logging import MetricsWriter, ProgressBar
 from .loss_scale import LossScaler, parse_loss_scale
 from .model import ModelConfig, TinyLlama
+from .recipes import (
+    PRECISIONS,
+    autocast,
+    build_optimizer,
+    check_moment_options,
+    fp8_config,
+    get_recipe,
+    prepare_model,
+    recipe_moments,
+    resolve_precision,
+)
 from .run_lock import RunLock, StopSignals
-from .recipes import (PRECISIONS, autocast, build_optimizer, check_moment_options, fp8_config, get_recipe,
-                      prepare_model, recipe_moments, resolve_precision)
 
 __all__ = ["TrainConfig", "TrainResult", "train", "lr_at", "FROM_RECIPE"]
 

@@ -12,8 +12,7 @@ from torch._dynamo.utils import counters
 
 import fp8pass
 from fp8pass import checkpoint
-from fp8pass.checkpoint import checkpoint_state, load_checkpoint_state
-
+from fp8pass.checkpoint import checkpoint_state
 from fp8pass.testing.models import tiny_titan_llama
 
 CFG = fp8pass.Config(compiler="aot_eager")

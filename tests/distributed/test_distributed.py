@@ -3,10 +3,9 @@
 Multi-process tests carry the ``distributed`` marker (``python -m pytest -m distributed``).
 """
 
+import _dist
 import pytest
 import torch
-
-import _dist
 
 # ~2-3 minutes each on 2 shared cores: outside the default suite (python -m pytest -m distributed ...)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

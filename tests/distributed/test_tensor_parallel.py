@@ -5,11 +5,10 @@ tests/distributed/test_tensor_parallel.py``); its single-process twin (a 1 x 1 m
 DTensor) and the rule checks run in the default suite.
 """
 
-import pytest
-import torch
-
 import _dist
 import _dist_tp
+import pytest
+import torch
 
 # FP8 bound for the loss of a 3-step run: the sharded run differs from one process in its first step's
 # bootstrap scales (each rank casts its shard with the shard's own amax) and in summation orders.

@@ -87,7 +87,8 @@ def test_grouped_cast_kernels_compiled_match_the_torch_reference(fmt_name, offs)
     """kernels/triton_grouped_casts.py compiled (hardware RNE conversion on sm_89+) against its torch
     reference on the same GPU, bit for bit: codes, amaxes, scales, decode scales, padding rows; and the
     wgrad layout against cuda._aligned_groups / _scattered_transpose."""
-    from fp8pass.kernels import cuda, triton_grouped_casts as tgc
+    from fp8pass.kernels import cuda
+    from fp8pass.kernels import triton_grouped_casts as tgc
     from fp8pass.numerics import get_format
 
     fmt = get_format(fmt_name)

@@ -116,10 +116,10 @@ def test_reduce_overhead_step_is_captured_and_keeps_state_in_place():
 
 @pytest.mark.parametrize("kind", ["empty", "held", "guard-outgrown"])
 def test_one_read_delayed_cast_on_cuda_is_exact_and_never_syncs(kind):
-    from fp8pass import DelayedScaling, DelayedScalingState, E4M3
+    from fp8pass import E4M3, DelayedScaling, DelayedScalingState
+    from fp8pass.kernels import cuda
     from fp8pass.numerics import saturating_cast
     from fp8pass.numerics.scaling import scale_to_cast
-    from fp8pass.kernels import cuda
 
     st = DelayedScalingState(DelayedScaling(on_overflow="current"), E4M3, device="cuda")
     if kind != "empty":

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import fp8pass
-from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2, saturating_cast
 from fp8pass.kernels import torch_family as T
 from fp8pass.kernels import triton_family as R
 from fp8pass.kernels import triton_helpers
+from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2, saturating_cast
 
 pytestmark = pytest.mark.gpu
 FORMATS = [E4M3, E4M3_GAUDI, E5M2, E2M1]
@@ -346,9 +346,9 @@ def test_adam_per_tensor_scale_split_kernels_bit_identical_to_torch_path(m_fmt, 
 
 
 def test_adam_kernel_step_has_no_host_sync():
+    from fp8pass.kernels.triton_adam import adam_step_triton_multi
     from fp8pass.optim.moments import MomentSpec, init_moment
     from fp8pass.optim.torch_step import hyper_params
-    from fp8pass.kernels.triton_adam import adam_step_triton_multi
 
     ms, vs = MomentSpec("exp_avg", "e4m3"), MomentSpec("exp_avg_sq", "e5m2", sqrt=True)
     params = [torch.randn(s, device="cuda") for s in ((1000, 300), (77,), (4096,))]

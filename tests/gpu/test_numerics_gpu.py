@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import fp8pass
-from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2
 from fp8pass.kernels import torch_family as T
 from fp8pass.kernels import triton_family as R
+from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2
 
 pytestmark = pytest.mark.gpu
 FORMATS = [E4M3, E4M3_GAUDI, E5M2, E2M1]

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from fp8pass.config import DelayedScaling
+from fp8pass.kernels import torch_family, triton_glu
+from fp8pass.kernels import triton_scaling as ts
 from fp8pass.numerics import E4M3, E5M2, DelayedScalingState, saturating_cast, scale_from_amax
-from fp8pass.kernels import torch_family
 from fp8pass.numerics.scaling import record_update, scale_to_cast
-from fp8pass.kernels import triton_glu, triton_scaling as ts
 from fp8pass.runtime.swiglu import _C_MAX, _C_MIN, _glu_backward_from_saved, channel_scales
 
 pytestmark = pytest.mark.gpu
@@ -151,8 +151,8 @@ def test_fused_channel_swiglu_equals_the_launch_plan_it_replaced_on_cuda(w_dtype
     and the fused backward equal the former plan's (separate casts, torch divisions) bit for bit."""
     import dataclasses
 
-    from fp8pass.runtime import swiglu
     from fp8pass.op_schema import GLUKnobs
+    from fp8pass.runtime import swiglu
 
     values = dict(fwd_format="e4m3", bwd_format="e5m2", granularity="tensor", block=128, power_of_two=False,
                   grad_rounding="nearest", margin=0.0, interval=1, algo="max", out_dtype=None, fast_accum=True,

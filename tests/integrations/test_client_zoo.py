@@ -9,10 +9,10 @@ installed is skipped (``fp8pass.testing.client_zoo.INSTALL`` says how). A fast s
 ``slow`` (python -m pytest -m slow tests/integrations/test_client_zoo.py). Results: docs/results/client_zoo.md.
 """
 
+import _zoo_judge as J
 import pytest
 
 from fp8pass.testing import client_zoo as C
-import _zoo_judge as J
 
 _eager_casts = pytest.fixture(autouse=True)(J.eager_casts)
 

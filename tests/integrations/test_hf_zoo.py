@@ -7,14 +7,13 @@ linears counted from the modules (fp8pass/testing/hf_zoo.py). A fast subset runs
 gate_up, Conv1D, one MoE); the whole zoo is ``slow`` (python -m pytest -m slow tests/integrations/test_hf_zoo.py).
 """
 
+import _zoo_judge as J
 import pytest
 import torch
 
 import fp8pass
 from fp8pass.config import Config
-
 from fp8pass.testing import hf_zoo as Z
-import _zoo_judge as J
 
 FAST = Z.FAST
 

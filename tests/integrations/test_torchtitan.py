@@ -14,14 +14,14 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-import fp8pass  # noqa: E402
-from fp8pass.config import Config  # noqa: E402
+import _zoo_judge as J  # noqa: E402
 from torchtitan.config import CompileConfig  # noqa: E402
 from torchtitan.distributed.compile import apply_compile  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 
+import fp8pass  # noqa: E402
+from fp8pass.config import Config  # noqa: E402
 from fp8pass.testing import client_zoo as C  # noqa: E402
-import _zoo_judge as J  # noqa: E402
 
 _eager_casts = pytest.fixture(autouse=True)(J.eager_casts)
 

@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2
 from fp8pass.kernels import triton_family as R
-from fp8pass.kernels import triton_helpers
-from fp8pass.kernels import triton_operand_casts
+from fp8pass.kernels import triton_helpers, triton_operand_casts
+from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2
 
 ROOT = Path(__file__).resolve().parents[2]
 

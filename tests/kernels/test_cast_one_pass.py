@@ -8,13 +8,11 @@ import pytest
 import torch
 
 import fp8pass
-from fp8pass import DelayedScaling, DelayedScalingState, E4M3, E5M2
+from fp8pass import E4M3, E5M2, DelayedScaling, DelayedScalingState, kernels
+from fp8pass.kernels import cuda, torch_family, triton_family, triton_operand_casts
 from fp8pass.numerics import saturating_cast
-from fp8pass.kernels import torch_family, triton_family
 from fp8pass.numerics.scaling import scale_from_amax, scale_to_cast
-from fp8pass import kernels
 from fp8pass.runtime import casting
-from fp8pass.kernels import cuda, triton_operand_casts
 
 
 def _x(r=37, c=70, seed=0):

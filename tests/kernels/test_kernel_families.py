@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2
 from fp8pass.kernels import torch_family as T
 from fp8pass.kernels import triton_family as R
 from fp8pass.kernels import triton_helpers
+from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2
 
 FORMATS = [E4M3, E4M3_GAUDI, E5M2, E2M1]
 
@@ -117,8 +117,7 @@ def test_every_kernel_widens_program_ids_to_int64():
     import inspect
     import re
 
-    from fp8pass.kernels import triton_adam_split, triton_adam
-    from fp8pass.kernels import triton_glu, triton_operand_casts, triton_scaling
+    from fp8pass.kernels import triton_adam, triton_adam_split, triton_glu, triton_operand_casts, triton_scaling
 
     for mod in (R, triton_operand_casts, triton_adam, triton_adam_split, triton_scaling, triton_glu):
         src = inspect.getsource(mod)

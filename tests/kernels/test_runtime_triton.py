@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 
 from fp8pass import E4M3, E4M3_GAUDI, E5M2, quantize  # noqa: E402
-from fp8pass.numerics import saturating_cast  # noqa: E402
 from fp8pass.kernels import triton_operand_casts as tk  # noqa: E402
+from fp8pass.numerics import saturating_cast  # noqa: E402
 from fp8pass.runtime.swiglu import channel_scales, swiglu_operand, token_scales  # noqa: E402
 
 
@@ -246,10 +246,9 @@ def test_shared_input_cast_on_the_gpu_code_path(monkeypatch):
     what fp8_linear gives on the same path, bit for bit, with current and delayed scaling."""
     import fp8pass  # noqa: F401  (registers the ops)
     from fp8pass.config import DelayedScaling
+    from fp8pass.kernels import cuda
     from fp8pass.numerics import DelayedScalingState, get_format
     from fp8pass.op_schema import LinearKnobs
-
-    from fp8pass.kernels import cuda
 
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")
     calls = []

@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
+from fp8pass.kernels import cpu
 from fp8pass.numerics import get_format
 from fp8pass.runtime import swiglu as sw
 from fp8pass.runtime.casting import cast_operand, dequantize
-from fp8pass.kernels import cpu
 
 FORMATS = ["e4m3", "e5m2", "e4m3_gaudi"]
 SLOW = pytest.mark.slow

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import fp8pass
-from fp8pass.runtime import sr
 from fp8pass.checkpoint import attach
+from fp8pass.runtime import sr
 
 D, H = 32, 64  # FP8 linears need dims >= Config.min_dim (16) and divisible by 16
 

@@ -16,14 +16,16 @@ pytest.importorskip("triton")
 
 from fp8pass import E4M3, E5M2  # noqa: E402
 from fp8pass.config import DelayedScaling  # noqa: E402
-from fp8pass.kernels import torch_family  # noqa: E402
-from fp8pass.kernels import triton_glu  # noqa: E402
+from fp8pass.kernels import (
+    torch_family,  # noqa: E402
+    triton_glu,  # noqa: E402
+)
 from fp8pass.kernels import triton_operand_casts as tk  # noqa: E402
 from fp8pass.kernels import triton_scaling as ts  # noqa: E402
 from fp8pass.numerics import DelayedScalingState, saturating_cast, scale_from_amax  # noqa: E402
 from fp8pass.numerics.scaling import scale_to_cast  # noqa: E402
-from fp8pass.runtime import swiglu  # noqa: E402
 from fp8pass.op_schema import GLUKnobs  # noqa: E402
+from fp8pass.runtime import swiglu  # noqa: E402
 
 _C_MIN, _C_MAX = swiglu._C_MIN, swiglu._C_MAX
 

@@ -4,8 +4,8 @@ reference ``swiglu._glu_backward_from_saved``, in Triton's interpreter."""
 import pytest
 import torch
 
-from fp8pass.numerics import E4M3, E5M2, saturating_cast
 from fp8pass.kernels import triton_glu
+from fp8pass.numerics import E4M3, E5M2, saturating_cast
 from fp8pass.runtime.swiglu import _glu_backward_from_saved, channel_scales, token_scales
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fp8pass.config import DelayedScaling
-from fp8pass.numerics import E4M3, E5M2, DelayedScalingState, scale_from_amax
 from fp8pass.kernels import torch_family
-from fp8pass.numerics.scaling import record_update, scale_to_cast
 from fp8pass.kernels import triton_scaling as ts
+from fp8pass.numerics import E4M3, E5M2, DelayedScalingState, scale_from_amax
+from fp8pass.numerics.scaling import record_update, scale_to_cast
 
 SPECIAL = [0.0, 1e-30, 1e-3, 0.5, 1.0, 448.0, 3.0e4, 2.0**64, 2.0**63 * 1.5, float("inf"), float("nan")]
 

@@ -1,8 +1,6 @@
 """Diagnostics: exact alignment/saturation/kurtosis values, planted outliers, HF models, fused layout."""
 
-import math
 
-import numpy as np
 import pytest
 import torch
 from torch import nn

@@ -16,9 +16,8 @@ import torch.nn.functional as F
 import fp8pass
 from fp8pass import Config, Rule
 from fp8pass.monitor import AttentionAdvice, sharp_attention
-from fp8pass.train.model import ModelConfig, TinyLlama
-
 from fp8pass.testing.models import tiny_sharp_llama, tiny_titan_llama
+from fp8pass.train.model import ModelConfig, TinyLlama
 
 IDS = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(100))
 SHARP_QK = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.1.attention.wq", "layers.1.attention.wk"]
@@ -192,8 +191,9 @@ def test_torchtitan_muse_glimmer_is_flagged():
     """torchtitan 0.3's own Muse Glimmer (debug model, 2 blocks, SDPA; the client environment:
     docs/results/client_zoo.md): its q/k projections inside ``qkv_linear`` are flagged by FQN."""
     pytest.importorskip("torchtitan.models.muse_glimmer")
-    from fp8pass.testing import client_zoo as _client_zoo
     from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+    from fp8pass.testing import client_zoo as _client_zoo
 
     cfg = _client_zoo._titan_config("muse_glimmer", "debugmodel")
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fp8pass
-from fp8pass import DelayedScaling, DelayedScalingState, E4M3, E5M2
+from fp8pass import E4M3, E5M2, DelayedScaling, DelayedScalingState
 from fp8pass.monitor import scaling_telemetry
 from fp8pass.numerics.scaling import HUGE_AMAX, scale_from_amax
 from fp8pass.runtime import state as runtime_state

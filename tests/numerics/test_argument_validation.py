@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import fp8pass
-from fp8pass import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling
-from fp8pass import quantize
+from fp8pass import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling, quantize
 
 
 @pytest.mark.parametrize("make,message", [

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2, decode, encode, saturating_cast, unpack_e2m1
 from fp8pass.kernels import triton_family
+from fp8pass.numerics import E2M1, E4M3, E4M3_GAUDI, E5M2, decode, encode, saturating_cast, unpack_e2m1
 
 ORACLE = {E4M3: ml_dtypes.float8_e4m3fn, E4M3_GAUDI: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2,
           E2M1: ml_dtypes.float4_e2m1fn}

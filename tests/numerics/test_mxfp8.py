@@ -9,9 +9,7 @@ import torch
 
 import fp8pass
 from fp8pass import E2M1, E4M3, E4M3_GAUDI, E5M2, E8M0, Config, CurrentScaling, quantize
-
 from fp8pass.testing.models import tiny_titan_llama
-
 
 # ---- the reference: plain Python floats, one element at a time -------------------------------
 

@@ -10,6 +10,7 @@ import fp8pass.optim as fo
 from fp8pass import quantize
 from fp8pass.numerics import E4M3, E5M2
 
+
 @pytest.fixture
 def one_thread():
     """Small ops run faster on one thread, and far faster when other jobs share the CPU cores."""
@@ -278,8 +279,8 @@ def test_per_tensor_scales_route_large_blocks_away_from_fused_kernels(monkeypatc
     """kernels="compiled"/"triton" fuse whole blocks per chunk/program; blocks too large for them
     (one scale for a large tensor) take the torch path (compiled) or the split-block Triton kernels
     (triton; tested in tests/optim/test_optim_triton.py), smaller ones still reach the fused entry points."""
-    from fp8pass.optim import adam as adam_mod
     from fp8pass.kernels import triton_adam
+    from fp8pass.optim import adam as adam_mod
     from fp8pass.optim import compiled_step
     from fp8pass.optim.torch_step import adam_step_torch
 

@@ -98,9 +98,9 @@ def test_triton_stochastic_rounding_within_one_ulp_of_nearest():
 
 
 def test_triton_kernel_rejects_non_contiguous():
+    from fp8pass.kernels.triton_adam import adam_step_triton
     from fp8pass.optim.moments import MomentSpec, init_moment
     from fp8pass.optim.torch_step import hyper_params
-    from fp8pass.kernels.triton_adam import adam_step_triton
 
     p = torch.randn(16, 16).t()
     st = {}
@@ -337,9 +337,9 @@ def test_step_has_no_host_sync(block_size, small_wide_limits, monkeypatch):
 
 
 def test_split_kernels_refuse_mixed_storage():
+    from fp8pass.kernels.triton_adam_split import adam_step_triton_split
     from fp8pass.optim.moments import MomentSpec, init_moment
     from fp8pass.optim.torch_step import hyper_params
-    from fp8pass.kernels.triton_adam_split import adam_step_triton_split
 
     params, states = [torch.zeros(300), torch.zeros(400)], [{}, {}]
     m_specs = [MomentSpec("exp_avg", "e4m3", 300), MomentSpec("exp_avg", "e5m2", 400)]
@@ -359,9 +359,9 @@ def test_split_kernels_stay_in_bounds(block, strict_interpreter, monkeypatch):
     spans; with blocks of 300 in spans of 128, the partial last block's spans past the tensor's end
     are empty), and the result is the torch path's."""
     from fp8pass.kernels import triton_adam
+    from fp8pass.kernels.triton_adam_split import adam_step_triton_split
     from fp8pass.optim.moments import MomentSpec, init_moment
     from fp8pass.optim.torch_step import adam_step_torch, hyper_params
-    from fp8pass.kernels.triton_adam_split import adam_step_triton_split
 
     monkeypatch.setattr(triton_adam, "MAX_SPAN", WIDE_SPAN)
     g = torch.Generator().manual_seed(8)

@@ -11,7 +11,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fp8pass
 from fp8pass.config import Config
-
 from fp8pass.testing import hf_zoo as Z
 
 

@@ -5,18 +5,17 @@ stay fast on CPU; tests/passes/test_backend.py::test_inductor_* covers Inductor 
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
+from test_patterns import VARIANTS
 
 import fp8pass
-from fp8pass.config import Config, CurrentScaling
 from fp8pass.checkpoint import without_scaling_state
-
+from fp8pass.config import Config, CurrentScaling
 from fp8pass.testing.models import D, Fused, GeGLU, MatmulWT, ReGLU, SiluMul, tiny_titan_llama
-from test_patterns import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
 

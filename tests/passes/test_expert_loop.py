@@ -15,7 +15,6 @@ import fp8pass
 from fp8pass.config import Config, CurrentScaling, NVFP4Scaling
 from fp8pass.passes.plan import plan_graph
 from fp8pass.runtime.state import grouped_state_for
-
 from fp8pass.testing.models import capture
 
 E, D, H = 4, 32, 64

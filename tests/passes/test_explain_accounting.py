@@ -12,14 +12,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _accounting import assert_accounts_for_matmul_weights, reference_matmul_weights
 
 import fp8pass
 from fp8pass.config import Config
 from fp8pass.report.report import IN_NO_GRAPH_MATMUL, OUTSIDE_GRAPHS, RAN_EAGERLY, matmul_weights
 from fp8pass.runtime.state import state_for
-
 from fp8pass.testing import hf_zoo as Z
-from _accounting import assert_accounts_for_matmul_weights, reference_matmul_weights
 
 D, H, E, V = 32, 64, 4, 64
 

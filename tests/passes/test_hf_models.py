@@ -4,12 +4,11 @@ FP8 bound of eager, three training steps with the delayed-scaling state evolving
 
 import pytest
 import torch
+from test_patterns import _hf
 
 import fp8pass
 from fp8pass.config import Config
-
 from fp8pass.testing.models import tiny_titan_llama
-from test_patterns import _hf
 
 LAYERS = 2
 

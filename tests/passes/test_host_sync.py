@@ -14,8 +14,8 @@ import traceback
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
 from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import fp8pass
 from fp8pass.compile_backend import Backend
@@ -117,8 +117,8 @@ def test_stochastic_gradient_cast_on_the_cuda_kernels_is_the_fused_triton_cast(m
     """The CUDA module (run here under the Triton interpreter) casts a stochastically rounded operand
     with the Triton cast kernel in one read, never the torch integer emulation: each code is one of
     the two FP8 neighbours of ``x * scale``, the mean over draws is unbiased, the amax is exact."""
-    from fp8pass.kernels import torch_family
     from fp8pass import kernels
+    from fp8pass.kernels import torch_family
     from fp8pass.runtime import casting
 
     monkeypatch.setenv("FP8PASS_KERNELS", "triton")

@@ -7,7 +7,6 @@ import fp8pass
 from fp8pass import Config, HotChannelPatching, NVFP4Scaling
 from fp8pass.passes.nvfp4_policy import block_of, protected_linears
 from fp8pass.runtime import hcp_state_for
-
 from fp8pass.testing.models import tiny_titan_llama
 
 

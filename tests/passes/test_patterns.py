@@ -6,9 +6,20 @@ import torch.nn as nn
 
 from fp8pass.config import Config
 from fp8pass.passes.plan import plan_graph
-
-from fp8pass.testing.models import (D, Fused, GeGLU, GeluMLP, MatmulWT, MulSilu, ReGLU, SigmoidFn, SigmoidMethod, SiluMul,
-                     capture, tiny_titan_llama)
+from fp8pass.testing.models import (
+    D,
+    Fused,
+    GeGLU,
+    GeluMLP,
+    MatmulWT,
+    MulSilu,
+    ReGLU,
+    SigmoidFn,
+    SigmoidMethod,
+    SiluMul,
+    capture,
+    tiny_titan_llama,
+)
 
 VARIANTS = [
     (SiluMul, {}), (SiluMul, {"bias": True}), (MulSilu, {}), (SigmoidFn, {}), (SigmoidMethod, {}),

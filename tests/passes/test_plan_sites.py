@@ -12,11 +12,15 @@ import torch
 
 import fp8pass
 from fp8pass import Config, CurrentScaling, DelayedScaling, HotChannelPatching, NVFP4Scaling
-from fp8pass.passes.plan import GLUSite, Plan, Projection, plan_graph
 from fp8pass.op_schema import (
-    GLUKnobs, GroupedGLUKnobs, GroupedLinearKnobs, LinearKnobs, NVFP4Knobs, smooth_knob,
+    GLUKnobs,
+    GroupedGLUKnobs,
+    GroupedLinearKnobs,
+    LinearKnobs,
+    NVFP4Knobs,
+    smooth_knob,
 )
-
+from fp8pass.passes.plan import GLUSite, Plan, Projection, plan_graph
 from fp8pass.testing.models import SiluMul, capture, tiny_titan_llama
 
 

@@ -16,7 +16,6 @@ from benchmarks import gpu_launches as gl
 from fp8pass import Config, CurrentScaling, DelayedScaling, Rule
 from fp8pass.kernels import cuda
 from fp8pass.monitor import audit_summary, audit_version, collective_audit, precision_audit
-
 from fp8pass.testing.models import tiny_titan_llama
 
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -18,7 +18,6 @@ import torch
 import fp8pass
 from benchmarks import gpu_launches as gl
 from fp8pass import Config, CurrentScaling, DelayedScaling, Rule
-
 from fp8pass.testing.models import tiny_titan_llama
 
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))

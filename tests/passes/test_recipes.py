@@ -178,8 +178,8 @@ def test_format_advisor_on_planted_ranges():
 
 
 def test_format_advisor_on_a_model_covers_every_rewritten_role():
-    from fp8pass.testing.models import tiny_titan_llama
     from fp8pass.monitor import advise
+    from fp8pass.testing.models import tiny_titan_llama
 
     torch._dynamo.reset()
     model = tiny_titan_llama(n_layers=2)

@@ -6,8 +6,8 @@ import torch
 
 import fp8pass  # noqa: F401  (registers the ops)
 from fp8pass import op_schema
-from fp8pass.runtime.linear import knobs_of
 from fp8pass.op_schema import GLUKnobs, LinearKnobs
+from fp8pass.runtime.linear import knobs_of
 
 GOOD = ("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", torch.bfloat16, True, "fp8")
 

@@ -6,8 +6,8 @@ import torch
 
 import fp8pass
 from fp8pass import ops
-from fp8pass.runtime import LinearScalingState
 from fp8pass.op_schema import GLUKnobs, LinearKnobs
+from fp8pass.runtime import LinearScalingState
 
 BACKENDS = ["aot_eager", "inductor"]
 

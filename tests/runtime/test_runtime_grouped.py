@@ -14,9 +14,9 @@ import torch
 
 import fp8pass
 from fp8pass import E4M3, E5M2, quantize
+from fp8pass.kernels import cpu
 from fp8pass.numerics import DelayedScalingState
 from fp8pass.runtime import LinearScalingState, grouped_state_for
-from fp8pass.kernels import cpu
 
 LIN = torch.ops.fp8pass.fp8_grouped_linear
 GLU = torch.ops.fp8pass.fp8_grouped_swiglu_down

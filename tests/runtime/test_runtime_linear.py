@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 import fp8pass
 from fp8pass import E4M3, E5M2, ops, quantize
-from fp8pass.runtime import LinearScalingState
 from fp8pass.kernels import cpu
+from fp8pass.runtime import LinearScalingState
 
 
 def _bound(a, b, fa, fb, sa, sb, out_u):
@@ -457,8 +457,8 @@ def test_dense_backward_keeps_no_zero_gradients_of_the_saved_codes():
     """fp8_linear, fp8_linear_precast and swiglu_down: autograd hands their backward None for the
     saved codes, scales and amaxes (never differentiated) instead of zero-filled tensors as large as
     x and W; a backward through the amaxes only (y unused) gives zero input gradients."""
-    from fp8pass.testing.models import FillRecorder
     from fp8pass.op_schema import GLUKnobs, LinearKnobs
+    from fp8pass.testing.models import FillRecorder
 
     lk = LinearKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True).args()
     gk = GLUKnobs("e4m3", "e5m2", "tensor", 128, False, "nearest", 0.0, 1, "max", None, True, "fp8", "silu", "channel").args()

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import fp8pass
 from fp8pass import E4M3, ops, quantize
-from fp8pass.runtime import LinearScalingState, channel_scales, fold_channel_scales
 from fp8pass.op_schema import GLUKnobs
+from fp8pass.runtime import LinearScalingState, channel_scales, fold_channel_scales
 
 MODES = ["channel", "token", None]
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "relu": F.relu}

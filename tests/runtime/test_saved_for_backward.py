@@ -16,7 +16,6 @@ import torch
 
 import fp8pass
 from fp8pass import ops
-
 from fp8pass.testing.models import D, H, SiluMul
 
 T = 64  # tokens of the inputs below (4 x 16)

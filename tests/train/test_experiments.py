@@ -42,7 +42,6 @@ def test_parity_experiment_runs_end_to_end(tmp_path):
 
 def test_finished_run_is_reused_only_with_the_same_config(tmp_path):
     from experiments.common import finished_run
-
     from fp8pass.train import ModelConfig, TrainConfig, train
     (tmp_path / "c.txt").write_text("".join(f"x{i} = {i} * y\n" for i in range(300)))
     cfg = TrainConfig(recipe="bf16", steps=3, out=str(tmp_path / "run"), data=str(tmp_path / "c.txt"), batch_size=2,
@@ -63,8 +62,8 @@ def test_instability_plants_have_the_defining_pre_activation_and_keep_w1_equal_w
     """saturated: u·x far below 0 off the trigger byte (Theorem 1's σ′ → 0); sparse: u·x ≈ 0 there.
     Both: u·x > 0 on the trigger byte, w_gate row = w_up row = α·u, and w_down's column divided by α²."""
     import torch
-    from experiments.outlier_plant import fit_directions, plant
 
+    from experiments.outlier_plant import fit_directions, plant
     from fp8pass.train import ModelConfig, TinyLlama, load_text_data
     torch.manual_seed(0)
     data = load_text_data()
@@ -104,7 +103,6 @@ def test_instability_reuses_a_finished_run_only_for_the_same_plant(tmp_path):
 
 def test_instability_fit_sample_adds_windows_for_a_rare_trigger_and_rejects_an_absent_one():
     from experiments.outlier_plant import fit_sample
-
     from fp8pass.train import load_text_data
     data = load_text_data()
     for seed in (0, 2):   # seed 2's batches hold only 29 '#': still enough, the recorded plants stay as they were
@@ -132,9 +130,9 @@ def test_instability_mechanism_token_scale_stats_see_the_planted_channel():
     """The planted channel inflates the token scale r_t and the token form's operand keeps an outlier
     far smaller than h's (linear rather than quadratic in α)."""
     import torch
-    from experiments.outlier_plant import fit_directions, plant
-    from experiments.instability_mechanism import token_scale_stats
 
+    from experiments.instability_mechanism import token_scale_stats
+    from experiments.outlier_plant import fit_directions, plant
     from fp8pass.train import ModelConfig, TinyLlama, load_text_data
     torch.manual_seed(0)
     data = load_text_data()

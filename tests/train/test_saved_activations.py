@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import fp8pass
-from fp8pass.train import ModelConfig, TinyLlama
-
 from benchmarks.train_step import record_partitions
+from fp8pass.train import ModelConfig, TinyLlama
 
 LAYERS, BATCH, SEQ, FFN = 2, 2, 32, 96
 

@@ -76,8 +76,8 @@ def test_compiled_identity_pipeline_tracks_eager_across_optimizer_steps(tmp_path
     every step while the optimizer moves the weights: no stale weight copy, cached cast or
     smoothing scale from an earlier step."""
     import fp8pass
-    from fp8pass.train import TinyLlama, load_text_data
     from fp8pass.checkpoint import without_scaling_state
+    from fp8pass.train import TinyLlama, load_text_data
     from fp8pass.train.recipes import param_groups
 
     warnings.simplefilter("ignore")

@@ -8,7 +8,6 @@ import torch
 from fp8pass.cli import main
 from fp8pass.train import ModelConfig, TrainConfig, lr_at, train
 from fp8pass.train.logging import read_metrics
-from fp8pass.train.plots import plot_runs
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, ffn=64, max_seq_len=32)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8pass.cli import main
 from fp8pass.checkpoint import CheckpointError, DiskFullError
+from fp8pass.cli import main
 from fp8pass.train import ModelConfig, TrainConfig, train
 from fp8pass.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from fp8pass.train.cli import EXIT_DISK_FULL, EXIT_IN_USE
