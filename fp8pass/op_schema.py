@@ -13,6 +13,7 @@ would change the backward's input structure), so every call passes all of them.
 from __future__ import annotations
 
 import functools
+import re
 import typing
 from dataclasses import dataclass, fields
 
@@ -20,7 +21,8 @@ import torch
 
 from .config import Config, CurrentScaling, DelayedScaling, NVFP4Scaling
 
-__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "NVFP4Knobs", "knob_op",
+__all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "NVFP4Knobs", "NVFP4GradKnobs",
+           "HCPUpdateKnobs", "knob_op",
            "smooth_knob", "SR_STREAM", "SR_SEED"]
 
 # The stochastic-rounding stream of the op's weight (``fp8pass.runtime.sr``): the last tensor argument of
@@ -235,15 +237,13 @@ class GroupedGLUKnobs(GroupedLinearKnobs):
 
 
 @dataclass(frozen=True)
-class NVFP4Knobs(Knobs):
-    """The recipe knobs of ``nvfp4_linear`` (its arguments after ``hcp_state``, in order; the op's
-    schema is declared in ``runtime.nvfp4``) and, but ``hcp_mode``/``hcp_backward``, of its backward.
+class NVFP4GradKnobs(Knobs):
+    """The knobs of ``nvfp4_linear_backward`` (the forward's, less those only the forward reads).
 
     Attributes:
         weight_2d, rht, rht_seed: ``NVFP4Scaling``'s fields.
         grad_sr: ``NVFP4Scaling.grad_stochastic_rounding``.
-        hcp_second_order, hcp_mode, hcp_backward: ``HotChannelPatching``'s ``second_order``, ``mode``,
-            ``backward`` (True, "split", False without HCP).
+        hcp_second_order: ``HotChannelPatching.second_order`` (True without HCP).
     """
 
     weight_2d: bool
@@ -251,6 +251,13 @@ class NVFP4Knobs(Knobs):
     rht_seed: int
     grad_sr: bool
     hcp_second_order: bool
+
+
+@dataclass(frozen=True)
+class NVFP4Knobs(NVFP4GradKnobs):
+    """The knobs of ``nvfp4_linear``: its backward's, then ``hcp_mode`` and ``hcp_backward``
+    (``HotChannelPatching``'s ``mode`` and ``backward``; "split" and False without HCP)."""
+
     hcp_mode: str
     hcp_backward: bool
 
@@ -261,21 +268,52 @@ class NVFP4Knobs(Knobs):
                           True if hcp is None else hcp.second_order, "split" if hcp is None else hcp.mode,
                           False if hcp is None else hcp.backward)
 
+    def grad(self) -> NVFP4GradKnobs:
+        """The knobs its backward op takes."""
+        return NVFP4GradKnobs(self.weight_2d, self.rht, self.rht_seed, self.grad_sr, self.hcp_second_order)
 
-def knob_op(name: str, tensors: str, knobs: type[Knobs], returns: str):
+
+@dataclass(frozen=True)
+class HCPUpdateKnobs(Knobs):
+    """The knobs of ``hcp_update_``: ``HotChannelPatching``'s ``decay`` and ``update_interval``."""
+
+    decay: float
+    interval: int
+
+
+def _mutable(tensors: str, mutates_args: tuple[str, ...]) -> str:
+    """``tensors`` with each argument named in ``mutates_args`` marked as written in place
+    (``Tensor(a0!) err``), the alias annotation ``torch.library`` checks ``mutates_args`` against."""
+    for i, name in enumerate(mutates_args):
+        tensors, found = re.subn(rf"\bTensor {name}\b", f"Tensor(a{i}!) {name}", tensors)
+        if found != 1:
+            raise ValueError(f"knob_op: mutates_args names {name!r}, which is not a 'Tensor {name}' argument "
+                             f"of {tensors!r}")
+    return tensors
+
+
+def knob_op(name: str, tensors: str, knobs: type[Knobs], returns: str, mutates_args: tuple[str, ...] = (),
+            ambient_autocast: bool = False):
     """``torch.library.custom_op`` decorator whose schema is ``(tensors, knobs) -> returns``.
 
-    The decorated function takes the tensor arguments by name, then ``*knobs`` (positional). It runs
-    with autocast off: the op chooses its GEMM dtypes itself (``out_dtype``); an ambient autocast would
-    otherwise recast the GEMMs inside it (to bf16 on CPUs where bf16 matmuls are ~100x slower).
+    The decorated function takes the tensor arguments by name, then ``*knobs`` (positional).
+
+    Args:
+        mutates_args: the tensor arguments the op writes in place (their schema alias annotations
+            are added here).
+        ambient_autocast: run the op under the caller's autocast. By default it runs with autocast
+            off: the op chooses its GEMM dtypes itself (``out_dtype``); an ambient autocast would
+            otherwise recast the GEMMs inside it (to bf16 on CPUs where bf16 matmuls are ~100x slower).
     """
+    schema = f"({_mutable(tensors, tuple(mutates_args))}, {knobs.schema()}) -> {returns}"
+
     def decorate(fn):
         @functools.wraps(fn)
         def without_autocast(*args):
             with torch._C._DisableAutocast():
                 return fn(*args)
 
-        return torch.library.custom_op(name, mutates_args=(),
-                                       schema=f"({tensors}, {knobs.schema()}) -> {returns}")(without_autocast)
+        return torch.library.custom_op(name, mutates_args=tuple(mutates_args),
+                                       schema=schema)(fn if ambient_autocast else without_autocast)
 
     return decorate

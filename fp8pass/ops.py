@@ -253,8 +253,8 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         hcp_state = hcp_state_for(weight, hcp)
     args = [] if hcp is None else hcp_state.op_args()
     y, chan_err, _ = torch.ops.fp8pass.nvfp4_linear(
-        x, weight, bias, args, *NVFP4Knobs.from_recipe(recipe).args(),
-        None)  # no stream: torch's generator (docs/backend.md)
+        x, weight, bias, args, None,  # no stream: torch's generator (docs/backend.md)
+        *NVFP4Knobs.from_recipe(recipe).args())
     if hcp is not None:
         hcp_state.update(chan_err)
     return y

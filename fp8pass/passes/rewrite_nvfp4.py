@@ -3,8 +3,8 @@
 Every planned linear (GLU projections included: NVFP4 has no Smooth-SwiGLU form, the down
 projection is a plain NVFP4 linear of the GLU product) becomes::
 
-    out = fp8pass::nvfp4_linear(x, W, b, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, mode,
-                                hcp_backward, sr_stream)
+    out = fp8pass::nvfp4_linear(x, W, b, hcp_state, sr_stream, weight_2d, rht, rht_seed, grad_sr,
+                                second_order, mode, hcp_backward)
     y   = out[0]
     fp8pass::hcp_update_(*hcp_state, out[1], decay, interval)      # with HCP only
 
@@ -56,7 +56,7 @@ class NVFP4Rewriter(GraphRewriter):
             weight = self.graph.call_function(torch.t, (w,)) if w_t else w
             out = self.graph.call_function(
                 self.ops.nvfp4_linear.default,
-                (self.r(x), weight, b, hs, *NVFP4Knobs.from_recipe(self.cfg.recipe).args(), sr))
+                (self.r(x), weight, b, hs, sr, *NVFP4Knobs.from_recipe(self.cfg.recipe).args()))
             y = self.graph.call_function(operator.getitem, (out, 0))
             if hs:
                 err = self.graph.call_function(operator.getitem, (out, 1))

@@ -75,8 +75,8 @@ interval, algo, power_of_two) -> None``
     the forward used (passes/rewrite_hop.py).
 ``fp8_linear_backward`` / ``fp8_linear_precast_backward`` / ``swiglu_down_backward`` / ``fp8_grouped_linear_backward`` /
 ``fp8_grouped_swiglu_down_backward``: the ops the backward formulas call; internal.
-``nvfp4_linear(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,
-hcp_mode, hcp_backward, sr_stream) -> (y, chan_err, hot)``
+``nvfp4_linear(x, weight, bias, hcp_state, sr_stream, weight_2d, rht, rht_seed, grad_sr, hcp_second_order,
+hcp_mode, hcp_backward) -> (y, chan_err, hot)``
     The NVFP4 recipe (:mod:`fp8pass.runtime.nvfp4`, docs/nvfp4.md): E2M1 operands with E4M3 16-element
     block scales, RNE forward, SR gradients, RHT on the wgrad operands, 16x16 weight blocks.
     ``hcp_state`` = ``[err, hot, step]`` (:class:`HCPState`) or []; read only; ``chan_err`` is the

@@ -21,6 +21,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import HotChannelPatching
+from ..op_schema import HCPUpdateKnobs, knob_op
 
 __all__ = ["HCPState", "hcp_state_for", "hcp_update_", "select_hot", "channel_error", "HCP_FIELDS"]
 
@@ -57,10 +58,11 @@ def select_hot(err: torch.Tensor, n: int) -> torch.Tensor:
     return torch.sort(torch.topk(torch.nan_to_num(err, nan=float("inf")), n).indices).values
 
 
-@torch.library.custom_op("fp8pass::hcp_update_", mutates_args=("err", "hot", "step"))
-def hcp_update_(err: torch.Tensor, hot: torch.Tensor, step: torch.Tensor, chan_err: torch.Tensor,
-                decay: float, interval: int) -> None:
+@knob_op("fp8pass::hcp_update_", "Tensor err, Tensor hot, Tensor step, Tensor chan_err", HCPUpdateKnobs, "()",
+         mutates_args=("err", "hot", "step"))
+def hcp_update_(err, hot, step, chan_err, *knobs) -> None:
     """Fold ``chan_err`` into the EMA ``err``; refresh ``hot`` when ``step % interval == 0``; ``step += 1``."""
+    decay, interval = knobs
     first = step == 0
     new_err = torch.where(first, chan_err, decay * err + (1.0 - decay) * chan_err)
     if hot.numel():
@@ -71,7 +73,7 @@ def hcp_update_(err: torch.Tensor, hot: torch.Tensor, step: torch.Tensor, chan_e
 
 
 @hcp_update_.register_fake
-def _(err, hot, step, chan_err, decay, interval):
+def _(err, hot, step, chan_err, *knobs):
     return None
 
 

@@ -33,6 +33,7 @@ import torch
 from ..config import HCP_MODES
 from ..kernels import torch_family
 from ..numerics import E2M1, decode
+from ..op_schema import SR_SEED, SR_STREAM, NVFP4GradKnobs, NVFP4Knobs, knob_op
 from ..quantized import quantize
 from .hcp import channel_error, select_hot
 from .rht import pad_last_dim, rht_last_dim
@@ -101,30 +102,20 @@ def _check(x, weight, bias, hcp_state, hcp_mode):
         raise ValueError(f"unknown hcp_mode {hcp_mode!r}; valid: {', '.join(HCP_MODES)}")
 
 
-@torch.library.custom_op("fp8pass::nvfp4_linear", mutates_args=())
-def nvfp4_linear_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    hcp_state: list[torch.Tensor],
-    weight_2d: bool,
-    rht: bool,
-    rht_seed: int,
-    grad_sr: bool,
-    hcp_second_order: bool,
-    hcp_mode: str,
-    hcp_backward: bool,
-    sr_stream: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# Runs under the caller's autocast, as it always has: its GEMMs then run in the autocast dtype.
+@knob_op("fp8pass::nvfp4_linear", f"Tensor x, Tensor weight, Tensor? bias, Tensor[] hcp_state, {SR_STREAM}",
+         NVFP4Knobs, "(Tensor, Tensor, Tensor)", ambient_autocast=True)
+def nvfp4_linear_op(x, weight, bias, hcp_state, sr_stream, *knobs):
     """Returns ``(y, chan_err, hot)``: with ``hcp_state``, ``chan_err`` is the forward GEMM's error
     per input channel from both operands (``[in]`` fp32, :func:`fp8pass.runtime.hcp.channel_error`)
     and ``hot`` the channels patched in this call (int64; what the backward patches); else empty.
     ``sr_stream``: the weight's stochastic-rounding stream (``runtime.sr``), which the backward's
     stochastic gradient casts draw their two seeds from (``sr_draw_``); None: torch's generator."""
-    _check(x, weight, bias, hcp_state, hcp_mode)
+    k = NVFP4Knobs.of(knobs)
+    _check(x, weight, bias, hcp_state, k.hcp_mode)
     x2d = x.reshape(-1, x.shape[-1])
     xv, xg = nvfp4_values(x2d, ACT_BLOCK)
-    wv, wg = nvfp4_values(weight, WEIGHT_BLOCK if weight_2d else ACT_BLOCK)
+    wv, wg = nvfp4_values(weight, WEIGHT_BLOCK if k.weight_2d else ACT_BLOCK)
     chan_err = x.new_empty(0, dtype=torch.float32)
     hot = None
     if hcp_state:
@@ -136,8 +127,8 @@ def nvfp4_linear_op(
     if hot is None or hot.numel() == 0:
         y = _mm_scaled(xv, xg, wv, wg)
     else:
-        a, b = hcp_patch(x2d, xd, weight, wd, hot, hcp_second_order)
-        if hcp_mode == "concat":
+        a, b = hcp_patch(x2d, xd, weight, wd, hot, k.hcp_second_order)
+        if k.hcp_mode == "concat":
             y = torch.mm(torch.cat([xd, a], 1), torch.cat([wd, b], 1).t())
         else:
             y = _mm_scaled(xv, xg, wv, wg) + torch.mm(a, b.t())
@@ -148,9 +139,8 @@ def nvfp4_linear_op(
 
 
 @nvfp4_linear_op.register_fake
-def _(x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, hcp_mode, hcp_backward,
-      sr_stream):
-    _check(x, weight, bias, hcp_state, hcp_mode)
+def _(x, weight, bias, hcp_state, sr_stream, *knobs):
+    _check(x, weight, bias, hcp_state, NVFP4Knobs.of(knobs).hcp_mode)
     n = weight.shape[1] if hcp_state else 0
     n_hot = hcp_state[1].numel() if hcp_state else 0
     return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(n, dtype=torch.float32),
@@ -163,73 +153,66 @@ def _patch_columns(out, hot, a, aq, b, bq, second_order):
     return out.index_add(1, hot, torch.mm(left, right.t()))
 
 
-@torch.library.custom_op("fp8pass::nvfp4_linear_backward", mutates_args=())
-def nvfp4_linear_backward_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    hot: torch.Tensor,
-    weight_2d: bool,
-    rht: bool,
-    rht_seed: int,
-    grad_sr: bool,
-    hcp_second_order: bool,
-    sr_seed: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# Under the caller's autocast, as its forward.
+@knob_op("fp8pass::nvfp4_linear_backward", f"Tensor dy, Tensor x, Tensor weight, Tensor hot, {SR_SEED}",
+         NVFP4GradKnobs, "(Tensor, Tensor, Tensor)", ambient_autocast=True)
+def nvfp4_linear_backward_op(dy, x, weight, hot, sr_seed, *knobs):
     """``(dx, dW, db_fp32)`` of ``y = x W^T + b`` (see the module doc); ``hot``: input channels whose
     gradient columns are patched (empty: plain NVFP4 gradients); ``sr_seed``: the two stochastic
     gradient casts' seeds (int64 [2]: dgrad's, wgrad's), or None (torch's generator)."""
-    rounding = "stochastic" if grad_sr else "nearest"
+    k = NVFP4GradKnobs.of(knobs)
+    rounding = "stochastic" if k.grad_sr else "nearest"
     dy2d = dy.reshape(-1, dy.shape[-1])
     x2d = x.reshape(-1, x.shape[-1])
     # dgrad: reduction over out-features
-    gv, gg = nvfp4_values(dy2d, ACT_BLOCK, rounding, seed_of(sr_seed, 0) if grad_sr else None)
-    if weight_2d:
+    gv, gg = nvfp4_values(dy2d, ACT_BLOCK, rounding, seed_of(sr_seed, 0) if k.grad_sr else None)
+    if k.weight_2d:
         wv, wg = nvfp4_values(weight, WEIGHT_BLOCK)
     else:
         wtv, wg = nvfp4_values(weight.t(), ACT_BLOCK)
         wv = wtv.t()
     dx = torch.mm(gv, wv) / (gg * wg)
     if hot.numel():  # (A, B) = (dy, W^T): columns h of dx
-        dx = _patch_columns(dx, hot, dy2d, gv / gg, weight.t(), (wv / wg).t(), hcp_second_order)
+        dx = _patch_columns(dx, hot, dy2d, gv / gg, weight.t(), (wv / wg).t(), k.hcp_second_order)
     # wgrad: reduction over tokens (last dim after transposing)
     a, b = dy2d.t(), x2d.t()
-    if rht:
-        a, b = rht_last_dim(a, rht_seed), rht_last_dim(b, rht_seed)
+    if k.rht:
+        a, b = rht_last_dim(a, k.rht_seed), rht_last_dim(b, k.rht_seed)
     else:
         a, b = pad_last_dim(a), pad_last_dim(b)
-    av, ag = nvfp4_values(a, ACT_BLOCK, rounding, seed_of(sr_seed, 1) if grad_sr else None)
+    av, ag = nvfp4_values(a, ACT_BLOCK, rounding, seed_of(sr_seed, 1) if k.grad_sr else None)
     bv, bg = nvfp4_values(b, ACT_BLOCK)
     dw = _mm_scaled(av, ag, bv, bg)
     if hot.numel():  # (A, B) = (dy^T, x^T) after the RHT: columns h of dW
-        dw = _patch_columns(dw, hot, a, av / ag, b, bv / bg, hcp_second_order)
+        dw = _patch_columns(dw, hot, a, av / ag, b, bv / bg, k.hcp_second_order)
     db = dy2d.sum(0, dtype=torch.float32)
     return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype), db
 
 
 @nvfp4_linear_backward_op.register_fake
-def _(dy, x, weight, hot, weight_2d, rht, rht_seed, grad_sr, hcp_second_order, sr_seed):
+def _(dy, x, weight, hot, sr_seed, *knobs):
     return (torch.empty_like(x), torch.empty_like(weight),
             dy.new_empty(weight.shape[0], dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, hcp_state, weight_2d, rht, rht_seed, grad_sr, second_order, _, hcp_backward, sr_stream = inputs
-    hot = output[2] if hcp_backward else output[2][:0]
+    x, weight, bias, hcp_state, sr_stream = inputs[:5]
+    k = NVFP4Knobs.take(inputs)  # validated by the forward
+    hot = output[2] if k.hcp_backward else output[2][:0]
     ctx.save_for_backward(x, weight, hot)
     ctx.n_hcp = len(hcp_state)
     ctx.b_dtype = None if bias is None else bias.dtype
-    ctx.args = (weight_2d, rht, rht_seed, grad_sr, second_order)
+    ctx.knobs = k.grad()
     ctx.sr_stream = sr_stream
 
 
 def _backward(ctx, dy, _chan_err_grad, _hot_grad):
     x, weight, hot = ctx.saved_tensors
-    grad_sr = ctx.args[3]
-    seeds = torch.ops.fp8pass.sr_draw_(ctx.sr_stream, 2) if grad_sr and ctx.sr_stream is not None else None
-    dx, dw, db = torch.ops.fp8pass.nvfp4_linear_backward(dy, x, weight, hot, *ctx.args, seeds)
+    k = ctx.knobs
+    seeds = torch.ops.fp8pass.sr_draw_(ctx.sr_stream, 2) if k.grad_sr and ctx.sr_stream is not None else None
+    dx, dw, db = torch.ops.fp8pass.nvfp4_linear_backward(dy, x, weight, hot, seeds, *k.args())
     dbias = None if ctx.b_dtype is None else db.to(ctx.b_dtype)
-    return (dx, dw, dbias, [None] * ctx.n_hcp) + (None,) * 8
+    return (dx, dw, dbias, [None] * ctx.n_hcp, None) + NVFP4Knobs.no_grads()
 
 
 nvfp4_linear_op.register_autograd(_backward, setup_context=_setup_context)

@@ -57,6 +57,7 @@ def mix_seed(key: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 MAX_DRAWS = 2  # seeds one sr_draw_ gives at most: an MX or NVFP4 backward casts the gradient twice
 
 
+# Declared directly, not with knob_op: it has no recipe knobs, only a per-call count with a default.
 @torch.library.custom_op("fp8pass::sr_draw_", mutates_args=("stream",))
 def sr_draw_(stream: torch.Tensor, n: int = 1) -> torch.Tensor:
     """The seeds (int64 [n]) of the stream's next ``n`` draws; advances ``stream[1]`` by ``n`` in place

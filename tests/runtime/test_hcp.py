@@ -21,12 +21,12 @@ def _data(t=32, k=64, n=48, seed=0):
 
 def _run(x, w, fraction, second_order=True, mode="split"):
     st = HCPState(HotChannelPatching(fraction=fraction, second_order=second_order, mode=mode), w.shape[1])
-    y, err, _ = OP(x, w, None, st.op_args(), True, True, 0, True, second_order, mode, True, None)
+    y, err, _ = OP(x, w, None, st.op_args(), None, True, True, 0, True, second_order, mode, True)
     return y, err, st
 
 
 def _plain(x, w):
-    return OP(x, w, None, [], True, True, 0, True, True, "split", False, None)[0]
+    return OP(x, w, None, [], None, True, True, 0, True, True, "split", False)[0]
 
 
 def _residuals(x, w):
@@ -207,9 +207,18 @@ def test_the_seed_expansion_is_exact():
 def test_opcheck_with_hcp_in_backward():
     x, w = _data(t=16, k=64, n=16)
     st = HCPState(HotChannelPatching(fraction=0.25), 64)
-    torch.library.opcheck(OP, (x.requires_grad_(), w.requires_grad_(), None, st.op_args(), True, True, 0, False,
-                               True, "concat", True, None),
+    torch.library.opcheck(OP, (x.requires_grad_(), w.requires_grad_(), None, st.op_args(), None, True, True, 0,
+                               False, True, "concat", True),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_opcheck_update_declares_its_mutations():
+    st = HCPState(HotChannelPatching(fraction=0.25, update_interval=2, decay=0.5), 8)
+    chan_err = torch.tensor([0.0, 5, 1, 1, 1, 1, 4, 1])
+    schema = str(torch.ops.fp8pass.hcp_update_.default._schema)
+    assert schema.count("!)") == 3 and "Tensor chan_err" in schema  # err, hot, step written; chan_err read
+    torch.library.opcheck(torch.ops.fp8pass.hcp_update_, (*st.op_args(), chan_err, 0.5, 2),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_bad_config_and_state():
@@ -221,6 +230,6 @@ def test_bad_config_and_state():
         HotChannelPatching(update_interval=0)
     x, w = _data()
     with pytest.raises(ValueError, match="channels"):
-        OP(x, w, None, HCPState(HotChannelPatching(), 32).op_args(), True, True, 0, True, True, "split", True, None)
+        OP(x, w, None, HCPState(HotChannelPatching(), 32).op_args(), None, True, True, 0, True, True, "split", True)
     with pytest.raises(ValueError, match="hcp_state"):
         fp8pass.ops.nvfp4_linear(x, w, hcp_state=HCPState(HotChannelPatching(), 64))

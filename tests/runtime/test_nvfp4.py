@@ -35,7 +35,7 @@ def test_values_times_scale_are_the_quantized_values():
 def test_forward_matches_reference_gemm():
     x, w, _ = _data()
     b = torch.randn(w.shape[0])
-    y, err, hot = OP(x, w, b, [], True, True, 0, True, True, "split", False, None)
+    y, err, hot = OP(x, w, b, [], None, True, True, 0, True, True, "split", False)
     ref = deq(x, (1, 16)) @ deq(w, (16, 16)).T + b.double()
     assert err.numel() == 0 and hot.numel() == 0
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
@@ -47,7 +47,7 @@ def test_backward_matches_reference(weight_2d, rht):
     x, w, dy = _data(t=40)  # 40 tokens: the wgrad path pads to 48
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     br = torch.zeros(w.shape[0], requires_grad=True)
-    y = OP(xr, wr, br, [], weight_2d, rht, 7, False, True, "split", False, None)[0]
+    y = OP(xr, wr, br, [], None, weight_2d, rht, 7, False, True, "split", False)[0]
     y.backward(dy)
     # dgrad: dy (1x16 along out) times W: 16x16 blocks (the forward's), or W^T 1x16 along out
     wq = deq(w, (16, 16)) if weight_2d else deq(w.t().contiguous(), (1, 16)).T
@@ -138,7 +138,7 @@ def test_sr_gradients_average_to_the_rne_free_dgrad():
     grads = []
     for _ in range(120):
         xr = x.clone().requires_grad_()
-        OP(xr, w, None, [], True, False, 0, True, True, "split", False, None)[0].backward(dy)
+        OP(xr, w, None, [], None, True, False, 0, True, True, "split", False)[0].backward(dy)
         grads.append(xr.grad.double())
     mean = torch.stack(grads).mean(0)
     exact = dy.double() @ wq  # E[Q_sr(dy)] = dy
@@ -171,10 +171,25 @@ def test_bf16_and_3d_inputs():
     assert torch.isfinite(wb.grad.float()).all()
 
 
+def test_runs_under_the_callers_autocast():
+    """Declared with ``knob_op(ambient_autocast=True)``: an ambient autocast recasts its GEMM, as it did
+    when the op was a bare ``custom_op``; turning autocast off inside it would change its results."""
+    x, w, _ = _data()
+    knobs = (True, False, 0, False, True, "split", False)
+    xv, xg = nvfp4_values(x, (1, 16))
+    wv, wg = nvfp4_values(w, (16, 16))
+    with torch.autocast("cpu", torch.bfloat16):
+        y = OP(x, w, None, [], None, *knobs)[0]
+        expected = (torch.mm(xv, wv.t()) / (xg * wg)).to(x.dtype)
+    off = OP(x, w, None, [], None, *knobs)[0]
+    assert y.dtype == torch.float32 and torch.equal(y, expected)
+    assert not torch.equal(y, off)  # the autocast GEMM rounds to bf16: the test tells the two apart
+
+
 def test_opcheck():
     x, w, _ = _data(t=16, k=32, n=16)
-    torch.library.opcheck(OP, (x.requires_grad_(), w.requires_grad_(), None, [], True, True, 0, False, True,
-                               "split", False, None), test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(OP, (x.requires_grad_(), w.requires_grad_(), None, [], None, True, True, 0, False,
+                               True, "split", False), test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     # with stochastic gradients drawn from a stream (the forward only reads it; the backward draws)
-    torch.library.opcheck(OP, (x, w, None, [], True, True, 0, True, True, "split", False, torch.tensor([3, 0])),
+    torch.library.opcheck(OP, (x, w, None, [], torch.tensor([3, 0]), True, True, 0, True, True, "split", False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
