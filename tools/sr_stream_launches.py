@@ -86,8 +86,8 @@ def main() -> None:
 
         def nvfp4_step():
             x.grad = w.grad = None
-            torch.ops.fp8pass.nvfp4_linear(x, w, None, [], True, True, 0, True, True, "split", False,
-                                           stream)[0].backward(dy)
+            torch.ops.fp8pass.nvfp4_linear(x, w, None, [], stream, True, True, 0, True, True, "split",
+                                           False)[0].backward(dy)
 
         report("nvfp4", source, nvfp4_step)
     grouped_cases()
