@@ -177,15 +177,21 @@ def _load_hcp_one(p: torch.Tensor, sd: dict[str, torch.Tensor], cfg: Config, nam
         raise CheckpointError(f"{name}: {e}") from None
 
 
-def _hook_module(module: torch.nn.Module, config: Config | None) -> None:
-    """Register the state-dict hooks on ``module`` once (a deep copy carries them and the marker alike)."""
-    if _HOOKED in module.__dict__:
+def _hook_once(module: torch.nn.Module, marker: str, config: Config | None, save, load) -> None:
+    """Register a save/load pair of state-dict hooks on ``module`` once, marked by ``marker`` (a deep copy
+    carries the hooks and the marker alike); a later call with a config only updates the config."""
+    if marker in module.__dict__:
         if config is not None:
-            module.__dict__[_HOOKED] = config
+            module.__dict__[marker] = config
         return
-    module.__dict__[_HOOKED] = config
-    module.register_state_dict_post_hook(_save_hook)
-    module.register_load_state_dict_pre_hook(_load_hook)
+    module.__dict__[marker] = config
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
+
+
+def _hook_module(module: torch.nn.Module, config: Config | None) -> None:
+    """Register the scaling-state hooks on ``module`` once."""
+    _hook_once(module, _HOOKED, config, _save_hook, _load_hook)
 
 
 def attach(model: torch.nn.Module, config: Config | None = None) -> torch.nn.Module:
@@ -218,13 +224,7 @@ _HISTORY_HOOKED = "_fp8pass_history_config"  # model attribute: history hooks re
 
 def hook_precision_history(model: torch.nn.Module, config: Config | None = None) -> None:
     """State-dict hooks on the user's model that save and load its precision-switch history (once)."""
-    if _HISTORY_HOOKED in model.__dict__:
-        if config is not None:
-            model.__dict__[_HISTORY_HOOKED] = config
-        return
-    model.__dict__[_HISTORY_HOOKED] = config
-    model.register_state_dict_post_hook(_save_history_hook)
-    model.register_load_state_dict_pre_hook(_load_history_hook)
+    _hook_once(model, _HISTORY_HOOKED, config, _save_history_hook, _load_history_hook)
 
 
 def _save_history_hook(module, state_dict, prefix, local_metadata) -> None:
