@@ -171,7 +171,6 @@ def test_collective_audit_names_fp8_and_high_precision_all_gathers(monkeypatch):
     from types import SimpleNamespace
 
     from fp8pass.distributed import fp8_all_gather as ag
-    from fp8pass.distributed import fsdp
 
     model = _mlp()
     torch.compile(model, backend=fp8pass.backend(Config(compiler="aot_eager")))(torch.randn(16, 32))
@@ -181,7 +180,7 @@ def test_collective_audit_names_fp8_and_high_precision_all_gathers(monkeypatch):
                                            sharded_param=model[2].weight)),
               ("2.bias", SimpleNamespace(_sharded_local_tensor=model[2].bias.detach(), param_dtype=None,
                                          sharded_param=model[2].bias))]
-    monkeypatch.setattr(fsdp, "fsdp_params", lambda m: iter(params))
+    monkeypatch.setattr(ag, "fsdp_params", lambda m: iter(params))  # as fp8_all_gather imported it
     monkeypatch.setattr(model[0], "_get_fsdp_state", lambda: None, raising=False)
     got = [(r.weight, r.precision, r.dtype, r.bytes_per_element, r.note is not None) for r in collective_audit(model)]
     assert got == [("0.weight", "fp8", "e4m3", 1, False), ("2.weight", "high", "bfloat16", 2, True),
