@@ -27,7 +27,7 @@ from .formats import E2M1, Format, get_format
 
 __all__ = [
     "ROUNDINGS", "check_rounding", "encode", "decode", "saturating_cast", "e8m0_encode", "pack_e2m1", "unpack_e2m1",
-    "uniform_bits", "stochastic_round_bf16",
+    "uniform_bits", "counter_shifted_seed", "stochastic_round_bf16",
 ]
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -65,6 +65,25 @@ def uniform_bits(n: int, seed: torch.Tensor, device=None) -> torch.Tensor:
     h = (h ^ ((h >> 16) & 0xFFFF)) * _MIX1
     h = (h ^ ((h >> 13) & 0x7FFFF)) * _MIX2
     return h ^ ((h >> 16) & 0xFFFF)
+
+
+def counter_shifted_seed(seed: torch.Tensor, offset: int) -> torch.Tensor:
+    """The seed under which :func:`uniform_bits`' counter ``i`` gives the bits of counter ``i + offset``
+    under ``seed``: ``uniform_bits(n, counter_shifted_seed(seed, k)) == uniform_bits(k + n, seed)[k:]``.
+
+    The counter enters the hash only as ``i * golden + seed`` (mod 2**32), so shifting the counters by
+    ``offset`` is adding ``offset * golden`` to the seed. A piece of a tensor (a rank's shard of the
+    flattened parameter starting at element ``offset``) drawn this way takes the bits its elements
+    take in the whole tensor, and a kernel numbering its elements from 0 needs no offset argument.
+
+    Args:
+        seed: int32 tensor (any shape; each element a seed), on any device (no host read).
+        offset: the counter of the piece's first element (a Python int >= 0).
+    """
+    if offset < 0:
+        raise ValueError(f"counter_shifted_seed: offset must be >= 0, got {offset}")
+    shift = (offset * _GOLDEN + 2**31) % 2**32 - 2**31  # as int32: the add below wraps mod 2**32
+    return seed + shift
 
 
 def stochastic_round_bf16(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..checkpoint.optimizer_checks import check_optimizer_state, saved_param_shapes
 from ..kernels import family_name, forced
+from ..numerics.casts import counter_shifted_seed
 from . import compiled_step
 from .moments import MomentSpec, init_moment, num_blocks, read_moment, write_moment
 from .options import FP8_GROUP_KEYS, check_bf16_sr, check_options, check_param, moment_specs
-from .sharded import init_sharded_moment, is_dtensor, local_view
+from .sharded import flat_offset, init_sharded_moment, is_dtensor, local_view
 from .torch_state_dict import from_torch_state_dict, is_torch_state_dict
 from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
 
@@ -226,7 +227,10 @@ class Adam(torch.optim.Optimizer):
             batches: dict = {}  # (m_spec, v_spec) -> [(p, grad, state, hp)]: one Triton launch per kind of hp
             wide: list = []  # (p, grad, state, hp, m_spec, v_spec) of blocks too wide for one program
             for (p, grad, state, m_spec, v_spec), hp in zip(todo, hps):
+                counter_offset = 0  # bf16_stochastic_round: the counter of p's first element
                 if is_dtensor(p):  # FSDP2 shard: update the local shard and its blocks
+                    if group.get("bf16_stochastic_round"):
+                        counter_offset = flat_offset(p)
                     p, grad, state = local_view(p, grad, state)
                 if self._kind(group, p) == "triton" and p.is_contiguous() \
                         and not group.get("bf16_stochastic_round"):  # no Triton variant yet: the torch path
@@ -235,7 +239,7 @@ class Adam(torch.optim.Optimizer):
                     else:
                         wide.append((p, grad.contiguous(), state, hp, m_spec, v_spec))
                 else:
-                    self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd)
+                    self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd, counter_offset)
             opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                         stochastic_flush=group["stochastic_flush"], generator=self.generator)
             for (m_spec, v_spec), batch in batches.items():
@@ -267,8 +271,9 @@ class Adam(torch.optim.Optimizer):
             counts[device_type] = n
         return n
 
-    def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd) -> None:
-        """The torch paths (eager or compiled) for one parameter: what the Triton kernels do not take."""
+    def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd, counter_offset: int = 0) -> None:
+        """The torch paths (eager or compiled) for one parameter: what the Triton kernels do not take.
+        ``counter_offset``: where ``p`` (a shard's local tensor) starts in its whole flattened parameter."""
         kind = self._kind(group, p)
         opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                     stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
@@ -276,6 +281,8 @@ class Adam(torch.optim.Optimizer):
             gen = opts["generator"]
             opts["weight_seed"] = torch.randint(-2**31, 2**31 - 1, (), generator=gen, device=p.device,
                                                 dtype=torch.int32)
+            if counter_offset:  # a shard: its elements take the counters of their places in the whole
+                opts["weight_seed"] = counter_shifted_seed(opts["weight_seed"], counter_offset)
         step_fn = adam_step_torch
         if kind == "compiled" and m_spec.block <= CHUNK:  # larger blocks take the two-pass torch path
             step_fn = compiled_step.adam_step_compiled  # looked up per call: tests swap it for a spy

@@ -14,15 +14,22 @@ reshards it like the parameter itself:
 A parameter whose shards would split a block (uneven rows, or a shard not a multiple of
 ``block_size``; one scale per tensor, ``block_size=None``, on a sharded parameter), or that is
 sharded on another dim, gets a clear error naming the fix.
+
+bf16 stochastic rounding of the weights (``bf16_stochastic_round``) numbers the elements of the whole
+flattened parameter: a row shard is the range starting at :func:`flat_offset`, and its elements take
+the counters of their positions in the whole parameter (under the seed every rank draws alike), so
+the sharded step rounds each weight exactly as a 1-rank step does.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .moments import MomentSpec, init_moment, num_blocks
 
-__all__ = ["is_dtensor", "init_sharded_moment", "local_view"]
+__all__ = ["is_dtensor", "init_sharded_moment", "local_view", "flat_offset", "shard_rows"]
 
 
 def is_dtensor(t) -> bool:
@@ -88,3 +95,37 @@ def local_view(p, grad, state: dict):
         return t.to_local() if is_dtensor(t) else t
 
     return loc(p), loc(grad), {k: loc(v) for k, v in state.items()}
+
+
+def shard_rows(rows: int, mesh_sizes, coordinate, placements) -> tuple[int, int]:
+    """``(first row, row count)`` of the local shard of a tensor with ``rows`` rows placed by
+    ``placements`` on a mesh of ``mesh_sizes`` at ``coordinate``: each ``Shard(0)`` splits the rows
+    the earlier mesh dims left as ``torch.chunk`` does (DTensor's layout: chunks of ``ceil(rows / n)``,
+    the last ones shorter or empty), ``Replicate`` keeps them. Any other placement leaves no
+    contiguous range of rows: a ValueError."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    first, count = 0, rows
+    for n, c, pl in zip(mesh_sizes, coordinate, placements):
+        if isinstance(pl, Replicate):
+            continue
+        if type(pl) is not Shard or pl.dim != 0:
+            raise ValueError(
+                f"fp8pass.optim: bf16_stochastic_round numbers the elements of the whole flattened parameter, so "
+                f"each rank's shard must be a range of it: replicated or sharded on dim 0 (FSDP2's layout). Got "
+                f"placements {tuple(placements)}. Put this parameter in a param group with "
+                f"bf16_stochastic_round=False.")
+        chunk = -(-count // n)
+        lo = min(c * chunk, count)
+        first, count = first + lo, min(chunk, count - lo)
+    return first, count
+
+
+def flat_offset(p) -> int:
+    """Index, in the whole flattened DTensor ``p``, of the first element of this rank's local shard
+    (see :func:`shard_rows`; the shard is the contiguous range of its rows)."""
+    coordinate = p.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank holds nothing of p
+        return 0
+    first, _ = shard_rows(p.shape[0] if p.dim() else 1, p.device_mesh.shape, coordinate, p.placements)
+    return first * math.prod(p.shape[1:])
