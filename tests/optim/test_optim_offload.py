@@ -139,3 +139,16 @@ def test_parameters_without_gradients_keep_their_state_where_it_is():
     kept = dict(opt.state[params[0]])
     opt.step()
     assert all(opt.state[params[0]][k] is v for k, v in kept.items())
+
+
+def test_build_optimizer_passes_the_option_to_fp8_adam_only():
+    from fp8pass.train.recipes import build_optimizer, get_recipe
+
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="offload_state is an option of fp8pass.optim.AdamW"):
+        build_optimizer(model, get_recipe("bf16"), lr=1e-3, weight_decay=0.1, offload_state=True)
+    opt = build_optimizer(model, get_recipe("bf16-fp8adam"), lr=1e-3, weight_decay=0.1, offload_state=True)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    assert device_state_nbytes(opt) == 2 * 4  # weight and bias: their step counts only
+    assert fo.state_nbytes(opt) > 100
