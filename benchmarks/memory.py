@@ -158,7 +158,8 @@ def measure(shape: str, name: str, spec: tuple, device: str, dtype: torch.dtype)
     if step.offload is not None:  # one more step, counted alone
         step.offload.reset()
         step()
-        device_saved, offloaded = step.offload.stats.kept_bytes, step.offload.stats
+        offloaded = step.offload.stats  # tensors still referenced elsewhere came back themselves: resident
+        device_saved = offloaded.kept_bytes + offloaded.originals_alive_bytes
     mib = 2**20
     row = {"name": name, "recipe": spec[0], "overrides": spec[2] if len(spec) > 2 else {},
            "trainer_options": spec[3] if len(spec) > 3 else {}, "params": n,
@@ -169,7 +170,9 @@ def measure(shape: str, name: str, spec: tuple, device: str, dtype: torch.dtype)
            "saved_hooks_mib": hook_bytes / mib, "state_saved_mib": (state + saved) / mib, "peak_mib": peak / mib, "peak_at": peak_at,
            "resident_mib": resident_bytes(model, opt) / mib, "device_optimizer_mib": device_state_nbytes(opt) / mib,
            "device_saved_mib": device_saved / mib,
-           "offloaded_saved": None if offloaded is None else [offloaded.offloaded_tensors, offloaded.offloaded_bytes / mib]}
+           "offloaded_saved": None if offloaded is None else [
+               offloaded.offloaded_tensors, offloaded.offloaded_bytes / mib, offloaded.restored_tensors,
+               offloaded.originals_alive]}
     return row, step
 
 
@@ -220,8 +223,11 @@ def print_table(res: dict) -> None:
         print(f"{res['shape']:>6} {r['name']:40s} peak reached in {r['peak_at']} "
               f"(resident between steps {r['resident_mib']:.1f} MiB)")
     for r in res["rows"]:
-        moved = "" if r["offloaded_saved"] is None else \
-            f" (offloaded {r['offloaded_saved'][1]:.2f} MiB in {r['offloaded_saved'][0]} tensors)"
+        moved = ""
+        if r["offloaded_saved"] is not None:
+            n, mib_moved, back, alive = r["offloaded_saved"]
+            moved = (f" (offloaded {mib_moved:.2f} MiB in {n} tensors; backward took {back} back from host, "
+                     f"{alive} still referenced on the device)")
         print(f"{res['shape']:>6} {r['name']:40s} on the device: optimizer state {r['device_optimizer_mib']:.2f} MiB "
               f"of {r['optimizer_mib']:.2f}, saved for backward {r['device_saved_mib']:.2f} MiB{moved}")
 

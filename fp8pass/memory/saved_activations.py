@@ -53,6 +53,7 @@ class OffloadStats:
     parameters: int = 0  # saved parameters or views of them (left in place, not counted in kept_*)
     restored_tensors: int = 0  # unpacks from host copies (a tensor used twice by backward counts twice)
     originals_alive: int = 0  # unpacks that returned the saved tensor itself: something else still held it
+    originals_alive_bytes: int = 0  # their bytes: on the device all along, though offloaded_bytes counts them
     prefetched_tensors: int = 0  # copies back started ahead of their unpack
 
 
@@ -134,6 +135,7 @@ class SavedActivationOffload:
         original = packed.original()
         if original is not None:  # still referenced elsewhere (state, a buffer, an input): no memory was
             self.stats.originals_alive += 1  # saved, and backward may update it in place: hand it back
+            self.stats.originals_alive_bytes += original.numel() * original.element_size()
             return original
         if fetched is None:
             fetched = packed.transfer.to_device(packed.host)

@@ -37,7 +37,7 @@ def test_exact_counts_for_a_known_model():
     _backward_once(model, x, ctx)
     assert ctx.stats == OffloadStats(offloaded_tensors=4, offloaded_bytes=256 + 512 + 512 + 128,
                                      kept_tensors=0, kept_bytes=0, parameters=1, restored_tensors=3,
-                                     originals_alive=1, prefetched_tensors=3)
+                                     originals_alive=1, originals_alive_bytes=256, prefetched_tensors=3)
     ctx.reset()
     _backward_once(model, x, fp8pass.offload_saved_activations(min_bytes=257))  # a new context: new stats
     assert ctx.stats == OffloadStats()
