@@ -7,8 +7,9 @@ the forward saves it, and brings it back when backward needs it, through
 ``torch.compile(backend="fp8")`` (an AOT-compiled graph saves its tensors with ``ctx.save_for_backward``,
 which runs the same hooks; the backward is only entered inside the ``with`` if the forward was).
 
-On CUDA the copies run on a side stream into pinned host memory (``memory/transfer.py``): the forward
-does not wait for them, and each unpack starts copying back the next ``prefetch`` tensors that backward
+On CUDA the copies run on side streams into pinned host memory (``memory/transfer.py``): the forward
+does not wait for them (each pack keeps the event its copy completes at, which the copy back waits
+for on the device), and each unpack starts copying back the next ``prefetch`` tensors that backward
 will need. Backward unpacks roughly in the reverse order of the packs (last saved, first used), so the
 packs are chained newest to oldest and an unpack prefetches along the chain; a tensor that was not
 prefetched is copied back when it is unpacked. On the CPU the host copy is a plain copy (the same path,
@@ -60,10 +61,11 @@ class OffloadStats:
 class _Offloaded:
     """A saved tensor's host copy, the copy back once started, and the tensor packed before it."""
 
-    __slots__ = ("host", "original", "transfer", "prev", "fetched", "used", "__weakref__")
+    __slots__ = ("host", "copied", "original", "transfer", "prev", "fetched", "used", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, original: torch.Tensor, transfer: HostTransfer, prev):
+    def __init__(self, host: torch.Tensor, copied, original: torch.Tensor, transfer: HostTransfer, prev):
         self.host = host
+        self.copied = copied  # the event of the copy to host (None on the CPU): a copy back waits for it
         self.original = weakref.ref(original)  # alive at unpack: something else kept it, use it
         self.transfer = transfer
         self.prev = prev  # weakref to the previously packed _Offloaded, or None
@@ -83,7 +85,7 @@ class SavedActivationOffload:
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.stats = OffloadStats()
-        self._transfers: dict = {}  # device -> HostTransfer (one side stream per device)
+        self._transfers: dict = {}  # device -> HostTransfer (its two side streams)
         self._last = None  # weakref to the _Offloaded packed last
         self._hooks = None
 
@@ -120,8 +122,8 @@ class SavedActivationOffload:
         transfer = self._transfers.get(t.device)
         if transfer is None:
             transfer = self._transfers[t.device] = HostTransfer(t.device)
-        host, _ = transfer.to_host(t)  # the copy back is queued after it on the same stream: no wait needed
-        packed = _Offloaded(host, t, transfer, self._last)
+        host, copied = transfer.to_host(t)
+        packed = _Offloaded(host, copied, t, transfer, self._last)
         self._last = weakref.ref(packed)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
@@ -138,7 +140,7 @@ class SavedActivationOffload:
             self.stats.originals_alive_bytes += original.numel() * original.element_size()
             return original
         if fetched is None:
-            fetched = packed.transfer.to_device(packed.host)
+            fetched = packed.transfer.to_device(packed.host, after=packed.copied)
         self.stats.restored_tensors += 1
         return packed.transfer.ready(*fetched)
 
@@ -154,7 +156,7 @@ class SavedActivationOffload:
             if prev is None:
                 return
             if prev.fetched is None:
-                prev.fetched = prev.transfer.to_device(prev.host)
+                prev.fetched = prev.transfer.to_device(prev.host, after=prev.copied)
                 self.stats.prefetched_tensors += 1
             node, todo = prev, todo - 1
 

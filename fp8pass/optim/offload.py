@@ -5,10 +5,11 @@ bf16/fp32 moments) lives in host memory: pinned on CUDA, a plain copy on the CPU
 "device" are one memory; the path is the same so it runs and is tested there). The step then updates
 one parameter at a time: :meth:`StateOffload.groups` yields each param group as one-parameter groups
 to the optimizer's own step body (the same routing and kernels as without offload), with that
-parameter's state copied to its device first and copied back after. The copies run on a side stream
-(``fp8pass.memory.HostTransfer``): the next parameter's state is copied to the device while the current
-one updates, and the copy back starts once its update is queued, so the compute stream waits only for
-the copy of the state it is about to use, and nothing is read back to the host.
+parameter's state copied to its device first and copied back after. The copies run on side streams,
+one per direction (``fp8pass.memory.HostTransfer``): the next parameter's state is copied to the device
+while the current one updates, and the copy back starts once its update is queued, so the compute
+stream waits only for the copy of the state it is about to use (and a copy in for the copy out that
+last wrote its host tensor), and nothing is read back to the host.
 
 The costs: a parameter's state crosses the host link twice per step; one update launch per parameter
 instead of one for all tensors of a kind (Triton); on the CPU, two copies of the state per step for no
@@ -53,14 +54,14 @@ class StateOffload:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self._transfers: dict = {}  # device -> HostTransfer
-        self._pending = []  # events of the last step's copies back (CUDA)
+        self._written = WeakIdKeyDictionary()  # host tensor -> event of the copy that last wrote it (CUDA)
         optimizer.register_state_dict_pre_hook(lambda opt: self.wait())
 
     def wait(self) -> None:
         """Block the host until the copies back of the last step are done (before a state dict is read)."""
-        for done in self._pending:
+        for done in list(self._written.values()):
             done.synchronize()
-        self._pending = []
+        self._written.clear()
 
     def evict_all(self, optimizer: torch.optim.Optimizer) -> None:
         """Move every state tensor still on a device (a loaded state dict's) to host memory; the
@@ -77,7 +78,6 @@ class StateOffload:
                 raise ValueError("fp8pass.optim: offload_state=True does not support DTensor (FSDP2 / TP) "
                                  "parameters yet; leave offload_state off for sharded models (their state is "
                                  "already split across ranks)")
-        self._pending = []
         fetched = self._fetch(todo[0][1], optimizer.state[todo[0][1]]) if todo else {}
         for i, (group, p) in enumerate(todo):
             state, here = optimizer.state[p], fetched
@@ -104,7 +104,7 @@ class StateOffload:
         out = {}
         for key, v in state.items():
             if key != "step" and isinstance(v, torch.Tensor) and is_host_copy(v):
-                out[key] = (v, *transfer.to_device(v))
+                out[key] = (v, *transfer.to_device(v, after=self._written.get(v)))
         return out
 
     def _evict(self, p: torch.Tensor, state: dict, fetched: dict) -> None:
@@ -120,4 +120,4 @@ class StateOffload:
             _HOST_COPIES[host] = True
             state[key] = host
             if done is not None:
-                self._pending.append(done)
+                self._written[host] = done
