@@ -155,7 +155,7 @@ class SavedActivationOffload:
             node.prev = None if prev is None else weakref.ref(prev)
             if prev is None:
                 return
-            if prev.fetched is None:
+            if prev.fetched is None and prev.original() is None:  # an original still alive comes back itself
                 prev.fetched = prev.transfer.to_device(prev.host, after=prev.copied)
                 self.stats.prefetched_tensors += 1
             node, todo = prev, todo - 1
