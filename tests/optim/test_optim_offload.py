@@ -152,3 +152,15 @@ def test_build_optimizer_passes_the_option_to_fp8_adam_only():
     opt.step()
     assert device_state_nbytes(opt) == 2 * 4  # weight and bias: their step counts only
     assert fo.state_nbytes(opt) > 100
+
+
+def test_a_step_that_fails_midway_leaves_every_state_on_the_host():
+    params = _params()
+    opt = fo.AdamW(params, offload_state=True)
+    _steps(opt, params, 1, torch.Generator().manual_seed(1))
+    params[2].grad = torch.zeros(SHAPES[2]).to_sparse()  # the step raises at the third parameter
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    for st in opt.state.values():
+        assert all(is_host_copy(v) for k, v in st.items() if k != "step")
+    assert device_state_nbytes(opt) == 4 * len(SHAPES)
