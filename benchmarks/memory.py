@@ -18,6 +18,10 @@ ffn 5632, 2 layers, 1 x 2048 tokens: the matmuls of a 7B layer). For each varian
   before it started, so a free of one of those (none expected: those are the resident tensors) would
   make the CPU figure an upper bound. Memory outside the allocator (oneDNN scratch, code) is not in it.
   On CPU the ops around the peak's allocation are printed too (where in the step the peak is);
+* on the device between steps, by the offload's own accounting (``fp8pass.optim.offload.device_state_nbytes``;
+  ``offload_saved_activations``' counts over one step): optimizer state, and saved for backward (the
+  hooks' bytes, or what the offload kept there); on the CPU "host" is the same memory, so there these
+  are bookkeeping, and the CPU peak includes the host copies;
 * median step time, interleaved round by round with the other variants, and its ratio to the
   baseline and to ``fp8-smooth-fp8adam``: what each memory choice costs in time, in the same run.
 
@@ -41,12 +45,15 @@ import torch
 
 from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds
 from benchmarks.train_step import SHAPES, build, record_partitions, saved_bytes, state_bytes
+from fp8pass.optim.offload import device_state_nbytes
 
 VARIANTS = {  # name -> (recipe, compile the bf16 recipe with Inductor, backend Config overrides[, trainer options])
     "bf16 inductor": ("bf16", True, {}),
     "fp8-smooth-fp8adam": ("fp8-smooth-fp8adam", False, {}),
     "fp8 + recompute_glu_output": ("fp8-smooth-fp8adam", False, {"recompute_glu_output": True}),
     "fp8 + bf16 SR weights": ("fp8-smooth-fp8adam", False, {}, {"bf16_stochastic_round": True}),
+    "fp8 + offload activations": ("fp8-smooth-fp8adam", False, {}, {"offload_activations": {"min_bytes": 1 << 16}}),
+    "fp8 + offload optimizer": ("fp8-smooth-fp8adam", False, {}, {"offload_state": True}),
 }
 BASE, FP8 = "bf16 inductor", "fp8-smooth-fp8adam"
 DEFAULT_VARIANTS = tuple(VARIANTS)
@@ -147,6 +154,12 @@ def measure(shape: str, name: str, spec: tuple, device: str, dtype: torch.dtype)
     saved = sum(r["saved_bytes"] for r in records) if records else hook_bytes
     state = param_bytes + grad_bytes + opt_bytes
     peak, peak_at = step_peak_bytes(step, model, opt, device)
+    device_saved, offloaded = hook_bytes, None
+    if step.offload is not None:  # one more step, counted alone
+        step.offload.reset()
+        step()
+        offloaded = step.offload.stats  # tensors still referenced elsewhere came back themselves: resident
+        device_saved = offloaded.kept_bytes + offloaded.originals_alive_bytes
     mib = 2**20
     row = {"name": name, "recipe": spec[0], "overrides": spec[2] if len(spec) > 2 else {},
            "trainer_options": spec[3] if len(spec) > 3 else {}, "params": n,
@@ -155,7 +168,11 @@ def measure(shape: str, name: str, spec: tuple, device: str, dtype: torch.dtype)
            "param_bytes_per_param": param_bytes / n, "grad_bytes_per_param": grad_bytes / n,
            "optimizer_bytes_per_param": opt_bytes / n, "saved_mib": saved / mib,
            "saved_hooks_mib": hook_bytes / mib, "state_saved_mib": (state + saved) / mib, "peak_mib": peak / mib, "peak_at": peak_at,
-           "resident_mib": resident_bytes(model, opt) / mib}
+           "resident_mib": resident_bytes(model, opt) / mib, "device_optimizer_mib": device_state_nbytes(opt) / mib,
+           "device_saved_mib": device_saved / mib,
+           "offloaded_saved": None if offloaded is None else [
+               offloaded.offloaded_tensors, offloaded.offloaded_bytes / mib, offloaded.restored_tensors,
+               offloaded.originals_alive]}
     return row, step
 
 
@@ -205,6 +222,14 @@ def print_table(res: dict) -> None:
     for r in res["rows"]:
         print(f"{res['shape']:>6} {r['name']:40s} peak reached in {r['peak_at']} "
               f"(resident between steps {r['resident_mib']:.1f} MiB)")
+    for r in res["rows"]:
+        moved = ""
+        if r["offloaded_saved"] is not None:
+            n, mib_moved, back, alive = r["offloaded_saved"]
+            moved = (f" (offloaded {mib_moved:.2f} MiB in {n} tensors; backward took {back} back from host, "
+                     f"{alive} still referenced on the device)")
+        print(f"{res['shape']:>6} {r['name']:40s} on the device: optimizer state {r['device_optimizer_mib']:.2f} MiB "
+              f"of {r['optimizer_mib']:.2f}, saved for backward {r['device_saved_mib']:.2f} MiB{moved}")
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-import fp8pass  # noqa: F401
+import fp8pass
 from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds
 from fp8pass.train import ModelConfig, TinyLlama
 from fp8pass.train.recipes import build_optimizer, get_recipe, prepare_model
@@ -178,7 +178,10 @@ def build(shape: str, name: str, device: str, dtype: torch.dtype, spec: tuple | 
     """``(cfg, model, opt, loss_fn, step)`` of variant ``name`` at ``shape``. ``spec``: ``(recipe,
     compile_bf16[, Config overrides[, trainer options]])`` instead of ``VARIANTS[name]``
     (benchmarks/memory.py's variants override fields of the recipe's backend Config; the trainer option
-    ``{"bf16_stochastic_round": True}`` makes the model bf16 with no fp32 master, as ``TrainConfig``'s)."""
+    ``{"bf16_stochastic_round": True}`` makes the model bf16 with no fp32 master, as ``TrainConfig``'s;
+    ``{"offload_state": True}`` keeps the optimizer state in host memory; ``{"offload_activations":
+    {"min_bytes": n}}`` runs each step's forward and backward in ``fp8pass.offload_saved_activations``,
+    which is ``step.offload`` then, for its counts)."""
     s = SHAPES[shape]
     cfg = ModelConfig(vocab_size=VOCAB, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
                       ffn=s["ffn"], max_seq_len=s["seq"])
@@ -186,14 +189,19 @@ def build(shape: str, name: str, device: str, dtype: torch.dtype, spec: tuple | 
     tokens = torch.randint(0, cfg.vocab_size, (s["batch"], s["seq"] + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     recipe_name, compile_bf16, *overrides = spec or VARIANTS[name]
-    bf16_sr = bool(overrides[1].get("bf16_stochastic_round")) if len(overrides) > 1 else False
+    options = overrides[1] if len(overrides) > 1 else {}
+    bf16_sr = bool(options.get("bf16_stochastic_round"))
     torch.manual_seed(0)
     model = TinyLlama(cfg).to(device)
     if bf16_sr:
         model.to(torch.bfloat16)
     recipe = get_recipe(recipe_name)
     fwd = prepare_model(model, recipe, compile_bf16=compile_bf16, backend_options=overrides[0] if overrides else None)
-    opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=bf16_sr)
+    opt = build_optimizer(model, recipe, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=bf16_sr,
+                          offload_state=bool(options.get("offload_state")))
+    offload = None
+    if "offload_activations" in options:
+        offload = fp8pass.offload_saved_activations(**options["offload_activations"])
 
     def loss_fn():
         with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
@@ -201,9 +209,11 @@ def build(shape: str, name: str, device: str, dtype: torch.dtype, spec: tuple | 
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss_fn().backward()
+        with offload or contextlib.nullcontext():
+            loss_fn().backward()
         opt.step()
 
+    step.offload = offload
     return cfg, model, opt, loss_fn, step
 
 

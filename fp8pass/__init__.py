@@ -15,6 +15,7 @@ from . import (
 from .checkpoint import checkpoint_state, load_checkpoint_state, load_scaling_state_dict, scaling_state_dict  # noqa: E402
 from .compile_backend import backend  # noqa: E402
 from .config import Config, CurrentScaling, DelayedScaling, DriftCheck, HotChannelPatching, NVFP4Scaling, Rule, Switch
+from .memory import offload_saved_activations
 from .model_report import explain  # noqa: E402
 from .numerics import (
     E2M1,
@@ -44,6 +45,7 @@ __all__ = [
     "Quantized", "quantize", "quantize_delayed", "DelayedScalingState",
     "NVFP4Scaling", "HotChannelPatching", "recipes", "Rule", "load_rules", "DriftCheck",
     "switch_precision", "precision_switches", "PrecisionSwitch", "Switch", "apply_schedule",
+    "offload_saved_activations",
 ]
 
 

@@ -28,7 +28,8 @@ from ..kernels import family_name, forced
 from ..numerics.casts import counter_shifted_seed
 from . import compiled_step
 from .moments import MomentSpec, init_moment, num_blocks, read_moment, write_moment
-from .options import FP8_GROUP_KEYS, check_bf16_sr, check_options, check_param, moment_specs
+from .offload import StateOffload
+from .options import FP8_GROUP_KEYS, check_bf16_sr, check_offload_state, check_options, check_param, moment_specs
 from .sharded import flat_offset, init_sharded_moment, is_dtensor, local_view
 from .torch_state_dict import from_torch_state_dict, is_torch_state_dict
 from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
@@ -75,6 +76,10 @@ class Adam(torch.optim.Optimizer):
         foreach, fused: accepted for signature compatibility and ignored (this optimizer always runs
             its own chunked torch path or its fused Triton kernel).
         differentiable: must be False.
+        offload_state: keep the state (moments and their scales) in host memory between steps, pinned
+            on CUDA; the step copies each parameter's state to its device on a side stream (the next
+            one's while this one updates) and back (``optim/offload.py``). Default False. Not part of
+            the state dict, whose format does not change.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -84,7 +89,8 @@ class Adam(torch.optim.Optimizer):
                  rounding: str = "nearest", stochastic_flush: bool = False, kernels: str = "auto",
                  bf16_stochastic_round: bool = False,
                  generator: torch.Generator | None = None, foreach: bool | None = None,
-                 fused: bool | None = None):
+                 fused: bool | None = None, offload_state: bool = False):
+        check_offload_state(offload_state)
         check_options(lr, betas, eps, weight_decay, amsgrad, differentiable, m_format, v_format, block_size,
                        rounding, kernels)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
@@ -98,6 +104,7 @@ class Adam(torch.optim.Optimizer):
         self._workspaces: dict = {}
         self._numel: dict = {}  # device type -> elements of the parameters on it (for kernels="auto")
         self._host_steps = WeakIdKeyDictionary()  # CPU step tensor -> (its _version, its value) as last set
+        self._offload = StateOffload(self) if offload_state else None
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -115,6 +122,7 @@ class Adam(torch.optim.Optimizer):
         self.__dict__.setdefault("_workspaces", {})
         self.__dict__.setdefault("_host_steps", WeakIdKeyDictionary())
         self.__dict__.setdefault("_numel", {})
+        self.__dict__.setdefault("_offload", None)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -177,6 +185,8 @@ class Adam(torch.optim.Optimizer):
             for p in g["params"]:
                 if p in self.state and self.state[p]:
                     self._init_state(p, g, self.state[p])  # validates shapes and dtypes
+        if self.__dict__.get("_offload") is not None:
+            self._offload.evict_all(self)
 
     # -- step ----------------------------------------------------------------------------------
 
@@ -194,7 +204,8 @@ class Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         known_steps = self.__dict__.setdefault("_host_steps", WeakIdKeyDictionary())  # absent after to_fp8
-        for group in self.param_groups:
+        offload = self.__dict__.get("_offload")  # state in host memory: one parameter at a time, its state on its device
+        for group in (offload.groups(self) if offload is not None else self.param_groups):
             decoupled = bool(group.get("decoupled_weight_decay", False))
             coupled_wd = not decoupled and group["weight_decay"] != 0
             todo = []  # (p, grad, state, m_spec, v_spec) of the parameters with a gradient

@@ -11,7 +11,8 @@ import torch
 from ..numerics import ROUNDINGS
 from .moments import MOMENT_FORMATS, MomentSpec
 
-__all__ = ["KERNELS", "FP8_GROUP_KEYS", "moment_specs", "check_options", "check_bf16_sr", "check_param"]
+__all__ = ["KERNELS", "FP8_GROUP_KEYS", "moment_specs", "check_options", "check_bf16_sr", "check_param",
+           "check_offload_state"]
 
 KERNELS = ("auto", "torch", "compiled", "triton")
 # Keys fp8pass adds to a torch Adam(W) param group.
@@ -80,3 +81,10 @@ def check_param(p: torch.Tensor) -> None:
                          f"optimize torch.view_as_real(p) as a real parameter or use torch.optim.AdamW")
     if not p.is_floating_point():
         raise ValueError(f"fp8pass.optim optimizes floating-point parameters, got {p.dtype}")
+
+
+def check_offload_state(offload_state) -> None:
+    """``offload_state`` (keep the optimizer state in host memory between steps) is a bool."""
+    if not isinstance(offload_state, bool):
+        raise ValueError(f"offload_state must be True or False (keep the optimizer state in host memory "
+                         f"between steps), got {offload_state!r}")

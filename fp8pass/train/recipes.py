@@ -167,7 +167,8 @@ def check_moment_options(m_format: str, v_format: str, block_size: int | None, v
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, *, lr: float, weight_decay: float,
                     betas=(0.9, 0.95), eps: float = 1e-8, m_format: str = "e4m3", v_format: str = "e5m2",
                     block_size: int | None = 128, v_sqrt: bool = False, rounding: str = "nearest",
-                    stochastic_flush: bool = False, bf16_stochastic_round: bool = False):
+                    stochastic_flush: bool = False, bf16_stochastic_round: bool = False,
+                    offload_state: bool = False):
     """AdamW over ``param_groups(model, weight_decay)``: ``fp8pass.optim.AdamW`` with the given moment
     storage for the -fp8adam recipes, ``torch.optim.AdamW`` (fp32 moments) otherwise.
 
@@ -182,13 +183,19 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, *, lr: float, weight
         stochastic_flush: round values below the smallest subnormal stochastically to 0 or it.
         bf16_stochastic_round: bf16 parameters updated by stochastic rounding, no fp32 master
             (``fp8pass.optim.AdamW``'s option; the model must already be bf16). -fp8adam recipes only.
+        offload_state: keep the optimizer state in host memory between steps (``fp8pass.optim.AdamW``'s
+            option). -fp8adam recipes only.
     """
     check_moment_options(m_format, v_format, block_size, v_sqrt, rounding, stochastic_flush)
     groups = param_groups(model, weight_decay)
     if recipe.fp8_adam:
         return fp8optim.AdamW(groups, lr=lr, betas=betas, eps=eps, m_format=m_format, v_format=v_format,
                               block_size=block_size, v_sqrt=v_sqrt, rounding=rounding,
-                              stochastic_flush=stochastic_flush, bf16_stochastic_round=bf16_stochastic_round)
+                              stochastic_flush=stochastic_flush, bf16_stochastic_round=bf16_stochastic_round,
+                              offload_state=offload_state)
+    if offload_state:
+        raise ValueError(f"offload_state is an option of fp8pass.optim.AdamW: recipe {recipe.name!r} uses "
+                         "torch.optim.AdamW; use an -fp8adam recipe")
     if bf16_stochastic_round:
         raise ValueError(f"bf16_stochastic_round is an option of fp8pass.optim.AdamW: recipe {recipe.name!r} uses "
                          "torch.optim.AdamW; use an -fp8adam recipe")

@@ -173,3 +173,16 @@ def test_launches_per_step_do_not_grow_with_the_number_of_parameters(case, cuda_
     many, _ = _steady_step(12, **kw)
     assert few.triton == many.triton == {"_adam_kernel": 1}
     assert few.aten == many.aten == EXPECTED[case]
+
+
+@pytest.mark.parametrize("case", ["host step", "capturable"])
+def test_offloaded_step_has_no_host_sync_and_launches_once_per_tensor(case, cuda_path):
+    """offload_state=True (optim/offload.py): the state copies (plain copies on the CPU, the side-stream
+    path's shape) read nothing back and build nothing from host data; each parameter is updated alone,
+    its state on the device: one launch per tensor, and one step-count add per tensor (per-parameter
+    groups; with capturable=True its hyper-parameters are computed per tensor too)."""
+    ops, _ = _steady_step(12, offload_state=True, **OPTIONS[case])
+    assert ops.triton == {"_adam_kernel": 12}
+    # each tensor's codes and scales (4 tensors) to the device (a clone here) and back (a copy_)
+    assert ops.aten["aten.clone.default"] == ops.aten["aten.copy_.default"] == 12 * 4
+    assert ops.aten["aten._foreach_add_.Scalar"] == 12
