@@ -282,9 +282,7 @@ def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, k
     32-bit draw per element (``_span_bits``), its high 16 bits for m, its low 16 for v (``_sr16_codes``).
     BF16_SR: the bf16 parameter is rounded stochastically (``triton_helpers.stochastic_round_bf16``),
     element ``e`` with the hash of counter ``wkey + e`` under ``wseed`` (the torch path's bits)."""
-    if BF16_SR:
-        tl.store((p_ptr + e).to(tl.pointer_type(tl.int16)), stochastic_round_bf16(p, wseed, wkey + e), mask=mask)
-    else:
+    if not BF16_SR:
         _store_float(p_ptr + e, p, mask)
     r_m = 0
     r_v = 0
@@ -296,6 +294,8 @@ def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, k
                   STOCHASTIC, SFLUSH, M_HW)
     _store_moment(v, v_ptr, e, mask, v_scale, r_v, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
                   STOCHASTIC, SFLUSH, V_HW)
+    if BF16_SR:  # last: the hash's temporaries are not live beside the moments' (sm_90 spilled otherwise)
+        tl.store((p_ptr + e).to(tl.pointer_type(tl.int16)), stochastic_round_bf16(p, wseed, wkey + e), mask=mask)
 
 
 @triton.jit

@@ -292,10 +292,10 @@ def test_per_tensor_scales_route_large_blocks_away_from_fused_kernels(monkeypatc
             return adam_step_torch(p, *args, **kwargs)
         return step
 
-    def spy_multi(params, grads, states, hps, m_spec, v_spec, **kwargs):  # the batched Triton launch
-        for p, g, st, hp in zip(params, grads, states, hps):
+    def spy_multi(params, grads, states, hps, m_spec, v_spec, weight_seeds, **kwargs):  # the batched Triton launch
+        for p, g, st, hp, ws in zip(params, grads, states, hps, weight_seeds):
             calls.append(("triton", p.numel()))
-            adam_step_torch(p, g, st, m_spec, v_spec, hp, **kwargs)
+            adam_step_torch(p, g, st, m_spec, v_spec, hp, weight_seed=ws, **kwargs)
 
     monkeypatch.setattr(compiled_step, "adam_step_compiled", spy("compiled"))
     monkeypatch.setattr(triton_adam, "adam_step_triton", spy("triton"))
