@@ -49,24 +49,26 @@ def _configs(kernel) -> list:
 _MOMENT_PTR = {"e4m3": "*u8", "e5m2": "*u8", "bf16": "*bf16", "fp32": "*fp32"}
 
 
-def _adam_signature(ms: MomentSpec, vs: MomentSpec, split: bool) -> dict:
-    """Runtime-argument types of the fused Adam kernel, or (``split``) of the split-block one."""
+def _adam_signature(ms: MomentSpec, vs: MomentSpec, split: bool, bf16_sr: bool = False) -> dict:
+    """Runtime-argument types of the fused Adam kernel, or (``split``) of the split-block one; ``bf16_sr``:
+    a bf16 parameter stored by stochastic rounding (``bf16_stochastic_round``), else an fp32 one."""
     m, v = _MOMENT_PTR[ms.fmt], _MOMENT_PTR[vs.fmt]
-    sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": m, "ms_ptr": "*fp32" if ms.fp8 else m, "v_ptr": v,
-           "vs_ptr": "*fp32" if vs.fp8 else v, "hp_ptr": "*fp32", "seed_ptr": "*i64", "table_ptr": "*i64"}
+    sig = {"p_ptr": "*bf16" if bf16_sr else "*fp32", "g_ptr": "*bf16", "m_ptr": m, "ms_ptr": "*fp32" if ms.fp8 else m,
+           "v_ptr": v, "vs_ptr": "*fp32" if vs.fp8 else v, "hp_ptr": "*fp32", "seed_ptr": "*i64",
+           "wseed_ptr": "*i32" if bf16_sr else "*fp32", "table_ptr": "*i64"}
     hp = {name: "fp32" for name in ts._HP_ARGS}  # the hyper-parameters as fp32 arguments (host step count)
     if split:
         return {**sig, "scratch_ptr": "*fp32", "n_tensors": "i32", **hp}
     return {**sig, "n_tensors": "i32", "rows_class": "i32", **hp}
 
 
-def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool) -> dict:
+def _adam_meta(ms: MomentSpec, vs: MomentSpec, stochastic: bool, bf16_sr: bool = False) -> dict:
     """The update's compile-time arguments, as the launchers build them (``triton_adam._step_meta``) for
     an sm_89+ GPU (FP8 moments decoded and, rounding to nearest, encoded by the hardware conversions)."""
     return dict(ts._step_meta(ms, vs, dict(maximize=False, coupled_wd=False,
                                            rounding="stochastic" if stochastic else "nearest",
                                            stochastic_flush=False)), HP_TABLE=False, M_HW=int(ms.fp8),
-                V_HW=int(vs.fp8))
+                V_HW=int(vs.fp8), BF16_SR=bf16_sr)
 
 
 def _hw(fmt) -> int:
@@ -148,16 +150,30 @@ def cases():
                          W=ts._W, **cfg.kwargs)
                 out.append((f"adam {mf}/{vf} block={block} sr={stochastic} {cfg.kwargs}", ts._adam_kernel,
                             _adam_signature(ms, vs, split=False), c, cfg))
+    # bf16_stochastic_round: bf16 weights stored by stochastic rounding (the moments rounded to nearest,
+    # the option's default), at the default blocks and the widest fused one
+    for block in (128, 8192):
+        ms, vs = MomentSpec("exp_avg", "e4m3", block), MomentSpec("exp_avg_sq", "e5m2", block, sqrt=True)
+        span = ts._span(block)
+        for cfg in ts._prune_adam_configs(_configs(ts._adam_kernel), {}, SPAN=span, BLOCK=block):
+            c = dict(**_adam_meta(ms, vs, False, bf16_sr=True), BLOCK=block, SPAN=span, SEARCH_STEPS=4, ALIGNED=True,
+                     W=ts._W, **cfg.kwargs)
+            out.append((f"adam bf16-SR e4m3/e5m2 block={block} sr=False {cfg.kwargs}", ts._adam_kernel,
+                        _adam_signature(ms, vs, split=False, bf16_sr=True), c, cfg))
     # split-block kernel (one scale per tensor): both phases; its launch configuration is fixed
-    for mf, vf in (("e4m3", "e5m2"), ("e5m2", "e4m3"), ("bf16", "fp32")):
+    for mf, vf, bf16_sr in (("e4m3", "e5m2", False), ("e5m2", "e4m3", False), ("bf16", "fp32", False),
+                            ("e4m3", "e5m2", True)):
         ms, vs = MomentSpec("exp_avg", mf, 1 << 20), MomentSpec("exp_avg_sq", vf, 1 << 20, sqrt=True)
         for stochastic in (False, True):
             for write in (False, True):
-                c = dict(**_adam_meta(ms, vs, stochastic), WRITE=write, SPAN=ts.MAX_SPAN, SEARCH_STEPS=4,
+                if bf16_sr and (stochastic or not write):  # phase 1 writes no weight: the same as without
+                    continue
+                c = dict(**_adam_meta(ms, vs, stochastic, bf16_sr), WRITE=write, SPAN=ts.MAX_SPAN, SEARCH_STEPS=4,
                          ALIGNED=True, RAND4=True, W=len(tsplit._SPLIT_COLS), SLOT=tsplit._SLOT)
-                out.append((f"adam split {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel,
-                            _adam_signature(ms, vs, split=True), c,
-                            triton.Config({}, num_warps=tsplit._NUM_WARPS)))
+                prefix = "adam bf16-SR split" if bf16_sr else "adam split"
+                out.append((f"{prefix} {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel,
+                            _adam_signature(ms, vs, split=True, bf16_sr=bf16_sr), c,
+                            triton.Config({}, num_warps=tsplit._num_warps(bf16_sr))))
     return out
 
 

@@ -328,14 +328,17 @@ def _swiglu_case(smooth: str, tokens: int = 64, d: int = 64, ffn: int = 128):
     return step
 
 
-def _adamw_case(n_tensors: int = 4, numel: int = 4096):
+def _adamw_case(n_tensors: int = 4, numel: int = 4096, bf16_sr: bool = False):
+    """The AdamW step over ``n_tensors`` parameters; ``bf16_sr``: bf16 parameters updated by stochastic
+    rounding (``bf16_stochastic_round=True``), whose seeds are one draw per step."""
     import fp8pass
 
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(numel // 64, 64)) for _ in range(n_tensors)]
+    dtype = torch.bfloat16 if bf16_sr else torch.float32
+    params = [torch.nn.Parameter(torch.randn(numel // 64, 64).to(dtype)) for _ in range(n_tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = fp8pass.optim.AdamW(params, lr=1e-3)
+    opt = fp8pass.optim.AdamW(params, lr=1e-3, bf16_stochastic_round=bf16_sr)
 
     def step():
         opt.step()
@@ -393,6 +396,8 @@ CASES = {
     "swiglu_mlp channel": lambda: _swiglu_case("channel"),
     "adamw step 4 tensors": lambda: _adamw_case(4),
     "adamw step 16 tensors": lambda: _adamw_case(16),
+    "adamw bf16 SR step 4 tensors": lambda: _adamw_case(4, bf16_sr=True),
+    "adamw bf16 SR step 16 tensors": lambda: _adamw_case(16, bf16_sr=True),
     "grouped_linear current": lambda: _grouped_case(),
     "grouped_linear current 2 experts": lambda: _grouped_case(experts=2),
     "grouped_linear current 8 experts": lambda: _grouped_case(experts=8),

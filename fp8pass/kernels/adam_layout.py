@@ -20,12 +20,13 @@ take this layout from here; ``fp8pass.optim.moments`` reads and writes moments i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..numerics.formats import E4M3, E5M2, Format
 
-__all__ = ["MOMENT_FORMATS", "MomentSpec", "num_blocks", "init_moment", "HP_FIELDS"]
+__all__ = ["MOMENT_FORMATS", "MomentSpec", "WeightSeed", "num_blocks", "init_moment", "HP_FIELDS"]
 
 # The fp32 scalars of one Adam(W) step, in the order the kernels and the torch path take them.
 HP_FIELDS = ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "inv_bc2_sqrt", "eps", "step_size",
@@ -83,6 +84,22 @@ class MomentSpec:
     @property
     def keys(self) -> tuple[str, ...]:
         return (self.codes_key, self.scale_key) if self.fp8 else (self.name,)
+
+
+class WeightSeed(NamedTuple):
+    """Where the random bits of a bf16 parameter's stochastic weight update come from
+    (``bf16_stochastic_round``): element ``i`` of the flattened tensor rounds with the low 16 bits of
+    ``numerics.casts.hash_bits(counter + i, seed)``, in the torch path, the compiled one and the Triton
+    kernels alike.
+
+    Args:
+        seed: int32 0-dim tensor on the parameter's device (a view of the step's one draw of seeds:
+            ``optim.torch_step.draw_weight_seeds``); never read on the host.
+        counter: the counter of the tensor's first element (0 for a whole parameter).
+    """
+
+    seed: torch.Tensor
+    counter: int = 0
 
 
 def init_moment(state: dict, spec: MomentSpec, p: torch.Tensor) -> None:

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ..numerics.scaling import MAX_SCALE
-from .adam_layout import HP_FIELDS, MomentSpec, init_moment
+from .adam_layout import HP_FIELDS, MomentSpec, WeightSeed, init_moment
 from .triton_helpers import (  # the exact in-kernel casts and the shared helpers
     INTERPRETED,
     INTERPRETING,
@@ -66,6 +66,7 @@ from .triton_helpers import (  # the exact in-kernel casts and the shared helper
     philox_at,
     random_seed,
     size_class,
+    stochastic_round_bf16,
 )
 
 __all__ = ["adam_step_triton", "adam_step_triton_multi", "MAX_SPAN", "ONE_PASS_MAX"]
@@ -83,8 +84,12 @@ ONE_PASS_MAX = 8192
 # straddles two tensors, so everything but the elements themselves is known once per program).
 _NBS = (1, 2, 4, 8, 16, 32)
 # Columns of the launch table (int64, one row per tensor). "key": the Philox counter of the tensor's
-# first element (a multiple of 4); "tileN": the launch's first tile of NB=N blocks in this tensor.
-_COLS = ("p", "g", "m", "m_scale", "v", "v_scale", "hp", "numel", "first_block", "key")
+# first element (a multiple of 4); "wseed": the offset of its bf16 weight seed from the launch's first
+# (bf16_stochastic_round), "wkey": the weight-hash counter of its first element (WeightSeed.counter);
+# "tileN": the launch's first tile of NB=N blocks in this tensor.
+_COLS = ("p", "g", "m", "m_scale", "v", "v_scale", "hp", "numel", "first_block", "key", "wseed", "wkey")
+_WSEED_COL = tl.constexpr(_COLS.index("wseed"))
+_WKEY_COL = tl.constexpr(_COLS.index("wkey"))
 _TILE_COLS = tuple(f"tile{nb}" for nb in _NBS)
 _W = len(_COLS) + len(_TILE_COLS)
 # The kernels' fp32 hyper-parameter arguments, in the order of torch_step.HP_FIELDS.
@@ -266,16 +271,19 @@ def _span_bits(seed, key, e, RAND4: tl.constexpr, NB: tl.constexpr, SPAN: tl.con
 
 
 @triton.jit
-def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, key,
+def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, key, wseed, wkey,
                 M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                 M_NAN_CODE: tl.constexpr, M_MIN_SUB: tl.constexpr,
                 V_KIND: tl.constexpr, V_MBITS: tl.constexpr, V_BIAS: tl.constexpr, V_MAX_CODE: tl.constexpr,
                 V_NAN_CODE: tl.constexpr, V_MIN_SUB: tl.constexpr, STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr,
                 M_HW: tl.constexpr, V_HW: tl.constexpr, RAND4: tl.constexpr, NB: tl.constexpr,
-                SPAN: tl.constexpr):
+                SPAN: tl.constexpr, BF16_SR: tl.constexpr):
     """Store a span's new parameter and moments (codes with the given per-row scales). Random bits: one
-    32-bit draw per element (``_span_bits``), its high 16 bits for m, its low 16 for v (``_sr16_codes``)."""
-    _store_float(p_ptr + e, p, mask)
+    32-bit draw per element (``_span_bits``), its high 16 bits for m, its low 16 for v (``_sr16_codes``).
+    BF16_SR: the bf16 parameter is rounded stochastically (``triton_helpers.stochastic_round_bf16``),
+    element ``e`` with the hash of counter ``wkey + e`` under ``wseed`` (the torch path's bits)."""
+    if not BF16_SR:
+        _store_float(p_ptr + e, p, mask)
     r_m = 0
     r_v = 0
     if STOCHASTIC or SFLUSH:
@@ -286,6 +294,8 @@ def _write_span(p, m, v, p_ptr, m_ptr, v_ptr, e, mask, m_scale, v_scale, seed, k
                   STOCHASTIC, SFLUSH, M_HW)
     _store_moment(v, v_ptr, e, mask, v_scale, r_v, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
                   STOCHASTIC, SFLUSH, V_HW)
+    if BF16_SR:  # last: the hash's temporaries are not live beside the moments' (sm_90 spilled otherwise)
+        tl.store((p_ptr + e).to(tl.pointer_type(tl.int16)), stochastic_round_bf16(p, wseed, wkey + e), mask=mask)
 
 
 @triton.jit
@@ -332,6 +342,18 @@ def _hyper_params(hp_ptr, t, host, HP_TABLE: tl.constexpr):
     return out
 
 
+@triton.jit
+def _weight_seed(wseed_ptr, t, start, BF16_SR: tl.constexpr):
+    """(seed, hash counter of element ``start``) of table row ``t``'s bf16 weight (``BF16_SR``), as
+    int32 (the counters wrap mod 2**32, as the torch path's int32 ones do); (0, 0) otherwise."""
+    wseed = 0
+    wkey = 0
+    if BF16_SR:
+        wseed = tl.load(wseed_ptr + tl.load(t + _WSEED_COL))
+        wkey = (tl.load(t + _WKEY_COL) + start).to(tl.int32)
+    return wseed, wkey
+
+
 # 8 blocks of 128 (the default width) on 2 warps: 16 elements per thread, as at NB 16 and 32, which
 # spreads each program's fixed work (table search, row scales, amax trees, division slow paths) over
 # twice the elements of 4 warps (SASS per element on sm_90: docs/optim.md)
@@ -372,10 +394,11 @@ def _refuse_live_tuning(nargs, reset_only=False):
 
 
 @autotune(_ADAM_CONFIGS, interpret=_ADAM_INTERPRET,
-          key=["rows_class", "BLOCK", "M_KIND", "V_KIND", "V_SQRT", "STOCHASTIC", "SFLUSH"],
+          key=["rows_class", "BLOCK", "M_KIND", "V_KIND", "V_SQRT", "STOCHASTIC", "SFLUSH", "BF16_SR"],
           prune_configs_by={"early_config_prune": _prune_adam_configs}, pre_hook=_refuse_live_tuning)
 @triton.jit
-def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, table_ptr, n_tensors, rows_class,
+def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, wseed_ptr, table_ptr, n_tensors,
+                 rows_class,
                  b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg,
                  M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                  M_NAN_CODE: tl.constexpr, M_FMAX: tl.constexpr, M_MIN_SUB: tl.constexpr, M_IEEE: tl.constexpr,
@@ -386,7 +409,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
                  V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr,
                  STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, SCALE_CAP: tl.constexpr,
                  HP_TABLE: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                 ALIGNED: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, TILE_COL: tl.constexpr):
+                 ALIGNED: tl.constexpr, W: tl.constexpr, BF16_SR: tl.constexpr, NB: tl.constexpr,
+                 TILE_COL: tl.constexpr):
     """Adam(W) on a tile of NB consecutive scale blocks ("rows") of one of the launch's tensors (see the
     module doc). Everything but the elements is computed once per program, on scalars: the tensor (a
     binary search over the table's first tiles for this NB), its offsets, the tile's place in it and the
@@ -411,6 +435,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
     if STOCHASTIC or SFLUSH:
         seed = tl.load(seed_ptr)
         key = tl.load(t + 9) + start  # Philox counter of the tile's first element (element e: key + e)
+    wseed, wkey = _weight_seed(wseed_ptr, t, start, BF16_SR)
     p_t, g_t = p_ptr + p_off + start, g_ptr + g_off + start
     m_t, v_t = m_ptr + m_off + start, v_ptr + v_off + start
     lane = tl.arange(0, SPAN)
@@ -445,9 +470,9 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, t
         if BLOCK <= SPAN:
             m_scale = _block_scale(_finite_amax(m), M_FMAX, SCALE_CAP)
             v_scale = _block_scale(_finite_amax(v), V_FMAX, SCALE_CAP)
-        _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key, M_KIND, M_MBITS, M_BIAS,
-                    M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
-                    STOCHASTIC, SFLUSH, M_HW, V_HW, rand4, NB, SPAN)
+        _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key, wseed, wkey, M_KIND, M_MBITS,
+                    M_BIAS, M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE,
+                    V_MIN_SUB, STOCHASTIC, SFLUSH, M_HW, V_HW, rand4, NB, SPAN, BF16_SR)
     # the new scales: the pointers are formed again here (a reload of two table entries), not kept
     # live across the span loops (sm_90 spilled one to the stack for the wide blocks)
     if M_KIND == 0:
@@ -515,18 +540,19 @@ def _tensor_rows(items, m_spec: MomentSpec, v_spec: MomentSpec, blocks) -> tuple
         (rows, number of scale blocks, number of elements, whether every tensor starts a multiple of
         16 elements from its base tensor and has a multiple of 16 elements).
     """
-    p0, g0, st0, hp0 = items[0]
+    p0, g0, st0, hp0, ws0 = items[0]
     m0, ms0 = _storage(st0, m_spec)
     v0, vs0 = _storage(st0, v_spec)
     on_device = isinstance(hp0, torch.Tensor)  # else one set of host values for the launch: no table column
     rows, first_block, n_elems, key, aligned = [], 0, 0, 0, True
-    for (p, g, st, hp), block in zip(items, blocks):
+    for (p, g, st, hp, ws), block in zip(items, blocks):
         m, ms = _storage(st, m_spec)
         v, vs = _storage(st, v_spec)
         offs = (_offset(p, p0), _offset(g, g0), _offset(m, m0), _offset(ms, ms0), _offset(v, v0), _offset(vs, vs0),
                 _offset(hp, hp0) if on_device else 0)
         aligned = aligned and p.numel() % 16 == 0 and all(o % 16 == 0 for o in (offs[0], offs[1], offs[2], offs[4]))
-        rows.append((*offs, p.numel(), first_block, key))
+        weight = (_offset(ws.seed, ws0.seed), ws.counter) if ws is not None else (0, 0)
+        rows.append((*offs, p.numel(), first_block, key, *weight))
         first_block += -(-p.numel() // block)
         n_elems += p.numel()
         key += -(-p.numel() // 4) * 4  # each tensor's Philox counters start at a multiple of 4
@@ -549,10 +575,17 @@ def _with_tiles(rows: list, blocks) -> tuple[list, dict]:
 def _base_args(items, m_spec: MomentSpec, v_spec: MomentSpec) -> tuple:
     """The launch's base tensors: parameter, gradient, m, m's scales, v, v's scales, hyper-parameters
     (with host values, a 4-byte fp32 allocation that the kernel never reads)."""
-    p0, g0, st0, hp0 = items[0]
+    p0, g0, st0, hp0, _ = items[0]
     if not isinstance(hp0, torch.Tensor):
         hp0 = torch.empty(1, dtype=torch.float32, device=p0.device)
     return (p0, g0, *_storage(st0, m_spec), *_storage(st0, v_spec), hp0)
+
+
+def _weight_seed_base(items, unused: torch.Tensor) -> torch.Tensor:
+    """The weight-seed pointer of a launch: the first tensor's seed (bf16_stochastic_round; the table
+    holds each tensor's offset from it), else ``unused``."""
+    ws0 = items[0][4]
+    return unused if ws0 is None else ws0.seed
 
 
 def _hp_args(items) -> dict:
@@ -588,7 +621,8 @@ def _span(block: int) -> int:
 
 
 def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_class: int | None = None) -> None:
-    """One kernel launch over ``items``: (param, grad, state, hp) of one device and one pair of dtypes."""
+    """One kernel launch over ``items``: (param, grad, state, hp, weight seed or None) of one device, one
+    pair of dtypes and one kind of weight rounding."""
     p0, g0, m0, ms0, v0, vs0, hp0 = _base_args(items, m_spec, v_spec)
     device = p0.device
     block = m_spec.block
@@ -596,26 +630,30 @@ def _launch(items, m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, rows_clas
     rows, n_tiles = _with_tiles(rows, [block] * len(items))
     table = _table(rows, device)
     seed = _launch_seed(opts, device, hp0)
+    wseed = _weight_seed_base(items, hp0)
     rows_class = size_class(n_rows) if rows_class is None else rows_class
     span = _span(block)
     meta = dict(**_step_meta(m_spec, v_spec, opts, device), **_hp_args(items), BLOCK=block, SPAN=span,
-                SEARCH_STEPS=max(1, len(items).bit_length()), ALIGNED=aligned and block % 16 == 0, W=_W)
+                SEARCH_STEPS=max(1, len(items).bit_length()), ALIGNED=aligned and block % 16 == 0, W=_W,
+                BF16_SR=items[0][4] is not None)
     key = (device, p0.dtype, g0.dtype, m0.dtype, v0.dtype, seed.dtype, rows_class, block, m_spec.fmt, v_spec.fmt,
-           v_spec.stores_sqrt, meta["STOCHASTIC"], meta["SFLUSH"], meta["HP_TABLE"])
+           v_spec.stores_sqrt, meta["STOCHASTIC"], meta["SFLUSH"], meta["HP_TABLE"], meta["BF16_SR"])
     if not INTERPRETING and key not in _TUNED and not _TUNING[0]:
         _tune_on_scratch(items[0], m_spec, v_spec, opts, rows_class, min(n_elems, _TUNING_SCRATCH))
         _TUNED.add(key)
     _adam_kernel[lambda cfg: (n_tiles[cfg["NB"]],)](
-        p0, g0, m0, ms0, v0, vs0, hp0, seed, table, len(items), rows_class, **meta,
+        p0, g0, m0, ms0, v0, vs0, hp0, seed, wseed, table, len(items), rows_class, **meta,
         enable_fp_fusion=False,  # no FMA: bit-identical to the torch path's single-rounding ops
     )
 
 
 def _tune_on_scratch(item, m_spec, v_spec, opts, rows_class: int, numel: int) -> None:
     """Autotune the kernel for this key on scratch tensors shaped like ``item`` (never on live ones)."""
-    p, g, _, hp = item
+    p, g, _, hp, ws = item
     if isinstance(hp, torch.Tensor):
         hp = hp.clone()
+    if ws is not None:
+        ws = WeightSeed(torch.zeros((), dtype=torch.int32, device=p.device))
     sp = torch.zeros(numel, dtype=p.dtype, device=p.device)
     sg = torch.full((numel,), 1e-3, dtype=g.dtype, device=g.device)
     st: dict = {}
@@ -623,23 +661,17 @@ def _tune_on_scratch(item, m_spec, v_spec, opts, rows_class: int, numel: int) ->
     init_moment(st, v_spec, sp)
     _TUNING[0] = True
     try:
-        _launch([(sp, sg, st, hp)], m_spec, v_spec, opts, rows_class)
+        _launch([(sp, sg, st, hp, ws)], m_spec, v_spec, opts, rows_class)
     finally:
         _TUNING[0] = False
 
 
-def _check(p: torch.Tensor, grad: torch.Tensor) -> None:
-    if not (p.is_contiguous() and grad.is_contiguous()):
-        raise ValueError("the Triton Adam kernel needs contiguous parameters and gradients; "
-                         "use kernels='torch' for non-contiguous ones")
-    check_interpretable(p.device)
-
-
 def adam_step_triton_multi(params, grads, states, hps, m_spec: MomentSpec, v_spec: MomentSpec,
                            maximize: bool = False, coupled_wd: bool = False, rounding: str = "nearest",
-                           stochastic_flush: bool = False, generator: torch.Generator | None = None) -> None:
+                           stochastic_flush: bool = False, generator: torch.Generator | None = None,
+                           weight_seeds=None) -> None:
     """``torch_step.adam_step_torch`` for many parameters: one kernel launch per (device, parameter
-    dtype, gradient dtype) among them.
+    dtype, gradient dtype, weight rounding) among them.
 
     Args:
         params, grads, states, hps: per parameter its tensor, dense gradient, state dict (moments in the
@@ -649,34 +681,54 @@ def adam_step_triton_multi(params, grads, states, hps, m_spec: MomentSpec, v_spe
         m_spec, v_spec, maximize, coupled_wd, rounding, stochastic_flush: as in ``adam_step_torch``.
         generator: for stochastic rounding, used for the tensors on its device (the device's default
             generator for the others).
+        weight_seeds: per parameter a ``WeightSeed`` (a bf16 parameter stored by stochastic rounding,
+            ``adam_step_torch``'s ``weight_seed``: the same bits) or None (rounded to nearest); None: all None.
     """
     opts = dict(maximize=maximize, coupled_wd=coupled_wd, rounding=rounding, stochastic_flush=stochastic_flush,
                 generator=generator)
-    for items, _ in _launch_groups(params, grads, states, hps, [m_spec.block] * len(params)):
+    for items, _ in _launch_groups(params, grads, states, hps, [m_spec.block] * len(params), weight_seeds):
         _launch(items, m_spec, v_spec, opts)
 
 
-def _launch_groups(params, grads, states, hps, blocks) -> list[tuple[list, list]]:
-    """The non-empty tensors grouped by launch (device, parameter dtype, gradient dtype, and the host
-    hyper-parameter values where they are such): per group its items (param, grad, state, hp: a tensor
-    on the param's device, or the tuple of host values) and their scale-block widths."""
+def _launch_groups(params, grads, states, hps, blocks, weight_seeds=None) -> list[tuple[list, list]]:
+    """The non-empty tensors grouped by launch (device, parameter dtype, gradient dtype, the host
+    hyper-parameter values where they are such, and whether the weight is rounded stochastically):
+    per group its items (param, grad, state, hp: a tensor on the param's device, or the tuple of host
+    values; weight seed or None) and their scale-block widths."""
+    if weight_seeds is None:
+        weight_seeds = [None] * len(params)
     groups: dict = {}
-    for p, g, st, hp, block in zip(params, grads, states, hps, blocks):
-        _check(p, g)
+    for p, g, st, hp, ws, block in zip(params, grads, states, hps, weight_seeds, blocks):
+        _check(p, g, ws)
         if p.numel():
             on_device = isinstance(hp, torch.Tensor)
             hp = hp.to(p.device) if on_device else tuple(float(x) for x in hp)
-            items, widths = groups.setdefault((p.device, p.dtype, g.dtype, None if on_device else hp), ([], []))
-            items.append((p, g, st, hp))
+            kind = (p.device, p.dtype, g.dtype, None if on_device else hp, ws is None)
+            items, widths = groups.setdefault(kind, ([], []))
+            items.append((p, g, st, hp, ws))
             widths.append(block)
     return list(groups.values())
+
+
+def _check(p: torch.Tensor, grad: torch.Tensor, weight_seed: WeightSeed | None = None) -> None:
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        raise ValueError("the Triton Adam kernel needs contiguous parameters and gradients; "
+                         "use kernels='torch' for non-contiguous ones")
+    if weight_seed is not None:
+        if p.dtype != torch.bfloat16:
+            raise ValueError(f"a weight seed (bf16 stochastic rounding of the weight) needs a bf16 parameter, "
+                             f"got {p.dtype}")
+        if not isinstance(weight_seed, WeightSeed) or weight_seed.seed.dtype != torch.int32 \
+                or weight_seed.seed.device != p.device:
+            raise ValueError("a weight seed must be a WeightSeed whose seed is an int32 tensor on the "
+                             "parameter's device (torch_step.draw_weight_seeds)")
+    check_interpretable(p.device)
 
 
 def adam_step_triton(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: MomentSpec,
                      v_spec: MomentSpec, hp: torch.Tensor, maximize: bool = False, coupled_wd: bool = False,
                      rounding: str = "nearest", stochastic_flush: bool = False,
-                     generator: torch.Generator | None = None) -> None:
+                     generator: torch.Generator | None = None, weight_seed: WeightSeed | None = None) -> None:
     """Same contract as ``torch_step.adam_step_torch``, in one kernel launch (contiguous tensors)."""
     adam_step_triton_multi([p], [grad], [state], [hp], m_spec, v_spec, maximize, coupled_wd, rounding,
-                           stochastic_flush, generator)
-
+                           stochastic_flush, generator, [weight_seed])

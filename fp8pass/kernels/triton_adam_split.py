@@ -47,6 +47,8 @@ from .triton_adam import (
     _table,
     _tensor_offsets,
     _tensor_rows,
+    _weight_seed,
+    _weight_seed_base,
     _write_span,
 )
 
@@ -54,6 +56,8 @@ __all__ = ["adam_step_triton_split"]
 
 # The fused kernel's table columns, plus each tensor's block width and the launch index of its first span.
 _SPLIT_COLS = (*_COLS, "block", "first_span")
+_BLOCK_COL = tl.constexpr(_SPLIT_COLS.index("block"))
+_FIRST_SPAN_COL = tl.constexpr(_SPLIT_COLS.index("first_span"))
 # Per block in the scratch buffer: new m amax, new v amax, old m scale, old v scale.
 _SLOT = 4
 # one span of MAX_SPAN lanes per program on 2 warps: 16 lanes per thread, which spreads the program's
@@ -61,8 +65,16 @@ _SLOT = 4
 _NUM_WARPS = 2
 
 
+def _num_warps(bf16_sr: bool) -> int:
+    """Warps per program: ``_NUM_WARPS``; with the bf16 weight's stochastic rounding 4 (8 lanes per
+    thread): on 2 warps the build without alignment specialisation spilled 16 bytes on sm_90
+    (128 registers, triton 3.9)."""
+    return 4 if bf16_sr else _NUM_WARPS
+
+
 @triton.jit
-def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, table_ptr, scratch_ptr, n_tensors,
+def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, wseed_ptr, table_ptr, scratch_ptr,
+                  n_tensors,
                   b1_arg, omb1_arg, b2_arg, omb2_arg, inv_bc2s_arg, eps_arg, step_size_arg, decay_arg, l2_arg,
                   M_KIND: tl.constexpr, M_MBITS: tl.constexpr, M_BIAS: tl.constexpr, M_MAX_CODE: tl.constexpr,
                   M_NAN_CODE: tl.constexpr, M_FMAX: tl.constexpr, M_MIN_SUB: tl.constexpr, M_IEEE: tl.constexpr,
@@ -73,18 +85,19 @@ def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, 
                   V_SQRT: tl.constexpr, MAXIMIZE: tl.constexpr, COUPLED_WD: tl.constexpr,
                   STOCHASTIC: tl.constexpr, SFLUSH: tl.constexpr, SCALE_CAP: tl.constexpr,
                   HP_TABLE: tl.constexpr, WRITE: tl.constexpr, SPAN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                  ALIGNED: tl.constexpr, RAND4: tl.constexpr, W: tl.constexpr, SLOT: tl.constexpr):
+                  ALIGNED: tl.constexpr, RAND4: tl.constexpr, W: tl.constexpr, SLOT: tl.constexpr,
+                  BF16_SR: tl.constexpr):
     """Phase 1 (``WRITE`` False) or phase 2 of the split-block step on one span of one wide block
     (see the module doc): the tensor, its offsets, the span's place and the hyper-parameters are
     computed once per program, on scalars."""
     pid = tl.program_id(0).to(tl.int64)  # compared with and offset by the table's int64 entries
-    t = _program_tensor(table_ptr, pid, n_tensors, 11, W, SEARCH_STEPS)
+    t = _program_tensor(table_ptr, pid, n_tensors, _FIRST_SPAN_COL, W, SEARCH_STEPS)
     p_off, g_off, m_off, v_off, numel = _tensor_offsets(t, ALIGNED)
-    block = tl.load(t + 10)
+    block = tl.load(t + _BLOCK_COL)
     # int32 (both below the grid's 2**31 programs): an int64 division would call a ~80-instruction
     # subroutine (sm_90)
     spans_per_block = ((block + SPAN - 1) // SPAN).to(tl.int32)
-    local = (pid - tl.load(t + 11)).to(tl.int32)
+    local = (pid - tl.load(t + _FIRST_SPAN_COL)).to(tl.int32)
     blk32 = local // spans_per_block
     s0 = (local - blk32 * spans_per_block) * SPAN  # the span's first element in its block
     blk = blk32.to(tl.int64)
@@ -127,9 +140,10 @@ def _split_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, hp_ptr, seed_ptr, 
         if STOCHASTIC or SFLUSH:
             seed = tl.load(seed_ptr)
             key = tl.load(t + 9) + start  # Philox counter of the span's first element (element e: key + e)
-        _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key, M_KIND, M_MBITS, M_BIAS,
-                    M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE, V_MIN_SUB,
-                    STOCHASTIC, SFLUSH, M_HW, V_HW, RAND4, 1, SPAN)
+        wseed, wkey = _weight_seed(wseed_ptr, t, start, BF16_SR)
+        _write_span(p, m, v, p_t, m_t, v_t, e, mask, m_scale, v_scale, seed, key, wseed, wkey, M_KIND, M_MBITS,
+                    M_BIAS, M_MAX_CODE, M_NAN_CODE, M_MIN_SUB, V_KIND, V_MBITS, V_BIAS, V_MAX_CODE, V_NAN_CODE,
+                    V_MIN_SUB, STOCHASTIC, SFLUSH, M_HW, V_HW, RAND4, 1, SPAN, BF16_SR)
         if M_KIND == 0:
             tl.store(ms, m_scale, mask=first_span)
         if V_KIND == 0:
@@ -166,20 +180,21 @@ def _launch_split(items, blocks, m_spec: MomentSpec, v_spec: MomentSpec, opts: d
     table = _table(rows, device)
     scratch = torch.zeros((n_blocks, _SLOT), dtype=torch.float32, device=device)
     seed = _launch_seed(opts, device, hp0)
-    meta = dict(**_step_meta(m_spec, v_spec, opts, device), **_hp_args(items), SPAN=span,
+    wseed = _weight_seed_base(items, hp0)
+    meta = dict(BF16_SR=items[0][4] is not None, **_step_meta(m_spec, v_spec, opts, device), **_hp_args(items), SPAN=span,
                 SEARCH_STEPS=max(1, len(items).bit_length()),
                 ALIGNED=aligned and span % 16 == 0 and all(b % 16 == 0 for b in blocks),
                 RAND4=span % 4 == 0 and all(b % 4 == 0 for b in blocks), W=len(_SPLIT_COLS), SLOT=_SLOT,
-                num_warps=_NUM_WARPS,
+                num_warps=_num_warps(items[0][4] is not None),
                 enable_fp_fusion=False)  # no FMA: bit-identical to the torch path's single-rounding ops
     if m_spec.fp8 or v_spec.fp8:
-        _split_kernel[(n_spans,)](*args, seed, table, scratch, len(items), WRITE=False, **meta)
-    _split_kernel[(n_spans,)](*args, seed, table, scratch, len(items), WRITE=True, **meta)
+        _split_kernel[(n_spans,)](*args, seed, wseed, table, scratch, len(items), WRITE=False, **meta)
+    _split_kernel[(n_spans,)](*args, seed, wseed, table, scratch, len(items), WRITE=True, **meta)
 
 
 def adam_step_triton_split(params, grads, states, hps, m_specs, v_specs, maximize: bool = False,
                            coupled_wd: bool = False, rounding: str = "nearest", stochastic_flush: bool = False,
-                           generator: torch.Generator | None = None) -> None:
+                           generator: torch.Generator | None = None, weight_seeds=None) -> None:
     """``torch_step.adam_step_torch`` for many parameters whose scale blocks are wider than one program
     should walk: two launches per (device, parameter dtype, gradient dtype) among them.
 
@@ -191,9 +206,11 @@ def adam_step_triton_split(params, grads, states, hps, m_specs, v_specs, maximiz
         maximize, coupled_wd, rounding, stochastic_flush: as in ``adam_step_torch``.
         generator: for stochastic rounding, used for the tensors on its device (the device's default
             generator for the others).
+        weight_seeds: per parameter a ``WeightSeed`` (bf16 stochastic rounding of the weight, the torch
+            path's bits) or None; None: all None.
     """
     m_spec, v_spec = _common_specs(m_specs, v_specs)
     opts = dict(maximize=maximize, coupled_wd=coupled_wd, rounding=rounding, stochastic_flush=stochastic_flush,
                 generator=generator)
-    for items, blocks in _launch_groups(params, grads, states, hps, [s.block for s in m_specs]):
+    for items, blocks in _launch_groups(params, grads, states, hps, [s.block for s in m_specs], weight_seeds):
         _launch_split(items, blocks, m_spec, v_spec, opts)

@@ -7,6 +7,8 @@
 ``stochastic_grid``        stochastic rounding on the fp32 bits, so an exact conversion can follow
 ``on_grid_codes``          the codes of a value already on the grid: the hardware conversion or ``encode``
 ``philox4`` and friends    Philox4x32-10 bits keyed by an int64 element index, one call per four elements
+``hash_bits``              ``numerics.casts.hash_bits`` (murmur3's finalizer of a counter), bit for bit
+``stochastic_round_bf16``  ``numerics.casts.stochastic_round_bf16`` of fp32 values, as bf16 bits (int16)
 ``tile_scale``             ``scale_from_amax`` of one amax, in a kernel
 ``max_propagating_nan``    max that keeps NaN (``abs_max`` / ``abs_max_2d``: max |x| of a block)
 ``autotune``, ``size_class``  autotuning that never benchmarks under the interpreter, keyed on bit lengths
@@ -27,12 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics.casts import HASH_CONSTANTS
 from ..numerics.formats import Format
 from ..numerics.scaling import HUGE_AMAX
 
 __all__ = ["INTERPRETING", "INTERPRETED", "HW_FORMATS", "autotune", "size_class", "check_interpretable", "encode",
            "max_propagating_nan", "abs_max", "abs_max_2d", "stochastic_grid", "on_grid_codes", "cast_codes",
-           "random_bits", "philox4", "random_bits4", "philox_pick", "philox_at", "random_bits_at", "tile_scale",
+           "random_bits", "hash_bits", "stochastic_round_bf16", "philox4", "random_bits4", "philox_pick", "philox_at", "random_bits_at", "tile_scale",
            "hardware_cast", "hardware_rne", "random_seed", "stream_seed"]
 
 
@@ -235,6 +238,30 @@ def random_bits(seed, offs):
     zero = lo * 0
     r, _, _, _ = tl.philox(seed, lo, hi, zero, zero)
     return (r & 0x3FFFFFFF).to(tl.int32)
+
+
+_GOLDEN_C, _MIX1_C, _MIX2_C = (tl.constexpr(c) for c in HASH_CONSTANTS)
+
+
+@triton.jit
+def hash_bits(counter, seed):
+    """``numerics.casts.hash_bits``: 32 random bits (int32) of int32 ``counter`` under int32 ``seed``,
+    the same int32 ops (products wrap mod 2**32; ``(h >> k) & mask`` is the logical shift)."""
+    h = counter * _GOLDEN_C + seed
+    h = (h ^ ((h >> 16) & 0xFFFF)) * _MIX1_C
+    h = (h ^ ((h >> 13) & 0x7FFFF)) * _MIX2_C
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+@triton.jit
+def stochastic_round_bf16(x, seed, counter):
+    """``numerics.casts.stochastic_round_bf16`` of fp32 ``x``, element-wise with its int32 ``counter``:
+    the bf16 bits as int16 (store them through an int16 view). The low 16 hash bits are added to the
+    fp32 bits (sign-magnitude: the magnitude grows for either sign) and the upper half is kept; NaN
+    becomes 0x7FC0 (torch's scalar conversion's NaN; its vectorised CPU one may give another NaN)."""
+    bits = x.to(tl.int32, bitcast=True)
+    up = (bits + (hash_bits(counter, seed) & 0xFFFF)) >> 16
+    return tl.where(x != x, 0x7FC0, up).to(tl.int16)
 
 
 @triton.jit

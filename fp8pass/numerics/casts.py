@@ -27,7 +27,7 @@ from .formats import E2M1, Format, get_format
 
 __all__ = [
     "ROUNDINGS", "check_rounding", "encode", "decode", "saturating_cast", "e8m0_encode", "pack_e2m1", "unpack_e2m1",
-    "uniform_bits", "counter_shifted_seed", "stochastic_round_bf16",
+    "hash_bits", "uniform_bits", "stochastic_round_bf16", "HASH_CONSTANTS",
 ]
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -46,66 +46,65 @@ def check_rounding(rounding: str) -> str:
 
 
 # murmur3's finalizer constants (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35) as int32: int32 products wrap
-# mod 2**32 in eager torch and in Inductor's vectorised loops alike, so both give the same bits.
+# mod 2**32 in eager torch, in Inductor's vectorised loops and in Triton alike, so all give the same bits.
 _GOLDEN, _MIX1, _MIX2 = -1640531535, -2048144789, -1028477387
+HASH_CONSTANTS = (_GOLDEN, _MIX1, _MIX2)  # for kernels that compute hash_bits themselves (triton_helpers)
 
 
-def uniform_bits(n: int, seed: torch.Tensor, device=None) -> torch.Tensor:
-    """32 uniform random bits (int32) per element ``i < n``: murmur3's finalizer of ``i * golden + seed``.
+def hash_bits(counters: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """32 uniform random bits (int32) per int32 counter: murmur3's finalizer of ``counter * golden + seed``.
 
-    ``seed``: an int32 scalar tensor. Counter-based, so it fuses into a cast loop
-    (``kernels.cpu.cast_stochastic``) and needs no generator: the stochastic casts given a ``seed``
-    tensor (a model's stream draw, ``fp8pass.runtime.sr``) draw these bits. torch's generators (mt19937
-    eager, Philox in Inductor's scalar CPU code) cost 10-25x the cast itself at gradient sizes
-    (measured: 4-12 ms vs 0.4 ms for 720K elements). The bits are uniform and uncorrelated enough for
-    unbiased rounding (tested), not for cryptography. Logical right shifts are spelled
-    ``(h >> k) & mask`` because int32 ``>>`` is arithmetic.
+    The definition of the counter-based bits of :func:`uniform_bits` (element ``i`` takes counter ``i``);
+    written with plain int32 tensor ops so that Inductor compiles it into a fused loop
+    (``optim.compiled_step``). Logical right shifts are spelled ``(h >> k) & mask`` because int32 ``>>``
+    is arithmetic.
     """
-    h = torch.arange(n, dtype=torch.int32, device=device) * _GOLDEN + seed
+    h = counters * _GOLDEN + seed
     h = (h ^ ((h >> 16) & 0xFFFF)) * _MIX1
     h = (h ^ ((h >> 13) & 0x7FFFF)) * _MIX2
     return h ^ ((h >> 16) & 0xFFFF)
 
 
-def counter_shifted_seed(seed: torch.Tensor, offset: int) -> torch.Tensor:
-    """The seed under which :func:`uniform_bits`' counter ``i`` gives the bits of counter ``i + offset``
-    under ``seed``: ``uniform_bits(n, counter_shifted_seed(seed, k)) == uniform_bits(k + n, seed)[k:]``.
+def uniform_bits(n: int, seed: torch.Tensor, device=None, start: int = 0) -> torch.Tensor:
+    """32 uniform random bits (int32) per element ``i < n``: :func:`hash_bits` of counter ``start + i``.
 
-    The counter enters the hash only as ``i * golden + seed`` (mod 2**32), so shifting the counters by
-    ``offset`` is adding ``offset * golden`` to the seed. A piece of a tensor (a rank's shard of the
-    flattened parameter starting at element ``offset``) drawn this way takes the bits its elements
-    take in the whole tensor, and a kernel numbering its elements from 0 needs no offset argument.
-
-    Args:
-        seed: int32 tensor (any shape; each element a seed), on any device (no host read).
-        offset: the counter of the piece's first element (a Python int >= 0).
+    ``seed``: an int32 scalar tensor. Counter-based, so it fuses into a cast loop
+    (``kernels.cpu.cast_stochastic``), needs no generator, and any range of counters can be drawn on
+    its own (``start``: a chunk of a larger tensor draws exactly the bits of its elements): the
+    stochastic casts given a ``seed`` tensor (a model's stream draw, ``fp8pass.runtime.sr``) draw
+    these bits. torch's generators (mt19937 eager, Philox in Inductor's scalar CPU code) cost 10-25x
+    the cast itself at gradient sizes (measured: 4-12 ms vs 0.4 ms for 720K elements). The bits are
+    uniform and uncorrelated enough for unbiased rounding (tested), not for cryptography.
     """
-    if offset < 0:
-        raise ValueError(f"counter_shifted_seed: offset must be >= 0, got {offset}")
-    shift = (offset * _GOLDEN + 2**31) % 2**32 - 2**31  # as int32: the add below wraps mod 2**32
-    return seed + shift
+    return hash_bits(torch.arange(start, start + n, dtype=torch.int32, device=device), seed)
 
 
-def stochastic_round_bf16(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+def stochastic_round_bf16(x: torch.Tensor, seed: torch.Tensor, start: int = 0,
+                          bits: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``x`` rounded stochastically to bf16, unbiased: ``E[result] == x`` exactly.
 
     bf16 is fp32's upper half, so the 16 dropped bits are the fraction of a bf16 step: adding 16
     uniform bits to them carries into the kept half with probability fraction / 2**16, in sign-magnitude
     (the int32 add grows the magnitude of either sign). The bits are the low 16 of
-    :func:`uniform_bits` ``(x.numel(), seed)``, element ``i`` of ``x`` (row-major) taking counter ``i``,
-    so a kernel computing the same hash of the same counters gives the same bf16 values. NaN stays
-    NaN; +-Inf stays +-Inf; a value within a bf16 step of fp32's max may round to +-Inf (as torch's own
-    fp32 -> bf16 cast does beyond bf16's max).
+    :func:`uniform_bits` ``(x.numel(), seed, start=start)``, element ``i`` of ``x`` (row-major) taking
+    counter ``start + i``, so a kernel computing the same hash of the same counters gives the same
+    bf16 values, and a tensor rounded chunk by chunk (each chunk with its first element's counter as
+    ``start``) equals the tensor rounded at once. NaN stays NaN; +-Inf stays +-Inf; a value within a
+    bf16 step of fp32's max may round to +-Inf (as torch's own fp32 -> bf16 cast does beyond bf16's max).
 
     Args:
         x: fp32 tensor.
         seed: int32 scalar tensor on ``x``'s device (no host read).
+        start: the counter of ``x``'s first element.
+        bits: instead of drawing them, the 32 hash bits of ``x``'s elements (int32, ``x``'s shape):
+            a caller that computes :func:`hash_bits` itself (the compiled optimizer chunk).
     """
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic_round_bf16 rounds fp32 values, got {x.dtype}")
     xi = x.contiguous().view(torch.int32)
-    r = uniform_bits(x.numel(), seed, x.device).view(x.shape) & 0xFFFF
-    up = ((xi + r) & -65536).view(torch.float32)  # -65536 == 0xFFFF0000: keep the upper half
+    if bits is None:
+        bits = uniform_bits(x.numel(), seed, x.device, start).view(x.shape)
+    up = ((xi + (bits & 0xFFFF)) & -65536).view(torch.float32)  # -65536 == 0xFFFF0000: keep the upper half
     return torch.where(torch.isnan(x), x, up).to(torch.bfloat16)  # exact: the low half is zero
 
 

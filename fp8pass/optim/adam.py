@@ -25,14 +25,20 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..checkpoint.optimizer_checks import check_optimizer_state, saved_param_shapes
 from ..kernels import family_name, forced
-from ..numerics.casts import counter_shifted_seed
 from . import compiled_step
 from .moments import MomentSpec, init_moment, num_blocks, read_moment, write_moment
 from .offload import StateOffload
 from .options import FP8_GROUP_KEYS, check_bf16_sr, check_offload_state, check_options, check_param, moment_specs
 from .sharded import flat_offset, init_sharded_moment, is_dtensor, local_view
 from .torch_state_dict import from_torch_state_dict, is_torch_state_dict
-from .torch_step import CHUNK, adam_step_torch, device_hyper_params, host_hyper_params
+from .torch_step import (
+    CHUNK,
+    WeightSeed,
+    adam_step_torch,
+    device_hyper_params,
+    draw_weight_seeds,
+    host_hyper_params,
+)
 
 __all__ = ["Adam", "AdamW", "state_nbytes"]
 
@@ -235,32 +241,33 @@ class Adam(torch.optim.Optimizer):
                         counts[i] = float(s)
                     known_steps[s] = (s._version, counts[i])
             hps = _hyper_params(group, decoupled, [(p.device, s, c) for (p, *_), s, c in zip(todo, steps, counts)])
-            batches: dict = {}  # (m_spec, v_spec) -> [(p, grad, state, hp)]: one Triton launch per kind of hp
-            wide: list = []  # (p, grad, state, hp, m_spec, v_spec) of blocks too wide for one program
-            for (p, grad, state, m_spec, v_spec), hp in zip(todo, hps):
-                counter_offset = 0  # bf16_stochastic_round: the counter of p's first element
+            wseeds = [None] * len(todo)
+            if group.get("bf16_stochastic_round"):
+                wseeds = self._weight_seeds([p for p, *_ in todo])
+            batches: dict = {}  # (m_spec, v_spec) -> [(p, grad, state, hp, weight seed)]: one Triton launch per kind
+            wide: list = []  # (p, grad, state, hp, m_spec, v_spec, weight seed) of blocks too wide for one program
+            for (p, grad, state, m_spec, v_spec), hp, wseed in zip(todo, hps, wseeds):
                 if is_dtensor(p):  # FSDP2 shard: update the local shard and its blocks
-                    if group.get("bf16_stochastic_round"):
-                        counter_offset = flat_offset(p)
                     p, grad, state = local_view(p, grad, state)
-                if self._kind(group, p) == "triton" and p.is_contiguous() \
-                        and not group.get("bf16_stochastic_round"):  # no Triton variant yet: the torch path
+                if self._kind(group, p) == "triton" and p.is_contiguous():
                     if m_spec.block <= TRITON_MAX_BLOCK:
-                        batches.setdefault((m_spec, v_spec), []).append((p, grad.contiguous(), state, hp))
+                        batches.setdefault((m_spec, v_spec), []).append((p, grad.contiguous(), state, hp, wseed))
                     else:
-                        wide.append((p, grad.contiguous(), state, hp, m_spec, v_spec))
+                        wide.append((p, grad.contiguous(), state, hp, m_spec, v_spec, wseed))
                 else:
-                    self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd, counter_offset)
+                    self._update(p, grad, state, group, m_spec, v_spec, hp, coupled_wd, wseed)
             opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
                         stochastic_flush=group["stochastic_flush"], generator=self.generator)
             for (m_spec, v_spec), batch in batches.items():
                 from ..kernels.triton_adam import adam_step_triton_multi
 
-                adam_step_triton_multi(*zip(*batch), m_spec, v_spec, **opts)
+                *tensors, batch_seeds = zip(*batch)
+                adam_step_triton_multi(*tensors, m_spec, v_spec, weight_seeds=batch_seeds, **opts)
             if wide:  # one pair of launches for all of them, whatever their widths
                 from ..kernels.triton_adam_split import adam_step_triton_split
 
-                adam_step_triton_split(*zip(*wide), **opts)
+                *tensors, wide_seeds = zip(*wide)
+                adam_step_triton_split(*tensors, weight_seeds=wide_seeds, **opts)
         return loss
 
     def _kind(self, group, p) -> str:
@@ -282,18 +289,27 @@ class Adam(torch.optim.Optimizer):
             counts[device_type] = n
         return n
 
-    def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd, counter_offset: int = 0) -> None:
-        """The torch paths (eager or compiled) for one parameter: what the Triton kernels do not take.
-        ``counter_offset``: where ``p`` (a shard's local tensor) starts in its whole flattened parameter."""
+    def _weight_seeds(self, params: list) -> list[WeightSeed]:
+        """``bf16_stochastic_round``: the seed and first counter of each of a group's ``params`` (those
+        updated this step, in order) for this step. All paths (torch, compiled, Triton) round with these,
+        so they stay bit-identical. One draw per device (``torch_step.draw_weight_seeds``: O(1) launches,
+        no host read); parameter j on a device takes that draw's seed j. The counter of a parameter's
+        element i is i; an FSDP2 shard's element i takes the counter of its place in the whole flattened
+        parameter (``sharded.flat_offset``), so a sharded step rounds as one process does."""
+        out: list = [None] * len(params)
+        for device, index in _indices_by_device(params).items():
+            gen = self.generator if self.generator is not None and self.generator.device == device else None
+            seeds = draw_weight_seeds(len(index), gen, device)
+            for j, i in enumerate(index):
+                out[i] = WeightSeed(seeds[j], flat_offset(params[i]) if is_dtensor(params[i]) else 0)
+        return out
+
+    def _update(self, p, grad, state, group, m_spec, v_spec, hp, coupled_wd, weight_seed=None) -> None:
+        """The torch paths (eager or compiled) for one parameter: what the Triton kernels do not take."""
         kind = self._kind(group, p)
         opts = dict(maximize=group["maximize"], coupled_wd=coupled_wd, rounding=group["rounding"],
-                    stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p))
-        if group.get("bf16_stochastic_round"):  # one seed per parameter and step, drawn where p lives
-            gen = opts["generator"]
-            opts["weight_seed"] = torch.randint(-2**31, 2**31 - 1, (), generator=gen, device=p.device,
-                                                dtype=torch.int32)
-            if counter_offset:  # a shard: its elements take the counters of their places in the whole
-                opts["weight_seed"] = counter_shifted_seed(opts["weight_seed"], counter_offset)
+                    stochastic_flush=group["stochastic_flush"], generator=self._generator_for(p),
+                    weight_seed=weight_seed)
         step_fn = adam_step_torch
         if kind == "compiled" and m_spec.block <= CHUNK:  # larger blocks take the two-pass torch path
             step_fn = compiled_step.adam_step_compiled  # looked up per call: tests swap it for a spy
@@ -336,6 +352,14 @@ def _by_device(tensors: list) -> dict:
     out: dict = {}
     for t in tensors:
         out.setdefault(t.device, []).append(t)
+    return out
+
+
+def _indices_by_device(tensors: list) -> dict:
+    """device -> the indices of ``tensors`` on it, in order."""
+    out: dict = {}
+    for i, t in enumerate(tensors):
+        out.setdefault(t.device, []).append(i)
     return out
 
 

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from ..numerics import saturating_cast, scale_from_amax
+from ..numerics.casts import hash_bits, stochastic_round_bf16
 from .moments import MomentSpec
 from .torch_step import CHUNK, _Workspace, adam_step_torch, as_tensor_hp
 
@@ -27,8 +28,11 @@ __all__ = ["adam_step_compiled", "guarded"]
 _BROKEN: list[str] = []  # the first compile error, if torch.compile failed in this process
 
 
-def _chunk(p, g, m_st, m_sc, v_st, v_sc, hp, *, m_spec, v_spec, maximize, coupled_wd):
-    """One full chunk; moments are codes [nb, B] + scales [nb] (FP8) or dense [nb, B]. In place."""
+def _chunk(p, g, m_st, m_sc, v_st, v_sc, hp, seed, first, *, m_spec, v_spec, maximize, coupled_wd, bf16_sr):
+    """One full chunk; moments are codes [nb, B] + scales [nb] (FP8) or dense [nb, B]. In place.
+    ``bf16_sr``: bf16 ``p`` is stored by stochastic rounding under the int32 0-dim ``seed``, the chunk's
+    element j taking counter ``first + j`` (``first``: an int32 0-dim tensor, so that one graph serves
+    every chunk); else ``seed`` and ``first`` are unused."""
     b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = hp.unbind()
     p32 = p.float()
     g = g.float()
@@ -45,7 +49,11 @@ def _chunk(p, g, m_st, m_sc, v_st, v_sc, hp, *, m_spec, v_spec, maximize, couple
     r = torch.sqrt(v)
     p32 = p32 * decay
     p32 = p32 - (m / (r * inv_bc2s + eps)) * step_size
-    p.copy_(p32)
+    if bf16_sr:
+        counters = torch.arange(p.numel(), dtype=torch.int32, device=p.device).view(p.shape) + first
+        p.copy_(stochastic_round_bf16(p32, seed, bits=hash_bits(counters, seed)))
+    else:
+        p.copy_(p32)
     for x, st, sc, spec in ((m, m_st, m_sc, m_spec), (r if v_spec.stores_sqrt else v, v_st, v_sc, v_spec)):
         if spec.fp8:
             scale = scale_from_amax(_finite_amax(x), spec.format)
@@ -63,8 +71,9 @@ def _finite_amax(blocks):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(m_spec: MomentSpec, v_spec: MomentSpec, maximize: bool, coupled_wd: bool):
-    fn = functools.partial(_chunk, m_spec=m_spec, v_spec=v_spec, maximize=maximize, coupled_wd=coupled_wd)
+def _compiled(m_spec: MomentSpec, v_spec: MomentSpec, maximize: bool, coupled_wd: bool, bf16_sr: bool):
+    fn = functools.partial(_chunk, m_spec=m_spec, v_spec=v_spec, maximize=maximize, coupled_wd=coupled_wd,
+                           bf16_sr=bf16_sr)
     # The row count (blocks) is dynamic: one graph serves every tensor size; the block width is static.
     return torch.compile(fn, dynamic=None, fullgraph=True)
 
@@ -72,21 +81,22 @@ def _compiled(m_spec: MomentSpec, v_spec: MomentSpec, maximize: bool, coupled_wd
 _MARKED: set = set()  # (graph, dtypes) compiled with a dynamic row count: later calls match without marks
 
 
-def _call(fn, args, hp) -> None:
+def _call(fn, args, hp, seed, first) -> None:
     key = (fn, *(a.dtype for a in args))
     if key not in _MARKED:  # mark only until the dynamic graph exists (marking costs ~10 us a tensor)
         for a in args:
             if a is not hp:
                 torch._dynamo.mark_dynamic(a, 0)
-    fn(*args, hp)
+    fn(*args, hp, seed, first)
     _MARKED.add(key)
 
 
 def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, hp, maximize=False,
                        coupled_wd=False, rounding="nearest", stochastic_flush=False, generator=None,
                        workspace: _Workspace | None = None, weight_seed=None):
-    """Same contract as ``torch_step.adam_step_torch`` (nearest rounding; stochastic options, the
-    bf16 stochastic weight update and non-contiguous tensors fall back to it).
+    """Same contract as ``torch_step.adam_step_torch`` (nearest rounding of the moments; their
+    stochastic options and non-contiguous tensors fall back to it). The bf16 stochastic weight update
+    (``weight_seed``) is computed in the compiled chunk, bit-identical to the eager path.
 
     The whole blocks of ``p`` go through one compiled call in pieces of at most ``CHUNK`` elements
     (so that an intermediate Inductor keeps is never larger than a chunk); a partial last block, and
@@ -95,11 +105,14 @@ def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, h
     hp = as_tensor_hp(hp, p.device)
     block = m_spec.block
     n = p.numel()
-    if rounding != "nearest" or stochastic_flush or weight_seed is not None \
+    if rounding != "nearest" or stochastic_flush \
             or not (p.is_contiguous() and grad.is_contiguous()) or n < 2 * block:
         return adam_step_torch(p, grad, state, m_spec, v_spec, hp, maximize, coupled_wd, rounding,
                                stochastic_flush, generator, workspace, weight_seed)
-    fn = _compiled(m_spec, v_spec, maximize, coupled_wd)
+    if weight_seed is not None and p.dtype != torch.bfloat16:
+        raise ValueError(f"weight_seed (bf16 stochastic rounding of the weight) needs a bf16 parameter, got {p.dtype}")
+    fn = _compiled(m_spec, v_spec, maximize, coupled_wd, weight_seed is not None)
+    seed = weight_seed.seed if weight_seed is not None else hp  # unread without bf16_sr
     chunk = max(1, CHUNK // block) * block
     pf, gf = p.detach().view(-1), grad.view(-1)
 
@@ -120,12 +133,16 @@ def adam_step_compiled(p, grad, state, m_spec: MomentSpec, v_spec: MomentSpec, h
         args = [pf[s : s + k].view(nb, block), gf[s : s + k].view(nb, block), mc[s : s + k].view(nb, block),
                 ms[b0 : b0 + nb] if ms is not None else hp, vc[s : s + k].view(nb, block),
                 vs[b0 : b0 + nb] if vs is not None else hp]
-        _call(fn, args, hp)
+        first = seed
+        if weight_seed is not None:  # built on the host: free on CPU, where this path is meant to run
+            first = torch.tensor(weight_seed.counter + s, dtype=torch.int32, device=p.device)
+        _call(fn, args, hp, seed, first)
         s += k
     if s < n:
         tail = _tail_state(state, m_spec, v_spec, s, n)
+        tail_seed = None if weight_seed is None else weight_seed._replace(counter=weight_seed.counter + s)
         workspace = adam_step_torch(pf[s:], gf[s:], tail, m_spec, v_spec, hp, maximize, coupled_wd,
-                                    rounding, stochastic_flush, generator, workspace)
+                                    rounding, stochastic_flush, generator, workspace, tail_seed)
     return workspace
 
 

@@ -23,13 +23,13 @@ import math
 import numpy as np
 import torch
 
-from ..kernels.adam_layout import HP_FIELDS, MomentSpec
+from ..kernels.adam_layout import HP_FIELDS, MomentSpec, WeightSeed
 from ..numerics import saturating_cast, scale_from_amax
 from ..numerics.casts import stochastic_round_bf16
 from .moments import finite_block_amax
 
 __all__ = ["CHUNK", "HP_FIELDS", "host_hyper_params", "device_hyper_params", "hyper_params", "as_tensor_hp",
-           "adam_step_torch", "cast_moment"]
+           "adam_step_torch", "cast_moment", "draw_weight_seeds", "WeightSeed"]
 
 # Elements per chunk (a multiple of the block is used): 6 fp32 buffers of 1 MiB stay in L2/L3.
 CHUNK = 1 << 18
@@ -142,6 +142,14 @@ def cast_moment(x: torch.Tensor, spec: MomentSpec, rounding: str, stochastic_flu
     return codes
 
 
+def draw_weight_seeds(count: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    """The int32 seeds [count] of ``count`` parameters' stochastic weight updates on ``device`` for one
+    step (``bf16_stochastic_round``): one draw from ``generator`` (the device's default generator when
+    None), one launch whatever the count, nothing read on the host. Parameter ``j`` of the draw takes
+    ``seeds[j]`` (a view) in every path (torch, compiled, Triton), so all of them round the same."""
+    return torch.randint(-2**31, 2**31 - 1, (count,), generator=generator, device=device, dtype=torch.int32)
+
+
 class _Workspace:
     """fp32 chunk buffers, allocated once per step and device (malloc of MiB buffers per chunk is slow)."""
 
@@ -154,7 +162,7 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
                     v_spec: MomentSpec, hp: torch.Tensor, maximize: bool = False, coupled_wd: bool = False,
                     rounding: str = "nearest",
                     stochastic_flush: bool = False, generator: torch.Generator | None = None,
-                    workspace: _Workspace | None = None, weight_seed: torch.Tensor | None = None) -> _Workspace:
+                    workspace: _Workspace | None = None, weight_seed: WeightSeed | None = None) -> _Workspace:
     """One Adam/AdamW update of ``p`` (in place) and its moments in ``state`` (in place).
 
     Blocks of at most ``CHUNK`` elements are processed whole, several per chunk, in one pass. A
@@ -178,14 +186,21 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
         generator: torch.Generator for stochastic rounding.
         workspace: reusable buffers (from a previous call on the same device), or None.
         weight_seed: bf16 ``p`` only (``bf16_stochastic_round``): the new weight, computed in fp32,
-            is stored by ``numerics.casts.stochastic_round_bf16`` under this int32 seed (element i of
-            the flattened parameter takes counter i) instead of rounding to nearest.
+            is stored by ``numerics.casts.stochastic_round_bf16`` under ``weight_seed.seed``, element i
+            of the flattened parameter taking counter ``weight_seed.counter + i``, instead of rounding
+            to nearest. Rounded chunk by chunk, as each chunk is updated.
+
+    A parameter that is not fp32 (or not contiguous) is updated chunk by chunk through an fp32
+    workspace buffer and written back in its dtype, so no fp32 copy of the whole parameter exists.
 
     Returns:
         the workspace, to pass to the next call.
     """
     if weight_seed is not None and p.dtype != torch.bfloat16:
         raise ValueError(f"weight_seed (bf16 stochastic rounding of the weight) needs a bf16 parameter, got {p.dtype}")
+    if weight_seed is not None and not isinstance(weight_seed, WeightSeed):
+        raise TypeError(f"weight_seed must be a kernels.adam_layout.WeightSeed(seed, counter), got "
+                        f"{type(weight_seed).__name__}")
     hp = as_tensor_hp(hp, p.device)
     n = p.numel()
     block = m_spec.block
@@ -195,10 +210,10 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
     ws = workspace if workspace is not None and workspace.g.numel() >= size else None
     if ws is None:
         ws = _Workspace(size, p.device)
-    direct_p = p.dtype == torch.float32 and p.is_contiguous()
-    p_flat = p.view(-1) if direct_p else p.detach().reshape(-1).float()
+    # a non-contiguous parameter is updated in a contiguous copy of its dtype, copied back at the end
+    p_flat = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
     run = _Chunks(p_flat, grad.reshape(-1), state, m_spec, v_spec, hp, ws, maximize, coupled_wd,
-                  rounding, stochastic_flush, generator)
+                  rounding, stochastic_flush, generator, weight_seed)
     if whole:
         for s in range(0, n, chunk):
             k = min(n, s + chunk) - s
@@ -221,9 +236,7 @@ def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, state: dict, m_spec: Mo
                 run.update(s, k, 1, k, scales=scales)
             for spec in fp8:  # only now: every span of pass 2 decoded its old codes with the old scale
                 run.flats[spec.scale_key][b0 // block].copy_(scales[spec.name][0])
-    if weight_seed is not None:
-        p.copy_(stochastic_round_bf16(p_flat, weight_seed).view(p.shape))
-    elif not direct_p:
+    if not p.is_contiguous():
         p.copy_(p_flat.view(p.shape))
     return ws
 
@@ -233,8 +246,9 @@ class _Chunks:
     blocks (whole blocks, the last one zero-padded), or as one span of a larger block (rows = 1)."""
 
     def __init__(self, p_flat, g_flat, state, m_spec, v_spec, hp, ws, maximize, coupled_wd, rounding,
-                 stochastic_flush, generator):
+                 stochastic_flush, generator, weight_seed=None):
         self.p_flat, self.g_flat, self.ws = p_flat, g_flat, ws
+        self.weight_seed = weight_seed
         self.flats = {k: v.view(-1) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         self.m_spec, self.v_spec, self.hp = m_spec, v_spec, hp.unbind()
         self.maximize, self.coupled_wd = maximize, coupled_wd
@@ -248,7 +262,11 @@ class _Chunks:
         ``scales[name]`` if given, else with the amax of each of its ``rows`` blocks."""
         b1, omb1, b2, omb2, inv_bc2s, eps, step_size, decay, l2 = self.hp
         ws, flats, m_spec, v_spec = self.ws, self.flats, self.m_spec, self.v_spec
-        pc = self.p_flat[s : s + k]
+        stored = self.p_flat[s : s + k]
+        pc = stored
+        if stored.dtype != torch.float32:  # updated in fp32 in the workspace, written back below
+            pc = ws.p[:k]
+            pc.copy_(stored)
         if self.copy_g:
             g = ws.g[:k]
             g.copy_(self.g_flat[s : s + k])
@@ -282,6 +300,11 @@ class _Chunks:
         torch.div(m, u, out=u)
         u.mul_(step_size)
         pc.sub_(u)
+        if self.weight_seed is not None:
+            seed, counter = self.weight_seed
+            stored.copy_(stochastic_round_bf16(pc, seed, counter + s))
+        elif pc is not stored:
+            stored.copy_(pc)
         for src, spec in ((ws.m, m_spec), (v_src, v_spec)):
             _store(src, ws.u, flats, spec, s, k, rows, width, *self.cast,
                    scale=None if scales is None else scales.get(spec.name))

@@ -11,7 +11,7 @@ import _dist_sr
 import pytest
 import torch
 
-from fp8pass.numerics.casts import counter_shifted_seed, uniform_bits
+from fp8pass.numerics.casts import uniform_bits
 from fp8pass.optim.sharded import shard_rows
 
 
@@ -30,15 +30,13 @@ def _hash(counters, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", [0, 12345, 2**31 - 1, -2**31])
-def test_a_shifted_seed_draws_the_bits_of_the_shifted_counters(seed):
+def test_a_counter_start_draws_the_bits_of_the_shifted_counters(seed):
     s = torch.tensor(seed, dtype=torch.int32)
     assert torch.equal(uniform_bits(10, s), _hash(range(10), seed))  # the reference is the hash
-    for offset in (0, 1, 1000, 2**20 + 3, 2**31 - 10, 2**32 + 5):
-        got = uniform_bits(10, counter_shifted_seed(s, offset))
+    for offset in (0, 1, 1000, 2**20 + 3, 2**31 - 10):
+        got = uniform_bits(10, s, start=offset)
         assert torch.equal(got, _hash(range(offset, offset + 10), seed)), offset
-    assert torch.equal(uniform_bits(7, counter_shifted_seed(s, 93)), uniform_bits(100, s)[93:])
-    with pytest.raises(ValueError, match="offset must be >= 0"):
-        counter_shifted_seed(s, -1)
+    assert torch.equal(uniform_bits(7, s, start=93), uniform_bits(100, s)[93:])
 
 
 def test_shard_rows_follow_torch_chunk_and_refuse_other_layouts():

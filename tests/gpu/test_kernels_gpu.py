@@ -456,3 +456,46 @@ def test_transpose_cast_past_2_31_elements_exact():
         ref = saturating_cast(x[i : i + 8192].float() * 100.0, E4M3)
         assert same(codes[i : i + 8192], ref), i
         assert same(codes_t[:, i : i + 8192], ref.t().contiguous()), i
+
+
+@pytest.mark.parametrize("block", [128, 5000, 1 << 20], ids=["fused", "fused one pass", "split kernels"])
+def test_adam_bf16_stochastic_weight_bit_identical_to_torch_path(block):
+    """bf16_stochastic_round's kernels (fused, and the split ones for a block above TRITON_MAX_BLOCK) with
+    the same WeightSeeds as the CPU torch path: weights and moments bit for bit, several tensors per launch."""
+    from fp8pass.kernels.adam_layout import WeightSeed
+    from fp8pass.kernels.triton_adam import adam_step_triton_multi
+    from fp8pass.kernels.triton_adam_split import adam_step_triton_split
+    from fp8pass.optim.moments import MomentSpec, init_moment
+    from fp8pass.optim.torch_step import adam_step_torch, draw_weight_seeds, host_hyper_params
+
+    g = torch.Generator().manual_seed(2)
+    sizes = (3 * 2**20 + 77, 300 * 7, 5, 20000)
+    seeds = draw_weight_seeds(len(sizes), torch.Generator().manual_seed(4), "cpu")
+    counters = (0, 17, 2**31 - 100, 5)
+    ms, vs = MomentSpec("exp_avg", "e4m3", block), MomentSpec("exp_avg_sq", "e5m2", block, sqrt=True)
+    weights = [torch.randn(n, generator=g).bfloat16() for n in sizes]
+    out = {}
+    for device in ("cpu", "cuda"):
+        params = [w.to(device) for w in weights]
+        states = [{} for _ in params]
+        for p, st in zip(params, states):
+            init_moment(st, ms, p)
+            init_moment(st, vs, p)
+        wseeds = [WeightSeed(seeds.to(device)[j], c) for j, c in enumerate(counters)]
+        for t in range(2):
+            grads = [(torch.randn(n, generator=torch.Generator().manual_seed(10 * t + i)) * 0.1).bfloat16().to(device)
+                     for i, n in enumerate(sizes)]
+            hp = host_hyper_params(1e-2, 0.9, 0.999, 1e-8, 0.1, t + 1, True)
+            if device == "cpu":
+                for p, gr, st, ws in zip(params, grads, states, wseeds):
+                    adam_step_torch(p, gr, st, ms, vs, hp, weight_seed=ws)
+            elif block > (1 << 13):
+                adam_step_triton_split(params, grads, states, [hp] * len(sizes), [ms] * len(sizes), [vs] * len(sizes),
+                                       weight_seeds=wseeds)
+            else:
+                adam_step_triton_multi(params, grads, states, [hp] * len(sizes), ms, vs, weight_seeds=wseeds)
+        out[device] = params, states
+    for (p, sp), (q, sq) in zip(zip(*out["cpu"]), zip(*out["cuda"])):
+        assert same(q, p)
+        for k in sp:
+            assert _same_state(sp[k], sq[k]), k
