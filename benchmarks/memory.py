@@ -46,6 +46,9 @@ VARIANTS = {  # name -> (recipe, compile the bf16 recipe with Inductor, backend 
     "bf16 inductor": ("bf16", True, {}),
     "fp8-smooth-fp8adam": ("fp8-smooth-fp8adam", False, {}),
     "fp8 + recompute_glu_output": ("fp8-smooth-fp8adam", False, {"recompute_glu_output": True}),
+    "fp8 + save_norm_input_fp8": ("fp8-smooth-fp8adam", False, {"save_norm_input_fp8": True}),
+    "fp8 + recompute_glu + norm_fp8": ("fp8-smooth-fp8adam", False, {"recompute_glu_output": True,
+                                                                   "save_norm_input_fp8": True}),
     "fp8 + bf16 SR weights": ("fp8-smooth-fp8adam", False, {}, {"bf16_stochastic_round": True}),
 }
 BASE, FP8 = "bf16 inductor", "fp8-smooth-fp8adam"
