@@ -311,6 +311,24 @@ def _linear_case(recipe_name: str, tokens: int = 64, d_in: int = 64, d_out: int 
     return step
 
 
+def _rmsnorm_case(tokens: int = 64, d: int = 64):
+    """``fp8pass::rmsnorm`` in TinyLlama's form (fp32 residual stream, fp32 weight): forward, then
+    backward from the saved E4M3 x_hat codes and rstd (Config.save_norm_input_fp8)."""
+    from fp8pass.op_schema import NormKnobs
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, d, requires_grad=True)
+    w = torch.randn(d, requires_grad=True)
+    dy = torch.randn(tokens, d)
+    knobs = NormKnobs(1e-5, None, torch.float32, "e4m3").args()
+
+    def step():
+        x.grad = w.grad = None
+        torch.ops.fp8pass.rmsnorm(x, w, *knobs)[0].backward(dy)
+
+    return step
+
+
 def _swiglu_case(smooth: str, tokens: int = 64, d: int = 64, ffn: int = 128):
     import fp8pass
 
@@ -402,6 +420,7 @@ CASES = {
     "grouped_linear current 2 experts": lambda: _grouped_case(experts=2),
     "grouped_linear current 8 experts": lambda: _grouped_case(experts=8),
     "grouped_swiglu channel": lambda: _grouped_swiglu_case("channel"),
+    "rmsnorm fp32": lambda: _rmsnorm_case(),
 }
 # issue 28's goals (fwd+bwd, GEMMs included; the AdamW step O(1) in the number of tensors)
 GOALS = {"fp8_linear delayed": 12, "fp8_linear current": 16, "swiglu_mlp channel": 30}

@@ -43,6 +43,7 @@ RUNS = {
     "bf16-fp8adam-sr": {"recipe": "bf16-fp8adam", "moment_rounding": "stochastic"},
     "fp8-smooth-fp8adam-sr": {"recipe": "fp8-smooth-fp8adam", "moment_rounding": "stochastic"},
     "fp8-smooth-fp8adam-recompute-glu": {"recipe": "fp8-smooth-fp8adam", "recompute_glu_output": True},
+    "fp8-smooth-fp8adam-norm-fp8": {"recipe": "fp8-smooth-fp8adam", "save_norm_input_fp8": True},
     "bf16-fp8adam-bf16sr": {"recipe": "bf16-fp8adam", "bf16_stochastic_round": True},
     "fp8-smooth-fp8adam-bf16sr": {"recipe": "fp8-smooth-fp8adam", "bf16_stochastic_round": True},
 }

@@ -349,6 +349,14 @@ class Config:
             per GLU element (``tokens x ffn``) less saved per GLU, one more elementwise pass in backward;
             its wgrad then sees gate/up's E4M3 rounding too. Per-tensor FP8 GLUs only (a GLU with
             row/block scales keeps its codes); MoE expert stacks keep theirs.
+        save_norm_input_fp8: memory (docs/runtime.md, Saved for backward): an RMSNorm whose output only
+            FP8 linears read (q/k/v, gate/up; through a dtype cast too) becomes ``fp8pass::rmsnorm``,
+            which keeps for backward its normalized input ``x_hat = x * rstd`` as E4M3 codes (one
+            per-tensor current scale) and ``rstd`` (fp32, one per row) instead of the fp32 input:
+            1 byte instead of 4 per residual-stream element per norm. The forward is the original norm's
+            math unchanged (bit for bit); ``dx``/``dw`` see x_hat's E4M3 rounding (relative error
+            <= 2^-4). A norm with another reader (the final norm before a high-precision LM head) is
+            left as it is, listed by explain with the reason. Off: graphs are not touched.
     """
 
     recipe: CurrentScaling | DelayedScaling | NVFP4Scaling = DelayedScaling()
@@ -372,6 +380,7 @@ class Config:
     eval_recipe: object = None
     schedule: tuple[Switch, ...] = ()
     recompute_glu_output: bool = False
+    save_norm_input_fp8: bool = False
 
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> "Config":
@@ -412,6 +421,7 @@ class Config:
                 raise ValueError(f"Config.sr_seed must be an int in [0, 2**63) or None, got {self.sr_seed!r}")
         _check_bool("Config.fast_accum", self.fast_accum)
         _check_bool("Config.recompute_glu_output", self.recompute_glu_output)
+        _check_bool("Config.save_norm_input_fp8", self.save_norm_input_fp8)
         keep = self.keep_high_precision
         if isinstance(keep, str):  # a lone glob would otherwise be iterated character by character
             keep = (keep,)

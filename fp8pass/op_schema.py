@@ -22,7 +22,7 @@ import torch
 from .config import Config, CurrentScaling, DelayedScaling, NVFP4Scaling
 
 __all__ = ["Knobs", "LinearKnobs", "GLUKnobs", "GroupedLinearKnobs", "GroupedGLUKnobs", "NVFP4Knobs", "NVFP4GradKnobs",
-           "HCPUpdateKnobs", "knob_op",
+           "HCPUpdateKnobs", "NormKnobs", "knob_op",
            "smooth_knob", "SR_STREAM", "SR_SEED"]
 
 # The stochastic-rounding stream of the op's weight (``fp8pass.runtime.sr``): the last tensor argument of
@@ -279,6 +279,29 @@ class HCPUpdateKnobs(Knobs):
 
     decay: float
     interval: int
+
+
+@dataclass(frozen=True)
+class NormKnobs(Knobs):
+    """The knobs of ``rmsnorm`` (and ``rmsnorm_backward``): which RMSNorm form it computes, bit for bit.
+
+    ``x_hat = x.float() * rsqrt(mean(x.float()^2, -1) + eps)``; then ``y = cast(x_hat, hat_dtype) * w``
+    and ``y = y.to(out_dtype)``.
+
+    Attributes:
+        eps: the norm's epsilon.
+        hat_dtype: the dtype ``x_hat`` is cast to before the weight multiplies it (Hugging Face's
+            ``weight * hidden.to(input_dtype)``), or None: the fp32 ``x_hat`` (fp8pass's TinyLlama).
+        out_dtype: the dtype of the final cast (``(x_hat * w).to(x.dtype)``), or None: none (the
+            product's dtype).
+        fwd_format: the format of the saved ``x_hat`` codes ("e4m3"; "identity": saved as fp32 values,
+            a testing hook).
+    """
+
+    eps: float
+    hat_dtype: typing.Optional[torch.dtype]
+    out_dtype: typing.Optional[torch.dtype]
+    fwd_format: str
 
 
 def _mutable(tensors: str, mutates_args: tuple[str, ...]) -> str:

@@ -12,6 +12,9 @@ sharding rule per op. The rules say how each op computes on the local shards:
 * the backward ops: the saved codes and scales stay as the forward left them (the rule reads their
   placements) and ``dy`` is brought to the matching placement; ``dW`` is Shard like ``W`` or Partial
   when the tokens were sharded.
+* ``rmsnorm`` (``Config.save_norm_input_fp8``) and its backward: all Replicate. Its saved ``x_hat``
+  codes have one current scale from the whole tensor's amax; on token shards each rank would scale by
+  its own shard's amax, so the rule gathers instead (SequenceParallel's norms: leave the knob off).
 * every other op (MoE grouped GEMMs, NVFP4, the state records): all Replicate (DTensor gathers the
   operands first: correct, no sharded compute).
 
@@ -225,6 +228,16 @@ def _swiglu_down_backward(a, kw):
     return [([R, R, R, R], {**keep, "dy": R})]
 
 
+def _rmsnorm(a, kw):
+    # (y, x_hat_data, x_hat_scale, rstd): one per-tensor current scale of x_hat, so not on shards
+    return [([R, R, R, R], {"x": R, "weight": R})]
+
+
+def _rmsnorm_backward(a, kw):
+    # (dx, dw) from the Replicate codes, rstd and weight
+    return [([R, R], {name: R for name in a})]
+
+
 RULES = {
     "fp8_linear": _fp8_linear,
     "fp8_linear_backward": _fp8_linear_backward,
@@ -233,6 +246,8 @@ RULES = {
     "fp8_linear_precast_backward": _fp8_linear_precast_backward,
     "swiglu_down": _swiglu_down,
     "swiglu_down_backward": _swiglu_down_backward,
+    "rmsnorm": _rmsnorm,
+    "rmsnorm_backward": _rmsnorm_backward,
 }
 """Op name -> ``rule(tensor args by name, other args by name)`` giving ``[(outputs, inputs), ...]``."""
 

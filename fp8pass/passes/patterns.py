@@ -31,6 +31,10 @@ Forms covered (all verified on real Dynamo graphs in tests/passes/test_patterns.
 * a fused gate+up projection followed by ``chunk``, ``split``, last-dim slicing or
   ``view(..., 2, n).unbind(-2)`` (blocked) / ``view(..., n, 2).unbind(-1)`` (interleaved);
 * the down projection of the GLU output (any projection form above);
+* RMSNorm (:data:`RMS_NORM`; rewritten only under ``Config.save_norm_input_fp8``): fp8pass's TinyLlama
+  ``(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)`` with ``xf = x.float()``,
+  and Hugging Face's ``LlamaRMSNorm`` ``w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``
+  with ``xf = x.to(torch.float32)``; ``w`` a 1-D parameter, either operand order, the casts optional;
 * tensor parallel (separate gate/up projections): each projection's DTensor output made local by
   ``.redistribute(...).to_local()`` or ``.to_local()`` (ColwiseParallel's output hook), the product
   declared a DTensor by ``DTensor.from_local(h, mesh, placements)`` (RowwiseParallel's input hook), and
@@ -64,7 +68,8 @@ from .matcher import (
 )
 
 __all__ = ["LINEAR", "GLU_MLP", "GLU_CORE", "ACTIVATION", "GROUPED_LINEAR", "EXPERT_GLU", "MATMUL_LIKE",
-           "expert_slice", "expert_slices", "weight_rows", "find_glu_mlps", "find_expert_glus", "grouped_mm_targets"]
+           "expert_slice", "expert_slices", "weight_rows", "find_glu_mlps", "find_expert_glus", "grouped_mm_targets",
+           "RMS_NORM", "find_rms_norms"]
 
 MATMUL = (operator.matmul, torch.matmul, "matmul")
 MM = (torch.mm, "mm")
@@ -548,3 +553,60 @@ def find_glu_mlps(graph: fx.Graph, pattern: Pattern = GLU_MLP) -> tuple[list[Mat
 def find_expert_glus(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, str]]]:
     """All MoE expert GLUs (grouped projections, one offsets tensor), as :func:`find_glu_mlps`."""
     return find_glu_mlps(graph, EXPERT_GLU)
+
+
+# ---- RMSNorm -------------------------------------------------------------------------------------
+
+class _Literal(Pattern):
+    """A Python float literal (not a node); binds ``name`` to it (an RMSNorm's ``eps``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def match(self, value, m):
+        if isinstance(value, (float, int)) and not isinstance(value, bool):
+            yield m.extend(self.name, float(value))
+
+
+class _OneCast(Pattern):
+    """One dtype cast (:func:`~.matcher.is_cast`, no contiguity call) of ``pattern``'s value."""
+
+    def __init__(self, pattern: Pattern):
+        self.pattern = pattern
+
+    def match(self, value, m):
+        if is_cast(value) and value.target in ("to", "type", "float", "bfloat16", "half", "double", "type_as"):
+            yield from self.pattern.match(value.args[0], m.extend(node=value))
+
+
+_NORM_X = Bind("norm_xf", OneOf(_OneCast(Bind("norm_x")), Bind("norm_x")))
+_MEAN_SQUARE = Op(("mean", torch.mean), Op(("pow", torch.pow), _NORM_X, Const((2, 2.0))),
+                  dim=(1, None, Const((-1, (-1,), [-1]))), keepdim=(2, False, Const((True,))))
+_RSTD = Op((torch.rsqrt, "rsqrt"), Op(ADD, _MEAN_SQUARE, _Literal("norm_eps"), commutative=True))
+_X_HAT = Bind("norm_hat", Op(MUL, _NORM_X, _RSTD, commutative=True))
+_NORM_W = Bind("norm_w", Where(lambda n: is_param_placeholder(n) and _ndim(n) == 1))
+_NORM_Y = Bind("norm_y", Op(MUL, OneOf(Bind("norm_hat_cast", _OneCast(_X_HAT)), _X_HAT), _NORM_W, commutative=True))
+
+# y = cast(x_hat) * w, then optionally cast: TinyLlama's and Hugging Face's LlamaRMSNorm forms
+RMS_NORM = Bind("norm", OneOf(Bind("norm_out_cast", _OneCast(_NORM_Y)), _NORM_Y))
+
+
+def find_rms_norms(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, str]]]:
+    """All RMSNorm matches (the widest: with the output cast), last first; and norms whose
+    intermediate values are read outside them, with the reason."""
+    found: list[Match] = []
+    rejected: list[tuple[Match, str]] = []
+    taken: set[fx.Node] = set()
+    for node in reversed(list(graph.nodes)):
+        if node.op not in ("call_function", "call_method") or node in taken:
+            continue
+        for m in RMS_NORM(node):
+            m.nodes = list(dict.fromkeys(m.nodes))
+            inside = set(m.nodes)
+            if any(u not in inside for n in m.nodes[1:] for u in n.users):
+                rejected.append((m, "an intermediate value of the norm is also used outside it"))
+            else:
+                found.append(m)
+            taken |= inside
+            break
+    return found[::-1], rejected[::-1]

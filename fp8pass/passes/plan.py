@@ -23,6 +23,7 @@ Higher-order ops' bodies (:mod:`.hops`) are planned like any graph: an activatio
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -33,7 +34,7 @@ from torch import fx
 from ..config import Config, CurrentScaling, NVFP4Scaling
 from . import hops
 from .annotate import META_KEY, annotate
-from .matcher import MUL, Match, caller_fqn, example_value, is_call, param_fqn, weight_fqn
+from .matcher import MUL, Match, caller_fqn, example_value, is_call, is_cast, param_fqn, weight_fqn
 from .nvfp4_policy import protected_linears
 from .patterns import (
     GLU_PRODUCT_LOOSE,
@@ -44,6 +45,7 @@ from .patterns import (
     expert_slices,
     find_expert_glus,
     find_glu_mlps,
+    find_rms_norms,
     grouped_mm_targets,
     linear,
     variant_name,
@@ -51,7 +53,7 @@ from .patterns import (
 from .policy import Decision, SiteRecipe, decide_linear
 
 __all__ = ["Projection", "Protection", "GLUSite", "ExpertGLUSite", "LoopGLUSite", "LinearSite", "LoopLinearSite",
-           "ExpertLinearSite", "Site", "BodyPlan", "Plan", "plan_graph", "is_nvfp4", "nvfp4_projections"]
+           "ExpertLinearSite", "NormSite", "Site", "BodyPlan", "Plan", "plan_graph", "is_nvfp4", "nvfp4_projections"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +187,25 @@ class ExpertLinearSite(LinearSite):
     offs: fx.Node | None = None   # None: batched form, x [E, C, in]
 
 
-Site = GLUSite | LinearSite
+@dataclass(slots=True)
+class NormSite:
+    """An RMSNorm whose output only FP8 linears read (``Config.save_norm_input_fp8``): rewritten into
+    ``fp8pass::rmsnorm``, which keeps FP8 codes of its normalized input for backward, not the input."""
+
+    kind: ClassVar[str] = "rmsnorm"
+
+    call: fx.Node                  # the matched node whose value the op's ``y`` replaces
+    x: fx.Node                     # the norm's input (before its fp32 cast)
+    w: fx.Node                     # its 1-D weight parameter
+    fqn: str
+    eps: float
+    hat_dtype: torch.dtype | None  # x_hat's cast before the weight multiplies it (Hugging Face), else None
+    out_dtype: torch.dtype | None  # the output's final cast, else None
+    nodes: list[fx.Node] = field(default_factory=list)   # the match's nodes (erasable once dead)
+    recipe: SiteRecipe | None = None  # unused: the norm runs no GEMM (kept for the sites' common shape)
+
+
+Site = GLUSite | LinearSite | NormSite
 
 
 @dataclass
@@ -228,6 +248,11 @@ class Plan:
     @property
     def loop_linears(self) -> list[LoopLinearSite]:
         return self.of_kind(LoopLinearSite)
+
+    @property
+    def norms(self) -> list[NormSite]:
+        """RMSNorms that keep FP8 codes of their normalized input (``Config.save_norm_input_fp8``)."""
+        return self.of_kind(NormSite)
 
     def empty(self) -> bool:
         """Nothing to rewrite (in this graph or any body)."""
@@ -602,6 +627,8 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
                     plan.skipped.append((where, d.reason))
                 break
     plan.skipped += _unplanned_matmuls(graph, decided)
+    if cfg.save_norm_input_fp8:
+        _plan_norms(graph, plan)
     for b in hops.bodies(graph):
         sub = plan_graph(b.gm.graph, cfg, body=True)
         why = _why_body_kept(b, sub)
@@ -613,6 +640,79 @@ def plan_graph(graph: fx.Graph, cfg: Config, split_before: dict[str, str] | None
     if not body:  # a body with NVFP4 sites is kept whole (_why_body_kept)
         plan.skipped += _protect_nvfp4(plan)
     return plan
+
+
+def _fp8_inputs(plan: Plan) -> dict[fx.Node, set[fx.Node]]:
+    """The input node of every FP8 (not NVFP4) projection of ``plan`` -> the calls that read it."""
+    out: dict[fx.Node, set[fx.Node]] = {}
+    for site in plan.glus + plan.linears:
+        if is_nvfp4(site):
+            continue
+        projections = site.projections()[:-1] if isinstance(site, GLUSite) else [site.proj]
+        for p in projections:
+            out.setdefault(p.x, set()).add(p.call)
+    return out
+
+
+def _foreign_reader(node: fx.Node, fp8_inputs: dict[fx.Node, set[fx.Node]]) -> fx.Node | None:
+    """A reader of ``node`` that is not an FP8 linear taking it as its input (directly or through
+    dtype casts), or None when every reader is one."""
+    for user in node.users:
+        if user in fp8_inputs.get(node, ()):
+            continue
+        if is_cast(user):
+            other = _foreign_reader(user, fp8_inputs)
+            if other is None:
+                continue
+            return other
+        return user
+    return None
+
+
+def _plan_norms(graph: fx.Graph, plan: Plan) -> None:
+    """RMSNorm sites (``Config.save_norm_input_fp8``): a norm whose every reader is a converted FP8
+    linear, else ``Plan.skipped`` with the reason."""
+    found, rejected = find_rms_norms(graph)
+    fp8_inputs = _fp8_inputs(plan)
+    for m, reason in rejected:
+        plan.skipped.append((f"RMSNorm {_weight_name(m['norm_w'])}", f"input kept in high precision: {reason}"))
+    for m in found:
+        w = m["norm_w"]
+        fqn = _weight_name(w)
+        where = f"RMSNorm {fqn}"
+        xf = example_value(m["norm_xf"])
+        if not isinstance(xf, torch.Tensor) or xf.dtype != torch.float32:
+            plan.skipped.append((where, f"input kept in high precision: its statistics are computed in "
+                                        f"{getattr(xf, 'dtype', '?')}, not fp32"))
+            continue
+        reader = _foreign_reader(m["norm"], fp8_inputs)
+        if reader is not None:
+            plan.skipped.append((where, f"input kept in high precision: its output is read by "
+                                        f"{_reader_name(reader)}, which is not an FP8 linear"))
+            continue
+        hat_cast, out_cast = m.get("norm_hat_cast"), m.get("norm_out_cast")
+        plan.sites.append(NormSite(
+            call=m["norm"], x=m["norm_x"], w=w, fqn=fqn, eps=m["norm_eps"],
+            hat_dtype=None if hat_cast is None else example_value(hat_cast).dtype,
+            out_dtype=None if out_cast is None else example_value(out_cast).dtype,
+            nodes=list(m.nodes)))
+
+
+def _reader_name(node: fx.Node, depth: int = 3) -> str:
+    """A reader of a norm's output for explain: the linear it reaches through a few views or casts
+    (Hugging Face slices the last hidden state before the LM head) when there is one, else the call."""
+    cur = node
+    for _ in range(depth + 1):
+        for m in LINEAR(cur):
+            return f"{_weight_name(m['lin_w'])} (a linear kept in high precision)"
+        if len(cur.users) != 1 or not (is_cast(cur) or is_call(cur, _NORM_READER_VIEWS)):
+            break
+        cur = next(iter(cur.users))
+    name = getattr(node.target, "__name__", str(node.target))
+    return f"{name} at {caller_fqn(node) or node.name}"
+
+
+_NORM_READER_VIEWS = (operator.getitem, "view", "reshape", "contiguous", "flatten")
 
 
 def is_nvfp4(site: Site) -> bool:

@@ -26,6 +26,10 @@ A GLU site ``down(act(gate(x)) * up(x))`` becomes FP8 linears for gate and up (o
 projection) and one ``fp8pass::swiglu_down`` with the matched activation (silu, gelu, gelu_tanh or
 relu: activation, product, Smooth-SwiGLU scaling and the FP8 down GEMM). Under MX granularity a GLU's
 three projections become plain MX linears instead (:meth:`FP8Rewriter.replace_glu_mx`).
+
+An RMSNorm site (``Config.save_norm_input_fp8``: a norm only FP8 linears read) becomes
+``y = fp8pass::rmsnorm(x, w, eps=, hat_dtype=, out_dtype=, fwd_format=)[0]``: the same values, its
+normalized input kept as E4M3 codes for backward (:meth:`FP8Rewriter.replace_norm`).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import operator
 import torch
 
 from ..numerics import ROLES
-from ..op_schema import GLUKnobs
+from ..op_schema import GLUKnobs, NormKnobs
 from .annotate import facts, value_dtype
-from .plan import GLUSite, LinearSite, Plan, is_nvfp4
+from .plan import GLUSite, LinearSite, NormSite, Plan, is_nvfp4
 from .rewrite_base import GraphRewriter, keep_meta
 
 __all__ = ["FP8Rewriter"]
@@ -96,11 +100,26 @@ class FP8Rewriter(GraphRewriter):
             self.replace(p.call, self.fp8_linear(p.x, p.w, p.b, p.call, p.w_t), site.nodes)
         return ([site.gate] if site.fused else [site.gate, site.up]) + [site.down]
 
+    def replace_norm(self, site: NormSite) -> None:
+        """An RMSNorm into ``fp8pass::rmsnorm`` (its matched nodes erased once dead; the input's own
+        cast stays where something else reads it)."""
+        fmt = "identity" if self.cfg.fwd_format == "identity" else "e4m3"
+        k = NormKnobs(site.eps, site.hat_dtype, site.out_dtype, fmt)
+        with self.graph.inserting_before(site.call):
+            out = self.graph.call_function(self.ops.rmsnorm.default, (self.r(site.x), site.w), k.kwargs())
+            y = self.graph.call_function(operator.getitem, (out, 0))
+        keep_meta(out, site.call)
+        keep_meta(y, site.call)
+        self.replace(site.call, y, site.nodes)
+
     def apply(self, plan: Plan) -> tuple[list[str], list[tuple[str, str]]]:
         """Rewrite the plan's FP8 GLUs and linears (NVFP4 ones are NVFP4Rewriter's); returns (weights made
         FP8, (where, reason) kept)."""
-        return self.replace_sites([s for s in plan.glus if not is_nvfp4(s)],
-                                  [s for s in plan.linears if not is_nvfp4(s)]), []
+        done = self.replace_sites([s for s in plan.glus if not is_nvfp4(s)],
+                                  [s for s in plan.linears if not is_nvfp4(s)])
+        for site in plan.norms:
+            self.replace_norm(site)
+        return done, []
 
     def replace_sites(self, glus, linears) -> list[str]:
         """Rewrite these GLU and linear sites, each with its recipe; returns the FQNs of the weights made FP8."""

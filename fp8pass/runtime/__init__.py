@@ -39,6 +39,10 @@ a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scal
     ``gate``/``up`` are kept as E4M3 codes, the GLU derivative uses their dequantized values; with the
     ``recast_weight`` knob, which the backend and ``ops.swiglu_mlp`` set on one rank, ``b``'s codes are
     not kept: backward casts ``W_down`` again with ``b_scale``).
+``rmsnorm(x, weight, eps, hat_dtype, out_dtype, fwd_format) -> (y, x_hat_data, x_hat_scale, rstd)``
+    An RMSNorm (the model's own form, bit for bit: :class:`~fp8pass.op_schema.NormKnobs`) that keeps
+    for backward its normalized input as E4M3 codes and ``rstd`` instead of its high-precision input
+    (:mod:`fp8pass.runtime.rmsnorm`; ``Config.save_norm_input_fp8``).
 ``fp8_grouped_linear(x, weight, offs, w_transposed, x_state, w_state, g_state, sr_stream, *GroupedLinearKnobs)
 -> (y, x_amax, w_amax, x_data, x_scale, w_data, w_scale)``
     MoE experts (:mod:`fp8pass.runtime.grouped_linear`; knobs: ``fwd_format, bwd_format, power_of_two,
@@ -139,6 +143,7 @@ from .hcp import HCPState, hcp_state_for
 from .linear import fp8_linear_op
 from .nvfp4 import nvfp4_linear_op, nvfp4_values
 from .precast import fp8_cast_input_op, fp8_linear_precast_op
+from .rmsnorm import rmsnorm_op
 from .state import ROLES, LinearScalingState, delayed_record_, grouped_state_for, record, state_for
 from .swiglu import ACTIVATIONS, SMOOTH_MODES, channel_scales, fold_channel_scales, swiglu_down_op, token_scales
 
@@ -146,4 +151,4 @@ __all__ = ["IDENTITY", "fp8_linear_op", "swiglu_down_op", "delayed_record_", "re
            "LinearScalingState", "state_for", "SMOOTH_MODES", "ACTIVATIONS", "channel_scales", "token_scales",
            "fold_channel_scales", "nvfp4_linear_op", "nvfp4_values", "HCPState", "hcp_state_for",
            "fp8_grouped_linear_op", "fp8_grouped_swiglu_down_op", "grouped_state_for", "fp8_cast_input_op",
-           "fp8_linear_precast_op"]
+           "fp8_linear_precast_op", "rmsnorm_op"]

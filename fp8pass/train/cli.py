@@ -155,6 +155,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--recompute-glu-output", action="store_true", default=None,
                    help="fp8 recipes: each GLU's output recomputed in backward from its FP8 gate/up instead of kept "
                         "(less memory; fp8pass.Config.recompute_glu_output, docs/runtime.md)")
+    p.add_argument("--save-norm-input-fp8", action="store_true", default=None,
+                   help="fp8 recipes: each RMSNorm that feeds FP8 linears keeps E4M3 codes of its normalized input "
+                        "for backward instead of its fp32 input (less memory; fp8pass.Config.save_norm_input_fp8, "
+                        "docs/runtime.md)")
     p.add_argument("--bf16-stochastic-round", action="store_true", default=None,
                    help="-fp8adam recipes: bf16 parameters and gradients, no fp32 master; the FP8 AdamW rounds "
                         "each updated weight stochastically (fp8pass.optim.AdamW(bf16_stochastic_round=True), "

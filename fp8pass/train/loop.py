@@ -107,6 +107,8 @@ class TrainConfig:
             FP8 scales start from the first FP8 step's amaxes. 0 (default): FP8 from the start.
         recompute_glu_output: fp8 recipes: ``fp8pass.Config.recompute_glu_output`` (each GLU's output
             recomputed in backward from its FP8 gate/up instead of kept: less memory saved for backward).
+        save_norm_input_fp8: fp8 recipes: ``fp8pass.Config.save_norm_input_fp8`` (each RMSNorm that feeds
+            FP8 linears keeps E4M3 codes of its normalized input for backward instead of its fp32 input).
         bf16_stochastic_round: -fp8adam recipes: the model's parameters (and so its gradients) are bf16,
             with no fp32 master copy, and ``fp8pass.optim.AdamW(bf16_stochastic_round=True)`` rounds each
             updated weight stochastically (issue 31; docs/optim.md). Default False.
@@ -178,6 +180,7 @@ class TrainConfig:
     precision_schedule: list = field(default_factory=list)
     eval_recipe: str | None = None
     recompute_glu_output: bool = False
+    save_norm_input_fp8: bool = False
     bf16_stochastic_round: bool = False
     max_data_bytes: int | None = None
     progress: bool = True
@@ -219,6 +222,11 @@ class TrainConfig:
             raise ValueError(f"recompute_glu_output must be True or False, got {self.recompute_glu_output!r}")
         if self.recompute_glu_output and not recipe.fp8:
             raise ValueError(f"recompute_glu_output applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 GLUs")
+        if not isinstance(self.save_norm_input_fp8, bool):
+            raise ValueError(f"save_norm_input_fp8 must be True or False, got {self.save_norm_input_fp8!r}")
+        if self.save_norm_input_fp8 and not recipe.fp8:
+            raise ValueError(f"save_norm_input_fp8 applies to the fp8 recipes; recipe {self.recipe!r} has no FP8 "
+                             "linears behind its norms")
         if not isinstance(self.bf16_stochastic_round, bool):
             raise ValueError(f"bf16_stochastic_round must be True or False, got {self.bf16_stochastic_round!r}")
         if self.bf16_stochastic_round and not recipe.fp8_adam:
@@ -273,6 +281,8 @@ class TrainConfig:
     def backend_options(self) -> dict:
         """Config fields this run sets beyond the recipe's (fp8 recipes)."""
         options = {"recompute_glu_output": True} if self.recompute_glu_output else {}
+        if self.save_norm_input_fp8:
+            options["save_norm_input_fp8"] = True
         drift = self.drift()
         if drift is not None:
             options["drift_check"] = drift

@@ -1,0 +1,154 @@
+"""An RMSNorm that keeps its normalized input as FP8 for backward: ``fp8pass::rmsnorm``.
+
+What a compiled RMSNorm keeps for backward is its fp32 input ``x`` (the residual stream: 4 bytes per
+element per norm) while the FP8 linears that read its output keep their own E4M3 codes of it. This op
+computes the norm's forward exactly as the model wrote it and keeps instead::
+
+    rstd  = rsqrt(mean(x^2, -1) + eps)       fp32, one per row
+    x_hat = x * rstd                         E4M3 codes (1 byte per element) and one per-tensor scale
+
+Backward (``g = dy * w``, all in fp32, ``x_hat`` the codes' values)::
+
+    dw = sum_rows(dy * x_hat)
+    dx = rstd * (g - x_hat * mean(g * x_hat, -1))
+
+(from ``y = w * x * rstd`` with ``d rstd / dx_i = -rstd^3 x_i / d``: ``dx = rstd * g - x * rstd^3 *
+mean(g * x) = rstd * (g - x_hat * mean(g * x_hat))``.)
+
+Why ``x_hat`` and not ``x``: ``x_hat`` has unit RMS per row and ``|x_hat| <= sqrt(d)``, so one
+per-tensor scale serves every row, whatever the residual stream's growth across layers; and the
+backward needs ``x`` only through ``x_hat`` and ``rstd``. Why not the consumers' codes of ``y``
+(``x_hat = y / w``, no extra bytes at all): the division by ``w`` turns the codes' relative error of
+``y`` into an absolute error ``|y| 2^-4 / |w|`` of ``x_hat``, unbounded where a weight is near zero
+(norm weights drift towards 0 for channels a layer ignores), and those codes are the linears' input
+cast, which a Config may make per-row, per-block, MX or delayed (a stale scale can saturate). The
+norm's own cast costs one 1-byte copy per element and its error is 2^-4 relative, always.
+
+Numerics: ``y`` is the original norm's value bit for bit (the same torch ops, in the same order, in
+the same dtypes: :class:`~fp8pass.op_schema.NormKnobs` says which form). ``dx`` and ``dw`` differ
+from the exact gradients only by ``x_hat``'s E4M3 rounding: per element ``|x_hat' - x_hat| <=
+2^-4 |x_hat| + 2^-10 / scale`` (half an ulp of a 3-bit mantissa; the second term for values that land
+in E4M3's subnormals), which bounds ``dw`` and ``dx`` elementwise (tests/runtime/test_rmsnorm.py).
+
+The cast is the kernels' per-tensor current cast (:func:`~.casting.cast_operand`, the same as an FP8
+linear's input cast on that device); the rest is elementwise torch math.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..op_schema import NormKnobs, knob_op
+from .casting import IDENTITY, as_bytes, cast_operand, dequantize, from_bytes, resolve_format
+
+__all__ = ["rmsnorm_op", "rmsnorm_reference", "check_norm_knobs"]
+
+
+def check_norm_knobs(k: NormKnobs) -> None:
+    if not isinstance(k.eps, float) or not k.eps >= 0.0:
+        raise ValueError(f"rmsnorm: eps must be a float >= 0, got {k.eps!r}")
+    if k.fwd_format != IDENTITY:
+        resolve_format(k.fwd_format)  # raises for a non-FP8 format
+
+
+def _knobs(args: tuple) -> NormKnobs:
+    return NormKnobs.of(args, check_norm_knobs)
+
+
+def _check(x, weight):
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rmsnorm: x [..., d] and weight [d] expected, got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if not x.dtype.is_floating_point or not weight.dtype.is_floating_point:
+        raise TypeError(f"rmsnorm: x and weight must be floating point, got {x.dtype} and {weight.dtype}")
+
+
+def _statistics(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_hat, rstd)`` in fp32, as the models write it (``xf * rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)``)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * rstd, rstd
+
+
+def _scaled(x_hat: torch.Tensor, weight: torch.Tensor, k: NormKnobs) -> torch.Tensor:
+    h = x_hat if k.hat_dtype is None else x_hat.to(k.hat_dtype)
+    y = h * weight
+    return y if k.out_dtype is None else y.to(k.out_dtype)
+
+
+def _y_dtype(x_dtype, weight_dtype, k: NormKnobs) -> torch.dtype:
+    if k.out_dtype is not None:
+        return k.out_dtype
+    return torch.promote_types(torch.float32 if k.hat_dtype is None else k.hat_dtype, weight_dtype)
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, k: NormKnobs) -> torch.Tensor:
+    """The norm this op computes, as plain differentiable torch (what the rewrite replaced)."""
+    return _scaled(_statistics(x, k.eps)[0], weight, k)
+
+
+@knob_op("fp8pass::rmsnorm", "Tensor x, Tensor weight", NormKnobs, "(Tensor, Tensor, Tensor, Tensor)")
+def rmsnorm_op(x, weight, *knobs):
+    """``(y, x_hat_data [rows, d], x_hat_scale, rstd [rows, 1])``; see the module doc. The last three
+    are for backward (uint8 E4M3 codes and their fp32 encode scale; fp32 values and 1 for "identity")."""
+    k = _knobs(knobs)
+    _check(x, weight)
+    x_hat, rstd = _statistics(x, k.eps)
+    y = _scaled(x_hat, weight, k)
+    d = x.shape[-1]
+    operand = cast_operand(x_hat.reshape(-1, d), resolve_format(k.fwd_format))
+    return y, as_bytes(operand.data), operand.scale, rstd.reshape(-1, 1)
+
+
+@rmsnorm_op.register_fake
+def _(x, weight, *knobs):
+    k = _knobs(knobs)
+    _check(x, weight)
+    d = x.shape[-1]
+    rows = x.numel() // d if d else 0
+    f32 = dict(dtype=torch.float32, device=x.device)
+    code = torch.float32 if k.fwd_format == IDENTITY else torch.uint8
+    return (x.new_empty(x.shape, dtype=_y_dtype(x.dtype, weight.dtype, k)),
+            x.new_empty(rows, d, dtype=code), torch.empty((), **f32), torch.empty(rows, 1, **f32))
+
+
+@knob_op("fp8pass::rmsnorm_backward",
+         "Tensor dy, Tensor x_hat_data, Tensor x_hat_scale, Tensor rstd, Tensor weight, ScalarType x_dtype",
+         NormKnobs, "(Tensor, Tensor)")
+def rmsnorm_backward_op(dy, x_hat_data, x_hat_scale, rstd, weight, x_dtype, *knobs):
+    """``(dx [rows, d] in x_dtype, dw in weight's dtype)`` from the saved codes (module doc)."""
+    k = _knobs(knobs)
+    d = x_hat_data.shape[-1]
+    x_hat = dequantize(from_bytes(x_hat_data, resolve_format(k.fwd_format)), x_hat_scale, None)
+    dyf = dy.reshape(-1, d).float()
+    g = dyf * weight.float()
+    dw = (dyf * x_hat).sum(0)
+    dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    return dx.to(x_dtype), dw.to(weight.dtype)
+
+
+@rmsnorm_backward_op.register_fake
+def _(dy, x_hat_data, x_hat_scale, rstd, weight, x_dtype, *knobs):
+    return dy.new_empty(x_hat_data.shape, dtype=x_dtype), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight = inputs[:2]
+    _, x_hat_data, x_hat_scale, rstd = output
+    ctx.save_for_backward(x_hat_data, x_hat_scale, rstd, weight)
+    ctx.set_materialize_grads(False)
+    ctx.x_meta = (x.shape, x.dtype)
+    ctx.y_meta = (output[0].shape, output[0].dtype, output[0].device)
+    ctx.knobs = NormKnobs.take(inputs)
+
+
+def _backward(ctx, dy, *unused):
+    shape, x_dtype = ctx.x_meta
+    if dy is None:  # only the saved outputs were used
+        y_shape, y_dtype, device = ctx.y_meta
+        dy = torch.zeros(y_shape, dtype=y_dtype, device=device)
+    dx, dw = torch.ops.fp8pass.rmsnorm_backward(dy, *ctx.saved_tensors, x_dtype, *ctx.knobs.args())
+    return (dx.reshape(shape), dw) + NormKnobs.no_grads()
+
+
+rmsnorm_op.register_autograd(_backward, setup_context=_setup_context)
