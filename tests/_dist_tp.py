@@ -300,3 +300,31 @@ def explain_worker(rank: int, world: int, init_file: str, out_dir: str):
                      "not_fused": [f"{w}: {r}" for w, r in report.skipped if r.startswith("not fused")]}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+
+def conversions_worker(rank: int, world: int, init_file: str, out_dir: str):
+    """The DTensor conversions of a TP plan's hooks (``from_local``, ``redistribute``, ``to_local``) as the
+    installed torch's Dynamo records them: per call node of the graph, which conversion
+    ``annotate.dtensor_call`` names and whether it has side effects. (``run_check=True`` is not traced:
+    its ``all_gather_object`` stops Dynamo on torch 2.11 and 2.13.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from fp8pass.passes.annotate import dtensor_call, has_side_effects
+
+    _dist.init(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (1,))
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend((dtensor_call(n), has_side_effects(n)) for n in gm.graph.nodes if n.op.startswith("call_"))
+        return gm.forward
+
+    def hooks(x):
+        d = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return d.redistribute(mesh, [Shard(-1)]).to_local() * 2
+
+    torch.compile(hooks, backend=record, fullgraph=True)(torch.randn(2, 8))
+    torch.save({"nodes": seen}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()

@@ -25,7 +25,7 @@ from torch import fx
 from . import hops
 from .names import FrameNames
 
-__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "relative_param_names", "value_dtype",
+__all__ = ["NodeFacts", "annotate", "facts", "has_side_effects", "dtensor_call", "relative_param_names", "value_dtype",
            "weight_may_be_regathered", "fsdp_param_groups", "META_KEY"]
 
 META_KEY = "fp8pass"
@@ -41,6 +41,7 @@ class NodeFacts:
         owner: absolute FQN of the innermost module whose forward made this call ('' at the root).
         side_effects: the node mutates state or draws random numbers: keep it, never match it.
         regathered: for a placeholder, :func:`weight_may_be_regathered` of its real tensor.
+        dtensor_call: the DTensor conversion the node is, in either traced form (:func:`dtensor_call`).
     """
 
     value: Any
@@ -48,6 +49,7 @@ class NodeFacts:
     owner: str
     side_effects: bool
     regathered: bool = False
+    dtensor_call: str | None = None
 
 
 def fsdp_param_groups(state) -> list:
@@ -116,7 +118,49 @@ def _from_local_targets() -> tuple:
 
 
 # ``DTensor.from_local``: tensor parallel's module hooks declare a local tensor a DTensor with it
-FROM_LOCAL = _from_local_targets()
+_FROM_LOCAL = _from_local_targets()
+# the DTensor conversions of tensor parallel's module hooks, as methods (``from_local`` is a function)
+_DTENSOR_METHODS = ("redistribute", "to_local")
+# Dynamo's wrappers of those calls, by name: ``"prim " + from_local.__name__``, ``prim_redistribute``,
+# ``prim_to_local`` (torch/_dynamo/variables/torch.py and tensor.py)
+_DTENSOR_WRAPPERS = {"prim from_local": "from_local", "prim_redistribute": "redistribute", "prim_to_local": "to_local"}
+
+
+def dtensor_call(node: fx.Node) -> str | None:
+    """Which DTensor conversion ``node`` is, "from_local", "redistribute" or "to_local"; None if none.
+
+    Dynamo records each in one of two forms: the call itself (``DTensor.from_local(x, mesh, placements,
+    run_check=False)``, the methods ``x.redistribute(placements=...)`` and ``x.to_local()``; torch 2.13),
+    or a call of a wrapper function it makes for that one call site, whose closure holds the non-tensor
+    arguments, so the node's only argument is the tensor (``prim from_local(x)``,
+    ``prim_redistribute(x)``, ``prim_to_local(x)``; torch 2.11). The layouts are in both forms the
+    example values' (a DTensor's ``device_mesh`` and ``placements``).
+    """
+    if node.op == "call_method":
+        return node.target if node.target in _DTENSOR_METHODS else None
+    if node.op != "call_function":
+        return None
+    if node.target in _FROM_LOCAL:
+        return "from_local"
+    name = getattr(node.target, "__name__", None)
+    if name in _DTENSOR_WRAPPERS and (getattr(node.target, "__module__", None) or "").startswith("torch._dynamo"):
+        return _DTENSOR_WRAPPERS[name]
+    return None
+
+
+def _runs_check(node: fx.Node) -> bool:
+    """Whether a ``from_local`` node runs its cross-rank check (``run_check=True``: a collective).
+    A Dynamo wrapper keeps the keyword arguments in its closure (``kwargs_as_value``); where they cannot
+    be read there, the call counts as running it."""
+    if node.target in _FROM_LOCAL:
+        return bool(node.kwargs.get("run_check"))
+    code, cells = getattr(node.target, "__code__", None), getattr(node.target, "__closure__", None) or ()
+    free = dict(zip(code.co_freevars, cells)) if code is not None else {}
+    try:
+        baked = free["kwargs_as_value"].cell_contents
+    except (KeyError, ValueError):  # no such variable, or an empty cell
+        return True
+    return not isinstance(baked, dict) or bool(baked.get("run_check"))
 
 
 def _name_of(target) -> str:
@@ -156,8 +200,11 @@ def has_side_effects(node: fx.Node) -> bool:
     if name in _RANDOM_NAMES or name in _STATEFUL_NAMES:
         return True
     module = getattr(target, "__module__", None) or ""
-    if target in FROM_LOCAL and not node.kwargs.get("run_check"):
-        return False  # without run_check it wraps a tensor (no collective): a TP hook's form, matchable
+    conversion = dtensor_call(node)
+    if conversion == "from_local":  # without run_check it wraps a tensor (no collective): a TP hook's form
+        return _runs_check(node)
+    if conversion is not None:  # Dynamo's redistribute / to_local wrapper: as the methods, no effects
+        return False
     if any(module == m or module.startswith(m + ".") for m in _STATEFUL_MODULES):
         return True
     try:
@@ -229,7 +276,7 @@ def _compute(node: fx.Node, names: FrameNames | None, real: Any) -> NodeFacts:
     owner = _relative_owner(node)
     if names is not None:
         owner = names.module(owner)
-    return NodeFacts(value, weight, owner, has_side_effects(node), weight_may_be_regathered(real))
+    return NodeFacts(value, weight, owner, has_side_effects(node), weight_may_be_regathered(real), dtensor_call(node))
 
 
 def annotate(graph: fx.Graph, names: FrameNames | None = None, example_inputs: list | None = None) -> None:

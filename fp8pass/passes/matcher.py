@@ -20,11 +20,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx
 
-from .annotate import FROM_LOCAL, facts
+from .annotate import facts
 
 __all__ = [
     "Match", "Pattern", "Op", "Bind", "Tag", "OneOf", "Where", "Const", "ANY",
-    "param_fqn", "weight_fqn", "caller_fqn", "is_param_placeholder", "example_value", "CASTS", "is_cast", "FROM_LOCAL",
+    "param_fqn", "weight_fqn", "caller_fqn", "is_param_placeholder", "example_value", "CASTS", "is_cast",
+    "DTensorCall", "FROM_LOCAL", "REDISTRIBUTE", "TO_LOCAL",
 ]
 
 
@@ -163,16 +164,44 @@ def _same_cast(a: Any, b: Any) -> bool:
 
 
 def _same_from_local(a: Any, b: Any) -> bool:
-    return (isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "call_function"
-            and a.target in FROM_LOCAL and a.target is b.target and a.args == b.args and a.kwargs == b.kwargs)
+    """Two ``from_local`` calls of one local tensor that declare the same DTensor. Compared by their
+    example values (mesh, placements, shape, stride), not their arguments: a Dynamo wrapper of the call
+    (:func:`~.annotate.dtensor_call`) is a new function per call site with the arguments in its closure."""
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return False
+    if facts(a).dtensor_call != "from_local" or facts(b).dtensor_call != "from_local" or a.args[:1] != b.args[:1]:
+        return False
+    declared = _declared(a)
+    return declared is not None and declared == _declared(b)
+
+
+def _declared(node: fx.Node) -> tuple | None:
+    value = example_value(node)
+    if not hasattr(value, "placements") or not hasattr(value, "device_mesh"):
+        return None
+    return value.device_mesh, tuple(value.placements), tuple(value.shape), tuple(value.stride())
+
+
+@dataclass(frozen=True)
+class DTensorCall:
+    """An :class:`Op` target: a DTensor conversion ("from_local", "redistribute" or "to_local") in
+    whichever form Dynamo recorded it, the call itself or its wrapper (:func:`~.annotate.dtensor_call`)."""
+
+    name: str
+
+
+# tensor parallel's module hooks: a local tensor declared a DTensor (RowwiseParallel's input), a DTensor
+# redistributed and made a local tensor (ColwiseParallel's output)
+FROM_LOCAL, REDISTRIBUTE, TO_LOCAL = DTensorCall("from_local"), DTensorCall("redistribute"), DTensorCall("to_local")
 
 
 def _target_ok(node: fx.Node, targets: tuple) -> bool:
-    if facts(node).side_effects:  # an in-place / random / stateful call is never part of a match
+    got = facts(node)
+    if got.side_effects:  # an in-place / random / stateful call is never part of a match
         return False
-    if node.op == "call_function":
-        return node.target in targets
-    if node.op == "call_method":
+    if got.dtensor_call is not None and DTensorCall(got.dtensor_call) in targets:
+        return True
+    if node.op in ("call_function", "call_method"):
         return node.target in targets  # method names are strings in ``targets``
     return False
 

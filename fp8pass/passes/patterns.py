@@ -38,7 +38,9 @@ Forms covered (all verified on real Dynamo graphs in tests/passes/test_patterns.
 * tensor parallel (separate gate/up projections): each projection's DTensor output made local by
   ``.redistribute(...).to_local()`` or ``.to_local()`` (ColwiseParallel's output hook), the product
   declared a DTensor by ``DTensor.from_local(h, mesh, placements)`` (RowwiseParallel's input hook), and
-  gate and up reading twin ``from_local`` calls of one input.
+  gate and up reading twin ``from_local`` calls of one input; each conversion as the call itself (torch
+  2.13) or as Dynamo's per-call wrapper ``prim from_local(h)`` / ``prim_redistribute`` / ``prim_to_local``
+  (torch 2.11; ``annotate.dtensor_call``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from .matcher import (
     ANY,
     FROM_LOCAL,
     MUL,
+    REDISTRIBUTE,
+    TO_LOCAL,
     Bind,
     Const,
     Match,
@@ -407,7 +411,7 @@ def made_local(p: str, proj: Pattern) -> Pattern:
     """``proj``, or its DTensor output made a local tensor by a colwise TP plan's output hook:
     ``proj.redistribute(...).to_local()`` or ``proj.to_local()``; binds ``p_local`` (the ``to_local``
     call). Any layouts match here: the plan checks they make the fused op equal (``plan._tp_layout_problem``)."""
-    local = Op("to_local", OneOf(Op("redistribute", proj, varargs=True), proj))
+    local = Op(TO_LOCAL, OneOf(Op(REDISTRIBUTE, proj, varargs=True), proj))
     return OneOf(proj, Bind(f"{p}_local", local))
 
 

@@ -493,13 +493,16 @@ def _list_unmatched_tp_glus(graph: fx.Graph, matched_h: list, plan: Plan) -> Non
 
 
 def _made_local_upstream(node, depth: int = 4) -> bool:
-    """Whether ``node`` is, or is a few calls downstream of, a DTensor's ``to_local()``."""
+    """Whether ``node`` is, or is a few calls downstream of, a DTensor made a local tensor. Told by the
+    values (a local tensor computed from a DTensor), so a traced form of ``to_local`` the patterns do not
+    know is listed too."""
     for _ in range(depth):
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
             return False
-        if node.op == "call_method" and node.target == "to_local":
+        arg = node.args[0] if node.args else None
+        if _layout(example_value(node)) is None and isinstance(arg, fx.Node) and _layout(example_value(arg)) is not None:
             return True
-        node = node.args[0] if node.args else None
+        node = arg
     return False
 
 

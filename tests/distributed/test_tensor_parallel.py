@@ -60,6 +60,14 @@ def test_glu_fused_through_the_tp_hooks_1x1_mesh(tmp_path):
     assert "tensor parallel: the gate projection's output is redistributed" in redistributed["not_fused"][0]
 
 
+def test_dtensor_conversions_are_named_in_the_form_this_torch_records(tmp_path):
+    """Dynamo records a TP hook's ``from_local`` / ``redistribute`` / ``to_local`` as the calls (torch 2.13) or
+    as per-call wrappers (torch 2.11); ``annotate.dtensor_call`` names each in either, none with side
+    effects (so the patterns may match them)."""
+    (out,) = _dist.spawn(_dist_tp.conversions_worker, 1, tmp_path)
+    assert out["nodes"] == [("from_local", False), ("redistribute", False), ("to_local", False), (None, False)], out
+
+
 def _check_mesh_run(outs, ref, tp: int):
     n_blocks = _dist_tp.LAYERS
     out = outs[0]
