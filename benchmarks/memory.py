@@ -55,6 +55,8 @@ VARIANTS = {  # name -> (recipe, compile the bf16 recipe with Inductor, backend 
     "fp8 + recompute_glu + norm_fp8": ("fp8-smooth-fp8adam", False, {"recompute_glu_output": True,
                                                                    "save_norm_input_fp8": True}),
     "fp8 + bf16 SR weights": ("fp8-smooth-fp8adam", False, {}, {"bf16_stochastic_round": True}),
+    "fp8 + all memory knobs": ("fp8-smooth-fp8adam", False, {"recompute_glu_output": True, "save_norm_input_fp8": True},
+                               {"bf16_stochastic_round": True}),  # bf16 SR weights + both saved-activation knobs
     "fp8 + offload activations": ("fp8-smooth-fp8adam", False, {}, {"offload_activations": {"min_bytes": 1 << 16}}),
     "fp8 + offload optimizer": ("fp8-smooth-fp8adam", False, {}, {"offload_state": True}),
 }
