@@ -9,7 +9,7 @@ kept, after one untimed step each (state creation and compilation). Prints per o
 and the ratio to the fp32-weight step in the same run. Run with another tree on PYTHONPATH to time its
 fp8pass with the same script::
 
-    python tools/bf16_sr_step_time.py [--params 100e6] [--rounds 5] [--threads 1] [--kernels auto]
+    python -m tools.bf16_sr_step_time [--params 100e6] [--rounds 5] [--threads 1] [--kernels auto]
 """
 
 from __future__ import annotations
