@@ -25,6 +25,19 @@ def _grads(model, fwd, tokens):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _compiled_step(tokens, **options):
+    """A fresh model compiled with the fp8 backend (current scaling and ``options``): the partitioned graphs
+    it recorded, its gradients, and the loss of a first forward."""
+    model = _model()
+    cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), sr_seed=0, **options)
+    records: list = []
+    with record_partitions(records):
+        fwd = torch.compile(model, backend=fp8pass.backend(cfg))
+        loss = fwd(tokens[:, :-1], tokens[:, 1:]).detach()
+        grads = _grads(model, fwd, tokens)
+    return records, grads, loss
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread: with two, the embedding's compiled scatter-add may sum in another order from
@@ -45,12 +58,7 @@ def test_recompute_glu_output_saves_its_codes_and_keeps_the_other_gradients(one_
     ref = _grads(ref_model, ref_model, tokens)
     saved, grads = {}, {}
     for recompute in (False, True):
-        model = _model()
-        cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), sr_seed=0, recompute_glu_output=recompute)
-        records: list = []
-        with record_partitions(records):
-            fwd = torch.compile(model, backend=fp8pass.backend(cfg))
-            grads[recompute] = _grads(model, fwd, tokens)
+        records, grads[recompute], _ = _compiled_step(tokens, recompute_glu_output=recompute)
         assert records, "no partitioned graph recorded"
         saved[recompute] = sum(r["saved_bytes"] for r in records)
     assert saved[False] - saved[True] == LAYERS * BATCH * SEQ * FFN
@@ -100,13 +108,7 @@ def test_save_norm_input_fp8_keeps_codes_and_rstd_instead_of_the_residual_stream
     saved, residuals, losses, grads = {}, {}, {}, {}
     d = 64
     for on in (False, True):
-        model = _model()
-        cfg = fp8pass.Config(recipe=fp8pass.CurrentScaling(), sr_seed=0, save_norm_input_fp8=on)
-        records: list = []
-        with record_partitions(records):
-            fwd = torch.compile(model, backend=fp8pass.backend(cfg))
-            losses[on] = fwd(tokens[:, :-1], tokens[:, 1:]).detach()
-            grads[on] = _grads(model, fwd, tokens)
+        records, grads[on], losses[on] = _compiled_step(tokens, save_norm_input_fp8=on)
         assert len(records) == 1, "one partitioned graph expected"
         saved[on] = records[0]["saved_bytes"]
         residuals[on] = sum(1 for t in records[0]["saved"] if t.endswith(f":float32[{BATCH}, {SEQ}, {d}]"))
