@@ -23,13 +23,16 @@ ffn 5632, 2 layers, 1 x 2048 tokens: the matmuls of a 7B layer). For each varian
   hooks' bytes, or what the offload kept there); on the CPU "host" is the same memory, so there these
   are bookkeeping, and the CPU peak includes the host copies;
 * median step time, interleaved round by round with the other variants, and its ratio to the
-  baseline and to ``fp8-smooth-fp8adam``: what each memory choice costs in time, in the same run.
+  baseline and to ``fp8-smooth-fp8adam`` (the median of the per-round ratios, and their range): what
+  each memory choice costs in time, in the same run. ``--precision bf16`` runs every variant under
+  bf16 autocast, so that on an AVX2-only CPU (where ``auto`` is fp32) the bf16-weight variants are
+  compared at the activation dtype they run in; the FP8 GEMMs keep their own dtype.
 
 Ratios are against ``bf16 inductor`` (the ``bf16`` recipe compiled by Inductor + torch AdamW), with
 issue 31's goals at ``block``: saved <= 0.35, model state + saved <= 0.45, peak <= 0.55.
 
     python -m benchmarks.memory [--shape tiny|block|all] [--variants ...] [--steps 3] [--threads 1]
-                                [--json FILE]
+                                [--precision auto|bf16|fp32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -181,8 +184,11 @@ def measure(shape: str, name: str, spec: tuple, device: str, dtype: torch.dtype)
     return row, step
 
 
-def run(shape: str, variants, steps: int, device: str) -> dict:
-    dtype = baseline_dtype(device)
+PRECISIONS = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def run(shape: str, variants, steps: int, device: str, precision: str = "auto") -> dict:
+    dtype = PRECISIONS[precision] or baseline_dtype(device)
     rows, steps_fn = {}, {}
     for name in variants:
         rows[name], steps_fn[name] = measure(shape, name, VARIANTS[name], device, dtype)
@@ -192,8 +198,11 @@ def run(shape: str, variants, steps: int, device: str) -> dict:
     for base, key in ((BASE, "/base"), (FP8, "/fp8")):
         if base in rows:
             for r in rows.values():
-                if steps:
-                    r["step" + key] = r["step_ms"] / rows[base]["step_ms"]
+                if steps:  # the median of the per-round ratios: each round's steps ran back to back
+                    r["step" + key] = statistics.median(
+                        t / b for t, b in zip(r["all_step_ms"], rows[base]["all_step_ms"]))
+                    r["step" + key + " range"] = [min(t / b for t, b in zip(r["all_step_ms"], rows[base]["all_step_ms"])),
+                                                  max(t / b for t, b in zip(r["all_step_ms"], rows[base]["all_step_ms"]))]
                 if key == "/base":
                     for measure_name, field in MEASURES.items():
                         r[measure_name + key] = r[field] / rows[base][field]
@@ -202,20 +211,24 @@ def run(shape: str, variants, steps: int, device: str) -> dict:
             "device": device, "rows": list(rows.values())}
 
 
+def _range(lo_hi) -> str:
+    return "" if not lo_hi else f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})"
+
+
 def print_table(res: dict) -> None:
     s = res["shape_config"]
     print(f"\n## {res['shape']}: d_model {s['d_model']}, ffn {s['ffn']}, {s['n_layers']} layers, "
           f"{s['batch']} x {s['seq']} tokens, high precision {res['precision']}, {res['threads']} threads, "
           f"{res['device']}")
     print("| variant | state B/param (p + g + opt) | saved MiB (graph / hooks) | state + saved MiB | peak MiB | "
-          f"step ms | step / {BASE} | step / {FP8} |")
+          f"step ms | step / {BASE} | step / {FP8} (per-round range) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         print(f"| {r['name']} | {r['state_bytes_per_param']:.2f} ({r['param_bytes_per_param']:.2f} + "
               f"{r['grad_bytes_per_param']:.2f} + {r['optimizer_bytes_per_param']:.2f}) | "
               f"{r['saved_mib']:.2f} / {r['saved_hooks_mib']:.2f} | {r['state_saved_mib']:.1f} | {r['peak_mib']:.1f} | "
               f"{r.get('step_ms', float('nan')):.1f} | {r.get('step/base', float('nan')):.3f} | "
-              f"{r.get('step/fp8', float('nan')):.3f} |")
+              f"{r.get('step/fp8', float('nan')):.3f}{_range(r.get('step/fp8 range'))} |")
     for r in res["rows"]:
         if r["name"] == BASE or "saved/base" not in r:
             continue
@@ -244,6 +257,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed rounds (median kept); 0: memory only, no timing")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default; see train_step.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--precision", default="auto", choices=list(PRECISIONS),
+                   help="the high precision (autocast dtype; fp32: none) of every variant; auto: "
+                        "benchmarks.common.baseline_dtype (fp32 on AVX2-only CPUs). bf16 there compares a bf16-weight "
+                        "variant with the others at the same activation dtype (the FP8 GEMMs keep their own dtype)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if a.threads:
@@ -255,7 +272,7 @@ def main(argv=None) -> int:
     shapes = list(SHAPES) if a.shape == "all" else [a.shape]
     res = {"machine": machine(), "load_before": os.getloadavg(), "results": []}
     for shape in shapes:
-        r = run(shape, variants, a.steps, a.device)
+        r = run(shape, variants, a.steps, a.device, a.precision)
         print_table(r)
         res["results"].append(r)
         if a.json:

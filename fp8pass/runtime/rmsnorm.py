@@ -31,17 +31,26 @@ from the exact gradients only by ``x_hat``'s E4M3 rounding: per element ``|x_hat
 in E4M3's subnormals), which bounds ``dw`` and ``dx`` elementwise (tests/runtime/test_rmsnorm.py).
 
 The cast is the kernels' per-tensor current cast (:func:`~.casting.cast_operand`, the same as an FP8
-linear's input cast on that device); the rest is elementwise torch math.
+linear's input cast on that device). The rest is the torch math above, in two functions
+(:func:`norm_forward_math`, :func:`norm_backward_math`). On CPU, inputs of at least
+``kernels.cpu.MIN_COMPILED`` elements run each as one Inductor-compiled loop nest (``cpu.run_fused``): the
+forward reads ``x`` once and writes ``y``, ``x_hat`` and ``rstd``; the backward reads the codes and ``dy``
+once per reduction. There ``y`` is the value Inductor computes for the same norm (its reduction order
+for ``mean(x^2)``, the order of the norm the fp8 backend compiled before this op replaced it; tested
+against ``torch.compile`` of :func:`rmsnorm_reference`); smaller inputs and other devices run the eager
+ops, equal to the eager norm bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import kernels
+from ..kernels import cpu as cpu_kernels
 from ..op_schema import NormKnobs, knob_op
 from .casting import IDENTITY, as_bytes, cast_operand, dequantize, from_bytes, resolve_format
 
-__all__ = ["rmsnorm_op", "rmsnorm_reference", "check_norm_knobs"]
+__all__ = ["rmsnorm_op", "rmsnorm_reference", "check_norm_knobs", "norm_forward_math", "norm_backward_math"]
 
 
 def check_norm_knobs(k: NormKnobs) -> None:
@@ -63,28 +72,39 @@ def _check(x, weight):
         raise TypeError(f"rmsnorm: x and weight must be floating point, got {x.dtype} and {weight.dtype}")
 
 
-def _statistics(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_hat, rstd)`` in fp32, as the models write it (``xf * rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)``)."""
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf * rstd, rstd
-
-
-def _scaled(x_hat: torch.Tensor, weight: torch.Tensor, k: NormKnobs) -> torch.Tensor:
-    h = x_hat if k.hat_dtype is None else x_hat.to(k.hat_dtype)
-    y = h * weight
-    return y if k.out_dtype is None else y.to(k.out_dtype)
-
-
 def _y_dtype(x_dtype, weight_dtype, k: NormKnobs) -> torch.dtype:
     if k.out_dtype is not None:
         return k.out_dtype
     return torch.promote_types(torch.float32 if k.hat_dtype is None else k.hat_dtype, weight_dtype)
 
 
+def norm_forward_math(x: torch.Tensor, weight: torch.Tensor, eps: float, hat_dtype, out_dtype):
+    """``(y, x_hat [rows, d] fp32, rstd [rows, 1] fp32)``: the norm's forward (module doc) and what its
+    backward keeps, before the cast of ``x_hat``."""
+    xf = x.float()  # as the models write it
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = xf * rstd
+    h = x_hat if hat_dtype is None else x_hat.to(hat_dtype)
+    y = h * weight
+    d = x.shape[-1]
+    return y if out_dtype is None else y.to(out_dtype), x_hat.reshape(-1, d), rstd.reshape(-1, 1)
+
+
+def norm_backward_math(dy: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, rstd: torch.Tensor,
+                       weight: torch.Tensor, x_dtype: torch.dtype):
+    """``(dx [rows, d] in x_dtype, dw in weight's dtype)`` from ``dy [rows, d]`` and the values of the
+    saved codes of ``x_hat`` (``x_hat = values / scale``), all in fp32 (module doc)."""
+    x_hat = dequantize(values, scale, None)
+    dyf = dy.float()
+    g = dyf * weight.float()
+    dw = (dyf * x_hat).sum(0)
+    dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    return dx.to(x_dtype), dw.to(weight.dtype)
+
+
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, k: NormKnobs) -> torch.Tensor:
     """The norm this op computes, as plain differentiable torch (what the rewrite replaced)."""
-    return _scaled(_statistics(x, k.eps)[0], weight, k)
+    return norm_forward_math(x, weight, k.eps, k.hat_dtype, k.out_dtype)[0]
 
 
 @knob_op("fp8pass::rmsnorm", "Tensor x, Tensor weight", NormKnobs, "(Tensor, Tensor, Tensor, Tensor)")
@@ -93,11 +113,9 @@ def rmsnorm_op(x, weight, *knobs):
     are for backward (uint8 E4M3 codes and their fp32 encode scale; fp32 values and 1 for "identity")."""
     k = _knobs(knobs)
     _check(x, weight)
-    x_hat, rstd = _statistics(x, k.eps)
-    y = _scaled(x_hat, weight, k)
-    d = x.shape[-1]
-    operand = cast_operand(x_hat.reshape(-1, d), resolve_format(k.fwd_format))
-    return y, as_bytes(operand.data), operand.scale, rstd.reshape(-1, 1)
+    y, x_hat, rstd = cpu_kernels.run_fused(norm_forward_math, (x, weight), (k.eps, k.hat_dtype, k.out_dtype))
+    operand = cast_operand(x_hat, resolve_format(k.fwd_format))
+    return y, as_bytes(operand.data), operand.scale, rstd
 
 
 @rmsnorm_op.register_fake
@@ -118,13 +136,12 @@ def _(x, weight, *knobs):
 def rmsnorm_backward_op(dy, x_hat_data, x_hat_scale, rstd, weight, x_dtype, *knobs):
     """``(dx [rows, d] in x_dtype, dw in weight's dtype)`` from the saved codes (module doc)."""
     k = _knobs(knobs)
-    d = x_hat_data.shape[-1]
-    x_hat = dequantize(from_bytes(x_hat_data, resolve_format(k.fwd_format)), x_hat_scale, None)
-    dyf = dy.reshape(-1, d).float()
-    g = dyf * weight.float()
-    dw = (dyf * x_hat).sum(0)
-    dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
-    return dx.to(x_dtype), dw.to(weight.dtype)
+    codes = from_bytes(x_hat_data, resolve_format(k.fwd_format))
+    # the codes' values first, by the device's own upcast (CPU: one compiled loop), then the fp32 math as
+    # one loop nest: decoding FP8 inside it would run once per reduction, and the decode is the dear part
+    values = kernels.for_device(codes.device).upcast(codes, torch.float32)
+    return cpu_kernels.run_fused(norm_backward_math, (dy.reshape(codes.shape), values, x_hat_scale, rstd, weight),
+                                 (x_dtype,))
 
 
 @rmsnorm_backward_op.register_fake

@@ -213,3 +213,22 @@ def test_cpu_step_peak_counts_what_the_step_holds_at_once():
 
     assert _profiled_peak(transient) == 4 * mib
     assert _profiled_peak(replaced) == 2 * mib
+
+
+def test_norm_benchmark_times_the_op_and_the_norm_it_replaces():
+    """benchmarks/norm.py's cases: each runs forward + backward of its norm; the op's gradients are the
+    Inductor norm's within E4M3's rounding of x_hat, and differ from them (the op's FP8 path ran)."""
+    from benchmarks import norm
+
+    steps = norm.cases(64, 512)
+    grads = {}
+    for name, step in steps.items():
+        step()
+        x, w = step.inputs
+        grads[name] = (x.grad.clone(), w.grad.clone())
+    ref_dx, ref_dw = grads["inductor norm"]
+    torch.testing.assert_close(grads["eager norm"][0], ref_dx, rtol=1e-5, atol=1e-5)
+    dx, dw = grads["fp8pass::rmsnorm"]
+    assert not torch.equal(dx, ref_dx)
+    assert (dx - ref_dx).abs().max() <= 2.0**-3 * ref_dx.abs().max()
+    assert (dw - ref_dw).abs().max() <= 2.0**-3 * ref_dw.abs().max()

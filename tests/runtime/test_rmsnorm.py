@@ -1,15 +1,18 @@
-"""``fp8pass::rmsnorm`` (Config.save_norm_input_fp8): the forward is each model form's norm bit for bit;
-the gradients differ from the exact (fp64) ones by no more than the E4M3 rounding of the saved x_hat
-allows; the saved tensors are the codes and rstd, not the input."""
+"""``fp8pass::rmsnorm`` (Config.save_norm_input_fp8): the forward is each model form's norm bit for bit
+(eager below ``kernels.cpu.MIN_COMPILED`` elements, Inductor's compile of it above, where the op runs
+its compiled loops); the gradients differ from the exact (fp64) ones by no more than the E4M3 rounding
+of the saved x_hat allows, on both paths; the saved tensors are the codes and rstd, not the input."""
 
 import pytest
 import torch
 
 from fp8pass import E4M3
+from fp8pass.kernels import cpu as cpu_kernels
 from fp8pass.op_schema import NormKnobs
-from fp8pass.runtime.rmsnorm import rmsnorm_reference
+from fp8pass.runtime.rmsnorm import norm_backward_math, norm_forward_math, rmsnorm_reference
 
 EPS = 1e-5
+ROWS = {"eager": 48, "compiled": 192}  # x.numel() = rows x 128: below / above MIN_COMPILED (16384)
 
 
 def _tinyllama(x, w):  # fp8pass.train.model.RMSNorm
@@ -58,10 +61,30 @@ def test_forward_is_the_models_norm_bit_for_bit(form, dtype):
     assert scale.shape == () and rstd.shape == (48, 1) and rstd.dtype == torch.float32
 
 
-def test_saved_codes_are_x_hat_within_half_an_e4m3_ulp():
+def _fused_variants() -> set:
+    return {key[0] for key in cpu_kernels._FUSED}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_forward_is_inductors_norm_bit_for_bit(form, dtype):
+    """Above MIN_COMPILED elements the op's forward is one compiled loop nest: ``y`` equals the same
+    norm compiled by Inductor (what the fp8 backend ran before the rewrite), bit for bit."""
+    code, knobs = FORMS[form]
+    x, w, _ = _inputs(dtype, rows=ROWS["compiled"])
+    assert x.numel() >= cpu_kernels.MIN_COMPILED and cpu_kernels.fused_enabled()
+    y = torch.ops.fp8pass.rmsnorm(x, w, *knobs(dtype).args())[0]
+    assert norm_forward_math in _fused_variants()
+    ref = torch.compile(code, dynamic=True)(x, w)
+    assert y.dtype == ref.dtype and torch.equal(y, ref)
+    torch.testing.assert_close(y, code(x, w), rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
+@pytest.mark.parametrize("path", ROWS)
+def test_saved_codes_are_x_hat_within_half_an_e4m3_ulp(path):
     """|x_hat' - x_hat| <= 2^-4 |x_hat| + 2^-10 / scale per element (RNE, 3 mantissa bits; the second
     term covers E4M3's subnormals), and the codes are not the exact values."""
-    x, w, _ = _inputs(torch.float32)
+    x, w, _ = _inputs(torch.float32, rows=ROWS[path])
     _, data, scale, rstd = torch.ops.fp8pass.rmsnorm(x, w, *NormKnobs(EPS, None, None, "e4m3").args())
     x64 = x.double().reshape(-1, 128)
     x_hat = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
@@ -72,12 +95,13 @@ def test_saved_codes_are_x_hat_within_half_an_e4m3_ulp():
     assert torch.allclose(rstd.double(), torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS), rtol=1e-6)
 
 
-def test_gradients_within_the_e4m3_bound_of_the_exact_ones():
+@pytest.mark.parametrize("path", ROWS)
+def test_gradients_within_the_e4m3_bound_of_the_exact_ones(path):
     """With e = 2^-4 |x_hat| + 2^-10 / scale (the codes' error bound), g = dy * w, m = mean(g x_hat)
     and mu = mean(|g| e) (a bound on m's error), elementwise:
     |ddw_j| <= sum_rows |dy| e  and  |ddx| <= rstd (e (|m| + mu) + |x_hat| mu), against fp64 autograd
     of the exact norm (plus 1e-5 of the gradient's largest entry for the fp32 arithmetic)."""
-    x, w, dy = _inputs(torch.float32, seed=3)
+    x, w, dy = _inputs(torch.float32, rows=ROWS[path], seed=3)
     k = NormKnobs(EPS, None, None, "e4m3")
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     out = torch.ops.fp8pass.rmsnorm(xg, wg, *k.args())
@@ -99,6 +123,8 @@ def test_gradients_within_the_e4m3_bound_of_the_exact_ones():
     assert dx_err.max() > 0 and dw_err.max() > 0  # the codes are really FP8
     assert bool((dx_err <= dx_bound + 1e-5 * x64.grad.abs().max()).all())
     assert bool((dw_err <= dw_bound + 1e-5 * w64.grad.abs().max()).all())
+    if path == "compiled":  # the backward ran as a compiled loop nest (the eager path: any process state)
+        assert norm_backward_math in _fused_variants()
 
 
 def test_identity_format_gives_the_reference_gradients():
