@@ -35,6 +35,8 @@ Forms covered (all verified on real Dynamo graphs in tests/passes/test_patterns.
   ``(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)`` with ``xf = x.float()``,
   and Hugging Face's ``LlamaRMSNorm`` ``w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``
   with ``xf = x.to(torch.float32)``; ``w`` a 1-D parameter, either operand order, the casts optional;
+  and torch's ``F.rms_norm`` / ``nn.RMSNorm`` over the last dimension with a weight (``torch.rms_norm``
+  in Dynamo's graph; ``eps=None`` is fp32's machine epsilon, as torch computes it);
 * tensor parallel (separate gate/up projections): each projection's DTensor output made local by
   ``.redistribute(...).to_local()`` or ``.to_local()`` (ColwiseParallel's output hook), the product
   declared a DTensor by ``DTensor.from_local(h, mesh, placements)`` (RowwiseParallel's input hook), and
@@ -562,14 +564,26 @@ def find_expert_glus(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, st
 # ---- RMSNorm -------------------------------------------------------------------------------------
 
 class _Literal(Pattern):
-    """A Python float literal (not a node); binds ``name`` to it (an RMSNorm's ``eps``)."""
+    """A Python float literal (not a node); binds ``name`` to it (an RMSNorm's ``eps``). ``none``: None
+    matches too, bound as None (``torch.rms_norm``'s default eps)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, none: bool = False):
         self.name = name
+        self.none = none
 
     def match(self, value, m):
         if isinstance(value, (float, int)) and not isinstance(value, bool):
             yield m.extend(self.name, float(value))
+        elif value is None and self.none:
+            yield m.extend(self.name, None)
+
+
+class _LastDimOnly(Pattern):
+    """A ``normalized_shape`` literal of one int: the norm is over the last dimension alone."""
+
+    def match(self, value, m):
+        if isinstance(value, (tuple, list, torch.Size)) and len(value) == 1 and isinstance(value[0], int):
+            yield m
 
 
 class _OneCast(Pattern):
@@ -591,8 +605,14 @@ _X_HAT = Bind("norm_hat", Op(MUL, _NORM_X, _RSTD, commutative=True))
 _NORM_W = Bind("norm_w", Where(lambda n: is_param_placeholder(n) and _ndim(n) == 1))
 _NORM_Y = Bind("norm_y", Op(MUL, OneOf(Bind("norm_hat_cast", _OneCast(_X_HAT)), _X_HAT), _NORM_W, commutative=True))
 
-# y = cast(x_hat) * w, then optionally cast: TinyLlama's and Hugging Face's LlamaRMSNorm forms
-RMS_NORM = Bind("norm", OneOf(Bind("norm_out_cast", _OneCast(_NORM_Y)), _NORM_Y))
+# torch's own: F.rms_norm / nn.RMSNorm, which Dynamo records as torch.rms_norm(x, (d,), w, eps). It
+# computes ((x.float() * rsqrt(...)) * w).type_as(x): TinyLlama's form (x_hat * w in fp32, one cast)
+_TORCH_RMS_NORM = Tag("norm_form", "torch", Op((torch.rms_norm, F.rms_norm), Bind("norm_xf", Bind("norm_x")),
+                                               _LastDimOnly(), weight=(2, None, _NORM_W),
+                                               eps=(3, None, _Literal("norm_eps", none=True))))
+
+# y = cast(x_hat) * w, then optionally cast: TinyLlama's and Hugging Face's LlamaRMSNorm forms; torch's
+RMS_NORM = Bind("norm", OneOf(Bind("norm_out_cast", _OneCast(_NORM_Y)), _NORM_Y, _TORCH_RMS_NORM))
 
 
 def find_rms_norms(graph: fx.Graph) -> tuple[list[Match], list[tuple[Match, str]]]:

@@ -684,7 +684,12 @@ def _plan_norms(graph: fx.Graph, plan: Plan) -> None:
         fqn = _weight_name(w)
         where = f"RMSNorm {fqn}"
         xf = example_value(m["norm_xf"])
-        if not isinstance(xf, torch.Tensor) or xf.dtype != torch.float32:
+        torch_form = m.get("norm_form") == "torch"
+        # torch.rms_norm upcasts bf16/fp16 inputs to fp32 itself (fp64 stays fp64)
+        stats = getattr(xf, "dtype", None)
+        if torch_form and stats in (torch.bfloat16, torch.float16):
+            stats = torch.float32
+        if not isinstance(xf, torch.Tensor) or stats != torch.float32:
             plan.skipped.append((where, f"input kept in high precision: its statistics are computed in "
                                         f"{getattr(xf, 'dtype', '?')}, not fp32"))
             continue
@@ -694,11 +699,14 @@ def _plan_norms(graph: fx.Graph, plan: Plan) -> None:
                                         f"{_reader_name(reader)}, which is not an FP8 linear"))
             continue
         hat_cast, out_cast = m.get("norm_hat_cast"), m.get("norm_out_cast")
-        plan.sites.append(NormSite(
-            call=m["norm"], x=m["norm_x"], w=w, fqn=fqn, eps=m["norm_eps"],
-            hat_dtype=None if hat_cast is None else example_value(hat_cast).dtype,
-            out_dtype=None if out_cast is None else example_value(out_cast).dtype,
-            nodes=list(m.nodes)))
+        hat_dtype = None if hat_cast is None else example_value(hat_cast).dtype
+        out_dtype = None if out_cast is None else example_value(out_cast).dtype
+        eps = m["norm_eps"]
+        if torch_form:  # ((xf * rstd) * w).type_as(x); eps None: fp32's epsilon (the dtype it computes in)
+            out_dtype = example_value(m["norm"]).dtype
+            eps = torch.finfo(torch.float32).eps if eps is None else eps
+        plan.sites.append(NormSite(call=m["norm"], x=m["norm_x"], w=w, fqn=fqn, eps=eps, hat_dtype=hat_dtype,
+                                   out_dtype=out_dtype, nodes=list(m.nodes)))
 
 
 def _reader_name(node: fx.Node, depth: int = 3) -> str:

@@ -1,5 +1,5 @@
 """Config.save_norm_input_fp8: which RMSNorms become ``fp8pass::rmsnorm`` (exact counts on fp8pass's
-TinyLlama, a Hugging Face Llama and the torchtitan-style Llama), the final norm before the
+TinyLlama, a Hugging Face Llama, the torchtitan-style Llama, and the same with torch's ``nn.RMSNorm``), the final norm before the
 high-precision LM head kept with its reason, the knob off leaving graphs alone, and the rewritten
 model's forward equal to the original's bit for bit."""
 
@@ -10,6 +10,7 @@ import fp8pass
 from fp8pass.config import DEFAULT_KEEP_HIGH_PRECISION
 from fp8pass.passes import plan_graph
 from fp8pass.testing import hf_zoo
+from fp8pass.testing import models as test_models
 from fp8pass.testing.models import capture_with_inputs, tiny_titan_llama
 from fp8pass.train import ModelConfig, TinyLlama
 
@@ -35,7 +36,23 @@ def _titan():
     return tiny_titan_llama(LAYERS), (torch.randint(0, 128, (2, 8)),), "norm.weight"
 
 
-MODELS = {"tinyllama": _tinyllama, "hf-llama": _hf_llama, "titan": _titan}
+def _titan_nn_rmsnorm():
+    """The torchtitan-style Llama with torch's ``nn.RMSNorm`` (``F.rms_norm``; torchtitan's own choice):
+    layer 0's norms with ``eps=None`` (torch's default: fp32's epsilon), the others 1e-6."""
+    model, inputs, final = _titan()
+    for name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, test_models.RMSNorm):
+                eps = None if name.startswith("layers.0") else child.eps
+                norm = torch.nn.RMSNorm(child.weight.shape[0], eps=eps)
+                with torch.no_grad():
+                    norm.weight.copy_(torch.linspace(0.5, 1.5, child.weight.shape[0]))
+                setattr(parent, child_name, norm)
+    return model, inputs, final
+
+
+HEADS = {**HEADS, "titan-nn-rmsnorm": "output.weight"}
+MODELS = {"tinyllama": _tinyllama, "hf-llama": _hf_llama, "titan": _titan, "titan-nn-rmsnorm": _titan_nn_rmsnorm}
 
 
 def _graph(make):
@@ -53,14 +70,15 @@ def _calls(gm, name):
 
 
 def _rsqrts(gm):
-    return sum(1 for n in gm.graph.nodes if n.target in (torch.rsqrt, "rsqrt"))
+    """The norms written out (one rsqrt each) and torch's own (``torch.rms_norm``) in the graph."""
+    return sum(1 for n in gm.graph.nodes if n.target in (torch.rsqrt, "rsqrt", torch.rms_norm))
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_two_norms_per_layer_become_fp8pass_rmsnorm_and_the_final_one_stays(name):
     """Each layer's attention and MLP norms feed only FP8 linears (q/k/v, gate/up): 2 per layer become
     ``fp8pass::rmsnorm``; the final norm feeds the LM head, kept in high precision by policy: skipped
-    with that reason. The rewrite removes exactly the replaced norms' nodes (one rsqrt each)."""
+    with that reason. The rewrite removes exactly the replaced norms' nodes (one rsqrt or rms_norm each)."""
     _, _, final, gm, example = _graph(MODELS[name])
     plan = plan_graph(gm.graph, _cfg(True))
     assert [s.fqn for s in plan.norms] == [f for f in _norm_weights(gm) if f != final]
@@ -103,15 +121,16 @@ def test_a_norm_read_by_a_high_precision_linear_is_kept_with_the_reason():
         "RMSNorm layers.0.input_layernorm.weight"]
 
 
-@pytest.mark.parametrize("name", ["tinyllama", "hf-llama"])
+@pytest.mark.parametrize("name", ["tinyllama", "hf-llama", "titan-nn-rmsnorm"])
 def test_rewritten_forward_equals_the_original_bit_for_bit(name):
-    """aot_eager runs the original norm's aten ops as the op does: the loss with the knob on equals
-    the loss with it off exactly (the FP8 linears read the same values)."""
+    """aot_eager runs the original norm's aten ops as the op does: the loss (the titan model: the
+    logits) with the knob on equals that with it off exactly (the FP8 linears read the same values);
+    for ``nn.RMSNorm``, torch's own kernel is the original."""
     losses = []
     for on in (False, True):
         model, inputs, _ = MODELS[name]()
         torch._dynamo.reset()
         fwd = torch.compile(model, backend=fp8pass.backend(_cfg(on, compiler="aot_eager")))
         out = fwd(*inputs)
-        losses.append(out if isinstance(out, torch.Tensor) and out.dim() == 0 else hf_zoo.loss_fn(fwd, *inputs))
+        losses.append(out if isinstance(out, torch.Tensor) else hf_zoo.loss_fn(fwd, *inputs))  # loss or logits
     assert torch.equal(losses[0], losses[1])
