@@ -34,11 +34,11 @@ The cast is the kernels' per-tensor current cast (:func:`~.casting.cast_operand`
 linear's input cast on that device). The rest is the torch math above, in two functions
 (:func:`norm_forward_math`, :func:`norm_backward_math`). On CPU, inputs of at least
 ``kernels.cpu.MIN_COMPILED`` elements run each as one Inductor-compiled loop nest (``cpu.run_fused``): the
-forward reads ``x`` once and writes ``y``, ``x_hat`` and ``rstd``; the backward reads the codes and ``dy``
-once per reduction. There ``y`` is the value Inductor computes for the same norm (its reduction order
+forward reads ``x`` once and writes ``y``, ``x_hat`` and ``rstd``; the backward upcasts the codes in one
+compiled loop (the kernels' ``upcast``), then reads them and ``dy`` once per reduction. There ``y`` is the value Inductor computes for the same norm (its reduction order
 for ``mean(x^2)``, the order of the norm the fp8 backend compiled before this op replaced it; tested
-against ``torch.compile`` of :func:`rmsnorm_reference`); smaller inputs and other devices run the eager
-ops, equal to the eager norm bit for bit.
+against ``torch.compile`` of :func:`rmsnorm_reference`); smaller inputs, other devices and the CUDA code
+path on CPU (``FP8PASS_KERNELS=triton``) run the eager ops, equal to the eager norm bit for bit.
 """
 
 from __future__ import annotations
@@ -102,6 +102,14 @@ def norm_backward_math(dy: torch.Tensor, values: torch.Tensor, scale: torch.Tens
     return dx.to(x_dtype), dw.to(weight.dtype)
 
 
+def _fused(fn, tensors: tuple, static: tuple):
+    """``fn(*tensors, *static)``: one compiled loop nest on large CPU inputs (``cpu.run_fused``), eager
+    elsewhere, and on the CUDA code path run on CPU, which must issue what CUDA issues."""
+    if kernels.uses_triton(tensors[0].device):
+        return fn(*tensors, *static)
+    return cpu_kernels.run_fused(fn, tensors, static)
+
+
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, k: NormKnobs) -> torch.Tensor:
     """The norm this op computes, as plain differentiable torch (what the rewrite replaced)."""
     return norm_forward_math(x, weight, k.eps, k.hat_dtype, k.out_dtype)[0]
@@ -113,7 +121,7 @@ def rmsnorm_op(x, weight, *knobs):
     are for backward (uint8 E4M3 codes and their fp32 encode scale; fp32 values and 1 for "identity")."""
     k = _knobs(knobs)
     _check(x, weight)
-    y, x_hat, rstd = cpu_kernels.run_fused(norm_forward_math, (x, weight), (k.eps, k.hat_dtype, k.out_dtype))
+    y, x_hat, rstd = _fused(norm_forward_math, (x, weight), (k.eps, k.hat_dtype, k.out_dtype))
     operand = cast_operand(x_hat, resolve_format(k.fwd_format))
     return y, as_bytes(operand.data), operand.scale, rstd
 
@@ -140,8 +148,7 @@ def rmsnorm_backward_op(dy, x_hat_data, x_hat_scale, rstd, weight, x_dtype, *kno
     # the codes' values first, by the device's own upcast (CPU: one compiled loop), then the fp32 math as
     # one loop nest: decoding FP8 inside it would run once per reduction, and the decode is the dear part
     values = kernels.for_device(codes.device).upcast(codes, torch.float32)
-    return cpu_kernels.run_fused(norm_backward_math, (dy.reshape(codes.shape), values, x_hat_scale, rstd, weight),
-                                 (x_dtype,))
+    return _fused(norm_backward_math, (dy.reshape(codes.shape), values, x_hat_scale, rstd, weight), (x_dtype,))
 
 
 @rmsnorm_backward_op.register_fake
