@@ -199,10 +199,9 @@ def run(shape: str, variants, steps: int, device: str, precision: str = "auto") 
         if base in rows:
             for r in rows.values():
                 if steps:  # the median of the per-round ratios: each round's steps ran back to back
-                    r["step" + key] = statistics.median(
-                        t / b for t, b in zip(r["all_step_ms"], rows[base]["all_step_ms"]))
-                    r["step" + key + " range"] = [min(t / b for t, b in zip(r["all_step_ms"], rows[base]["all_step_ms"])),
-                                                  max(t / b for t, b in zip(r["all_step_ms"], rows[base]["all_step_ms"]))]
+                    ratios = [t / b for t, b in zip(r["all_step_ms"], rows[base]["all_step_ms"])]
+                    r["step" + key] = statistics.median(ratios)
+                    r["step" + key + " range"] = [min(ratios), max(ratios)]
                 if key == "/base":
                     for measure_name, field in MEASURES.items():
                         r[measure_name + key] = r[field] / rows[base][field]
