@@ -81,7 +81,7 @@ class Format:
     @property
     def max_code(self) -> int:
         """Code (without sign) of ``max``: codes grow monotonically with magnitude."""
-        exp = int(torch.tensor(self.max).log2().floor().item())
+        exp = math.frexp(self.max)[1] - 1  # floor(log2(max)), exact, on the host
         mant = int(round((self.max / 2.0**exp - 1.0) * 2**self.mbits))
         return ((exp + self.bias) << self.mbits) | mant
 
