@@ -60,6 +60,7 @@ from .triton_helpers import (  # the exact in-kernel casts and the shared helper
     autotune,
     cast_codes,
     check_interpretable,
+    decode_codes,
     hardware_cast,
     on_grid_codes,
     philox4,
@@ -99,33 +100,6 @@ _TUNING_SCRATCH = 2**24
 
 
 @triton.jit
-def _decode(c, MBITS: tl.constexpr, BIAS: tl.constexpr, IEEE_SPECIALS: tl.constexpr, HW: tl.constexpr):
-    """fp32 value of 8-bit codes ``c`` (int32 0..255), exact. HW (sm_89+ GPUs): the hardware
-    conversion to fp16 (every E4M3 and E5M2 value is an fp16 value: exact, Inf/NaN kept), then to fp32.
-    Otherwise by integer assembly of the fp32 bits (the interpreter, older GPUs)."""
-    if HW:
-        if IEEE_SPECIALS:
-            val = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
-        else:
-            val = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        mag = c & 0x7F
-        e = mag >> MBITS
-        mant = mag & ((1 << MBITS) - 1)
-        normal = (((e - BIAS + 127) << 23) | (mant << (23 - MBITS))).to(tl.float32, bitcast=True)
-        # subnormal: mant * 2**(1 - BIAS - MBITS), assembled as bits of 2**(1 - BIAS - MBITS) times mant
-        quantum = tl.full(c.shape, (127 + 1 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
-        val = tl.where(e == 0, mant.to(tl.float32) * quantum, normal)
-        if IEEE_SPECIALS:  # E5M2: exponent all ones is Inf (mantissa 0) or NaN
-            emax_field = (1 << (7 - MBITS)) - 1
-            val = tl.where(e == emax_field, tl.where(mant == 0, float("inf"), float("nan")), val)
-        else:  # E4M3FN: only S.1111.111 is NaN
-            val = tl.where(mag == 0x7F, float("nan"), val)
-        val = tl.where((c & 0x80) != 0, -val, val)
-    return val
-
-
-@triton.jit
 def _store_float(ptr, x, mask):
     """Store fp32 ``x`` in ``ptr``'s dtype; bf16 is rounded to nearest-even with integer ops (the
     interpreter's fp32 -> bf16 conversion is not RNE); NaN becomes 0x7FC0, as in torch."""
@@ -159,7 +133,7 @@ def _load_moment(ptr, scale, inv_scale, e, mask, KIND: tl.constexpr, SQRT: tl.co
     (``inv_scale`` = its correctly rounded reciprocal, for ``_div_by_row``)."""
     if KIND == 0:
         c = tl.load(ptr + e, mask=mask, other=0).to(tl.int32)
-        x = _div_by_row(_decode(c, MBITS, BIAS, IEEE_SPECIALS, HW), scale[:, None], inv_scale[:, None])
+        x = _div_by_row(decode_codes(c, MBITS, BIAS, IEEE_SPECIALS, HW), scale[:, None], inv_scale[:, None])
         if SQRT:
             x = x * x
     else:
@@ -607,7 +581,7 @@ def _launch_seed(opts: dict, device: torch.device, unused: torch.Tensor) -> torc
 
 def _step_meta(m_spec: MomentSpec, v_spec: MomentSpec, opts: dict, device: torch.device | None = None) -> dict:
     """The compile-time arguments of the update shared by the Adam kernels (formats and flags): M_HW /
-    V_HW = 1 where ``device`` converts the moment's FP8 format in hardware (``_decode``, ``cast_codes``)."""
+    V_HW = 1 where ``device`` converts the moment's FP8 format in hardware (``decode_codes``, ``cast_codes``)."""
     hw = {f"{prefix}_HW": hardware_cast(device, spec.format) if spec.fp8 and device is not None else 0
           for prefix, spec in (("M", m_spec), ("V", v_spec))}
     return dict(**_fmt_args(m_spec, "M"), **_fmt_args(v_spec, "V"), **hw, V_SQRT=v_spec.stores_sqrt,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import check_interpretable
+from .triton_helpers import check_interpretable, decode_table
 from .triton_scaling import divided_in, reciprocal_rn, rounded_to
 
 __all__ = ["swiglu_backward"]
@@ -134,17 +134,6 @@ def swiglu_backward(da: torch.Tensor, g_codes: torch.Tensor, g_scale: torch.Tens
         s = smooth_scales.reshape(-1) if smooth != "none" else g_scale
         _swiglu_backward_kernel[(triton.cdiv(t, bt) + triton.cdiv(n, bt), triton.cdiv(f, bf))](
             da.contiguous(), g_codes.contiguous().view(torch.uint8), u_codes.contiguous().view(torch.uint8),
-            _decode_table(g_codes.dtype, da.device), g_scale, u_scale, s.contiguous(), dg, du, db, dw, t, f, n,
+            decode_table(g_codes.dtype, da.device), g_scale, u_scale, s.contiguous(), dg, du, db, dw, t, f, n,
             SMOOTH=_SMOOTH[smooth], BT=bt, BF=bf, UNSMOOTH_W=weight_grad is not None)
     return (dg, du) if weight_grad is None else (dg, du, dw)
-
-
-_TABLES: dict[tuple, torch.Tensor] = {}
-
-
-def _decode_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """fp32 [256]: the value of every code of the FP8 ``dtype`` (torch's conversion), made once per device."""
-    key = (dtype, device)
-    if key not in _TABLES:
-        _TABLES[key] = torch.arange(256, dtype=torch.uint8, device=device).view(dtype).to(torch.float32)
-    return _TABLES[key]

@@ -16,6 +16,8 @@
 ``hardware_cast``          the cast kernels' HW constexpr for a device and format
 ``random_seed``            a Philox seed drawn on the device (no host synchronisation)
 ``stream_seed``            a seed from a model's stochastic-rounding stream, advanced on the device (runtime.sr)
+``decode_codes``           the exact fp32 value of 8-bit codes: the hardware conversion on sm_89+, else integer ops
+``decode_table``           the fp32 value of every code of an FP8 dtype (a kernel decodes by one gather)
 =========================  ====================================================================================
 """
 
@@ -36,7 +38,7 @@ from ..numerics.scaling import HUGE_AMAX
 __all__ = ["INTERPRETING", "INTERPRETED", "HW_FORMATS", "autotune", "size_class", "check_interpretable", "encode",
            "max_propagating_nan", "abs_max", "abs_max_2d", "stochastic_grid", "on_grid_codes", "cast_codes",
            "random_bits", "hash_bits", "stochastic_round_bf16", "philox4", "random_bits4", "philox_pick", "philox_at", "random_bits_at", "tile_scale",
-           "hardware_cast", "hardware_rne", "random_seed", "stream_seed"]
+           "hardware_cast", "hardware_rne", "random_seed", "stream_seed", "decode_codes", "decode_table"]
 
 
 def _interpreting() -> bool:
@@ -229,6 +231,33 @@ def cast_codes(v, rbits, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.c
 
 
 @triton.jit
+def decode_codes(c, MBITS: tl.constexpr, BIAS: tl.constexpr, IEEE_SPECIALS: tl.constexpr, HW: tl.constexpr):
+    """fp32 value of 8-bit codes ``c`` (int32 0..255), exact. HW (sm_89+ GPUs): the hardware
+    conversion to fp16 (every E4M3 and E5M2 value is an fp16 value: exact, Inf/NaN kept), then to fp32.
+    Otherwise by integer assembly of the fp32 bits (the interpreter, older GPUs)."""
+    if HW:
+        if IEEE_SPECIALS:
+            val = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            val = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        mag = c & 0x7F
+        e = mag >> MBITS
+        mant = mag & ((1 << MBITS) - 1)
+        normal = (((e - BIAS + 127) << 23) | (mant << (23 - MBITS))).to(tl.float32, bitcast=True)
+        # subnormal: mant * 2**(1 - BIAS - MBITS), assembled as bits of 2**(1 - BIAS - MBITS) times mant
+        quantum = tl.full(c.shape, (127 + 1 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
+        val = tl.where(e == 0, mant.to(tl.float32) * quantum, normal)
+        if IEEE_SPECIALS:  # E5M2: exponent all ones is Inf (mantissa 0) or NaN
+            emax_field = (1 << (7 - MBITS)) - 1
+            val = tl.where(e == emax_field, tl.where(mant == 0, float("inf"), float("nan")), val)
+        else:  # E4M3FN: only S.1111.111 is NaN
+            val = tl.where(mag == 0x7F, float("nan"), val)
+        val = tl.where((c & 0x80) != 0, -val, val)
+    return val
+
+
+@triton.jit
 def random_bits(seed, offs):
     """30 random bits per element: Philox keyed by ``seed`` with the element's int64 index as counter
     (low word, high word), so no two elements of a tensor share bits; for indices below 2**32 these
@@ -401,3 +430,14 @@ def stream_seed(stream: torch.Tensor, n: int = 1) -> torch.Tensor:
     seed = torch.empty(n, dtype=torch.int64, device=stream.device)
     _stream_seed_kernel[(1,)](stream, seed, N=n, NP=triton.next_power_of_2(n))
     return seed
+
+
+_DECODE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def decode_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """fp32 [256]: the value of every code of the FP8 ``dtype`` (torch's conversion), made once per device."""
+    key = (dtype, device)
+    if key not in _DECODE_TABLES:
+        _DECODE_TABLES[key] = torch.arange(256, dtype=torch.uint8, device=device).view(dtype).to(torch.float32)
+    return _DECODE_TABLES[key]

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..numerics.formats import Format, get_format
 from ..numerics.scaling import HUGE_AMAX, MAX_SCALE, NO_PENDING, OVERFLOW_FACTOR
-from .triton_helpers import INTERPRETING, abs_max_2d, check_interpretable, max_propagating_nan, tile_scale
+from .triton_helpers import INTERPRETED, INTERPRETING, abs_max_2d, check_interpretable, max_propagating_nan, tile_scale
 
 __all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "SmoothScales",
            "smooth_scales", "rounded_to", "reciprocal_rn", "divided_in", "epilogue_args", "epilogue_consts", "scale_epilogue",
@@ -374,12 +374,18 @@ def record_states(states: list[list[torch.Tensor]], amax: torch.Tensor | list[to
 
 @triton.jit
 def rounded_to(x, DTYPE: tl.constexpr):
-    """fp32 ``x`` rounded to nearest even in ``DTYPE`` (fp32 or bf16), kept as fp32. For bf16 the rounding
-    is done on the bits (Triton's interpreter truncates fp32 -> bf16, the GPU rounds); NaN stays NaN."""
+    """fp32 ``x`` rounded to nearest even in ``DTYPE`` (fp32, bf16 or fp16), kept as fp32 (NaN stays NaN).
+    bf16 on a GPU and fp16 everywhere: the conversion, which rounds to nearest even (``cvt.rn``; numpy's
+    in the interpreter); bf16 in the interpreter, which truncates fp32 -> bf16: on the bits."""
     if DTYPE == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        x = tl.where(x != x, x, rounded)
+        if INTERPRETED:
+            bits = x.to(tl.int32, bitcast=True)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            x = tl.where(x != x, x, rounded)
+        else:
+            x = x.to(tl.bfloat16).to(tl.float32)
+    elif DTYPE == tl.float16:
+        x = x.to(tl.float16).to(tl.float32)
     return x
 
 
