@@ -140,6 +140,7 @@ def cases():
                      "F": "i32"}, dict(BT=32, BF=64, INPUT_MAX=input_max), None))
     out.extend(_scaling_cases())
     out.extend(_grouped_cases())
+    out.extend(_norm_cases())
     for mf, vf, block in (("e4m3", "e5m2", 128), ("e5m2", "e4m3", 128), ("bf16", "fp32", 128),
                           ("e4m3", "e5m2", 8192)):
         ms, vs = MomentSpec("exp_avg", mf, block), MomentSpec("exp_avg_sq", vf, block, sqrt=True)
@@ -174,6 +175,44 @@ def cases():
                 out.append((f"{prefix} {mf}/{vf} sr={stochastic} write={write}", tsplit._split_kernel,
                             _adam_signature(ms, vs, split=True, bf16_sr=bf16_sr), c,
                             triton.Config({}, num_warps=tsplit._num_warps(bf16_sr))))
+    return out
+
+
+def _norm_cases():
+    """The RMSNorm kernels (kernels/triton_norm.py) at the row widths of Llama models (2048 to 16384),
+    with their launch configurations (``triton_norm._block``), for an fp32 residual stream (TinyLlama's
+    form, fp32 y) and a bf16 one (HF's, bf16 hat and y), E4M3."""
+    import triton.language as tl
+
+    from fp8pass.kernels import triton_norm as tn
+
+    out = []
+    fmt_c = dict(TARGET=448.0, FMT_MAX=448.0, MAX_SCALE_C=MAX_SCALE, HUGE=2.0**64, POW2=False, NAN_SCALE=False)
+    for d in (2048, 4096, 8192, 16384):
+        rows, chunk, wide, warps = tn._block(1 << 14, d)
+        cfg = triton.Config({}, num_warps=warps)
+        shape = dict(ROWS=rows, CHUNK=chunk)
+        for x, hat in (("fp32", None), ("bf16", "bf16")):
+            y = hat or "fp32"
+            tl_of = {"fp32": tl.float32, "bf16": tl.bfloat16}
+            fwd = {"x_ptr": f"*{x}", "w_ptr": f"*{y}", "y_ptr": f"*{y}", "rstd_ptr": "*fp32", "partial_ptr": "*fp32",
+                   "counter_ptr": "*i32", **_EPILOGUE_SIG, "rows": "i32", "D": "i32", "eps": "fp32"}
+            out.append((f"norm forward x={x} d={d}", tn._rmsnorm_forward_kernel, fwd,
+                        dict(HAT=tl_of[hat or "fp32"], PROD=tl_of[y], OUT=tl_of[y], N_INVERT=0, DELAYED=False,
+                             **fmt_c, **shape, WIDE=wide, RBLOCK=1024), cfg))
+            cast = {"x_ptr": f"*{x}", "rstd_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8", "rows": "i32",
+                    "D": "i32"}
+            out.append((f"norm cast x={x} d={d}", tn._rmsnorm_cast_kernel, cast,
+                        dict(**tk._fmt_kw(E4M3), HW=_hw(E4M3), **shape), cfg))
+            bwd = {"dy_ptr": f"*{y}", "codes_ptr": "*u8", "scale_ptr": "*fp32", "rstd_ptr": "*fp32", "w_ptr": f"*{y}",
+                   "dx_ptr": f"*{x}", "part_ptr": "*fp32", "rows": "i32", "D": "i32"}
+            b_rows, b_chunk, _, b_warps = tn._block(1 << 14, d, backward=True)
+            out.append((f"norm backward x={x} d={d}", tn._rmsnorm_backward_kernel, bwd,
+                        dict(MBITS=3, BIAS=7, IEEE_SPECIALS=False, HW=_hw(E4M3), ROWS=b_rows, CHUNK=b_chunk, WIDE=wide),
+                        triton.Config({}, num_warps=b_warps)))
+    for w in ("fp32", "bf16"):
+        out.append((f"norm column_sum w={w}", tn._column_sum_kernel,
+                    {"part_ptr": "*fp32", "n_part": "i32", "D": "i32", "out_ptr": f"*{w}"}, dict(BP=8, BC=256), None))
     return out
 
 

@@ -50,6 +50,7 @@ _NO_KERNEL = {
     "aten.lift_fresh.default", "aten.resize_.default", "aten.set_.source_Storage_storage_offset",
     "aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default", "aten.sym_storage_offset.default",
     "aten.is_same_size.default", "aten.record_stream.default",
+    "aten.promote_types.default",  # a dtype computed on the host
 }
 # host syncs on a GPU (a read of device memory by the host, or a synchronising H2D copy)
 SYNC_OPS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default",

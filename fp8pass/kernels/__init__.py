@@ -14,6 +14,7 @@
 :mod:`.triton_grouped_casts`  MoE operands: per-expert amax, scale and cast, the wgrad's aligned token layout
 :mod:`.triton_glu`         SwiGLU backward from saved FP8 codes
 :mod:`.triton_grouped_glu`  MoE GLU tail: per-expert channel maxima, the smoothed operand, the GLU backward
+:mod:`.triton_norm`        ``fp8pass::rmsnorm`` (the norm saving FP8 ``x_hat``): forward and backward, 2 launches each
 :mod:`.adam_layout`        the FP8 AdamW state layout and step scalars, shared by the torch path and the kernels
 :mod:`.triton_adam`        the FP8 AdamW step, fused, many tensors per launch
 :mod:`.triton_adam_split`  the same for scale blocks wider than one program

@@ -25,19 +25,27 @@ import functools
 import torch
 
 from ..numerics.formats import Format
-from . import cpu, triton_family, triton_grouped_casts, triton_grouped_glu, triton_operand_casts, triton_scaling
+from . import (
+    cpu,
+    triton_family,
+    triton_grouped_casts,
+    triton_grouped_glu,
+    triton_norm,
+    triton_operand_casts,
+    triton_scaling,
+)
 from .interface import Offers
 
 __all__ = ["OFFERS", "cast", "cast_delayed", "cast_current", "cast_stochastic", "upcast", "gemm_tensor_scaled", "scaled_mm_plan",
            "scaled_mm_refusal", "device_capability", "grouped_mm_refusal", "grouped_mm_operands_refusal",
            "transpose_cast", "row_amax", "cast_rows", "cast_grouped", "grouped_gemm",
            "grouped_gemm_wgrad", "grouped_mm_emulated", "GROUP_ALIGN", "grouped_glu_operand", "grouped_glu_backward",
-           "GLU_ACTIVATIONS"]
+           "GLU_ACTIVATIONS", "norm_supported", "rmsnorm_forward", "rmsnorm_backward"]
 
 # Scales picked on the device inside the casts' launches, both layouts from one read; the GEMMs
 # (``_scaled_mm``) take the FP8 codes themselves.
 OFFERS = Offers(scale_on_device=True, transpose_cast=True, values_without_codes=False, upcast_gemm_operands=False,
-                grouped_casts=True, grouped_glu=True)
+                grouped_casts=True, grouped_glu=True, fused_norm=True)
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -57,6 +65,9 @@ cast_grouped = triton_grouped_casts.cast_grouped
 grouped_glu_operand = triton_grouped_glu.grouped_glu_operand
 grouped_glu_backward = triton_grouped_glu.grouped_glu_backward
 GLU_ACTIVATIONS = tuple(triton_grouped_glu.ACTIVATIONS)
+norm_supported = triton_norm.norm_supported
+rmsnorm_forward = triton_norm.rmsnorm_forward
+rmsnorm_backward = triton_norm.rmsnorm_backward
 
 
 def cast_delayed(x2d: torch.Tensor, state: list[torch.Tensor], fmt: Format, margin: float, power_of_two: bool,

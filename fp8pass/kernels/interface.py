@@ -40,6 +40,8 @@ class Offers:
             (``act(gate) * up`` with per-expert channel smoothing, and its backward) as kernels, in a
             number of launches that does not depend on the number of experts (``GLU_ACTIVATIONS``: the
             activations they take).
+        fused_norm: ``rmsnorm_forward`` / ``rmsnorm_backward``: ``fp8pass::rmsnorm`` (the norm that saves its
+            normalized input as FP8) in two launches each way, for the norms ``norm_supported`` accepts.
     """
 
     scale_on_device: bool
@@ -48,6 +50,7 @@ class Offers:
     upcast_gemm_operands: bool
     grouped_casts: bool = False
     grouped_glu: bool = False
+    fused_norm: bool = False
 
 
 OFFER_FUNCTIONS = {
@@ -57,6 +60,7 @@ OFFER_FUNCTIONS = {
     "upcast_gemm_operands": ("gemm_dtype", "fused_enabled"),
     "grouped_casts": ("cast_grouped",),
     "grouped_glu": ("grouped_glu_operand", "grouped_glu_backward"),
+    "fused_norm": ("norm_supported", "rmsnorm_forward", "rmsnorm_backward"),
 }
 
 

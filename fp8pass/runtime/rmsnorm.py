@@ -32,13 +32,17 @@ in E4M3's subnormals), which bounds ``dw`` and ``dx`` elementwise (tests/runtime
 
 The cast is the kernels' per-tensor current cast (:func:`~.casting.cast_operand`, the same as an FP8
 linear's input cast on that device). The rest is the torch math above, in two functions
-(:func:`norm_forward_math`, :func:`norm_backward_math`). On CPU, inputs of at least
+(:func:`norm_forward_math`, :func:`norm_backward_math`; the backward takes ``x_hat`` as the codes' values
+times ``1 / scale``). On CUDA (and on the CUDA code path run on CPU, ``FP8PASS_KERNELS=triton``) the
+device module's norm kernels take it (``kernels/triton_norm.py``: forward and backward two launches each,
+where these torch ops are 18); their row sums are reduced in the kernels' order, so ``y`` there is the
+norm to fp32 rounding of ``rstd``, not bit for bit. On CPU, inputs of at least
 ``kernels.cpu.MIN_COMPILED`` elements run each as one Inductor-compiled loop nest (``cpu.run_fused``): the
 forward reads ``x`` once and writes ``y``, ``x_hat`` and ``rstd``; the backward upcasts the codes in one
 compiled loop (the kernels' ``upcast``), then reads them and ``dy`` once per reduction. There ``y`` is the value Inductor computes for the same norm (its reduction order
 for ``mean(x^2)``, the order of the norm the fp8 backend compiled before this op replaced it; tested
-against ``torch.compile`` of :func:`rmsnorm_reference`); smaller inputs, other devices and the CUDA code
-path on CPU (``FP8PASS_KERNELS=triton``) run the eager ops, equal to the eager norm bit for bit.
+against ``torch.compile`` of :func:`rmsnorm_reference`); smaller inputs, and norms the kernels do not take
+(fp64 tensors) on the CUDA code path, run the eager ops, equal to the eager norm bit for bit.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import torch
 from .. import kernels
 from ..kernels import cpu as cpu_kernels
 from ..op_schema import NormKnobs, knob_op
-from .casting import IDENTITY, as_bytes, cast_operand, dequantize, from_bytes, resolve_format
+from .casting import IDENTITY, as_bytes, cast_operand, from_bytes, resolve_format
 
 __all__ = ["rmsnorm_op", "rmsnorm_reference", "check_norm_knobs", "norm_forward_math", "norm_backward_math"]
 
@@ -94,7 +98,7 @@ def norm_backward_math(dy: torch.Tensor, values: torch.Tensor, scale: torch.Tens
                        weight: torch.Tensor, x_dtype: torch.dtype):
     """``(dx [rows, d] in x_dtype, dw in weight's dtype)`` from ``dy [rows, d]`` and the values of the
     saved codes of ``x_hat`` (``x_hat = values / scale``), all in fp32 (module doc)."""
-    x_hat = dequantize(values, scale, None)
+    x_hat = values * scale.reciprocal()  # one division per tensor, as the kernels take it
     dyf = dy.float()
     g = dyf * weight.float()
     dw = (dyf * x_hat).sum(0)
@@ -110,6 +114,18 @@ def _fused(fn, tensors: tuple, static: tuple):
     return cpu_kernels.run_fused(fn, tensors, static)
 
 
+def _norm_kernels(device: torch.device, d: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, k: NormKnobs):
+    """The device module whose norm kernels take this norm (CUDA's Triton kernels: 4 launches forward
+    and backward instead of 18 torch ops), or None: the torch ops above."""
+    if k.fwd_format == IDENTITY:
+        return None
+    kern = kernels.for_device(device)
+    if kern.OFFERS.fused_norm and kern.norm_supported(d, resolve_format(k.fwd_format), x_dtype, weight_dtype,
+                                                      k.hat_dtype, _y_dtype(x_dtype, weight_dtype, k)):
+        return kern
+    return None
+
+
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, k: NormKnobs) -> torch.Tensor:
     """The norm this op computes, as plain differentiable torch (what the rewrite replaced)."""
     return norm_forward_math(x, weight, k.eps, k.hat_dtype, k.out_dtype)[0]
@@ -121,6 +137,12 @@ def rmsnorm_op(x, weight, *knobs):
     are for backward (uint8 E4M3 codes and their fp32 encode scale; fp32 values and 1 for "identity")."""
     k = _knobs(knobs)
     _check(x, weight)
+    d = x.shape[-1]
+    kern = _norm_kernels(x.device, d, x.dtype, weight.dtype, k)
+    if kern is not None:
+        y, codes, scale, rstd = kern.rmsnorm_forward(x.reshape(-1, d), weight, k.eps, k.hat_dtype,
+                                                     _y_dtype(x.dtype, weight.dtype, k), resolve_format(k.fwd_format))
+        return y.view(x.shape), codes, scale, rstd
     y, x_hat, rstd = _fused(norm_forward_math, (x, weight), (k.eps, k.hat_dtype, k.out_dtype))
     operand = cast_operand(x_hat, resolve_format(k.fwd_format))
     return y, as_bytes(operand.data), operand.scale, rstd
@@ -144,7 +166,11 @@ def _(x, weight, *knobs):
 def rmsnorm_backward_op(dy, x_hat_data, x_hat_scale, rstd, weight, x_dtype, *knobs):
     """``(dx [rows, d] in x_dtype, dw in weight's dtype)`` from the saved codes (module doc)."""
     k = _knobs(knobs)
-    codes = from_bytes(x_hat_data, resolve_format(k.fwd_format))
+    fmt = resolve_format(k.fwd_format)
+    kern = _norm_kernels(x_hat_data.device, x_hat_data.shape[-1], x_dtype, weight.dtype, k)
+    if kern is not None:
+        return kern.rmsnorm_backward(dy.reshape(x_hat_data.shape), x_hat_data, x_hat_scale, rstd, weight, x_dtype, fmt)
+    codes = from_bytes(x_hat_data, fmt)
     # the codes' values first, by the device's own upcast (CPU: one compiled loop), then the fp32 math as
     # one loop nest: decoding FP8 inside it would run once per reduction, and the decode is the dear part
     values = kernels.for_device(codes.device).upcast(codes, torch.float32)

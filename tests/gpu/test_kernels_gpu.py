@@ -499,3 +499,58 @@ def test_adam_bf16_stochastic_weight_bit_identical_to_torch_path(block):
         assert same(q, p)
         for k in sp:
             assert _same_state(sp[k], sq[k]), k
+
+
+# -- RMSNorm (Config.save_norm_input_fp8) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [777, 4096, 8192])  # 8192: the wide path (two reads per block)
+@pytest.mark.parametrize("x_dtype,hat", [(torch.float32, None), (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16"])
+def test_rmsnorm_kernels_compiled(d, x_dtype, hat):
+    """Given the kernel's rstd, y, the scale and the codes are torch's ops on the GPU bit for bit; rstd and
+    the gradients agree with the reference to fp32 rounding (tests/kernels/test_triton_norm.py's bounds)."""
+    from fp8pass.kernels import triton_norm
+    from fp8pass.numerics import scale_from_amax
+    from fp8pass.runtime.rmsnorm import norm_backward_math
+
+    g = torch.Generator().manual_seed(d)
+    rows = 3000
+    x = (torch.randn(rows, d, generator=g) * torch.logspace(-2, 2, rows).reshape(rows, 1)).to(x_dtype).cuda()
+    w = (torch.randn(d, generator=g) * 0.5 + 1.0).to(x_dtype).cuda()
+    out_dtype = x_dtype
+    y, codes, scale, rstd = triton_norm.rmsnorm_forward(x, w, 1e-5, hat, out_dtype, E4M3)
+    exact = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(rstd.double(), exact, rtol=4 * 2.0**-24, atol=0)
+    x_hat = x.float() * rstd
+    want_y = (x_hat if hat is None else x_hat.to(hat)) * w
+    assert torch.equal(y, want_y.to(out_dtype))
+    want_scale = scale_from_amax(x_hat.abs().max(), E4M3)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(codes, saturating_cast(x_hat * want_scale, E4M3).view(torch.uint8))
+    dy = torch.randn(rows, d, generator=g).to(out_dtype).cuda()
+    dx, dw = triton_norm.rmsnorm_backward(dy, codes, scale, rstd, w, x_dtype, E4M3)
+    values = codes.view(torch.float8_e4m3fn).float()
+    want_dx, want_dw = norm_backward_math(dy, values, scale, rstd, w, x_dtype)
+    xh = values * scale.reciprocal()
+    gg = dy.float() * w.float()
+    row_scale = (rstd * (gg.abs() + xh.abs() * (gg * xh).abs().mean(-1, keepdim=True))).double()
+    assert ((dx.double() - want_dx.double()).abs() <= max(torch.finfo(x_dtype).eps, 2.0**-20) * row_scale).all()
+    col_scale = (dy.float() * xh).abs().sum(0).double()
+    assert ((dw.double() - want_dw.double()).abs() <= max(torch.finfo(x_dtype).eps, 2.0**-20) * col_scale).all()
+
+
+def test_rmsnorm_op_never_syncs():
+    from fp8pass.op_schema import NormKnobs
+
+    x = torch.randn(512, 2048, device="cuda", requires_grad=True)
+    w = torch.ones(2048, device="cuda", requires_grad=True)
+    knobs = NormKnobs(1e-5, None, torch.float32, "e4m3").args()
+    dy = torch.randn(512, 2048, device="cuda")
+    torch.ops.fp8pass.rmsnorm(x, w, *knobs)[0].backward(dy)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.ops.fp8pass.rmsnorm(x, w, *knobs)[0].backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

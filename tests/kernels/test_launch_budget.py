@@ -33,10 +33,10 @@ BUDGETS = {
     # searchsorted of the rows' experts); was 63 with it in eager torch, 143 with eager torch casts, 130
     # and 2 host syncs before
     "grouped_swiglu channel": 30,
-    # Config.save_norm_input_fp8's norm: its elementwise math in eager torch (7 launches forward, the
-    # model's ops; 9 backward, 2 of them dequantizing x_hat) and x_hat's per-tensor cast (2 Triton
-    # launches). No fused norm kernel yet: Inductor's own norm, which this op replaces, is ~2 forward
-    "rmsnorm fp32": 18,
+    # Config.save_norm_input_fp8's norm (kernels/triton_norm.py): forward the norm with x_hat's amax and
+    # scale, then x_hat's codes; backward dx with per-program dw column sums, then dw (was 18: eager torch
+    # math, 7 forward, 9 backward, and x_hat's cast in 2 Triton launches)
+    "rmsnorm fp32": 4,
 }
 
 
