@@ -64,6 +64,7 @@ from pathlib import Path
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("gpu_static.py compiles kernels: run it with TRITON_INTERPRET unset")
 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # triton prints ptxas -v (registers, spills) to stdout
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached build prints no ptxas log: its spills would read as 0
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402
@@ -77,7 +78,7 @@ ISSUE_RATE = SMS * SCHEDULERS * LANES * CLOCK  # thread instructions / s
 
 UNALIGNED = " [unaligned]"  # the variant-name suffix of a build without the alignment specialisation
 # multiples of 16 in the shapes models use (ld, out_ld: row strides, F or 2F)
-_SIZE_ARGS = {"n", "R", "C", "rows", "cols", "T", "F", "ld", "out_ld"}
+_SIZE_ARGS = {"n", "R", "C", "rows", "cols", "T", "F", "ld", "out_ld", "D"}
 _BYTES = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1, "*i64": 8, "*i32": 4}
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -138,11 +139,27 @@ def _elements(name: str, consts: dict) -> tuple[int, int] | None:
         e = c["BR"] * c["BC"]  # the amax kernel: per column block of its loop
     elif name == "_aligned_transpose_kernel":
         e = c["BT"] * c["BC"]
+    elif name == "_rmsnorm_cast_kernel":
+        e = c["ROWS"] * c["CHUNK"]
+    elif name in ("_rmsnorm_forward_kernel", "_rmsnorm_backward_kernel"):
+        # a tile per loop step; a program takes every num_programs-th block of rows, so its set-up (and the
+        # forward's last-program epilogue, charged to every program) spreads over its blocks: at 16384
+        # tokens, the benchmarks' MLP shape
+        e = c["ROWS"] * c["CHUNK"]
+        return e * _norm_blocks_per_program(name, c["ROWS"]), e
     elif name in ("_grouped_glu_kernel", "_grouped_glu_backward_kernel"):
         e = c["BR"] * c["BC"]  # AMAX: each iteration of its loop over the tile's experts takes the whole tile
     else:
         return None  # a one-program scalar kernel (scales, records): no per-element cost
     return e, e
+
+
+def _norm_blocks_per_program(name: str, rows_per_block: int, tokens: int = 16384) -> int:
+    from fp8pass.kernels import triton_norm
+
+    blocks = -(-tokens // rows_per_block)
+    cap = triton_norm._FORWARD_PROGRAMS if name == "_rmsnorm_forward_kernel" else triton_norm._BACKWARD_PROGRAMS
+    return -(-blocks // min(blocks, cap))
 
 
 def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
@@ -175,6 +192,12 @@ def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
         return size["g_ptr"] + size["u_ptr"] + (0 if c["AMAX"] else size["a_ptr"])
     if name == "_grouped_glu_backward_kernel":  # dA, gate, up in; dgate, dup out
         return sum(size[k] for k in ("da_ptr", "g_ptr", "u_ptr", "dg_ptr", "du_ptr"))
+    if name == "_rmsnorm_forward_kernel":  # x in, y out
+        return size["x_ptr"] + size["y_ptr"]
+    if name == "_rmsnorm_cast_kernel":  # x in (its second read), codes out
+        return size["x_ptr"] + code
+    if name == "_rmsnorm_backward_kernel":  # dy and codes in, dx out
+        return size["dy_ptr"] + code + size["dx_ptr"]
     if name in ("_adam_kernel", "_split_kernel"):
         state = size["p_ptr"] + size["m_ptr"] + size["v_ptr"]  # p, m, v read (and written back)
         writes = c.get("WRITE", True)
