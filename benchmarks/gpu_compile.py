@@ -94,12 +94,14 @@ def cases():
     for fmt, tile in ((E4M3, (1, 128)), (E4M3, (128, 128)), (E2M1, (1, 16)), (E5M2, (3, 7))):
         for mode in (0, 1, 2):
             trp, tcp, gr, gc = tf._tiles_per_program(tile, fmt.packed)
+            cr = tf._row_chunk(tile, fmt.packed)
+            gr, gc = (1, 1) if cr else (gr, gc)
             sig = {"x_ptr": "*fp32", "out_ptr": "*u8", "scales_ptr": "*fp32", "amax_ptr": "*fp32",
                    "seed_ptr": "*i64", "rows": "i32", "cols": "i32", "n_row_tiles": "i32", "n_col_tiles": "i32"}
             c = dict(TR=tile[0], TC=tile[1], TRP=trp, TCP=tcp, GR=gr, GC=gc, STOCHASTIC=mode == 0,
                      PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=False,
                      NAN_SCALE=fmt.nan_code is None, MODE=mode, **tf._fmt_args(fmt), HW=0 if mode == 2 else _hw(fmt),
-                     SR4=mode == 0 and tile[1] % 4 == 0)
+                     SR4=mode == 0 and tile[1] % 4 == 0, CR=cr)
             out.append((f"tiles {fmt.name} {tile} mode={mode}", tf._quantize_tiles_kernel, sig, c,
                         triton.Config({}, num_warps=tf._tile_warps(tile, fmt.packed))))
     for transpose, stochastic, conditional, delayed, divide in (

@@ -124,6 +124,8 @@ def _elements(name: str, consts: dict) -> tuple[int, int] | None:
     elif name == "_amax_kernel":
         e = c["BLOCK"]
     elif name == "_quantize_tiles_kernel":
+        if c.get("CR"):  # one tile a program, CR rows a loop step
+            return c["TR"] * c["TC"], c["CR"] * c["TCP"]
         e = c["GR"] * c["GC"] * c["TR"] * c["TC"]
     elif name == "_transpose_cast_kernel":
         e = c["BR"] * c["BC"]

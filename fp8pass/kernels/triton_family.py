@@ -18,7 +18,10 @@ Kernels:
                               E2M1 codes are packed two per byte in the kernel (an odd element count
                               leaves the high nibble of the last byte 0 and reads nothing past the end).
     ``_quantize_tiles_kernel`` one program per group of tiles: amax over each tile, scale, cast
-                              (current scaling, rows or blocks), or the cast alone with given scales.
+                              (current scaling, rows or blocks), or the cast alone with given scales;
+                              a tile of more than 4096 elements (128 x 128 blocks) is one program
+                              taking 32 of its rows at a time (amax, then a second, cached read to
+                              cast), so no build spills, aligned or not.
 
 Every index is int64 (``program_id`` widened before it is multiplied), so tensors of more than 2**31
 elements are addressed exactly. Stochastic rounding draws its seed on the tensor's device (no host
@@ -42,6 +45,7 @@ from . import torch_family
 from .triton_helpers import (
     INTERPRETING,
     abs_max,
+    abs_max_2d,
     autotune,
     cast_codes,
     check_interpretable,
@@ -151,8 +155,10 @@ def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, seed_ptr, rows,
                            NAN_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
                            STOCHASTIC: tl.constexpr, PACKED: tl.constexpr, FMAX: tl.constexpr,
                            MAX_SCALE_C: tl.constexpr, POW2: tl.constexpr, NAN_SCALE: tl.constexpr,
-                           MODE: tl.constexpr, HW: tl.constexpr = 0, SR4: tl.constexpr = False):
-    """GR x GC tiles of TR x TC elements of a contiguous [rows, cols] matrix, as one 4-D block.
+                           MODE: tl.constexpr, HW: tl.constexpr = 0, SR4: tl.constexpr = False,
+                           CR: tl.constexpr = 0):
+    """GR x GC tiles of TR x TC elements of a contiguous [rows, cols] matrix, as one 4-D block; or (CR > 0)
+    one tile per program, CR of its rows at a time (``_tile_in_row_chunks``).
 
     The block is [GR, TRP, GC, TCP] (TRP, TCP: TR, TC rounded up to powers of two, masked); the
     per-tile amax is a max over axes 3 and 1. MODE 0: amax -> scale -> cast (current scaling);
@@ -164,6 +170,11 @@ def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, seed_ptr, rows,
     """
     pid_r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1).to(tl.int64)
+    if CR > 0:
+        _tile_in_row_chunks(x_ptr, out_ptr, scales_ptr, amax_ptr, seed_ptr, rows, cols, n_col_tiles, pid_r, pid_c,
+                            TR, TC, TCP, CR, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC, FMAX,
+                            MAX_SCALE_C, POW2, NAN_SCALE, MODE, HW, SR4)
+        return
     gr = pid_r * GR + tl.arange(0, GR)[:, None, None, None]
     gc = pid_c * GC + tl.arange(0, GC)[None, None, :, None]
     i = tl.arange(0, TRP)[None, :, None, None]
@@ -217,6 +228,52 @@ def _quantize_tiles_kernel(x_ptr, out_ptr, scales_ptr, amax_ptr, seed_ptr, rows,
             else:
                 rbits = philox_at(seed, r * cols + c)
         code = cast_codes(x * s, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC, HW)
+        tl.store(out_ptr + r * cols + c, code.to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _tile_in_row_chunks(x_ptr, out_ptr, scales_ptr, amax_ptr, seed_ptr, rows, cols, n_col_tiles, pid_r, pid_c,
+                        TR: tl.constexpr, TC: tl.constexpr, TCP: tl.constexpr, CR: tl.constexpr,
+                        MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+                        SIGN_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr, FMAX: tl.constexpr,
+                        MAX_SCALE_C: tl.constexpr, POW2: tl.constexpr, NAN_SCALE: tl.constexpr, MODE: tl.constexpr,
+                        HW: tl.constexpr, SR4: tl.constexpr):
+    """Tile ``(pid_r, pid_c)`` of ``_quantize_tiles_kernel`` (unpacked formats), ``CR`` rows at a time: its
+    amax over the chunks, then each chunk cast (a second read, from the cache). A 128 x 128 tile held whole
+    (32 elements a thread) spilled in builds without alignment (scalar loads: an address per element)."""
+    i = tl.arange(0, CR)[:, None]
+    j = tl.arange(0, TCP)[None, :]
+    c = pid_c * TC + j
+    in_cols = (j < TC) & (c < cols)
+    tile = pid_r * n_col_tiles + pid_c
+    if MODE != 1:
+        amax = tl.zeros([], tl.float32)
+        for r0 in range(0, TR, CR):
+            r = pid_r * TR + r0 + i
+            m = (r0 + i < TR) & (r < rows) & in_cols
+            x = tl.load(x_ptr + r * cols + c, mask=m, other=0.0).to(tl.float32)
+            amax = max_propagating_nan(amax, abs_max_2d(x))
+        if MODE == 2:
+            tl.store(amax_ptr + tile, amax)
+            return
+        scale = tile_scale(amax, FMAX, MAX_SCALE_C, POW2, NAN_SCALE)
+        tl.store(scales_ptr + tile, scale)
+    else:
+        scale = tl.load(scales_ptr + tile)
+    seed = 0
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr)
+    for r0 in range(0, TR, CR):
+        r = pid_r * TR + r0 + i
+        m = (r0 + i < TR) & (r < rows) & in_cols
+        x = tl.load(x_ptr + r * cols + c, mask=m, other=0.0).to(tl.float32)
+        rbits = 0
+        if STOCHASTIC:
+            if SR4:
+                rbits = philox_pick(seed, (r * cols + pid_c * TC) // 4 + j // 4, j % 4)
+            else:
+                rbits = philox_at(seed, r * cols + c)
+        code = cast_codes(x * scale, rbits, MBITS, BIAS, MAX_CODE, NAN_CODE, SIGN_SHIFT, STOCHASTIC, HW)
         tl.store(out_ptr + r * cols + c, code.to(tl.uint8), mask=m)
 
 
@@ -302,9 +359,25 @@ def cast_scaled(x, scale, fmt: Format, rounding="nearest", generator=None, want_
     return _storage(out, fmt).view(shape), amax
 
 
+# A tile of more elements is taken a block of rows at a time (``_tile_in_row_chunks``), about this many.
+_CHUNK_ELEMENTS = 4096
+
+
+def _row_chunk(tile: tuple[int, int], packed: bool) -> int:
+    """CR of the tile kernel: rows per step of a tile larger than ``_CHUNK_ELEMENTS`` (unpacked formats;
+    a power of two), 0 for tiles taken whole."""
+    trp, tcp, _, _ = _tiles_per_program(tile, packed)
+    if packed or trp * tcp <= _CHUNK_ELEMENTS:
+        return 0
+    return max(1, _CHUNK_ELEMENTS // tcp)
+
+
 def _tile_warps(tile: tuple[int, int], packed: bool) -> int:
-    """Warps of a tile-kernel program: <= 32 elements per thread (a 128 x 128 tile is one program)."""
+    """Warps of a tile-kernel program: <= 32 elements per thread (16 for a tile taken in row chunks)."""
     trp, tcp, gr, gc = _tiles_per_program(tile, packed)
+    cr = _row_chunk(tile, packed)
+    if cr:
+        return max(4, min(16, cr * tcp // (16 * 32)))
     return max(4, min(16, gr * gc * trp * tcp // (32 * 32)))
 
 
@@ -333,6 +406,9 @@ def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, roundin
         scales = scales.to(torch.float32).contiguous()
     amax = torch.empty((nr, nc), dtype=torch.float32, device=x2d.device)
     trp, tcp, gr, gc = _tiles_per_program(tile, fmt.packed)
+    cr = _row_chunk(tile, fmt.packed)
+    if cr:
+        gr = gc = 1
     grid = (triton.cdiv(nr, gr), triton.cdiv(nc, gc))
     _quantize_tiles_kernel[grid](
         x2d, out, scales, amax, _seed_arg(rounding, generator, x2d.device, amax, seed), rows, cols, nr, nc,
@@ -340,7 +416,7 @@ def _launch_tiles(x2d, tile, fmt, mode, scales=None, power_of_two=False, roundin
         PACKED=fmt.packed, FMAX=fmt.max, MAX_SCALE_C=MAX_SCALE, POW2=power_of_two,
         NAN_SCALE=fmt.nan_code is None, MODE=mode, **_fmt_args(fmt),
         HW=0 if mode == 2 else hardware_cast(x2d.device, fmt),
-        SR4=rounding == "stochastic" and tile[1] % 4 == 0 and cols % 4 == 0, num_warps=_tile_warps(tile, fmt.packed),
+        SR4=rounding == "stochastic" and tile[1] % 4 == 0 and cols % 4 == 0, CR=cr, num_warps=_tile_warps(tile, fmt.packed),
     )
     return out, scales, amax
 

@@ -65,6 +65,24 @@ def test_fused_tile_quantize(fmt, tile, pow2):
     assert same_float(T.group_amax(x, tile), R.group_amax(x, tile))
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_tiles_in_row_chunks_are_the_whole_tile_bit_for_bit(rounding, monkeypatch):
+    """A 128 x 128 tile is taken 32 rows at a time (``_row_chunk``): the same codes, scales and amaxes as
+    the whole tile in one block, stochastic bits included (partial tiles in both dimensions)."""
+    x = hard_input()
+    seed = torch.tensor([2024], dtype=torch.int64)
+    assert R._row_chunk((128, 128), False) == 32
+    chunked = R.quantize_groups(x, (128, 128), E4M3, rounding=rounding, seed=seed)
+    given = R.quantize_groups(x, (128, 128), E4M3, scales=chunked[1] * 0.5, rounding=rounding, seed=seed)[0]
+    amax = R.group_amax(x, (128, 128))
+    monkeypatch.setattr(R, "_CHUNK_ELEMENTS", 1 << 20)
+    assert R._row_chunk((128, 128), False) == 0
+    whole = R.quantize_groups(x, (128, 128), E4M3, rounding=rounding, seed=seed)
+    assert same(chunked[0], whole[0]) and same_float(chunked[1], whole[1])
+    assert same(given, R.quantize_groups(x, (128, 128), E4M3, scales=chunked[1] * 0.5, rounding=rounding, seed=seed)[0])
+    assert same_float(amax, R.group_amax(x, (128, 128)))
+
+
 def test_quantize_dispatch_uses_triton(monkeypatch):
     import fp8pass
 
