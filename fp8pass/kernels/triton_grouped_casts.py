@@ -137,12 +137,15 @@ def _grouped_cast_kernel(x_ptr, out_ptr, R, C, offs_ptr, E, group_rows, scale_pt
 
 @triton.jit
 def _aligned_transpose_kernel(codes_ptr, out_ptr, S, C, W, offs_ptr, E, scale_ptr, ends_out, empty_out, rep_inv_out,
-                              EP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                              BPP, EP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """``out`` [C, W]: column t holds row ``t - shift(t)`` of ``codes`` [S, C] where t is in its group's
     rows, zero codes in the gaps that start every group at a multiple of 16 (``cuda._aligned_groups``'s
     layout: group e padded by ``(-size_e) mod 16`` columns; rows past ``offs[-1]`` after the last group).
-    Program (0, 0) writes the padded group ends ``ends_out`` [E] and ``empty_out`` [E] (size 0); the
-    programs of the first column block write ``rep_inv_out[e * C + c] = 1 / scale[e]``."""
+    Program ``(i, j)``: destination columns ``[i * BT, (i + 1) * BT)`` of the ``BPP`` blocks of ``BC`` code
+    columns from block ``j * BPP``, a block at a time: each column's group (a ``[BT, EP]`` comparison with the padded group ends) is
+    found once per program, not once per ``BT x BC`` block (at 128 experts that lookup was most of the
+    kernel's instructions). Program (0, 0) writes the padded group ends ``ends_out`` [E] and ``empty_out``
+    [E] (size 0); the programs of the first destination block write ``rep_inv_out[e * C + c] = 1 / scale[e]``."""
     pid_t, pid_c = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     e = tl.arange(0, EP)
     ends = tl.load(offs_ptr + e, mask=e < E, other=0).to(tl.int64)
@@ -157,16 +160,30 @@ def _aligned_transpose_kernel(codes_ptr, out_ptr, S, C, W, offs_ptr, E, scale_pt
     limit = tl.min(tl.where(before | (e >= E)[None, :], 9223372036854775807, ends[None, :]), axis=1)
     src = t - shift
     valid = (src < tl.minimum(limit, S)) & (t < W)
-    cols = pid_c * BC + tl.arange(0, BC)
-    v = tl.load(codes_ptr + src[:, None] * C + cols[None, :], mask=valid[:, None] & (cols[None, :] < C), other=0)
-    tl.store(out_ptr + cols[:, None] * W + t[None, :], tl.trans(v), mask=(cols[:, None] < C) & (t[None, :] < W))
+    first = pid_c * BPP  # the program's first block of BC code columns
+    n_blocks = tl.minimum(BPP, tl.cdiv(C, BC) - first)
+    for k in range(0, n_blocks):
+        cols = (first + k) * BC + tl.arange(0, BC)  # a multiple of BC to the compiler: vector accesses
+        in_c = cols < C
+        v = tl.load(codes_ptr + src[:, None] * C + cols[None, :], mask=valid[:, None] & in_c[None, :], other=0)
+        tl.store(out_ptr + cols[:, None] * W + t[None, :], tl.trans(v), mask=in_c[:, None] & (t[None, :] < W))
     if pid_t == 0:
         for j in range(E):  # a row of the [E, C] decode scales at a time: no [EP, BC] block in registers
             inv = tl.math.div_rn(tl.full([BC], 1.0, tl.float32), tl.load(scale_ptr + j))
-            tl.store(rep_inv_out + j * C + cols, inv, mask=cols < C)
-        if pid_c == 0:
-            tl.store(ends_out + e, dest_ends.to(tl.int32), mask=e < E)
-            tl.store(empty_out + e, (sizes == 0).to(tl.uint8), mask=e < E)
+            for k in range(0, n_blocks):
+                cols = (first + k) * BC + tl.arange(0, BC)
+                tl.store(rep_inv_out + j * C + cols, inv, mask=cols < C)
+    if (pid_t == 0) & (pid_c == 0):
+        tl.store(ends_out + e, dest_ends.to(tl.int32), mask=e < E)
+        tl.store(empty_out + e, (sizes == 0).to(tl.uint8), mask=e < E)
+
+
+# Programs the aligned transpose aims for (two per H200 SM): code columns are split among programs only
+# when the destination blocks alone are fewer.
+_TRANSPOSE_PROGRAMS = 264
+# Software pipelining of the column loop's loads would hold several [BT, BC] blocks at once (it spilled).
+_TRANSPOSE_STAGES = 1
+_TRANSPOSE_WARPS = 8
 
 
 def aligned_transpose(codes: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, width: int):
@@ -189,9 +206,14 @@ def aligned_transpose(codes: torch.Tensor, scale: torch.Tensor, offs: torch.Tens
     empty = torch.empty(experts, dtype=torch.uint8, device=codes.device)
     rep_inv = torch.empty(experts * c, dtype=torch.float32, device=codes.device)
     bt, bc = _TRANSPOSE_TILE
-    _aligned_transpose_kernel[(max(triton.cdiv(width, bt), 1), max(triton.cdiv(c, bc), 1))](
+    t_blocks = max(triton.cdiv(width, bt), 1)
+    c_blocks = max(triton.cdiv(c, bc), 1)
+    splits = max(1, min(c_blocks, triton.cdiv(_TRANSPOSE_PROGRAMS, t_blocks)))
+    bpp = triton.cdiv(c_blocks, splits)  # column blocks per program
+    _aligned_transpose_kernel[(t_blocks, triton.cdiv(c_blocks, bpp))](
         codes.contiguous().view(torch.uint8), out.view(torch.uint8), s, c, width, offs, experts,
-        scale.to(torch.float32).contiguous(), ends, empty, rep_inv, EP=triton.next_power_of_2(experts), BT=bt, BC=bc)
+        scale.to(torch.float32).contiguous(), ends, empty, rep_inv, bpp, EP=triton.next_power_of_2(experts), BT=bt,
+        BC=bc, num_stages=_TRANSPOSE_STAGES, num_warps=_TRANSPOSE_WARPS)
     return out, ends, empty.view(torch.bool), rep_inv
 
 

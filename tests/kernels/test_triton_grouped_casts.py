@@ -84,19 +84,25 @@ def test_bad_arguments_raise_clear_errors():
         tgc.cast_grouped(x, E4M3, torch.tensor([8], dtype=torch.int32), group_rows=4)
 
 
+@pytest.mark.parametrize("blocks", ["one block", "column loop", "column splits"])
 @pytest.mark.parametrize("offs,rows", [([7, 7, 20, 33], 40), ([0, 0, 40, 40], 40), ([16, 32], 32), ([40], 40),
                                        (list(range(1, 11)), 41), ([0], 5)])
-def test_aligned_transpose_is_the_torch_layout(offs, rows):
+def test_aligned_transpose_is_the_torch_layout(offs, rows, blocks, monkeypatch):
     """The wgrad operand layout (groups at multiples of 16, zeros between, padding rows last), its group
-    ends, empty groups and repeated decode scales: those of ``cuda._aligned_groups`` and friends."""
+    ends, empty groups and repeated decode scales: those of ``cuda._aligned_groups`` and friends. A
+    program takes its code columns in blocks: one block; 4 blocks of 8 columns in a loop (the last one
+    partial); the blocks split among programs."""
     from fp8pass.kernels import cuda
 
+    if blocks != "one block":
+        monkeypatch.setattr(tgc, "_TRANSPOSE_TILE", (32, 8))
+        monkeypatch.setattr(tgc, "_TRANSPOSE_PROGRAMS", 1 if blocks == "column loop" else 8)
     offs = torch.tensor(offs, dtype=torch.int32)
     gen = torch.Generator().manual_seed(rows)
-    codes = torch.randint(0, 255, (rows, 24), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    codes = torch.randint(0, 255, (rows, 28), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
     scale = torch.rand(offs.numel(), generator=gen) * 100
     ends, where, width, sizes = cuda._aligned_groups(offs, rows)
     out, ends_k, empty, rep_inv = tgc.aligned_transpose(codes, scale, offs, width)
     assert torch.equal(out.view(torch.uint8), cuda._scattered_transpose(codes, where, width).view(torch.uint8))
     assert torch.equal(ends_k, ends) and torch.equal(empty, sizes == 0)
-    assert torch.equal(_bits(rep_inv), _bits(cuda._repeated_inverse(scale, 24).view(-1)))
+    assert torch.equal(_bits(rep_inv), _bits(cuda._repeated_inverse(scale, 28).view(-1)))
