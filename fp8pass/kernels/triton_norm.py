@@ -13,14 +13,15 @@ The math is :mod:`fp8pass.runtime.rmsnorm`'s (``norm_forward_math``, ``norm_back
                                ``x_hat``'s codes, picked on the device
 ``_rmsnorm_cast_kernel``       the codes of ``x_hat = x * rstd`` with that scale (``cast_codes``, the one exact
                                cast): a second read of ``x``, one byte written per element
-``_rmsnorm_backward_kernel``   ``dx`` of blocks of rows from ``dy``, the codes (a 256-entry value table), their
-                               scale, ``rstd`` and ``w``; each program's column sums of ``dy * x_hat``
+``_rmsnorm_backward_kernel``   ``dx`` of blocks of rows from ``dy``, the codes (``decode_codes``: the hardware
+                               conversion on sm_89+), their scale, ``rstd`` and ``w``; each program's column
+                               sums of ``dy * x_hat``
 ``_column_sum_kernel``         ``dw``: the programs' column sums added, in ``w``'s dtype
 =============================  ====================================================================================
 
 Numerics: every elementwise step is the reference's, in its order and dtypes (products and divisions
 correctly rounded, ``y``'s roundings to the hat, product and output dtypes as torch's type promotion
-makes them). The row sums and ``dw``'s column sums are reductions in the kernel's order, and ``rstd``
+makes them; on a GPU the compiler may contract the backward's ``g - x_hat * mean`` into one FMA). The row sums and ``dw``'s column sums are reductions in the kernel's order, and ``rstd``
 is ``1 / sqrt`` correctly rounded twice (torch's CPU ``rsqrt``; on a GPU torch and Inductor take the
 approximate ``rsqrt``): ``rstd`` and the sums agree with the reference's to a few fp32 ulps, not bit for bit.
 Given the kernel's ``rstd``, ``y``, ``x_hat``'s amax, scale and codes are exact: the reference's ops
