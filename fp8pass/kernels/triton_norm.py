@@ -51,7 +51,7 @@ from .triton_helpers import (
     hardware_cast,
     max_propagating_nan,
 )
-from .triton_scaling import counter, epilogue_args, max_of_uncached, rounded_to, scale_epilogue
+from .triton_scaling import counter, epilogue_args, rounded_to, scale_by_last_program
 
 __all__ = ["norm_supported", "rmsnorm_forward", "rmsnorm_backward"]
 
@@ -94,7 +94,7 @@ def _rmsnorm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partial_ptr, counter_
                             RBLOCK: tl.constexpr):
     """Each program takes every ``num_programs``-th block of ``ROWS`` rows: ``y``, ``rstd``, and its max
     ``|x_hat|`` (NaN-propagating); the last to arrive (acquire-release counter, reset by it) reduces the
-    programs' maxima and stores the scale of ``x_hat`` (``scale_epilogue``, current scaling). A row of
+    programs' maxima and stores the scale of ``x_hat`` (``scale_by_last_program``, current scaling). A row of
     ``D <= CHUNK`` features is read once; ``WIDE`` rows in ``CHUNK``-column steps twice (the sum of squares,
     then ``y``: the second read of the row block hits the cache)."""
     pid = tl.program_id(0)
@@ -126,14 +126,9 @@ def _rmsnorm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partial_ptr, counter_
             pmax = max_propagating_nan(pmax, _normed(x, rstd, w, y_ptr, idx, mask, HAT, PROD, OUT))
         tl.store(rstd_ptr + r, rstd, mask=r < rows)
     tl.store(partial_ptr + pid, pmax)
-    tl.debug_barrier()  # the partial's store completes before this program's release
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == nprog - 1:
-        tl.debug_barrier()
-        amax = max_of_uncached(partial_ptr, nprog, RBLOCK)
-        scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out,
-                       inv_out, recast_out, inv0_out, inv1_out, N_INVERT, DELAYED, TARGET, FMT_MAX, MAX_SCALE_C,
-                       HUGE, POW2, NAN_SCALE)
-        tl.store(counter_ptr, 0)
+    scale_by_last_program(partial_ptr, nprog, counter_ptr, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in,
+                          inv1_in, amax_out, scale_out, inv_out, recast_out, inv0_out, inv1_out, N_INVERT, DELAYED,
+                          TARGET, FMT_MAX, MAX_SCALE_C, HUGE, POW2, NAN_SCALE, RBLOCK)
 
 
 @triton.jit

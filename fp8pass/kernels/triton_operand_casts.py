@@ -62,7 +62,7 @@ from .triton_helpers import (  # the one exact in-kernel cast, shared tuning hel
 )
 
 # the scale a delayed cast's last program picks; W_down / c divided in the cast
-from .triton_scaling import divided_in, max_of_uncached, reciprocal_rn, scale_epilogue
+from .triton_scaling import divided_in, reciprocal_rn, scale_by_last_program
 
 __all__ = ["swiglu_colamax", "swiglu_amax", "swiglu_cast", "swiglu_cast_with_inputs", "transpose_cast", "MODES"]
 
@@ -188,7 +188,7 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
     traffic: a launch that does nothing) and no amax is written.
     DELAYED (a cast with a delayed-scaling state's held scale ``*scale_ptr``): the program that stores
     its tile's max last (an acquire-release arrival counter, reset by it) reduces every tile's max
-    and runs ``triton_scaling.scale_epilogue``: the amax, the scale the cast should have used
+    and runs the scale epilogue (``triton_scaling.scale_by_last_program``): the amax, the scale the cast should have used
     (``scale_to_cast``), its decode scale, the recast flag, ``1 / inv_in``; one launch less per cast.
     DIVIDE: ``x`` is ``x / div[c]`` as torch divides in x's dtype (fp32 or bf16; ``div`` powers of two:
     ``triton_scaling.divided_in``): Smooth-SwiGLU's ``B = W_down / c`` cast without writing ``B`` out first.
@@ -208,14 +208,10 @@ def _transpose_cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, seed_
     if not CONDITIONAL:
         tl.store(amax_ptr + pid_r * tl.num_programs(1) + pid_c, abs_max_2d(x))
         if DELAYED:
-            tiles = tl.num_programs(0) * tl.num_programs(1)
-            tl.debug_barrier()  # the tile's max (stored by any thread) completes before the release
-            if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tiles - 1:
-                tl.debug_barrier()  # every thread reads the tiles' maxima after the acquire
-                scale_epilogue(max_of_uncached(amax_ptr, tiles, RBLOCK), scale_ptr, steps_ptr, skipped_ptr,
-                                guard_ptr, inv0_in, inv1_in, amax_out, scale_out, inv_out, recast_out, inv0_out,
-                                inv1_out, N_INVERT, True, TARGET, FMT_MAX, MAX_SCALE_C, HUGE, POW2, NAN_SCALE)
-                tl.store(counter_ptr, 0)
+            scale_by_last_program(amax_ptr, tl.num_programs(0) * tl.num_programs(1), counter_ptr, scale_ptr,
+                                  steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out, inv_out,
+                                  recast_out, inv0_out, inv1_out, N_INVERT, True, TARGET, FMT_MAX, MAX_SCALE_C, HUGE,
+                                  POW2, NAN_SCALE, RBLOCK)
     rbits = 0
     if STOCHASTIC:
         if SR4:  # C % 4 == 0: quads never straddle rows, and the four of a quad share one Philox call

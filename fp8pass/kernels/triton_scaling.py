@@ -45,7 +45,7 @@ from .triton_helpers import INTERPRETED, INTERPRETING, abs_max_2d, check_interpr
 
 __all__ = ["OperandScale", "operand_scale", "amax_and_scale", "record_states", "channel_scales", "SmoothScales",
            "smooth_scales", "rounded_to", "reciprocal_rn", "divided_in", "epilogue_args", "epilogue_consts", "scale_epilogue",
-           "max_of_uncached", "counter"]
+           "max_of_uncached", "scale_by_last_program", "counter"]
 
 _PARTIALS_BLOCK = 1024
 
@@ -124,11 +124,25 @@ def _amax_scale_kernel(x_ptr, n, partial_ptr, counter_ptr, held_ptr, steps_ptr, 
         acc = max_propagating_nan(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
     has_nan = tl.max((acc != acc).to(tl.int32))
     tl.store(partial_ptr + pid, tl.where(has_nan > 0, float("nan"), tl.max(acc)))
+    scale_by_last_program(partial_ptr, nprog, counter_ptr, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in,
+                          inv1_in, amax_out, scale_out, inv_out, recast_out, inv0_out, inv1_out, N_INVERT, DELAYED,
+                          TARGET, FMT_MAX, MAX_SCALE_C, HUGE, POW2, NAN_SCALE, RBLOCK)
+
+
+@triton.jit
+def scale_by_last_program(partial_ptr, n_partial, counter_ptr, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in,
+                          inv1_in, amax_out, scale_out, inv_out, recast_out, inv0_out, inv1_out,
+                          N_INVERT: tl.constexpr, DELAYED: tl.constexpr, TARGET: tl.constexpr,
+                          FMT_MAX: tl.constexpr, MAX_SCALE_C: tl.constexpr, HUGE: tl.constexpr, POW2: tl.constexpr,
+                          NAN_SCALE: tl.constexpr, RBLOCK: tl.constexpr):
+    """Called by every one of ``n_partial`` programs after it stored its partial max at ``partial_ptr``: the
+    last to increment ``*counter`` (acquire-release: it sees every partial) reduces them, runs
+    :func:`scale_epilogue` and resets ``*counter`` to 0 for the next launch on the stream."""
     # the partial's store (by whichever thread made it) completes before this program's release
     tl.debug_barrier()
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == nprog - 1:
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == n_partial - 1:
         tl.debug_barrier()  # every thread of the last program reads the partials after its acquire
-        amax = max_of_uncached(partial_ptr, nprog, RBLOCK)
+        amax = max_of_uncached(partial_ptr, n_partial, RBLOCK)
         scale_epilogue(amax, held_ptr, steps_ptr, skipped_ptr, guard_ptr, inv0_in, inv1_in, amax_out, scale_out,
                         inv_out, recast_out, inv0_out, inv1_out, N_INVERT, DELAYED, TARGET, FMT_MAX, MAX_SCALE_C,
                         HUGE, POW2, NAN_SCALE)
