@@ -100,7 +100,7 @@ def _rmsnorm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partial_ptr, counter_
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, CHUNK)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)  # all of it unless WIDE
     d = tl.full([ROWS], D, tl.int32).to(tl.float32)
     pmax = tl.zeros([], tl.float32)
     for rb in range(pid.to(tl.int64), tl.cdiv(rows, ROWS), nprog):
@@ -116,8 +116,8 @@ def _rmsnorm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partial_ptr, counter_
                 mask = (r[:, None] < rows) & (c0 + cols[None, :] < D)
                 idx = r[:, None] * D + c0 + cols[None, :]
                 x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + c0 + cols, mask=c0 + cols < D, other=0.0).to(tl.float32)
-                pmax = max_propagating_nan(pmax, _normed(x, rstd, w, y_ptr, idx, mask, HAT, PROD, OUT))
+                w_c = tl.load(w_ptr + c0 + cols, mask=c0 + cols < D, other=0.0).to(tl.float32)
+                pmax = max_propagating_nan(pmax, _normed(x, rstd, w_c, y_ptr, idx, mask, HAT, PROD, OUT))
         else:
             mask = (r[:, None] < rows) & (cols[None, :] < D)
             idx = r[:, None] * D + cols[None, :]
@@ -192,15 +192,15 @@ def _rmsnorm_backward_kernel(dy_ptr, codes_ptr, scale_ptr, rstd_ptr, w_ptr, dx_p
                 mask = (r[:, None] < rows) & (c0 + cols[None, :] < D)
                 dy, x_hat = _grad_inputs(dy_ptr, codes_ptr, r[:, None] * D + c0 + cols[None, :], mask, inv_scale, MBITS,
                                          BIAS, IEEE_SPECIALS, HW)
-                w = tl.load(w_ptr + c0 + cols, mask=c0 + cols < D, other=0.0).to(tl.float32)
-                gx += tl.sum((dy * w[None, :]) * x_hat, 1)
+                w_c = tl.load(w_ptr + c0 + cols, mask=c0 + cols < D, other=0.0).to(tl.float32)
+                gx += tl.sum((dy * w_c[None, :]) * x_hat, 1)
             mean = tl.math.div_rn(gx, d)
             for c0 in range(0, D, CHUNK):
                 mask = (r[:, None] < rows) & (c0 + cols[None, :] < D)
                 idx = r[:, None] * D + c0 + cols[None, :]
                 dy, x_hat = _grad_inputs(dy_ptr, codes_ptr, idx, mask, inv_scale, MBITS, BIAS, IEEE_SPECIALS, HW)
-                w = tl.load(w_ptr + c0 + cols, mask=c0 + cols < D, other=0.0).to(tl.float32)
-                _store_dx(dx_ptr, idx, mask, dy * w[None, :], x_hat, mean, rstd)
+                w_c = tl.load(w_ptr + c0 + cols, mask=c0 + cols < D, other=0.0).to(tl.float32)
+                _store_dx(dx_ptr, idx, mask, dy * w_c[None, :], x_hat, mean, rstd)
                 pmask = c0 + cols < D  # the same pointers load and store: each thread its own elements
                 acc = tl.load(part_row + c0 + cols, mask=pmask, other=0.0)
                 tl.store(part_row + c0 + cols, acc + tl.sum(dy * x_hat, 0), mask=pmask)
