@@ -97,7 +97,7 @@ def norm_forward_math(x: torch.Tensor, weight: torch.Tensor, eps: float, hat_dty
 def norm_backward_math(dy: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, rstd: torch.Tensor,
                        weight: torch.Tensor, x_dtype: torch.dtype):
     """``(dx [rows, d] in x_dtype, dw in weight's dtype)`` from ``dy [rows, d]`` and the values of the
-    saved codes of ``x_hat`` (``x_hat = values / scale``), all in fp32 (module doc)."""
+    saved codes of ``x_hat`` (``x_hat = values * (1 / scale)``), all in fp32 (module doc)."""
     x_hat = values * scale.reciprocal()  # one division per tensor, as the kernels take it
     dyf = dy.float()
     g = dyf * weight.float()
