@@ -79,6 +79,16 @@ def cpu_state() -> dict:
     return state
 
 
+def listed(parser, text: str, valid, what: str) -> list[str]:
+    """The comma-separated names of ``text`` (blanks dropped), each one of ``valid``; an unknown name is
+    ``parser.error`` naming the valid ones."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in valid:
+            parser.error(f"unknown {what} {n!r}; valid: {', '.join(valid)}")
+    return names
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:

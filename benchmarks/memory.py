@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import baseline_dtype, dtype_name, machine, time_rounds
+from benchmarks.common import baseline_dtype, dtype_name, listed, machine, time_rounds
 from benchmarks.train_step import SHAPES, build, record_partitions, saved_bytes, state_bytes
 from fp8pass.optim.offload import device_state_nbytes
 
@@ -264,10 +264,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    variants = [v.strip() for v in a.variants.split(",")] if a.variants else list(DEFAULT_VARIANTS)
-    for v in variants:
-        if v not in VARIANTS:
-            p.error(f"unknown variant {v!r}; valid: {', '.join(VARIANTS)}")
+    variants = listed(p, a.variants, VARIANTS, "variant") if a.variants else list(DEFAULT_VARIANTS)
     shapes = list(SHAPES) if a.shape == "all" else [a.shape]
     res = {"machine": machine(), "load_before": os.getloadavg(), "results": []}
     for shape in shapes:

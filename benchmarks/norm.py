@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from benchmarks.common import machine, time_rounds
+from benchmarks.common import listed, machine, time_rounds
 from fp8pass.op_schema import NormKnobs
 from fp8pass.runtime.rmsnorm import rmsnorm_reference
 
@@ -70,10 +70,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
-    for s in shapes:
-        if s not in SHAPES:
-            p.error(f"unknown shape {s!r}; valid: {', '.join(SHAPES)}")
+    shapes = listed(p, a.shapes, SHAPES, "shape")
     res = {"machine": machine(), "load_before": os.getloadavg(), "results": [run(s, a.rounds) for s in shapes]}
     res["load_after"] = os.getloadavg()
     print("| shape (rows x d) | case | fwd+bwd ms, median | / inductor norm (median of per-round ratios; range) |")

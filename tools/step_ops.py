@@ -19,7 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import baseline_dtype, machine
+from benchmarks.common import baseline_dtype, listed, machine
 from benchmarks.memory import VARIANTS
 from benchmarks.train_step import SHAPES, build
 
@@ -51,10 +51,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    names = [v.strip() for v in a.variants.split(",") if v.strip()]
-    for v in names:
-        if v not in VARIANTS:
-            p.error(f"unknown variant {v!r}; valid: {', '.join(VARIANTS)}")
+    names = listed(p, a.variants, VARIANTS, "variant")
     ops = [o.strip() for o in a.ops.split(",") if o.strip()]
     load = os.getloadavg()[0]
     res = {v: profile_variant(a.shape, v, ops) for v in names}
