@@ -121,7 +121,12 @@ def test_the_kernels_stay_in_bounds(strict_interpreter, row_steps):
     """Rows and features not multiples of the blocks: every masked-in access inside its tensor."""
     x, w = _inputs(13, 77, BF16, F32)
     y, codes, scale, rstd = triton_norm.rmsnorm_forward(x, w, EPS, BF16, BF16, E4M3)
-    triton_norm.rmsnorm_backward(torch.randn(13, 77).to(BF16), codes, scale, rstd, w, BF16, E4M3)
+    assert torch.equal(y, _forward_given_rstd(x, w, rstd, BF16, BF16)[0])
+    dy = torch.randn(13, 77, generator=torch.Generator().manual_seed(6)).to(BF16)
+    dx, dw = triton_norm.rmsnorm_backward(dy, codes, scale, rstd, w, BF16, E4M3)
+    want_dx, want_dw = norm_backward_math(dy, codes.view(E4M3.torch_dtype).float(), scale, rstd, w, BF16)
+    torch.testing.assert_close(dx, want_dx, rtol=2**-7, atol=2**-7 * float(want_dx.abs().max()))
+    torch.testing.assert_close(dw, want_dw, rtol=1e-5, atol=1e-5 * float(want_dw.abs().max()))
 
 
 def test_what_the_kernels_refuse():
