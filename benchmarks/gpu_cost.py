@@ -112,6 +112,8 @@ ROLES = {
     "transpose_cast": ("_transpose_cast_kernel", ("T=True", "sr=False")),
     "adam": ("_adam_kernel", ("e4m3/e5m2", "block=128", "sr=False")),
 }
+# variants a role never takes: the Adam step of bf16 parameters (the cases step fp32 ones)
+ROLE_EXCLUDES = {"adam": ("bf16-SR",)}
 # SASS instructions per element when gpu_static.json lacks the role (issue 28, triton 3.9, 5091ad3)
 DEFAULT_SASS = {"cast": 59.0, "transpose_cast": 116.0, "adam": 440.0}
 
@@ -186,7 +188,8 @@ def load_inputs(launches_json: Path = LAUNCHES_JSON, static_json: Path = STATIC_
         inp.static_version = ver
         for role, (kernel, parts) in ROLES.items():
             rows = [r for r in versions[ver] if r.get("kernel") == kernel and "[unaligned]" not in r.get("variant", "")
-                    and all(p in r.get("variant", "") for p in parts)]
+                    and all(p in r.get("variant", "") for p in parts)
+                    and not any(p in r.get("variant", "") for p in ROLE_EXCLUDES.get(role, ()))]
             if rows:
                 fracs = [r["bw_fraction"] for r in rows if r.get("bw_fraction")]
                 inp.static[role] = {"sass_per_elem": statistics.median(r["sass_per_elem"] for r in rows),

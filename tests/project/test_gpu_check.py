@@ -199,9 +199,15 @@ def test_cost_model_reads_the_counts_it_is_given_and_names_its_defaults(tmp_path
              "bw_fraction": f} for v, s, f in (("transpose_cast T=True sr=False {'B': 64}", 30.0, 1.0),
                                                 ("transpose_cast T=True sr=False {'B': 64} [unaligned]", 90.0, 0.3),
                                                 ("transpose_cast T=True sr=True {'B': 64}", 80.0, 0.4))]
+    # the Adam role: fp32 parameters (the cases'), not the bf16 ones stored by stochastic rounding
+    rows += [{"kernel": "_adam_kernel", "variant": v, "sass_per_elem": s, "registers": 96, "spill_bytes": 0,
+              "bw_fraction": 1.0} for v, s in (("adam e4m3/e5m2 block=128 sr=False {'NB': 8}", 100.0),
+                                               ("adam bf16-SR e4m3/e5m2 block=128 sr=False {'NB': 8}", 120.0),
+                                               ("adam bf16-SR e4m3/e5m2 block=128 sr=False {'NB': 16}", 120.0))]
     static.write_text(json.dumps({"versions": {"3.6.0": rows, "3.9.0": []}}))
     inp = gpu_cost.load_inputs(launches, static, triton_version="3.6.0")
     assert inp.static["transpose_cast"] == {"sass_per_elem": 30.0, "bw_fraction": 1.0}  # aligned, nearest only
+    assert inp.static["adam"] == {"sass_per_elem": 100.0, "bw_fraction": 1.0}
     p = gpu_cost.predict("gemm", "fp8_delayed", shape, inp)
     assert p["defaults"] == []
     # 4000 launches x 5 us = 20 ms of host time, more than the device's: the host bounds the prediction
