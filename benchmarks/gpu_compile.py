@@ -250,32 +250,38 @@ def _grouped_cases():
 
     out = []
     fmt_c = dict(TARGET=448.0, FMT_MAX=448.0, MAX_SCALE_C=MAX_SCALE, HUGE=2.0**64, POW2=False, NAN_SCALE=False)
-    for uniform in (False, True):
-        for delayed in (False, True):
-            sig = {"x_ptr": "*bf16", "R": "i32", "C": "i32", "offs_ptr": "*i32", "E": "i32", "group_rows": "i32",
-                   "row_max_ptr": "*fp32", "counter_ptr": "*i32",
-                   **{k: _EPILOGUE_SIG[k] for k in ("held_ptr", "steps_ptr", "skipped_ptr", "guard_ptr", "amax_out",
-                                                    "scale_out", "inv_out", "recast_out")}}
-            c = dict(UNIFORM=uniform, DELAYED=delayed, **fmt_c, BR=tgc._AMAX_TILE[0], BC=tgc._AMAX_TILE[1],
-                     RBLOCK=tgc._RBLOCK)
-            out.append((f"grouped_amax_scale uniform={uniform} delayed={delayed}", tgc._grouped_amax_scale_kernel,
-                        sig, c, None))
+    # DIVIDE (uniform groups): Smooth-SwiGLU's W_down / c per column (1) or row (2) of each expert
+    for uniform, delayed, divide in ((False, False, 0), (False, True, 0), (True, False, 0), (True, True, 0),
+                                     (True, False, 1), (True, False, 2)):
+        sig = {"x_ptr": "*bf16", "R": "i32", "C": "i32", "offs_ptr": "*i32", "E": "i32", "group_rows": "i32",
+               "row_max_ptr": "*fp32", "counter_ptr": "*i32",
+               **{k: _EPILOGUE_SIG[k] for k in ("held_ptr", "steps_ptr", "skipped_ptr", "guard_ptr", "amax_out",
+                                                "scale_out", "inv_out", "recast_out")}, "div_ptr": "*fp32",
+               "blocks_per_group": "i32"}
+        c = dict(UNIFORM=uniform, DELAYED=delayed, **fmt_c, BR=tgc._AMAX_TILE[0], BC=tgc._AMAX_TILE[1],
+                 RBLOCK=tgc._RBLOCK, DIVIDE=divide)
+        out.append((f"grouped_amax_scale uniform={uniform} delayed={delayed}" + (f" divide={divide}" if divide else ""),
+                    tgc._grouped_amax_scale_kernel, sig, c, None))
     for fmt in (E4M3, E5M2):
-        for uniform, experts in ((False, 8), (False, 128), (True, 8)):
-            sig = {"x_ptr": "*bf16", "out_ptr": "*u8", "R": "i32", "C": "i32", "offs_ptr": "*i32", "E": "i32",
-                   "group_rows": "i32", "scale_ptr": "*fp32", "inv_ptr": "*fp32", "row_inv_ptr": "*fp32",
-                   "pad_ptr": "*u8"}
-            c = dict(UNIFORM=uniform, EP=experts, ROW_INV=True, **tk._fmt_kw(fmt), HW=_hw(fmt),
-                     BR=tgc._CAST_TILE[0], BC=tgc._CAST_TILE[1])
-            out.append((f"grouped_cast {fmt.name} uniform={uniform} experts={experts}", tgc._grouped_cast_kernel,
-                        sig, c, None))
+        for uniform, experts, transpose, divide in ((False, 8, False, 0), (False, 128, False, 0), (True, 8, False, 0),
+                                                    (True, 8, True, 0), (True, 8, True, 1), (True, 8, True, 2)):
+            sig = {"x_ptr": "*bf16", "out_ptr": "*u8", "out_t_ptr": "*u8", "R": "i32", "C": "i32",
+                   "offs_ptr": "*i32", "E": "i32", "group_rows": "i32", "blocks_per_group": "i32",
+                   "scale_ptr": "*fp32", "inv_ptr": "*fp32", "row_inv_ptr": "*fp32", "pad_ptr": "*u8",
+                   "div_ptr": "*fp32"}
+            c = dict(UNIFORM=uniform, EP=experts, ROW_INV=True, TRANSPOSE=transpose, **tk._fmt_kw(fmt), HW=_hw(fmt),
+                     BR=tgc._CAST_TILE[0], BC=tgc._CAST_TILE[1], DIVIDE=divide)
+            out.append((f"grouped_cast {fmt.name} uniform={uniform} experts={experts}"
+                        + (" transpose" if transpose else "") + (f" divide={divide}" if divide else ""),
+                        tgc._grouped_cast_kernel, sig, c, None))
     out.extend(_grouped_glu_cases())
-    for experts in (8, 128):
+    for experts, divide in ((8, False), (128, False), (8, True)):  # DIVIDE: the smoothed wgrad's dW = dB / c
         sig = {"codes_ptr": "*u8", "out_ptr": "*u8", "S": "i32", "C": "i32", "W": "i32", "offs_ptr": "*i32",
                "E": "i32", "scale_ptr": "*fp32", "ends_out": "*i32", "empty_out": "*u8", "rep_inv_out": "*fp32",
-               "BPP": "i32"}
-        out.append((f"grouped_aligned_transpose experts={experts}", tgc._aligned_transpose_kernel, sig,
-                    dict(EP=experts, BT=tgc._TRANSPOSE_TILE[0], BC=tgc._TRANSPOSE_TILE[1]),
+               "div_ptr": "*fp32", "BPP": "i32"}
+        out.append((f"grouped_aligned_transpose experts={experts}" + (" divide" if divide else ""),
+                    tgc._aligned_transpose_kernel, sig,
+                    dict(EP=experts, BT=tgc._TRANSPOSE_TILE[0], BC=tgc._TRANSPOSE_TILE[1], DIVIDE=divide),
                     triton.Config({}, num_warps=tgc._TRANSPOSE_WARPS, num_stages=tgc._TRANSPOSE_STAGES)))
     return out
 

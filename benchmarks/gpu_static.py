@@ -188,8 +188,8 @@ def bytes_per_element(name: str, sig: dict, consts: dict) -> float:
         return size["da_ptr"] + size["g_ptr"] + size["u_ptr"] + size["dg_ptr"] + size["du_ptr"]
     if name == "_grouped_amax_scale_kernel":
         return size["x_ptr"]
-    if name == "_grouped_cast_kernel":
-        return size["x_ptr"] + code
+    if name == "_grouped_cast_kernel":  # TRANSPOSE: the transposed codes written too
+        return size["x_ptr"] + code * (2 if c.get("TRANSPOSE") else 1)
     if name == "_aligned_transpose_kernel":  # codes in, codes out
         return 2.0
     if name == "_grouped_glu_kernel":  # gate and up in; A (fp32) out, or only the [E, F] maxima

@@ -37,9 +37,10 @@ from .selection import (
            forced,
            kernel_family,
            requested,
+           run_fused,
            triton_available,
            uses_triton,
 )
 
 __all__ = ["COMMON", "FAMILIES", "Offers", "family_name", "for_device", "forced", "kernel_family", "requested",
-           "triton_available", "uses_triton"]
+           "run_fused", "triton_available", "uses_triton"]

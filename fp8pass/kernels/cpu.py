@@ -693,10 +693,14 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
 
 
 def grouped_gemm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                       offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                       offs: torch.Tensor, out_dtype: torch.dtype, a_div: torch.Tensor | None = None,
+                       b_div: torch.Tensor | None = None) -> torch.Tensor:
     """Per expert ``out[e] = (a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N].
 
     The weight-gradient GEMM (contraction over each group's rows); experts without rows get zeros.
+    ``a_div`` [E, M] / ``b_div`` [E, N]: fp32 powers of two the output's rows / columns are divided by
+    (as the CUDA module's decode scales do; the grouped ops on CPU fold ``1 / c`` into the operand's
+    values instead).
     """
     dtype = gemm_dtype(out_dtype, a, b)
     bounds = group_bounds(offs, a.shape[0])
@@ -706,4 +710,8 @@ def grouped_gemm_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, 
             out[e].addmm_(upcast(a[lo:hi], dtype).t(), upcast(b[lo:hi], dtype), beta=0, alpha=alpha)
         else:
             out[e].zero_()
+    if a_div is not None:
+        out /= a_div[:, :, None].to(out.dtype)
+    if b_div is not None:
+        out /= b_div[:, None, :].to(out.dtype)
     return out.to(out_dtype)

@@ -316,9 +316,11 @@ def _expert_of_rows(offs, rows):
     return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
 
 
-def _repeated_inverse(scale, times):
-    """fp32 [E, times] contiguous: each expert's decode scale ``1 / scale[e]`` repeated (one launch)."""
-    return torch.reciprocal(scale.float()[:, None].expand(scale.shape[0], times))
+def _repeated_inverse(scale, times, divisor=None):
+    """fp32 [E, times] contiguous: each expert's decode scale ``1 / scale[e]`` repeated (one launch), or
+    divided by ``divisor`` [E, times] (powers of two: exact)."""
+    inverse = torch.reciprocal(scale.float()[:, None].expand(scale.shape[0], times))
+    return inverse if divisor is None else inverse * torch.reciprocal(divisor)
 
 
 def grouped_gemm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum=False, a_row_inv=None, b_row_inv=None,
@@ -366,19 +368,21 @@ def _scattered_transpose(x, where, width):
     return out.view(x.dtype)
 
 
-def grouped_gemm_wgrad(a, a_scale, b, b_scale, offs, out_dtype):
+def grouped_gemm_wgrad(a, a_scale, b, b_scale, offs, out_dtype, a_div=None, b_div=None):
     """Per expert ``(a[g] / a_scale[e]).T @ (b[g] / b_scale[e])``: [E, M, N] from a [S, M], b [S, N] (rows
-    past offs[-1] left out). One grouped GEMM (2d x 2d, groups along the contraction), no host sync."""
+    past offs[-1] left out). One grouped GEMM (2d x 2d, groups along the contraction), no host sync.
+    ``a_div`` [E, M] / ``b_div`` [E, N]: fp32 powers of two the output's rows / columns are divided by,
+    folded into the decode scales (exact; no pass over the output)."""
     width = _aligned_width(a.shape[0], offs.numel())
     if a.numel() and b.numel() and a.element_size() == b.element_size() == 1:
         # both operands in the aligned layout, the padded group ends and decode scales: two launches
-        mat_a, ends, empty, scale_a = triton_grouped_casts.aligned_transpose(a, a_scale, offs, width)
-        mat_b, _, _, scale_b = triton_grouped_casts.aligned_transpose(b, b_scale, offs, width)
+        mat_a, ends, empty, scale_a = triton_grouped_casts.aligned_transpose(a, a_scale, offs, width, a_div)
+        mat_b, _, _, scale_b = triton_grouped_casts.aligned_transpose(b, b_scale, offs, width, b_div)
     else:  # the torch layout (the reference of the kernel above; other dtypes, empty operands)
         ends, where, width, sizes = _aligned_groups(offs, a.shape[0])
         mat_a, mat_b = _scattered_transpose(a, where, width), _scattered_transpose(b, where, width)
-        scale_a = _repeated_inverse(a_scale, a.shape[1]).view(-1)
-        scale_b = _repeated_inverse(b_scale, b.shape[1]).view(-1)
+        scale_a = _repeated_inverse(a_scale, a.shape[1], a_div).view(-1)
+        scale_b = _repeated_inverse(b_scale, b.shape[1], b_div).view(-1)
         empty = sizes == 0
     # mat_a [M, T] row-major, mat_b^T [T, N] column-major
     out = _grouped_mm(mat_a, mat_b.t(), scale_a, scale_b, ends, out_dtype)

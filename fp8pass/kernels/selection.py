@@ -79,6 +79,17 @@ def uses_triton(device: torch.device | str) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and family_name(device) == "triton")
 
 
+def run_fused(fn, tensors: tuple, static: tuple = ()):
+    """``fn(*tensors, *static)``, as one Inductor-compiled loop nest where the CPU module runs the ops
+    (``cpu.run_fused``: large CPU inputs), eager torch ops elsewhere: on a GPU, and on the CUDA code path
+    run on CPU, which must issue what CUDA issues (the launch counter counts it)."""
+    if uses_triton(tensors[0].device):
+        return fn(*tensors, *static)
+    from . import cpu
+
+    return cpu.run_fused(fn, tensors, static)
+
+
 def for_device(device: torch.device | str) -> ModuleType:
     """The device module of the runtime ops for tensors on ``device``; a clear error where none exists."""
     device = torch.device(device)

@@ -22,7 +22,7 @@ from ..numerics import Format, get_format, scale_from_amax
 from ..numerics.scaling import scale_to_cast
 
 __all__ = ["grad_format", "scaled_grouped_mm_grad_format", "group_ids", "group_amax", "expert_scales", "GroupedOperand", "gemm_up", "with_ones",
-           "cast_grouped_rows", "cast_experts", "held_scales"]
+           "cast_grouped_rows", "cast_experts", "casts_both_layouts", "held_scales"]
 
 
 def grad_format(bwd_format: str, device) -> str:
@@ -70,6 +70,7 @@ class GroupedOperand:
     values: torch.Tensor | None = None  # CPU: the codes' values in the GEMM dtype, made by the cast's own loop
     row_inv: torch.Tensor | None = None  # fp32 [rows]: each row's decode scale, where the cast made them (CUDA)
     row_pad: torch.Tensor | None = None  # bool [rows]: rows past offs[-1], made with row_inv
+    data_t: torch.Tensor | None = None  # stacked weights: each expert's codes transposed, where the cast wrote them
 
     def gemm_input(self, kern, out_dtype):
         """The codes as the device's GEMM takes them. CPU: the values the cast wrote beside the codes,
@@ -170,13 +171,29 @@ def cast_grouped_rows(x2d, offs, fmt, state, margin, power_of_two, rounding="nea
     return GroupedOperand(codes, scale, amax, values)
 
 
-def cast_experts(w, fmt, state, margin, power_of_two, gemm_out=None) -> GroupedOperand:
-    """Cast stacked expert weights [E, ...] with one scale per expert (``gemm_out``: as :func:`cast_grouped_rows`)."""
-    if w.dim() == 3 and _triton_grouped(w, fmt, "nearest"):  # the rows of every expert's matrix
+def casts_both_layouts(w, fmt) -> bool:
+    """Whether :func:`cast_experts` of ``w`` writes each expert's codes in both layouts (``data_t``): the
+    device's grouped cast kernels (CUDA), which store the transposed tile from the same read. The fake
+    kernels ask this too, so their saved codes have the strides the real ones have."""
+    return w.dim() == 3 and _triton_grouped(w, fmt, "nearest")
+
+
+def cast_experts(w, fmt, state, margin, power_of_two, gemm_out=None, col_divisor=None,
+                 row_divisor=None) -> GroupedOperand:
+    """Cast stacked expert weights [E, ...] with one scale per expert (``gemm_out``: as :func:`cast_grouped_rows`);
+    where :func:`casts_both_layouts`, also each expert's codes transposed (``data_t``, [E, C, R] of [E, R, C]):
+    every expert weight feeds a GEMM in each layout (forward and dgrad), and the grouped FP8 GEMM takes
+    only one, so one of them would otherwise be a copy of the codes. ``col_divisor`` [E, C] / ``row_divisor``
+    [E, R] (only where :func:`casts_both_layouts`; fp32 powers of two): cast ``w / d`` as torch divides in
+    ``w``'s dtype, without writing it out (Smooth-SwiGLU's ``W_down / c``)."""
+    if casts_both_layouts(w, fmt):  # the rows of every expert's matrix
         rows = w.reshape(w.shape[0] * w.shape[1], w.shape[2])
-        codes, scale, amax, _, row_inv, _ = kernels.for_device(w.device).cast_grouped(
-            rows, fmt, group_rows=w.shape[1], state=state, margin=margin, power_of_two=power_of_two, row_inv=True)
-        return GroupedOperand(codes.view(w.shape), scale, amax, row_inv=row_inv)
+        codes, scale, amax, _, row_inv, _, codes_t = kernels.for_device(w.device).cast_grouped(
+            rows, fmt, group_rows=w.shape[1], state=state, margin=margin, power_of_two=power_of_two, row_inv=True,
+            transposed=True, col_divisor=col_divisor, row_divisor=row_divisor)
+        return GroupedOperand(codes.view(w.shape), scale, amax, row_inv=row_inv, data_t=codes_t)
+    if col_divisor is not None or row_divisor is not None:
+        raise ValueError("cast_experts: a divisor needs the device's grouped cast kernels (casts_both_layouts)")
     kern = kernels.for_device(w.device)
     up = gemm_up(kern, fmt, gemm_out) if gemm_out is not None else None
     if state and fmt is not None and w.dim() == 3 and _fused_rows(kern, w, "nearest", up):

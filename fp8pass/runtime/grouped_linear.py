@@ -36,12 +36,13 @@ from .. import kernels
 from ..numerics import DelayedScalingState
 from ..op_schema import SR_SEED, SR_STREAM, GroupedLinearKnobs, knob_op
 from .casting import as_bytes, from_bytes, resolve_format, unaliased
-from .grouped_casting import cast_experts, cast_grouped_rows, grad_format
+from .grouped_casting import GroupedOperand, cast_experts, cast_grouped_rows, casts_both_layouts, grad_format
 from .linear import FLOAT_DTYPES, check_recipe_knobs, compute_dtype, record_grad_amax
 from .sr import draw_seed
 
 __all__ = ["fp8_grouped_linear_op", "check_grouped_knobs", "record_grouped_grad_amax", "check_grouped_tensors",
-           "check_grouped_linear_args", "out_features", "fwd_b", "dgrad_b", "wgrad"]
+           "check_grouped_linear_args", "out_features", "weight_operands", "saved_weight_like", "dgrad_b",
+           "wgrad"]
 
 
 def check_grouped_knobs(k: GroupedLinearKnobs) -> None:
@@ -89,9 +90,30 @@ def check_grouped_linear_args(x, weight, offs, w_transposed, states) -> None:
     check_states(op, ("x_state", "w_state", "g_state"), states, weight.shape[0])
 
 
-def fwd_b(w, w_transposed):
-    """The expert weight as the ``[E, N, K]`` right operand of ``a @ b^T`` (forward)."""
-    return w.transpose(1, 2) if w_transposed else w
+def weight_operands(wo: GroupedOperand, kern, dt, w_transposed):
+    """The expert weight's cast as the forward GEMM takes it (the ``[E, N, K]`` right operand of
+    ``a @ b^T``) and the codes the op saves for the backward (the weight's shape).
+
+    The grouped FP8 GEMM reads each expert's ``b`` row-major: the forward wants ``[E, N, K]`` rows, the
+    dgrad ``[E, K, N]`` ones. Where the cast wrote both layouts (``wo.data_t``) each GEMM reads one as
+    written: for an ``[E, N, K]`` weight the saved codes are ``data_t``'s ``[E, K, N]`` rows seen as the
+    weight's shape (a transposed view, which :func:`dgrad_b` turns back into contiguous rows); for an
+    ``[E, K, N]`` weight the forward reads ``data_t``. Elsewhere one of the two GEMMs copies the codes.
+    :func:`saved_weight_like` is the fake of the saved codes."""
+    if wo.data_t is None:
+        data = wo.gemm_input(kern, dt)
+        return (data.transpose(1, 2) if w_transposed else data), wo.data
+    if w_transposed:
+        return wo.data_t, wo.data
+    return wo.data, wo.data_t.transpose(1, 2)
+
+
+def saved_weight_like(weight, fmt, w_transposed, dtype):
+    """An empty tensor with the shape and strides of the codes :func:`weight_operands` saves."""
+    if not w_transposed and casts_both_layouts(weight, fmt):
+        e, n, k = weight.shape
+        return weight.new_empty(e, k, n, dtype=dtype).transpose(1, 2)
+    return weight.new_empty(weight.shape, dtype=dtype)
 
 
 def dgrad_b(w, w_transposed):
@@ -99,11 +121,12 @@ def dgrad_b(w, w_transposed):
     return w if w_transposed else w.transpose(1, 2)
 
 
-def wgrad(kern, xo_data, xo_scale, go_data, go_scale, offs, w_transposed, out_dtype):
-    """Per-expert weight gradient in the weight's layout: ``dy_g^T x_g`` [N, K] or ``x_g^T dy_g`` [K, N]."""
+def wgrad(kern, xo_data, xo_scale, go_data, go_scale, offs, w_transposed, out_dtype, x_div=None):
+    """Per-expert weight gradient in the weight's layout: ``dy_g^T x_g`` [N, K] or ``x_g^T dy_g`` [K, N];
+    ``x_div`` [E, K] (fp32 powers of two): its K dim divided by them, in the GEMM's decode scales."""
     if w_transposed:
-        return kern.grouped_gemm_wgrad(xo_data, xo_scale, go_data, go_scale, offs, out_dtype)
-    return kern.grouped_gemm_wgrad(go_data, go_scale, xo_data, xo_scale, offs, out_dtype)
+        return kern.grouped_gemm_wgrad(xo_data, xo_scale, go_data, go_scale, offs, out_dtype, a_div=x_div)
+    return kern.grouped_gemm_wgrad(go_data, go_scale, xo_data, xo_scale, offs, out_dtype, b_div=x_div)
 
 
 def record_grouped_grad_amax(g_state, g_amax, k) -> None:
@@ -130,11 +153,11 @@ def fp8_grouped_linear_op(x, weight, offs, w_transposed, x_state, w_state, g_sta
     xo = cast_grouped_rows(x, offs, fmt, x_state, k.margin, k.power_of_two, gemm_out=dt)
     wo = cast_experts(weight, fmt, w_state, k.margin, k.power_of_two, gemm_out=dt)
     # the weight's row decode scales are the GEMM's column scales where its rows are the GEMM's N
-    y = kern.grouped_gemm(xo.gemm_input(kern, dt), xo.scale, fwd_b(wo.gemm_input(kern, dt), w_transposed),
-                          wo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=xo.row_inv, a_row_pad=xo.row_pad,
-                          b_row_inv=None if w_transposed else wo.row_inv)
+    w_fwd, w_saved = weight_operands(wo, kern, dt, w_transposed)
+    y = kern.grouped_gemm(xo.gemm_input(kern, dt), xo.scale, w_fwd, wo.scale, offs, dt, fast_accum=k.fast_accum,
+                          a_row_inv=xo.row_inv, a_row_pad=xo.row_pad, b_row_inv=None if w_transposed else wo.row_inv)
     states = (x_state, w_state)  # a scale is a fresh tensor unless taken from a state: copied only then
-    return (y, xo.amax, wo.amax, as_bytes(xo.data), unaliased(xo.scale, states), as_bytes(wo.data),
+    return (y, xo.amax, wo.amax, as_bytes(xo.data), unaliased(xo.scale, states), as_bytes(w_saved),
             unaliased(wo.scale, states))
 
 
@@ -149,7 +172,7 @@ def _(x, weight, offs, w_transposed, x_state, w_state, g_state, sr_stream, *knob
     f32 = dict(dtype=torch.float32, device=x.device)
     return (x.new_empty(x.shape[0], n, dtype=dt), torch.empty(experts, **f32), torch.empty(experts, **f32),
             x.new_empty(x.shape, dtype=dt if fmt is None else torch.uint8), torch.empty(experts, **f32),
-            weight.new_empty(weight.shape, dtype=dt if fmt is None else torch.uint8),
+            saved_weight_like(weight, fmt, w_transposed, dt if fmt is None else torch.uint8),
             torch.empty(experts, **f32))
 
 

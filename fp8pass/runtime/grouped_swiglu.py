@@ -18,7 +18,11 @@ materialise fp32 [S, F] temporaries (:mod:`.grouped_glu_cpu`; same bits as the g
 Devices that offer ``grouped_glu`` (CUDA), FP8 formats, ``channel``/``none`` with a kernel activation
 (silu, relu): ``A`` and the channel scales in four launches (two for ``none``) and the GLU backward in
 one (``kernels.triton_grouped_glu``: relu bit for bit; silu's ``exp`` is the GPU's, as in the dense
-SwiGLU kernels); the other cases (and the identity format) run the torch ops.
+SwiGLU kernels); the other cases (and the identity format) run the torch ops. There, with fp32 or bf16
+weights, ``B = W_down / c`` is divided inside the weight's cast kernels (``cast_experts``' divisor: no ``B``
+written and read back) and ``dW = dB / c`` inside the wgrad GEMM's decode scales of A's columns (no pass
+over ``dW``): the torch ops' bits, tested (``dW`` rounded once, where the torch ops round ``dB`` and then
+divide exactly: equal unless ``dB / c`` is subnormal).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from .. import kernels
 from ..kernels import cpu
 from ..op_schema import SR_SEED, SR_STREAM, GroupedGLUKnobs, knob_op
 from .casting import as_bytes, from_bytes, resolve_format, unaliased
-from .grouped_casting import cast_experts, cast_grouped_rows, grad_format, group_ids, with_ones
+from .grouped_casting import cast_experts, cast_grouped_rows, casts_both_layouts, grad_format, group_ids, with_ones
 from .grouped_glu_cpu import (
     cpu_fast,
     fused_glu_operand,
@@ -44,9 +48,10 @@ from .grouped_linear import (
     check_grouped_tensors,
     check_states,
     dgrad_b,
-    fwd_b,
     out_features,
     record_grouped_grad_amax,
+    saved_weight_like,
+    weight_operands,
     wgrad,
 )
 from .linear import compute_dtype
@@ -54,10 +59,10 @@ from .sr import draw_seed
 from .swiglu import (
     _C_MAX,
     _C_MIN,
+    _DIVIDED_IN_KERNEL,
     ACTIVATIONS,
     SMOOTH_MODES,
     _glu_backward_math,
-    _on_cpu,
     _swiglu_backward_math,
     channel_scales,
     swiglu_operand,
@@ -132,6 +137,14 @@ def _glu_kernels(kern, gate, k: GroupedGLUKnobs, fmt) -> bool:
             and k.activation in kern.GLU_ACTIVATIONS and not cpu_fast(gate))
 
 
+def _divides_in_kernels(w_down, w_dtype, fmt) -> bool:
+    """Whether the CUDA kernels divide by the channel scales themselves: ``W_down / c`` in the weight's
+    cast (``cast_experts``' divisor), ``dW = dB / c`` in the wgrad's decode scales (``wgrad``'s ``x_div``);
+    ``w_down`` (or its saved codes) of dtype ``w_dtype``: fp32 and bf16, whose division by a power of two
+    the kernels do as torch does (fp16's ``c`` can overflow: the torch ops)."""
+    return w_dtype in _DIVIDED_IN_KERNEL and casts_both_layouts(w_down, fmt)
+
+
 def _per_channel(c, w_transposed):
     """``c`` [E, F] shaped to broadcast over the F dim of ``w_down`` ([E, D, F] or [E, F, D])."""
     return c[:, :, None] if w_transposed else c[:, None, :]
@@ -166,20 +179,23 @@ def fp8_grouped_swiglu_down_op(gate, up, w_down, offs, w_transposed, a_state, b_
     if fast and k.smooth == "channel":  # B = W_down / c without materialising it
         bo = fused_smoothed_weight_operand(w_down, _per_channel(1 / s, w_transposed), fmt, k.margin,
                                            k.power_of_two, dt)
+    elif k.smooth == "channel" and _divides_in_kernels(w_down, w_down.dtype, fmt):  # B = W_down / c read from W_down, in the cast
+        divisor = {"row_divisor" if w_transposed else "col_divisor": s}
+        bo = cast_experts(w_down, fmt, [], k.margin, k.power_of_two, gemm_out=dt, **divisor)
     elif k.smooth == "channel":  # B = W_down / c per expert: changes every call, so current-scaled
         # times 1/c: the same bits as dividing (c is a power of two), and a multiply is cheaper
         b = w_down * _per_channel(1 / s, w_transposed).to(w_down.dtype)
         bo = cast_experts(b, fmt, [], k.margin, k.power_of_two, gemm_out=dt)
     else:
         bo = cast_experts(w_down, fmt, b_state, k.margin, k.power_of_two, gemm_out=dt)
-    y = kern.grouped_gemm(ao.gemm_input(kern, dt), ao.scale, fwd_b(bo.gemm_input(kern, dt), w_transposed),
-                          bo.scale, offs, dt, fast_accum=k.fast_accum, a_row_inv=ao.row_inv, a_row_pad=ao.row_pad,
-                          b_row_inv=None if w_transposed else bo.row_inv)
+    b_fwd, b_saved = weight_operands(bo, kern, dt, w_transposed)
+    y = kern.grouped_gemm(ao.gemm_input(kern, dt), ao.scale, b_fwd, bo.scale, offs, dt, fast_accum=k.fast_accum,
+                          a_row_inv=ao.row_inv, a_row_pad=ao.row_pad, b_row_inv=None if w_transposed else bo.row_inv)
     if k.smooth == "token":
         y = (y.float() * s).to(dt)
     states = (a_state, b_state)  # a scale is a fresh tensor unless taken from a state: copied only then
-    return (y, ao.amax, bo.amax, as_bytes(ao.data), unaliased(ao.scale, states), as_bytes(bo.data),
-            unaliased(bo.scale, states), s.clone())
+    return (y, ao.amax, bo.amax, as_bytes(ao.data), unaliased(ao.scale, states), as_bytes(b_saved),
+            unaliased(bo.scale, states), unaliased(s, states))
 
 
 @fp8_grouped_swiglu_down_op.register_fake
@@ -195,7 +211,7 @@ def _(gate, up, w_down, offs, w_transposed, a_state, b_state, g_state, sr_stream
     s_shape = {"channel": (experts, f), "token": (rows, 1), "none": ()}[k.smooth]
     return (gate.new_empty(rows, n, dtype=dt), torch.empty(experts, **f32), torch.empty(experts, **f32),
             gate.new_empty(rows, f, dtype=torch.float32 if fmt is None else torch.uint8), torch.empty(experts, **f32),
-            w_down.new_empty(w_down.shape, dtype=dt if fmt is None else torch.uint8),
+            saved_weight_like(w_down, fmt, w_transposed, dt if fmt is None else torch.uint8),
             torch.empty(experts, **f32), torch.empty(s_shape, **f32))
 
 
@@ -233,8 +249,13 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     fold = k.smooth == "channel" and fwd_fmt is not None and fast and kern.OFFERS.upcast_gemm_operands
     a_in = (cpu.run_fused(scaled_values, (a_data, with_ones(1 / s), ids), (kern.gemm_dtype(dt, g_in),)) if fold
             else a_data)
-    db = wgrad(kern, a_in, a_scale, g_in, go.scale, offs, w_transposed, dt).to(w_dtype)  # dB (dW), w_down's layout
-    if k.smooth == "channel" and not fold:
+    # CUDA: dW = dB / c by the wgrad GEMM's decode scales of A's columns (exact: c are powers of two; the
+    # output rounded once, to dB / c, where the torch ops round dB and then divide: equal unless dB / c is
+    # subnormal)
+    in_scales = k.smooth == "channel" and not fold and _divides_in_kernels(b_data, w_dtype, fwd_fmt)
+    db = wgrad(kern, a_in, a_scale, g_in, go.scale, offs, w_transposed, dt,
+               x_div=s if in_scales else None).to(w_dtype)  # dB (dW), w_down's layout
+    if k.smooth == "channel" and not fold and not in_scales:
         db = cpu.run_fused(times, (db, _per_channel(1 / s, w_transposed).to(db.dtype)), ())
     if glu_kernels:
         dgate, dup = kern.grouped_glu_backward(da, gate, up, offs, k.activation, s if k.smooth == "channel" else None,
@@ -248,7 +269,7 @@ def fp8_grouped_swiglu_down_backward_op(dy, gate, up, a_data, a_scale, b_data, b
     if k.smooth == "channel":
         s = _row_scales(s, ids)
     if k.activation == "silu":
-        dgate, dup = _on_cpu(_swiglu_backward_math, da, gate, up, s, k.smooth)
+        dgate, dup = kernels.run_fused(_swiglu_backward_math, (da, gate, up, s), (k.smooth,))
     else:  # eager torch math, as swiglu_down
         dgate, dup = _glu_backward_math(da, gate, up, s, k.smooth, k.activation)
     dgate, dup = dgate.to(gate.dtype), dup.to(up.dtype)

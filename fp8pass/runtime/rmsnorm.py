@@ -50,7 +50,6 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..kernels import cpu as cpu_kernels
 from ..op_schema import NormKnobs, knob_op
 from .casting import IDENTITY, as_bytes, cast_operand, from_bytes, resolve_format
 
@@ -106,14 +105,6 @@ def norm_backward_math(dy: torch.Tensor, values: torch.Tensor, scale: torch.Tens
     return dx.to(x_dtype), dw.to(weight.dtype)
 
 
-def _fused(fn, tensors: tuple, static: tuple):
-    """``fn(*tensors, *static)``: one compiled loop nest on large CPU inputs (``cpu.run_fused``), eager
-    elsewhere, and on the CUDA code path run on CPU, which must issue what CUDA issues."""
-    if kernels.uses_triton(tensors[0].device):
-        return fn(*tensors, *static)
-    return cpu_kernels.run_fused(fn, tensors, static)
-
-
 def _norm_kernels(device: torch.device, d: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, k: NormKnobs):
     """The device module whose norm kernels take this norm (CUDA's Triton kernels: 4 launches forward
     and backward instead of 18 torch ops), or None: the torch ops above."""
@@ -143,7 +134,7 @@ def rmsnorm_op(x, weight, *knobs):
         y, codes, scale, rstd = kern.rmsnorm_forward(x.reshape(-1, d), weight, k.eps, k.hat_dtype,
                                                      _y_dtype(x.dtype, weight.dtype, k), resolve_format(k.fwd_format))
         return y.view(x.shape), codes, scale, rstd
-    y, x_hat, rstd = _fused(norm_forward_math, (x, weight), (k.eps, k.hat_dtype, k.out_dtype))
+    y, x_hat, rstd = kernels.run_fused(norm_forward_math, (x, weight), (k.eps, k.hat_dtype, k.out_dtype))
     operand = cast_operand(x_hat, resolve_format(k.fwd_format))
     return y, as_bytes(operand.data), operand.scale, rstd
 
@@ -174,7 +165,8 @@ def rmsnorm_backward_op(dy, x_hat_data, x_hat_scale, rstd, weight, x_dtype, *kno
     # the codes' values first, by the device's own upcast (CPU: one compiled loop), then the fp32 math as
     # one loop nest: decoding FP8 inside it would run once per reduction, and the decode is the dear part
     values = kernels.for_device(codes.device).upcast(codes, torch.float32)
-    return _fused(norm_backward_math, (dy.reshape(codes.shape), values, x_hat_scale, rstd, weight), (x_dtype,))
+    return kernels.run_fused(norm_backward_math, (dy.reshape(codes.shape), values, x_hat_scale, rstd, weight),
+                             (x_dtype,))
 
 
 @rmsnorm_backward_op.register_fake

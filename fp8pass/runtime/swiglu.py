@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import cpu as cpu_kernels
-from ..kernels import torch_family, uses_triton
+from ..kernels import run_fused, torch_family, uses_triton
 from ..numerics import scale_from_amax
 from ..numerics.scaling import power_of_two_floor
 from ..op_schema import SR_SEED, SR_STREAM, GLUKnobs, knob_op
@@ -138,7 +138,7 @@ def token_scales(up2d: torch.Tensor) -> torch.Tensor:
 def swiglu_operand(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str, activation: str = "silu"):
     """The down GEMM's left operand ``A`` (fp32) and the smoothing scales (``c`` [F], ``r`` [T, 1] or [])."""
     if activation == "silu":
-        return _on_cpu(_swiglu_operand, gate2d, up2d, smooth)
+        return run_fused(_swiglu_operand, (gate2d, up2d), (smooth,))
     return _glu_operand(gate2d, up2d, smooth, activation)  # eager torch math (module doc)
 
 
@@ -151,7 +151,7 @@ def operand_and_input_amax(gate2d: torch.Tensor, up2d: torch.Tensor, smooth: str
     current scales need: on CPU (silu) from the same compiled loop nest that reads gate and up for
     ``A``, instead of two more passes over them."""
     if activation == "silu" and gate2d.numel() > 0:  # (amax() of an empty tensor raises)
-        return _on_cpu(_swiglu_operand_and_input_amax, gate2d, up2d, smooth)
+        return run_fused(_swiglu_operand_and_input_amax, (gate2d, up2d), (smooth,))
     a, s = swiglu_operand(gate2d, up2d, smooth, activation)
     return a, s, torch_family.tensor_amax(gate2d), torch_family.tensor_amax(up2d)
 
@@ -453,7 +453,7 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
     if k.smooth == "channel":
         db = gemm(go, gt, ao, at, dt, a_t=True, b_t=True, compute_dtype=dt)     # dB = G^T @ A    [O, F]
         if not unsmooth_in_kernel:
-            db = _on_cpu(_unsmooth_weight_grad, db, s, (w_dtype,))
+            db = run_fused(_unsmooth_weight_grad, (db, s), (w_dtype,))
     else:
         db = gemm(go, gt, ao, at, w_dtype, a_t=True, b_t=True, compute_dtype=dt)
     saved = (from_bytes(gate_data, fwd_fmt), gate_scale, from_bytes(up_data, fwd_fmt), up_scale)
@@ -466,7 +466,7 @@ def swiglu_down_backward_op(dy, a_data, a_scale, b_data, b_scale, smooth_scales,
         else:
             dgate, dup = triton_glu.swiglu_backward(da, *saved, s, k.smooth, gate_dtype)
     elif k.activation == "silu":
-        dgate, dup = _on_cpu(_swiglu_backward_from_saved, da, *saved, s, (k.smooth, gate_dtype))
+        dgate, dup = run_fused(_swiglu_backward_from_saved, (da, *saved, s), (k.smooth, gate_dtype))
     else:  # eager torch math (module doc)
         dgate, dup = _glu_backward_from_saved(da, *saved, s, k.smooth, k.activation, gate_dtype)
     return dgate, dup, db, go.amax
@@ -511,13 +511,6 @@ def _glu_backward_math(da, gate2d, up2d, s, smooth: str, activation: str):
     return glu_activation_backward(dh * u, g, activation), dh * glu_activation(g, activation)
 
 
-def _on_cpu(fn, *args):
-    """``fn(*tensors, *static)`` as one compiled loop nest on large CPU inputs (``cpu.run_fused``); the
-    last argument is the static one (a mode string) or a tuple of them."""
-    static = args[-1] if isinstance(args[-1], tuple) else args[-1:]
-    return cpu_kernels.run_fused(fn, args[:-1], static)
-
-
 @swiglu_down_backward_op.register_fake
 def _(dy, a_data, a_scale, b_data, b_scale, smooth_scales, gate_data, gate_scale, up_data, up_scale, g_state,
       sr_seed, gate_dtype, w_dtype, *knobs):
@@ -552,8 +545,8 @@ def _recomputed_operand(gate_data, gate_scale, up_data, up_scale, s, a_scale, k:
     fmt = resolve_format(k.fwd_format)
     g_data, u_data = from_bytes(gate_data, fmt), from_bytes(up_data, fmt)
     if up_dtype is not None and k.activation == "silu" and not uses_triton(g_data.device):
-        values = _on_cpu(_recomputed_values, g_data, gate_scale, u_data, up_scale, s, a_scale,
-                         (k.smooth, fmt.max, *cpu_kernels.rne_constants(fmt), up_dtype))
+        values = run_fused(_recomputed_values, (g_data, gate_scale, u_data, up_scale, s, a_scale),
+                           (k.smooth, fmt.max, *cpu_kernels.rne_constants(fmt), up_dtype))
         return Operand(values, a_scale, None, values)
     a = _operand_with_scales(g_data.float() / gate_scale, u_data.float() / up_scale, s, k.smooth, k.activation)
     return cast_with_scale(a, a_scale, fmt, up_dtype, keep_codes=False, transpose=True)

@@ -106,3 +106,47 @@ def test_grouped_cast_kernels_compiled_match_the_torch_reference(fmt_name, offs)
     assert torch.equal(lay.view(torch.uint8), cuda._scattered_transpose(out[0], where, width).view(torch.uint8))
     assert torch.equal(ends_k, ends) and torch.equal(empty, sizes == 0)
     assert torch.equal(rep, cuda._repeated_inverse(out[1], x.shape[1]).view(-1))
+
+
+@pytest.mark.parametrize("fmt_name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("group_rows", [96, 100])  # whole row blocks; a partial last block per expert
+def test_stacked_weight_cast_in_both_layouts_compiled(fmt_name, group_rows):
+    """The stacked-weight cast's TRANSPOSE store compiled (``tl.trans`` through shared memory on the GPU):
+    the six results as the torch reference's, and each expert's codes transposed, bit for bit."""
+    from fp8pass.kernels import triton_grouped_casts as tgc
+    from fp8pass.numerics import get_format
+
+    fmt = get_format(fmt_name)
+    g = torch.Generator().manual_seed(group_rows)
+    w = (torch.randn(4 * group_rows, 320, generator=g) / 8).bfloat16().cuda()
+    out = tgc.cast_grouped(w, fmt, group_rows=group_rows, row_inv=True, transposed=True)
+    for a, b in zip(out[:6], tgc.reference(w, fmt, group_rows=group_rows)):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 and a.dtype != torch.bool else a,
+                           b.view(torch.uint8) if b.element_size() == 1 and b.dtype != torch.bool else b)
+    want = out[0].view(4, group_rows, 320).transpose(1, 2).contiguous()
+    assert torch.equal(out[6].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("w_transposed", [False, True])
+def test_grouped_swiglu_divides_by_channel_scales_in_kernels_with_the_torch_ops_bits(monkeypatch, w_transposed):
+    """On the GPU: ``W_down / c`` in the weight's cast and ``dW = dB / c`` in the wgrad GEMM's decode scales
+    (``_scaled_grouped_mm``'s epilogue) give the torch ops' bits (multiply by ``1 / c`` before the cast and
+    after the GEMM), outputs, saved codes and gradients."""
+    from fp8pass.runtime import grouped_swiglu
+
+    g = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(160, 96, generator=g).bfloat16().cuda() for _ in range(2))
+    gate[3] *= 40.0
+    wd = (torch.randn(4, *((96, 64) if w_transposed else (64, 96)), generator=g) / 8).bfloat16().cuda()
+    dy = torch.randn(160, 64, generator=g).bfloat16().cuda()
+    o = torch.tensor([32, 64, 128, 160], dtype=torch.int32, device="cuda")
+    results = []
+    for in_kernels in (True, False):
+        if not in_kernels:
+            monkeypatch.setattr(grouped_swiglu, "_divides_in_kernels", lambda *a: False)
+        ts = [t.clone().requires_grad_() for t in (gate, up, wd)]
+        out = GLU(*ts, o, w_transposed, [], [], [], None, *FP8, "silu", "channel")
+        out[0].backward(dy)
+        results.append([t.detach() for t in out] + [t.grad for t in ts])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

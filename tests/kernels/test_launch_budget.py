@@ -27,12 +27,15 @@ BUDGETS = {
     # also write the GEMMs' row decode scales and padding rows, each wgrad operand laid out in one
     # (kernels/triton_grouped_casts.py); O(1) in the experts (was 102 with eager torch casts and layouts;
     # 96 and 2 host syncs before that, 80 for 2 experts, 144 for 8: per-expert backward GEMMs after
-    # offs.tolist())
-    "grouped_linear current": 16,
+    # offs.tolist()); 16 before the weight cast wrote each expert's codes in both GEMMs' layouts (a copy
+    # of the codes in the dgrad)
+    "grouped_linear current": 15,
     # the GLU activation in Triton (kernels/triton_grouped_glu.py: 4 launches forward, 1 backward, no
     # searchsorted of the rows' experts); was 63 with it in eager torch, 143 with eager torch casts, 130
-    # and 2 host syncs before
-    "grouped_swiglu channel": 30,
+    # and 2 host syncs before; 30 with the weight codes copied for the dgrad, 29 with W_down / c and
+    # dW = dB / c in torch ops (reciprocal, conversion and multiply each: now in the weight's cast and the
+    # wgrad's decode scales), 21 with the smoothing scales cloned for the output (fresh: no copy needed)
+    "grouped_swiglu channel": 20,
     # Config.save_norm_input_fp8's norm (kernels/triton_norm.py): forward the norm with x_hat's amax and
     # scale, then x_hat's codes; backward dx with per-program dw column sums, then dw (was 18: eager torch
     # math, 7 forward, 9 backward, and x_hat's cast in 2 Triton launches)

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from fp8pass.kernels import cpu
+from fp8pass.kernels import cpu, run_fused
 from fp8pass.numerics import get_format
 from fp8pass.runtime import swiglu as sw
 from fp8pass.runtime.casting import cast_operand, dequantize
@@ -88,9 +88,9 @@ def test_glu_backward_from_saved_codes_equals_dequantize_then_math(rows, smooth,
     g2, u2 = dequantize(go.data, go.scale, None), dequantize(uo.data, uo.scale, None)
     for out_dtype in (torch.bfloat16, torch.float32):
         if activation == "silu":
-            ref = sw._on_cpu(sw._swiglu_backward_math, da, g2, u2, s, smooth)
-            got = sw._on_cpu(sw._swiglu_backward_from_saved, da, go.data, go.scale, uo.data, uo.scale, s,
-                             (smooth, out_dtype))
+            ref = run_fused(sw._swiglu_backward_math, (da, g2, u2, s), (smooth,))
+            got = run_fused(sw._swiglu_backward_from_saved, (da, go.data, go.scale, uo.data, uo.scale, s),
+                            (smooth, out_dtype))
         else:
             ref = sw._glu_backward_math(da, g2, u2, s, smooth, activation)
             got = sw._glu_backward_from_saved(da, go.data, go.scale, uo.data, uo.scale, s, smooth, activation,
@@ -110,7 +110,7 @@ def test_unsmoothed_weight_gradient_equals_convert_then_divide(rows, w_dtype):
     db = torch.randn(rows, 96, generator=g).bfloat16()
     db[0, 0] = float("inf")
     c = torch.exp2(torch.randint(-60, 60, (96,), generator=g).float())
-    got = sw._on_cpu(sw._unsmooth_weight_grad, db, c, (w_dtype,))
+    got = run_fused(sw._unsmooth_weight_grad, (db, c), (w_dtype,))
     ref = db.to(w_dtype) / c.to(w_dtype)  # what swiglu_down_backward computed before, in two passes
     assert got.dtype == w_dtype and torch.equal(got, ref)
 

@@ -60,6 +60,44 @@ def test_stacked_expert_weights_are_the_torch_references_bits(fmt):
     _assert_same(tgc.cast_grouped(w, fmt, group_rows=24, row_inv=True), tgc.reference(w, fmt, group_rows=24))
 
 
+@pytest.mark.parametrize("group_rows", [24, 100])  # within one row block; two, the second partial
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_stacked_weights_in_both_layouts_from_one_cast(fmt, group_rows):
+    """``transposed``: the same six results, and each expert's codes transposed ([E, K, N] of [E, N, K])."""
+    w = _rows(3 * group_rows, 40, torch.bfloat16, seed=group_rows)
+    w[group_rows + 5, 7] = float("nan")
+    out = tgc.cast_grouped(w, fmt, group_rows=group_rows, row_inv=True, transposed=True)
+    _assert_same(out[:6], tgc.reference(w, fmt, group_rows=group_rows))
+    want = out[0].view(3, group_rows, 40).transpose(1, 2)
+    assert out[6].shape == (3, 40, group_rows) and out[6].is_contiguous()
+    assert torch.equal(_bits(out[6]), _bits(want.contiguous()))
+
+
+@pytest.mark.parametrize("group_rows", [40, 100])  # one row block per expert; two, the second partial
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per", ["column", "row"])
+def test_stacked_weights_divided_by_channel_scales_in_the_cast(per, dtype, group_rows):
+    """``W / c`` (Smooth-SwiGLU's ``B``, c powers of two per column or row of each expert) cast without
+    writing ``B``: amaxes, scales and codes (both layouts) as the torch reference that divides in the
+    weight's dtype first."""
+    g = torch.Generator().manual_seed(7)
+    cols = 48
+    w = _rows(3 * group_rows, cols, dtype, seed=9)
+    w[group_rows + 10, 1] = float("inf")
+    d = torch.exp2(torch.randint(-30, 31, (3, cols if per == "column" else group_rows), generator=g).float())
+    kw = {"col_divisor" if per == "column" else "row_divisor": d}
+    out = tgc.cast_grouped(w, E4M3, group_rows=group_rows, row_inv=True, transposed=True, **kw)
+    ref = tgc.reference(w, E4M3, group_rows=group_rows, **kw)
+    _assert_same(out[:6], ref)
+    # a NaN weight: a NaN code (its sign is the multiply's: devices differ) and expert 0's amax NaN
+    w[4, 4] = float("nan")
+    nan = tgc.cast_grouped(w, E4M3, group_rows=group_rows, **kw)
+    assert nan[0].view(torch.uint8)[4, 4] & 0x7F == 0x7F and nan[2][0].isnan()
+    assert torch.equal(_bits(out[6]), _bits(out[0].view(3, group_rows, cols).transpose(1, 2).contiguous()))
+    plain = tgc.reference(w, E4M3, group_rows=group_rows)
+    assert not torch.equal(_bits(ref[0]), _bits(plain[0]))  # the divisor changes the codes
+
+
 def test_delayed_scaling_per_expert_held_bootstrap_and_guard():
     """Expert 0: empty history (the current scale); 1: held; 2: held but outgrown, guard on (current);
     3: no rows (held). As ``scale_to_cast`` decides per expert."""
@@ -82,6 +120,12 @@ def test_bad_arguments_raise_clear_errors():
         tgc.cast_grouped(x, E4M3, group_rows=3)
     with pytest.raises(ValueError, match="give offs or"):
         tgc.cast_grouped(x, E4M3, torch.tensor([8], dtype=torch.int32), group_rows=4)
+    with pytest.raises(ValueError, match="a divisor takes stacked fp32/bf16 weights"):
+        tgc.cast_grouped(x, E4M3, group_rows=4, col_divisor=torch.ones(2, 5))  # [E, C] is [2, 4]
+    with pytest.raises(ValueError, match="a divisor takes stacked fp32/bf16 weights"):
+        tgc.cast_grouped(x.half(), E4M3, group_rows=4, row_divisor=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="transposed takes stacked weights"):
+        tgc.cast_grouped(x, E4M3, torch.tensor([8], dtype=torch.int32), transposed=True)
 
 
 @pytest.mark.parametrize("blocks", ["one block", "column loop", "column splits"])
@@ -106,3 +150,8 @@ def test_aligned_transpose_is_the_torch_layout(offs, rows, blocks, monkeypatch):
     assert torch.equal(out.view(torch.uint8), cuda._scattered_transpose(codes, where, width).view(torch.uint8))
     assert torch.equal(ends_k, ends) and torch.equal(empty, sizes == 0)
     assert torch.equal(_bits(rep_inv), _bits(cuda._repeated_inverse(scale, 28).view(-1)))
+    # a divisor per column of each group (the smoothed wgrad's dW = dB / c): the decode scales divided, exactly
+    div = torch.exp2(torch.randint(-40, 41, (offs.numel(), 28), generator=gen).float())
+    _, _, _, rep_div = tgc.aligned_transpose(codes, scale, offs, width, divisor=div)
+    assert torch.equal(_bits(rep_div), _bits(cuda._repeated_inverse(scale, 28, div).view(-1)))
+    assert torch.equal(_bits(rep_div), _bits((cuda._repeated_inverse(scale, 28) / div).view(-1)))

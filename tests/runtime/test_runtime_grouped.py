@@ -423,6 +423,69 @@ def test_cuda_kernel_module_fallback_agrees_on_cpu(monkeypatch):
         torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)  # same exact products, fp32 sums
 
 
+@pytest.mark.parametrize("w_transposed", [False, True])
+def test_cuda_path_saves_weight_codes_in_the_dgrad_layout(monkeypatch, w_transposed):
+    """On the CUDA path the weight cast writes each expert's codes in both GEMMs' layouts (no copy of
+    the codes for either GEMM): the saved codes have the weight's shape and values, and are ``[E, K, N]``
+    rows in memory (a transposed view for an ``[E, N, K]`` weight, the weight's own layout for an
+    ``[E, K, N]`` one); the fake kernels give the same strides (opcheck), for both grouped ops."""
+    from benchmarks import gpu_launches as gl
+
+    x, w, offs, dy = _data(16)
+    wt = w.transpose(1, 2).contiguous() if w_transposed else w
+    g = torch.Generator().manual_seed(16)
+    gate, up = torch.randn(44, 24, generator=g), torch.randn(44, 24, generator=g)
+    wd = torch.randn(4, 24, 16, generator=g) if w_transposed else torch.randn(4, 16, 24, generator=g)
+    lin_args = (offs, w_transposed, [], [], [], None, *FP8)
+    glu_args = (offs, w_transposed, [], [], [], None, *FP8, "silu", "channel")
+    monkeypatch.setenv("FP8PASS_KERNELS", "torch")
+    ref = LIN(x, wt, *lin_args[:-len(FP8)], *FP8_E4M3_GRADS)[5]
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    for op, inputs, rest in ((LIN, (x, wt), lin_args), (GLU, (gate, up, wd), glu_args)):
+        saved = op(*inputs, *rest)[5]
+        weight = inputs[-1]
+        assert saved.shape == weight.shape and saved.dtype == torch.uint8
+        k_n = saved if w_transposed else saved.transpose(1, 2)  # [E, K, N] rows, as the dgrad GEMM reads them
+        assert k_n.is_contiguous()
+        if op is LIN:
+            assert torch.equal(saved, ref)
+        torch.library.opcheck(op.default, tuple(t.clone().requires_grad_() for t in inputs) + rest,
+                              test_utils=("test_schema", "test_faketensor"))
+    with gl.pretend_cuda_gemms(), gl.LaunchCounter() as c:  # the GEMMs as on a GPU: no copy of the codes
+        xx, ww = (t.bfloat16().requires_grad_() for t in (x, wt))
+        LIN(xx, ww, *lin_args)[0].backward(dy.bfloat16())
+    assert c.aten["aten._scaled_grouped_mm.default"] == 3 and "aten.clone.default" not in c.aten, c.aten
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("w_transposed", [False, True])
+def test_cuda_path_divides_by_channel_scales_in_its_kernels_with_the_torch_ops_bits(monkeypatch, w_transposed,
+                                                                                   w_dtype):
+    """Channel smoothing on the CUDA path: ``B = W_down / c`` in the weight's cast (a divisor per column
+    of ``[E, D, F]``, per row of ``[E, F, D]``) and ``dW = dB / c`` in the wgrad's decode scales give the
+    outputs, saved codes and gradients of the torch ops they replace (multiply by ``1 / c`` in the
+    weight's dtype, before the cast and after the GEMM), bit for bit."""
+    from fp8pass.runtime import grouped_swiglu
+
+    monkeypatch.setenv("FP8PASS_KERNELS", "triton")
+    g = torch.Generator().manual_seed(17)
+    gate, up = (torch.randn(44, 24, generator=g).bfloat16() for _ in range(2))
+    gate[3] *= 40.0  # channel maxima far apart: c spans several powers of two
+    wd = (torch.randn(4, *((24, 16) if w_transposed else (16, 24)), generator=g) / 8).to(w_dtype)
+    dy = torch.randn(44, 16, generator=g).bfloat16()
+    results = []
+    for in_kernels in (True, False):
+        if not in_kernels:
+            monkeypatch.setattr(grouped_swiglu, "_divides_in_kernels", lambda *a: False)
+        ts = [t.clone().requires_grad_() for t in (gate, up, wd)]
+        out = GLU(*ts, torch.tensor(OFFS, dtype=torch.int32), w_transposed, [], [], [], None, *FP8, "silu", "channel")
+        out[0].backward(dy)
+        results.append([o.detach() for o in out] + [t.grad for t in ts])
+    assert results[1][7].unique().numel() > 2  # the smoothing scales differ per channel
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("smooth", ["channel", "none"])
 def test_cpu_fused_glu_path_gives_the_generic_paths_bits(monkeypatch, smooth):
     """Large enough for the compiled CPU kernels: the fused GLU operand/backward (no fp32 [S, F]
