@@ -34,6 +34,7 @@ from torch import fx
 from . import runtime  # noqa: F401  (registers torch.ops.fp8pass.*)
 from .checkpoint import attach_weights
 from .config import Config, DelayedScaling
+from .graph_breaks import BreakWatch, break_counts, break_note, runs_region_eagerly
 from .passes import (
     FrameNames,
     StateInput,
@@ -62,7 +63,13 @@ _MAX_RECORDS = 256
 
 
 class GraphBreakError(RuntimeError):
-    """A graph break split a GLU and ``Config(on_graph_break="error")`` was set."""
+    """A graph break split a GLU, or left an activation-checkpointed region outside every graph, and
+    ``Config(on_graph_break="error")`` was set."""
+
+
+# Dynamo's graph-break count when the backend module loaded: ``backend="fp8"`` loads it at the
+# torch.compile call, before anything is traced, and makes its Backend only at the first graph
+_BREAKS_AT_IMPORT = break_counts()
 
 
 @dataclass
@@ -136,6 +143,7 @@ class Backend:
         self.compiles = 0
         self._split_modules: dict[str, str] = {}
         self._warned: set[str] = set()
+        self._breaks = BreakWatch()  # Dynamo's graph breaks since this backend was made (_check_breaks)
         # models (id of the user's module; "" for compiled functions) with a graph holding an FP8 op, and the
         # records of their graphs without one: a model with none gets one warning (_watch_for_fp8)
         self._models_with_fp8: set = set()
@@ -215,6 +223,7 @@ class Backend:
             mark_compiled(model)
         pkey = self._precision_key(model)
         cfg = self._config_at(model, pkey)
+        self._check_breaks(cfg)
         new_gm, record = self.transform(gm, example_inputs, root, config=cfg)
         if any("float64" in reason for _, reason in record.report.skipped):
             self._warn_once("float64", "fp8pass: float64 weights or activations stay in float64 (FP8 applies to "
@@ -430,6 +439,20 @@ class Backend:
                           f"{type(model).__name__} (its FQNs look like {_sample_fqn(model)!r}); the rule decides "
                           f"nothing", UserWarning, stacklevel=3)
 
+    def _check_breaks(self, cfg: Config) -> None:
+        """Dynamo's graph breaks since the last graph that left a higher-order op's body (an
+        activation-checkpointed layer) outside every graph: its matmuls run eagerly in high precision and
+        no graph of ours shows them, so say it here (``Config.on_graph_break``). Breaks between graphs
+        need nothing: the code after them is the next graph, planned as usual."""
+        for reason in self._breaks.new_reasons():
+            if not runs_region_eagerly(reason) or cfg.on_graph_break == "ignore":
+                continue
+            msg = "fp8pass: " + break_note(reason)
+            if cfg.on_graph_break == "error":
+                raise GraphBreakError(msg + ". Or set Config(on_graph_break='warn') to train with that region "
+                                            "in high precision.")
+            self._warn_once(f"break:{reason}", msg + ". fp8pass.explain(model, ...) lists the matmuls left out.")
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -564,6 +587,7 @@ def fp8_backend(gm: fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
     global _DEFAULT
     if _DEFAULT is None:
         _DEFAULT = Backend(Config())
+        _DEFAULT._breaks = BreakWatch(since=_BREAKS_AT_IMPORT)  # this first graph's own breaks count too
     return _DEFAULT(gm, example_inputs, **kwargs)
 
 

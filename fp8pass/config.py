@@ -304,9 +304,11 @@ class Config:
         compiler: what compiles the rewritten graph: "inductor" (default), "aot_eager" (AOT autograd
             without code generation, quick; useful for debugging) or "eager" (run the rewritten FX
             graph as is).
-        on_graph_break: what to do when a graph break splits a GLU across graphs: "warn" (default:
-            warn, report it in ``explain``, keep the split GLU's linears in high precision),
-            "error" (raise) or "ignore" (same handling, no warning).
+        on_graph_break: what to do when a graph break splits a GLU across graphs, or makes Dynamo run
+            a higher-order op's body eagerly (a side effect in an activation-checkpointed layer's forward:
+            the whole layer in high precision): "warn" (default: warn once per reason, report it in
+            ``explain``, keep the split GLU's linears / the region in high precision), "error" (raise)
+            or "ignore" (same handling, no warning).
         amax_reduction: agreement of delayed-scaling state across data-parallel ranks. "auto"
             (default): when ``torch.distributed`` is initialised with more than one rank, the amaxes
             recorded in a step are max-reduced over the world in one collective at the end of each

@@ -15,6 +15,7 @@ from torch import fx
 
 from .compile_backend import Backend, fp8_backend
 from .config import Config
+from .graph_breaks import BreakWatch, break_note
 from .passes import (
     compile_backend_of,
     frame_root,
@@ -95,6 +96,7 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
 
     recorder = ExplainWithBackend(plan_only)
     torch._dynamo.reset()  # as torch._dynamo.explain: every frame is traced anew, nothing cached reused
+    breaks = BreakWatch()  # the breaks the recorder does not see (inside activation checkpointing)
     try:
         with warnings.catch_warnings(), inplace_compile_suspended(target):
             warnings.simplefilter("ignore", RuntimeWarning)  # breaks are in the report itself
@@ -109,6 +111,8 @@ def explain(model: Callable, *example_inputs, config: Config | None = None, **ex
             fr = br.user_stack[-1]
             where = f" at {fr.filename}:{fr.lineno}"
         reasons.append(f"Dynamo graph break{where}: {str(br.reason).splitlines()[0]}")
+    seen = {str(br.reason) for br in recorder.break_reasons}
+    reasons += [break_note(r) for r in breaks.new_reasons() if r not in seen]
     report.graph_breaks = reasons + report.graph_breaks
     try:
         weights = matmul_weights(target, example_inputs, example_kwargs)

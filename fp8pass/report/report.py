@@ -33,7 +33,8 @@ OUTSIDE_GRAPHS = ("3-D expert weight that no graph takes: the code using it ran 
                   "indices")
 RAN_EAGERLY = ("matmul weight that no graph takes: its matmul ran eagerly between graphs (outside any graph), in "
                "high precision; the graph breaks listed say where Dynamo fell back to eager (a data-dependent "
-               "shape such as torch.where(mask) or nonzero, a torch.compiler.disable'd function)")
+               "shape such as torch.where(mask) or nonzero, a torch.compiler.disable'd function, a side effect in "
+               "an activation-checkpointed layer)")
 IN_NO_GRAPH_MATMUL = ("matmul weight that a graph takes, but no graph's top level has a matmul over it: its matmul "
                       "ran inside a higher-order op's body (activation checkpointing, torch.cond, ...) or eagerly "
                       "between graphs, in high precision")

@@ -4,6 +4,8 @@ like the top-level graph, their delayed-scaling state stepping once per step and
 casting with the forward's scales; ``cond`` bodies' linears are listed as kept; ``flex_attention`` is
 listed as attention (docs/backend.md, Activation checkpointing and higher-order ops)."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,6 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fp8pass
 from fp8pass.config import Config
+from fp8pass.report.report import RAN_EAGERLY
 from fp8pass.testing import hf_zoo as Z
 
 
@@ -167,7 +170,103 @@ def test_checkpointed_block_under_inductor(mode):
 
 
 # --------------------------------------------------------------------------------------------------
+# a side effect in a checkpointed forward: Dynamo runs the region eagerly unless told to skip its replay
+
+_ROUTING: list = []  # module-level state the block's forward sets and undoes, as the `kernels` package does
+_FLAG = "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+class _RoutedBlock(nn.Module):
+    """``head(checkpoint(b(relu(a(x)))))`` whose checkpointed forward pushes onto ``_ROUTING`` and pops it
+    before returning (transformers 5.25's attention routing, in miniature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 32)
+
+    def body(self, x):
+        _ROUTING.append("fast path")
+        try:
+            return self.b(torch.relu(self.a(x)))
+        finally:
+            _ROUTING.pop()
+
+    def forward(self, x):
+        return self.head(checkpoint(self.body, x, use_reentrant=False))
+
+
+def test_side_effect_in_checkpointed_forward_is_named():
+    """Without the flag the checkpointed region runs eagerly: explain lists the break with Dynamo's reason,
+    the flag and the two weights left out; the backend warns once (on_graph_break), raises under "error"."""
+    rep = fp8pass.explain(_RoutedBlock(), torch.randn(16, 32))
+    assert rep.linears == ["head.weight"]
+    assert sorted(w for w, _ in rep.skipped) == ["a.weight", "b.weight"]
+    assert all(why == RAN_EAGERLY for _, why in rep.skipped)
+    notes = [b for b in rep.graph_breaks if "HOP: Unsafe side effect" in b]
+    assert len(notes) == 1 and _FLAG in notes[0] and "high precision" in notes[0], rep.graph_breaks
+
+    x = torch.randn(16, 32)
+    be = fp8pass.backend(Config(compiler="aot_eager"))
+    cm = torch.compile(_RoutedBlock(), backend=be)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            cm(x).sum().backward()
+    said = [str(w.message) for w in caught if _FLAG in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("fp8pass: Dynamo graph break: HOP: Unsafe side effect"), said
+    assert be.report().linears == ["head.weight"] and _ROUTING == []
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(_RoutedBlock(), backend=fp8pass.backend(Config(compiler="aot_eager", on_graph_break="ignore")))(x)
+    assert not [w for w in caught if _FLAG in str(w.message)]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="HOP: Unsafe side effect"):
+        torch.compile(_RoutedBlock(), backend=fp8pass.backend(Config(compiler="aot_eager", on_graph_break="error")))(x)
+
+
+def test_side_effect_in_checkpointed_forward_with_the_flag_is_fp8():
+    """With the flag the region is one higher-order op, rewritten as any checkpointed body: all three
+    linears FP8, gradients bit-identical to the same model without checkpointing, the side effect undone."""
+    torch.manual_seed(0)
+    routed = _RoutedBlock()
+    plain = _RoutedBlock()
+    plain.load_state_dict(routed.state_dict())
+    plain.forward = lambda x: plain.head(plain.body(x))
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        rep = fp8pass.explain(routed, torch.randn(16, 32))
+        assert sorted(rep.linears) == ["a.weight", "b.weight", "head.weight"] and rep.skipped == []
+        assert not [b for b in rep.graph_breaks if "HOP" in b]
+        grads = {}
+        for name, model in (("routed", routed), ("plain", plain)):
+            torch._dynamo.reset()
+            cm = torch.compile(model, backend=fp8pass.backend(Config(compiler="aot_eager",
+                                                                     grad_stochastic_rounding=False)))
+            grads[name] = []
+            for step in range(3):
+                x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step)) * (1 + step)
+                cm(x).square().sum().backward()
+                grads[name].append([p.grad.clone() for p in (model.a.weight, model.b.weight, model.head.weight)])
+                model.zero_grad()
+    assert _ROUTING == []
+    for got, want in zip(grads["routed"], grads["plain"]):
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
 # HF Llama (2 layers) with gradient_checkpointing_enable()
+
+@pytest.fixture
+def hf_checkpointing():
+    """transformers 5.25 routes attention through the ``kernels`` package, which sets a module-level
+    variable in every call and undoes it before returning: a side effect Dynamo refuses inside a
+    checkpointed layer unless told to skip replaying it (test_side_effect_in_checkpointed_forward_is_named
+    checks what happens without). Earlier transformers have no such side effect; the flag changes nothing."""
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        yield
+
 
 def _llama(**ckpt_kwargs):
     model = Z.build("Llama")
@@ -193,7 +292,7 @@ def _eager_grads(model, ids):
 
 
 @pytest.mark.parametrize("kind", ["non_reentrant", pytest.param("reentrant", marks=pytest.mark.slow), "selective"])
-def test_hf_llama_gradient_checkpointing_is_fp8(kind):
+def test_hf_llama_gradient_checkpointing_is_fp8(kind, hf_checkpointing):
     model = _llama(**_KINDS[kind])
     ids = Z.ids()
     rep = fp8pass.explain(model, ids)
@@ -227,7 +326,7 @@ def test_hf_llama_gradient_checkpointing_is_fp8(kind):
         assert len(steps) == 3 * 14 and steps == want, steps
 
 
-def test_hf_llama_gradient_checkpointing_identity_format_is_eager():
+def test_hf_llama_gradient_checkpointing_identity_format_is_eager(hf_checkpointing):
     model = _llama(use_reentrant=False)
     ids = Z.ids()
     loss0, g0 = _eager_grads(model, ids)

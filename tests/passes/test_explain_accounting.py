@@ -171,7 +171,10 @@ def test_activation_checkpointing_adds_up():
     """Whatever the passes do inside a checkpointed region, each of its weights is in a list."""
     model = Z.build("Llama")
     model.gradient_checkpointing_enable()
-    acc = assert_accounts_for_matmul_weights(model, Z.ids(1, 8))
+    # transformers 5.25's attention routing is a side effect Dynamo refuses in a checkpointed layer without
+    # this flag (tests/passes/test_activation_checkpointing.py); with it, every layer is in a graph
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        acc = assert_accounts_for_matmul_weights(model, Z.ids(1, 8))
     assert len(acc.expected) == 15 and acc.outside == set()
 
 
