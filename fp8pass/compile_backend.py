@@ -440,10 +440,10 @@ class Backend:
                           f"nothing", UserWarning, stacklevel=3)
 
     def _check_breaks(self, cfg: Config) -> None:
-        """Dynamo's graph breaks since the last graph that left a higher-order op's body (an
-        activation-checkpointed layer) outside every graph: its matmuls run eagerly in high precision and
-        no graph of ours shows them, so say it here (``Config.on_graph_break``). Breaks between graphs
-        need nothing: the code after them is the next graph, planned as usual."""
+        """Warn about (``Config.on_graph_break``) each graph break Dynamo counted since the previous graph
+        that left a higher-order op's body (an activation-checkpointed layer) outside every graph: its
+        matmuls run eagerly in high precision and no graph of ours shows them. Breaks between graphs need
+        nothing: the code after them is the next graph, planned as usual."""
         for reason in self._breaks.new_reasons():
             if not runs_region_eagerly(reason) or cfg.on_graph_break == "ignore":
                 continue
