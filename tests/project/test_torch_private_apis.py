@@ -127,6 +127,7 @@ def test_library_custom_op_surface():
 @pytest.mark.parametrize("path", [
     "torch._dynamo:reset", "torch._dynamo:mark_dynamic", "torch._dynamo:explain",
     "torch._dynamo.config:recompile_limit", "torch._dynamo.exc:FailOnRecompileLimitHit", "torch._dynamo.exc:Unsupported",
+    "torch._dynamo.config:skip_fwd_side_effects_in_bwd_under_checkpoint",
     "torch._dynamo.backends.registry:lookup_backend", "torch._dynamo.backends.debugging:ExplainWithBackend",
     "torch._dynamo.symbolic_convert:InstructionTranslator.current_tx", "torch._guards:TracingContext.try_get",
     "torch._inductor:list_mode_options", "torch._inductor.compile_fx:compile_fx", "torch._inductor.config:get_config_copy",
@@ -144,6 +145,23 @@ def test_library_custom_op_surface():
 ])
 def test_private_name_resolves(path):
     assert _resolve(path) is not None
+
+
+def test_graph_break_counter():
+    """graph_breaks.py: Dynamo counts each break in ``counters["graph_break"]``, keyed by its reason."""
+    from torch._dynamo.utils import counters
+
+    def f(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch._dynamo.reset()
+    before = dict(counters["graph_break"])
+    torch.compile(f, backend="eager")(torch.randn(3))
+    new = [r for r, n in counters["graph_break"].items() if n > before.get(r, 0)]
+    assert len(new) == 1 and new[0].startswith("Call to `torch._dynamo.graph_break()`"), new
+    torch._dynamo.reset()
 
 
 def test_higher_order_ops():
