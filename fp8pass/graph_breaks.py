@@ -58,6 +58,11 @@ def break_note(reason: str) -> str:
     head = reason.splitlines()[0].strip() if reason.strip() else "(no reason given)"
     ctx = _context(reason)
     note = f"Dynamo graph break: {head}" + (f" ({ctx})" if ctx else "")
+    if "save_on_cpu" in reason:  # HF activation_checkpointing_enable(offload=True) wraps each checkpoint in it
+        note += ("; torch.autograd.graph.save_on_cpu is not traced, so the code it wraps (with HF's "
+                 "activation_checkpointing_enable(offload=True): every checkpointed layer) runs eagerly, in high "
+                 "precision. fp8pass.offload_saved_activations() around the forward call moves the saved "
+                 "tensors to host memory and keeps the graphs")
     if not runs_region_eagerly(reason):
         return note
     note += ("; Dynamo runs that higher-order op's whole body eagerly (an activation-checkpointed layer: "

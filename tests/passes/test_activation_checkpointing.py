@@ -255,6 +255,31 @@ def test_side_effect_in_checkpointed_forward_with_the_flag_is_fp8():
             torch.testing.assert_close(g, r, rtol=0, atol=0)
 
 
+class _OffloadedBlock(nn.Module):
+    """HF's ``activation_checkpointing_enable(offload=True)`` in miniature: the checkpoint inside
+    ``torch.autograd.graph.save_on_cpu`` (unpinned here: the CPU has no pinned allocator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 32)
+
+    def body(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+    def forward(self, x):
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            h = checkpoint(self.body, x, use_reentrant=False)
+        return self.head(h)
+
+
+def test_save_on_cpu_around_a_checkpoint_is_named():
+    """Dynamo does not trace save_on_cpu: the frame runs eagerly; explain says so and names fp8pass's offload."""
+    rep = fp8pass.explain(_OffloadedBlock(), torch.randn(16, 32))
+    assert rep.linears == [] and sorted(w for w, _ in rep.skipped) == ["a.weight", "b.weight", "head.weight"]
+    notes = [b for b in rep.graph_breaks if "save_on_cpu" in b]
+    assert len(notes) == 1 and "fp8pass.offload_saved_activations()" in notes[0], rep.graph_breaks
+
+
 # --------------------------------------------------------------------------------------------------
 # HF Llama (2 layers) with gradient_checkpointing_enable()
 
@@ -324,6 +349,30 @@ def test_hf_llama_gradient_checkpointing_is_fp8(kind, hf_checkpointing):
         # Smooth-SwiGLU's channel mode (its weight state never records), as without AC
         want = {k: 0 if k.endswith("down_proj.weight.weight.steps") else step + 1 for k in steps}
         assert len(steps) == 3 * 14 and steps == want, steps
+
+
+def test_hf_llama_gradient_checkpointing_with_fp8pass_offload(hf_checkpointing):
+    """fp8pass.offload_saved_activations around the compiled forward (what to use instead of HF's offload=True):
+    the saved tensors move to host memory and come back, the gradients bit-identical to the run without it."""
+    ids = Z.ids()
+    grads, stats = {}, None
+    for offload in (False, True):
+        torch._dynamo.reset()
+        model = _llama(use_reentrant=False)
+        cm = torch.compile(model, backend=fp8pass.backend(Config(compiler="aot_eager", grad_stochastic_rounding=False)))
+        for _ in range(2):
+            if offload:
+                with fp8pass.offload_saved_activations(min_bytes=0) as off:
+                    loss = Z.loss_fn(cm, ids)
+                stats = off.stats
+            else:
+                loss = Z.loss_fn(cm, ids)
+            loss.backward()
+        grads[offload] = _grads(model)
+    assert stats.offloaded_tensors > 0 and stats.restored_tensors > 0, stats
+    assert grads[True].keys() == grads[False].keys() and len(grads[False]) == 21
+    for n, g in grads[False].items():
+        assert torch.equal(grads[True][n], g), n
 
 
 def test_hf_llama_gradient_checkpointing_identity_format_is_eager(hf_checkpointing):
