@@ -65,7 +65,7 @@ def break_note(reason: str) -> str:
                  "tensors to host memory and keeps the graphs")
     if not runs_region_eagerly(reason):
         return note
-    note += ("; Dynamo runs that higher-order op's whole body eagerly (an activation-checkpointed layer: "
+    note += ("; Dynamo runs that higher-order op's whole body eagerly (e.g. an activation-checkpointed layer: "
              "torch.utils.checkpoint, HF gradient_checkpointing_enable()), so its matmuls stay in high "
              "precision")
     if "side effect" in head.lower():
